@@ -1,0 +1,33 @@
+# `make demo` and `make test` work from a fresh clone: they create .venv and install into it.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# CPU torch pinned for dev and CI; the package itself declares a range.
+	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/moebalance demo --out-dir demo-out
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy
+
+test: lint
+	$(VENV)/bin/pytest -n 2 tests
+
+bench: $(STAMP)
+	$(PY) bench/bench_eplb.py
+	$(PY) bench/bench_replay.py
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
