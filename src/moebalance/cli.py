@@ -1,0 +1,386 @@
+"""The ``moebalance`` command line.
+
+User mistakes (bad files, bad budgets, unknown names) print one line ``moebalance: error: ...`` and exit 2,
+leaving no output file behind. Long steps show a progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from moebalance.cluster import Cluster
+from moebalance.errors import InputError, MoebalanceError
+from moebalance.load import LoadMatrix, parse_batch_range, read_load, write_load
+from moebalance.plan import read_plan, write_plan
+from moebalance.policies import POLICIES, Budget, make_plan
+from moebalance.report import (
+    ComparisonRow,
+    atomic_write_text,
+    comparison_markdown,
+    comparison_table,
+    dumps,
+    plot_per_layer,
+    score_table,
+)
+from moebalance.routers import ROUTERS
+from moebalance.simulate import evaluate
+
+__all__ = ["main"]
+
+BUNDLED_DATA = "deepseek_v3_8x8.npz"
+
+# Wide enough for the comparison table when stdout is a file or a pipe (rich would assume 80 columns).
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"moebalance: error: {message} (see: {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err, transient=True, disable=not err.is_terminal)
+
+
+def _parse_set(items: Sequence[str] | None) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise InputError(f"--set {item!r} must look like key=value")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    return params
+
+
+def _budget(args: argparse.Namespace) -> Budget:
+    return Budget(slots_per_gpu=args.slots_per_gpu, replicas_per_gpu=args.replicas_per_gpu)
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    return Cluster(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+
+
+def _bytes_per_copy(load: LoadMatrix, hidden_size: int | None, dtype_bytes: int) -> int | None:
+    if hidden_size is None and load.preset is not None:
+        from moebalance.synth import PRESETS
+
+        preset = PRESETS.get(load.preset)
+        hidden_size = None if preset is None else preset.hidden_size
+    return None if hidden_size is None else hidden_size * dtype_bytes
+
+
+def _check_out(path: str, suffix: str) -> Path:
+    p = Path(path)
+    if p.suffix != suffix:
+        raise InputError(f"output {path!r} must end in {suffix}")
+    if p.exists() and p.is_dir():
+        raise InputError(f"output {path!r} is a folder; give a file name ending in {suffix}")
+    return p
+
+
+# ----- commands ------------------------------------------------------------------------------------------------
+
+def cmd_synth(args: argparse.Namespace) -> None:
+    from moebalance.synth import get_preset, synthesize
+
+    dest = _check_out(args.out, ".npz")
+    preset = get_preset(args.preset)
+    with _progress() as progress:
+        task = progress.add_task(f"synth {preset.name}", total=args.batches)
+        arrays = synthesize(preset, num_batches=args.batches, tokens_per_batch=args.tokens_per_batch,
+                            num_gpus=args.gpus, seed=args.seed, token_level=args.token_level,
+                            progress=lambda n: progress.advance(task, n))
+    load = LoadMatrix.from_arrays(arrays, source="synth")
+    write_load(dest, load)
+    kind = "token-level trace" if load.trace is not None else "load matrix"
+    out.print(f"wrote {dest}: {kind} of {preset.name}, [B, L, E] = {list(load.counts.shape)}, top-{preset.top_k}")
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    dest = _check_out(args.out, ".json")
+    load = read_load(args.load)
+    start, stop = parse_batch_range(args.batches, load.num_batches)
+    load = load.select_batches(start, stop)
+    params = _parse_set(args.set)
+    if args.groups is not None:
+        params["num_groups"] = args.groups
+    plan, seconds = make_plan(args.policy, load, _cluster(args), _budget(args), **params)
+    plan = type(plan)(plan.gpu_experts, plan.num_experts, plan.cluster, policy=plan.policy,
+                      params={**plan.params, "planned_on_batches": f"{start}:{stop}"}, weights=plan.weights)
+    write_plan(dest, plan)
+    for w in plan.warnings:
+        err.print(f"warning: {w}")
+    score = evaluate(plan, load)
+    out.print(f"wrote {dest}: {plan.policy}, {plan.extra_replicas} extra replicas, "
+              f"{plan.max_slots_per_gpu} max slots per GPU, planned in {1000 * seconds:.1f} ms; "
+              f"in-sample balancedness {score.balancedness:.4f}")
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    plan = read_plan(args.plan)
+    load = read_load(args.load)
+    start, stop = parse_batch_range(args.batches, load.num_batches)
+    load = load.select_batches(start, stop)
+    score = evaluate(plan, load, args.router, seed=args.seed,
+                     bytes_per_copy=_bytes_per_copy(load, args.hidden_size, args.dtype_bytes))
+    for w in plan.warnings:
+        err.print(f"warning: {w}")
+    if args.json:
+        d = score.as_dict()
+        d["policy"] = plan.policy
+        d["batches"] = f"{start}:{stop}"
+        d["warnings"] = list(plan.warnings)
+        sys.stdout.write(dumps(d))
+    else:
+        out.print(score_table(score, f"{args.plan}: {plan.policy} on batches {start}:{stop}"))
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from moebalance.compare import compare_policies
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise InputError("--policies is empty; give names like contiguous,greedy,eplb")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise InputError(f"unknown policy {unknown[0]!r}; choose from: {', '.join(POLICIES)}")
+    load = read_load(args.load)
+    params = _parse_set(args.set)
+    per_policy: dict[str, dict[str, Any]] = {p: {} for p in policies}
+    if args.groups is not None and "eplb" in per_policy:
+        per_policy["eplb"]["num_groups"] = args.groups
+    for key, value in params.items():  # --set policy.key=value, or key=value for every policy taking it
+        pol, dot, name = key.partition(".")
+        if dot:
+            if pol not in per_policy:
+                raise InputError(f"--set {key}: policy {pol!r} is not being compared")
+            per_policy[pol][name] = value
+        else:
+            for p in policies:
+                per_policy[p][key] = value
+    rows, plans = _run_compare(load, policies, args, per_policy)
+    _emit_comparison(rows, plans, load, args)
+
+
+def _run_compare(load: LoadMatrix, policies: list[str], args: argparse.Namespace,
+                 per_policy: dict[str, dict[str, Any]]) -> tuple[list[ComparisonRow], dict[str, Any]]:
+    from moebalance.compare import compare_policies
+
+    with _progress() as progress:
+        task = progress.add_task("plan + score", total=len(policies))
+        return compare_policies(load, policies, _cluster(args), _budget(args), train_frac=args.train_frac,
+                                router=args.router, seed=args.seed, params=per_policy,
+                                bytes_per_copy=_bytes_per_copy(load, None, 2),
+                                on_done=lambda _: progress.advance(task))
+
+
+def _title(load: LoadMatrix, args: argparse.Namespace) -> str:
+    train, test = load.split(args.train_frac)
+    what = load.preset or Path(args.load).name
+    return (f"{what}: {load.num_layers} layers x {load.num_experts} experts on {args.nodes}x{args.gpus_per_node} GPUs, "
+            f"{_budget(args).describe()}, planned on {train.num_batches} batches, scored on "
+            f"{test.num_batches}{' held-out' if args.train_frac < 1 else ''} ({args.router} router)")
+
+
+def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], load: LoadMatrix,
+                     args: argparse.Namespace) -> None:
+    title = _title(load, args)
+    doc = {"title": title, "rows": [r.as_dict() for r in rows]}
+    for r in rows:
+        for w in r.warnings:
+            err.print(f"warning: {r.policy}: {w}")
+    if args.out_dir:
+        d = Path(args.out_dir)
+        atomic_write_text(d / "comparison.md", comparison_markdown(rows, title))
+        atomic_write_text(d / "comparison.json", dumps(doc))
+        plot_per_layer(rows, d / "per_layer_balancedness.png", title)
+        for name, plan in plans.items():
+            write_plan(d / f"plan-{name}.json", plan)
+    if args.json:
+        sys.stdout.write(dumps(doc))
+    else:
+        out.print(comparison_table(rows, title))
+        if args.out_dir:
+            out.print(f"wrote {args.out_dir}/comparison.md, comparison.json, per_layer_balancedness.png and plans")
+
+
+def cmd_stats(args: argparse.Namespace) -> None:
+    from moebalance.stats import layer_skew
+
+    load = read_load(args.load)
+    skew = layer_skew(load.counts)
+    if args.json:
+        doc = {k: np.asarray(getattr(skew, k)).tolist() for k in ("peak_to_mean", "top2_share", "cv", "drift",
+                                                                   "hot_experts", "high_skew")}
+        sys.stdout.write(dumps({"shape": list(load.counts.shape), "preset": load.preset, **doc}))
+        return
+    out.print(_stats_table(load, skew))
+    _print_trace_stats(load)
+
+
+def _stats_table(load: LoadMatrix, skew: Any) -> Table:
+    B, L, E = load.counts.shape
+    title = (f"{load.preset or 'load'}: {B} batches x {L} layers x {E} experts; "
+             f"{int(np.sum(skew.high_skew))} of {L} layers high-skew (peak/mean > 10, CRAFT)")
+    table = Table(title=title, title_justify="left")
+    for col in ("layer", "peak/mean", "top-2 share", "CV", "batch drift", "hot experts", ""):
+        table.add_column(col, justify="right")
+    ptm = np.asarray(skew.peak_to_mean)
+    scale = max(float(np.nanmax(ptm)), 1.0)
+    for layer in range(L):
+        bar = "█" * max(1, round(20 * float(ptm[layer]) / scale))
+        table.add_row(str(layer), f"{ptm[layer]:.1f}", f"{100 * skew.top2_share[layer]:.1f}%", f"{skew.cv[layer]:.2f}",
+                      f"{skew.drift[layer]:.3f}", str(int(skew.hot_experts[layer])),
+                      f"[red]{bar}[/]" if skew.high_skew[layer] else bar)
+    return table
+
+
+def _print_trace_stats(load: LoadMatrix) -> None:
+    if load.trace is None:
+        return
+    from moebalance import stats
+
+    tr = load.trace
+    num_gpus = int(tr.src_gpu.max()) + 1
+    loc = stats.locality(tr.topk_ids, tr.src_gpu, tr.num_experts)
+    co = stats.coactivation_strength(tr.topk_ids, tr.num_experts)
+    xl = stats.transition_strength(tr.topk_ids, tr.num_experts)
+    out.print(f"token-level: {tr.num_tokens:,} tokens on {num_gpus} GPUs, top-{tr.top_k}; "
+              f"per-GPU demand vs global (locality) {float(np.mean(loc)):.3f}; co-activation MI "
+              f"{float(np.mean(co)):.3f} bits; cross-layer MI {float(np.mean(xl)) if np.size(xl) else 0.0:.3f} bits")
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    data = resources.files("moebalance") / "data" / BUNDLED_DATA
+    with resources.as_file(data) as path:
+        load = read_load(path)
+    from moebalance.stats import layer_skew
+
+    skew = layer_skew(load.counts)
+    out.rule("[bold]moebalance demo[/]")
+    out.print(f"Bundled data: {load.preset} routing, {load.num_batches} batches x {load.num_layers} layers x "
+              f"{load.num_experts} experts (synthetic, calibrated to CRAFT/MoETuner observations).")
+    out.print(f"Skew: peak/mean expert load ranges {np.min(skew.peak_to_mean):.1f}x to "
+              f"{np.max(skew.peak_to_mean):.1f}x; {int(np.sum(skew.high_skew))} of {load.num_layers} layers "
+              "are high-skew (> 10x).")
+    ns = argparse.Namespace(load=BUNDLED_DATA, nodes=8, gpus_per_node=8, slots_per_gpu=5, replicas_per_gpu=None,
+                            train_frac=0.5, router="uniform", seed=0, json=False, out_dir=args.out_dir)
+    policies = ["contiguous", "greedy", "eplb"]
+    rows, plans = _run_compare(load, policies, ns, {p: {} for p in policies})
+    _emit_comparison(rows, plans, load, ns)
+    random_rows, _ = _run_compare(load, ["eplb"], argparse.Namespace(**{**vars(ns), "router": "random"}),
+                                  {"eplb": {}})
+    eplb = rows[-1].score
+    out.print(f"EPLB under vLLM/SGLang-style random replica choice: balancedness "
+              f"{random_rows[0].score.balancedness:.4f} (vs {eplb.balancedness:.4f} with the equal split).")
+    out.print(f"Done in {time.perf_counter() - t0:.1f} s. Try: moebalance stats --load <file>, "
+              "moebalance synth --help, moebalance compare --help.")
+
+
+# ----- parser --------------------------------------------------------------------------------------------------
+
+def _add_cluster(p: argparse.ArgumentParser, budget_required: bool = True) -> None:
+    p.add_argument("--nodes", type=int, required=True, help="number of nodes N")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node M (G = N * M)")
+    g = p.add_mutually_exclusive_group(required=budget_required)
+    g.add_argument("--slots-per-gpu", type=int, help="experts per GPU per layer, the same in every layer (EPLB)")
+    g.add_argument("--replicas-per-gpu", type=int, help="extra expert slots per GPU over all layers (CRAFT's R)")
+    p.add_argument("--groups", type=int, help="expert groups for eplb's hierarchical policy (default: the preset's)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="policy parameter (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moebalance", description="Plan, score and compare expert placements for MoE inference.")
+    parser.add_argument("--version", action="version", version="moebalance 0.1.0")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("synth", help="generate a synthetic routing trace for a real model")
+    p.add_argument("--preset", required=True, help="model preset, e.g. deepseek-v3, kimi-k2, qwen3-30b-a3b")
+    p.add_argument("--batches", type=int, required=True)
+    p.add_argument("--tokens-per-batch", type=int, required=True)
+    p.add_argument("--gpus", type=int, required=True, help="data-parallel ranks the tokens live on")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--token-level", action="store_true", help="also write topk_ids, src_gpu and batch")
+    p.add_argument("--out", required=True, help="output .npz")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("plan", help="compute a placement plan")
+    p.add_argument("--load", required=True, help=".npy [L, E] / [B, L, E] or .npz with counts")
+    p.add_argument("--policy", required=True, help=f"one of: {', '.join(POLICIES)}")
+    _add_cluster(p)
+    p.add_argument("--batches", help="plan on batches a:b only")
+    p.add_argument("--out", required=True, help="output plan .json")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("evaluate", help="score a plan by replaying a load through it")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--load", required=True)
+    p.add_argument("--router", default="uniform", choices=sorted(ROUTERS))
+    p.add_argument("--batches", help="score batches a:b only (e.g. the held-out ones)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random router")
+    p.add_argument("--hidden-size", type=int, help="bytes of traffic per copy = hidden size x dtype bytes")
+    p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("compare", help="plan with several policies and score them on held-out batches")
+    p.add_argument("--load", required=True)
+    p.add_argument("--policies", required=True, help="comma-separated, e.g. contiguous,greedy,eplb")
+    _add_cluster(p)
+    p.add_argument("--train-frac", type=float, default=0.5, help="fraction of batches to plan on (rest scored)")
+    p.add_argument("--router", default="uniform", choices=sorted(ROUTERS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out-dir", help="write comparison.md, comparison.json, a PNG and the plans here")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("stats", help="per-layer skew of a load or trace")
+    p.add_argument("--load", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("demo", help="compare contiguous, greedy and eplb on bundled DeepSeek-V3-like data")
+    p.add_argument("--out-dir", default="demo-out")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except MoebalanceError as exc:
+        sys.stderr.write(f"moebalance: error: {exc}\n")
+        return 2
+    except OSError as exc:  # unwritable output folder, disk full, ...
+        sys.stderr.write(f"moebalance: error: {exc.strerror or exc}: {exc.filename or ''}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""The expert-parallel cluster: nodes, GPUs per node, and the links between GPUs.
+
+``G = num_nodes * gpus_per_node`` GPUs; GPU ``g`` is on node ``g // gpus_per_node``. Bandwidths are per GPU
+and per direction, in GB/s, and are used to turn all-to-all traffic into time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moebalance.errors import InputError
+
+__all__ = ["LINK_PRESETS", "Cluster"]
+
+#: Per-GPU, per-direction link bandwidths in GB/s.
+LINK_PRESETS: dict[str, float] = {
+    # NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU -> 450 GB/s each way.
+    # NVIDIA H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/
+    "nvlink4": 450.0,
+    # NVLink 3 (A100 SXM): 600 GB/s bidirectional -> 300 GB/s each way.
+    # NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/
+    "nvlink3": 300.0,
+    # PCIe 5.0 x16: 64 GB/s per direction (PCI-SIG specification).
+    "pcie5": 64.0,
+    # PCIe 4.0 x16: 32 GB/s per direction.
+    "pcie4": 32.0,
+    # InfiniBand NDR, one 400 Gb/s NIC per GPU: 50 GB/s per direction (NVIDIA ConnectX-7).
+    "ib-ndr400": 50.0,
+    # AWS EFA on p4de.24xlarge: 400 Gb/s per instance over 8 GPUs -> 6.25 GB/s per GPU
+    # (the cluster of CRAFT Section 3.1; https://aws.amazon.com/ec2/instance-types/p4/).
+    "efa-p4d": 6.25,
+    # RoCE / Ethernet 200 Gb/s per GPU.
+    "eth200": 25.0,
+}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Cluster:
+    """A cluster of ``num_nodes`` nodes with ``gpus_per_node`` GPUs each.
+
+    Example: ``Cluster(num_nodes=2, gpus_per_node=4)`` has GPUs 0-3 on node 0 and 4-7 on node 1.
+    """
+
+    num_nodes: int
+    gpus_per_node: int
+    #: GB/s per GPU and direction between GPUs of one node (default NVLink 4).
+    intra_node_bandwidth: float = LINK_PRESETS["nvlink4"]
+    #: GB/s per GPU and direction between nodes (default one 400 Gb/s NIC per GPU).
+    inter_node_bandwidth: float = LINK_PRESETS["ib-ndr400"]
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise InputError(f"{name} ({value!r}) must be a positive integer")
+            object.__setattr__(self, name, int(value))
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            value = getattr(self, name)
+            if not np.isfinite(value) or value <= 0:
+                raise InputError(f"{name} ({value!r}) must be a positive number of GB/s")
+
+    @property
+    def num_gpus(self) -> int:
+        """``G``, the number of GPUs (expert-parallel ranks)."""
+        return self.num_nodes * self.gpus_per_node
+
+    def node_of(self) -> np.ndarray:
+        """``int64 [G]``: the node of each GPU. For 2 nodes x 2 GPUs: ``[0, 0, 1, 1]``."""
+        return np.arange(self.num_gpus, dtype=np.int64) // self.gpus_per_node
+
+    def link_kind(self) -> np.ndarray:
+        """``int8 [G, G]``: 0 for the same GPU, 1 for two GPUs of one node, 2 across nodes."""
+        node = self.node_of()
+        kind = np.where(node[:, None] == node[None, :], 1, 2).astype(np.int8)
+        np.fill_diagonal(kind, 0)
+        return kind
+
+    def bandwidth_matrix(self) -> np.ndarray:
+        """``float64 [G, G]`` GB/s from GPU ``g1`` to ``g2``; ``inf`` on the diagonal (local copies)."""
+        kind = self.link_kind()
+        bw = np.where(kind == 1, self.intra_node_bandwidth, self.inter_node_bandwidth).astype(np.float64)
+        np.fill_diagonal(bw, np.inf)
+        return bw
+
+    def to_dict(self) -> dict[str, int]:
+        """The plan-file form (DESIGN §2): ``{"num_nodes": N, "gpus_per_node": M}``."""
+        return {"num_nodes": self.num_nodes, "gpus_per_node": self.gpus_per_node}

@@ -1,0 +1,227 @@
+"""Load matrices ``counts [B, L, E]`` and the files that hold them.
+
+A load matrix counts the tokens routed to expert ``e`` of layer ``l`` in batch ``b`` (a token picked by top-k
+counts once per picked expert), as CRAFT's offline load distribution ``W`` (CRAFT Appendix A, Alg. 1).
+Files (DESIGN §2): ``.npy`` holding ``[L, E]`` or ``[B, L, E]``, or ``.npz`` with key ``counts`` and, for a
+token-level trace, ``topk_ids``, ``src_gpu`` and ``batch``. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moebalance.errors import InputError
+from moebalance.trace import RoutingTrace
+
+__all__ = ["LoadMatrix", "check_counts", "parse_batch_range", "read_load", "write_load"]
+
+_TOKEN_KEYS = ("topk_ids", "src_gpu", "batch")
+
+
+def check_counts(value: object, name: str = "counts") -> np.ndarray:
+    """Validate a load array and return it as ``int64 [B, L, E]`` (a 2-D ``[L, E]`` is one batch)."""
+    arr = np.asarray(value)
+    if arr.dtype == object:
+        raise InputError(f"{name} is an object array; store plain integer counts")
+    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise InputError(f"{name} has dtype {arr.dtype}; it must hold non-negative integer token counts")
+    if arr.ndim == 2:
+        arr = arr[None]
+    if arr.ndim != 3:
+        raise InputError(f"{name} has shape {arr.shape}; expected [L, E] or [B, L, E]")
+    if 0 in arr.shape:
+        raise InputError(f"{name} has shape {arr.shape}; every dimension must be at least 1")
+    if np.issubdtype(arr.dtype, np.floating):
+        if not np.all(np.isfinite(arr)):
+            bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+            raise InputError(f"{name}{list(bad)} is {arr[bad]}; counts must be finite")
+        if np.any(arr != np.round(arr)):
+            bad = tuple(int(i) for i in np.argwhere(arr != np.round(arr))[0])
+            raise InputError(f"{name}{list(bad)} is {arr[bad]}; counts must be whole numbers of tokens")
+    if np.any(arr < 0):
+        bad = tuple(int(i) for i in np.argwhere(arr < 0)[0])
+        raise InputError(f"{name}{list(bad)} is {arr[bad]}; counts must be non-negative")
+    return arr.astype(np.int64, copy=False)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadMatrix:
+    """Per-batch expert load ``counts [B, L, E]``, optionally with the token-level trace behind it.
+
+    Example: ``LoadMatrix(np.array([[[3, 1], [0, 4]]]))`` is one batch, two layers of two experts.
+    """
+
+    #: ``int64 [B, L, E]``: tokens routed to expert ``e`` of layer ``l`` in batch ``b``.
+    counts: np.ndarray
+    #: The token-level trace whose counts these are, if known.
+    trace: RoutingTrace | None = None
+    #: Name of the model preset the data was generated for, if any.
+    preset: str | None = None
+
+    def __post_init__(self) -> None:
+        counts = check_counts(self.counts)
+        object.__setattr__(self, "counts", counts)
+        if self.trace is not None:
+            tr = self.trace
+            if (tr.num_batches, tr.num_layers, tr.num_experts) != counts.shape:
+                raise InputError(
+                    f"the token-level arrays describe [B, L, E] = {[tr.num_batches, tr.num_layers, tr.num_experts]} "
+                    f"but counts has shape {list(counts.shape)}"
+                )
+            implied = tr.counts()
+            if not np.array_equal(implied, counts):
+                bad = tuple(int(i) for i in np.argwhere(implied != counts)[0])
+                raise InputError(
+                    f"counts{list(bad)} is {counts[bad]} but topk_ids routes {implied[bad]} tokens there; "
+                    "counts must equal what topk_ids implies (drop counts to recompute it)"
+                )
+
+    @property
+    def num_batches(self) -> int:
+        return int(self.counts.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.counts.shape[1])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.counts.shape[2])
+
+    def total(self) -> np.ndarray:
+        """``int64 [L, E]``: the load summed over batches."""
+        return self.counts.sum(axis=0)
+
+    def select_batches(self, start: int, stop: int) -> LoadMatrix:
+        """Batches ``start <= b < stop`` (Python slice semantics, clipped to the data)."""
+        start, stop, _ = slice(start, stop).indices(self.num_batches)
+        if stop <= start:
+            raise InputError(
+                f"batch range {start}:{stop} is empty; the load has {self.num_batches} batches (valid: 0:{self.num_batches})"
+            )
+        trace = None if self.trace is None else self.trace.select_batches(start, stop)
+        return LoadMatrix(self.counts[start:stop], trace, self.preset)
+
+    def split(self, train_frac: float) -> tuple[LoadMatrix, LoadMatrix]:
+        """Split into (planning, held-out scoring) batches, the first ``train_frac`` for planning (CRAFT 5.1).
+
+        ``train_frac == 1`` plans and scores on all batches (in-sample).
+        """
+        if not 0.0 < train_frac <= 1.0:
+            raise InputError(f"train fraction ({train_frac}) must be in (0, 1]")
+        if train_frac == 1.0:
+            return self, self
+        if self.num_batches < 2:
+            raise InputError(
+                "the load has 1 batch, so none can be held out for scoring; give more batches or --train-frac 1"
+            )
+        cut = min(max(1, round(self.num_batches * train_frac)), self.num_batches - 1)
+        return self.select_batches(0, cut), self.select_batches(cut, self.num_batches)
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The ``.npz`` contents of this load (DESIGN §2)."""
+        out: dict[str, np.ndarray] = {"counts": self.counts}
+        if self.trace is not None:
+            out["topk_ids"] = self.trace.topk_ids
+            out["src_gpu"] = self.trace.src_gpu
+            out["batch"] = self.trace.batch
+        if self.preset is not None:
+            out["preset"] = np.array(self.preset)
+        return out
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], source: str = "input") -> LoadMatrix:
+        """Build from ``.npz``-style arrays: ``counts`` and/or ``topk_ids`` + ``src_gpu`` + ``batch``."""
+        present = [k for k in _TOKEN_KEYS if k in arrays]
+        if present and len(present) != len(_TOKEN_KEYS):
+            missing = [k for k in _TOKEN_KEYS if k not in arrays]
+            raise InputError(f"{source} has {', '.join(present)} but lacks {', '.join(missing)}; a token-level trace needs all three")
+        if "counts" not in arrays and not present:
+            raise InputError(f"{source} has no 'counts' array (keys: {sorted(arrays)}); save counts [B, L, E] under 'counts'")
+        preset = None
+        if "preset" in arrays:
+            p = np.asarray(arrays["preset"])
+            if p.dtype.kind != "U" or p.ndim != 0:
+                raise InputError(f"{source}: 'preset' must be a 0-d string array, got {p.dtype} {p.shape}")
+            preset = str(p)
+        trace = None
+        if present:
+            counts = check_counts(arrays["counts"]) if "counts" in arrays else None
+            ids = np.asarray(arrays["topk_ids"])
+            if counts is not None:
+                num_experts, num_batches = counts.shape[2], counts.shape[0]
+            else:
+                if ids.dtype == object or not np.issubdtype(ids.dtype, np.integer):
+                    raise InputError(f"topk_ids has dtype {ids.dtype}; it must hold integer expert ids")
+                num_experts = int(ids.max()) + 1 if ids.size else 1
+                num_batches = -1
+            trace = RoutingTrace(ids, arrays["src_gpu"], arrays["batch"], num_experts=num_experts, num_batches=num_batches)
+            if counts is None:
+                counts = trace.counts()
+            return cls(counts, trace, preset)
+        return cls(arrays["counts"], None, preset)
+
+
+def read_load(path: str | os.PathLike[str]) -> LoadMatrix:
+    """Read a ``.npy`` or ``.npz`` load file without unpickling anything; errors name the problem."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"load file {str(p)!r} does not exist")
+    if p.suffix not in (".npy", ".npz"):
+        raise InputError(f"load file {str(p)!r} must end in .npy ([L, E] or [B, L, E] counts) or .npz")
+    try:
+        if p.suffix == ".npy":
+            arrays = {"counts": np.asarray(np.load(p, allow_pickle=False))}
+        else:
+            with np.load(p, allow_pickle=False) as data:
+                arrays = {k: data[k] for k in data.files}
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as exc:
+        raise InputError(f"cannot read {str(p)!r}: {_why(exc)}") from None
+    return LoadMatrix.from_arrays(arrays, source=str(p))
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if "allow_pickle" in text or "Object arrays" in text:
+        return "it holds pickled Python objects, which are never loaded; save plain integer arrays"
+    return f"{text} (is the file truncated, or not written by numpy?)"
+
+
+def write_load(path: str | os.PathLike[str], load: LoadMatrix) -> None:
+    """Write ``load`` as a compressed ``.npz``, atomically (temporary file, then rename)."""
+    p = Path(path)
+    if p.suffix != ".npz":
+        raise InputError(f"output {str(p)!r} must end in .npz")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".npz", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez_compressed(fh, **load.to_arrays())  # type: ignore[arg-type]
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def parse_batch_range(text: str | None, num_batches: int) -> tuple[int, int]:
+    """Parse ``a:b`` (either side may be empty) into a clipped ``(start, stop)``."""
+    if text is None:
+        return 0, num_batches
+    parts = text.split(":")
+    if len(parts) != 2:
+        raise InputError(f"batch range {text!r} must look like a:b, a: or :b")
+    try:
+        start = int(parts[0]) if parts[0] else 0
+        stop = int(parts[1]) if parts[1] else num_batches
+    except ValueError:
+        raise InputError(f"batch range {text!r} must hold integers, like 0:100") from None
+    start, stop, _ = slice(start, stop).indices(num_batches)
+    if stop <= start:
+        raise InputError(f"batch range {text!r} is empty; the load has {num_batches} batches")
+    return start, stop

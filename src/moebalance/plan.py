@@ -1,0 +1,321 @@
+"""Placement plans: which GPU hosts which experts in every layer, and the plan file.
+
+Legend: ``L`` layers, ``E`` logical experts per layer, ``G`` GPUs, ``P`` physical slots of a layer,
+``R`` the largest replica count of any expert.
+
+A :class:`Placement` lists, for every layer ``l`` and GPU ``g``, the logical experts ``g`` hosts
+(``gpu_experts[l][g]``). GPUs may host different numbers of experts, and a layer may have more slots than
+another (CRAFT). Every expert of every layer must appear at least once. Two copies of one expert on one GPU
+are allowed but reported as a warning: DeepSeek's reference EPLB produces them (DESIGN §2).
+
+Plan file (DESIGN §2, contract)::
+
+    {"format": "moebalance.plan", "version": 1, "policy": "eplb", "params": {...},
+     "cluster": {"num_nodes": 8, "gpus_per_node": 8}, "num_layers": 58, "num_experts": 256,
+     "placement": [[[0, 17, 33], [5, 2], ...], ...], "weights": [...]}   # weights optional
+
+Conversions to and from DeepSeek EPLB's ``phy2log [L, P]``, ``log2phy [L, E, R]`` (padded with -1) and
+``logcnt [L, E]`` exist for plans with equal slots on every GPU: physical slot ``p`` is position
+``p % S`` on GPU ``p // S``, where ``S = P / G``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moebalance.cluster import Cluster
+from moebalance.errors import InputError, PlanError
+
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "EplbTensors", "Placement", "read_plan", "write_plan"]
+
+PLAN_FORMAT = "moebalance.plan"
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class EplbTensors:
+    """A plan as DeepSeek EPLB's three tensors.
+
+    For 2 GPUs, 3 experts, 2 slots per GPU with expert 0 replicated: ``phy2log = [[0, 1, 2, 0]]``,
+    ``log2phy = [[[0, 3], [1, -1], [2, -1]]]``, ``logcnt = [[2, 1, 1]]``.
+    """
+
+    #: ``int64 [L, P]``: logical expert in physical slot ``p`` (GPU ``p // (P / G)``).
+    phy2log: np.ndarray
+    #: ``int64 [L, E, R]``: physical slots of each logical expert, padded with -1.
+    log2phy: np.ndarray
+    #: ``int64 [L, E]``: replica count of each logical expert.
+    logcnt: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Which experts each GPU hosts, per layer.
+
+    Example (1 layer, 4 experts, 2 GPUs, expert 0 replicated)::
+
+        Placement(gpu_experts=[[[0, 1], [0, 2, 3]]], num_experts=4,
+                  cluster=Cluster(num_nodes=1, gpus_per_node=2))
+
+    has ``replica_counts() == [[2, 1, 1, 1]]``, ``slots() == [[2, 3]]`` and ``extra_replicas == 1``.
+    """
+
+    #: ``[L][G]`` tuples of logical expert ids hosted by GPU ``g`` in layer ``l``.
+    gpu_experts: Sequence[Sequence[Sequence[int]]]
+    #: ``E``, logical experts per layer.
+    num_experts: int
+    cluster: Cluster
+    #: Name of the policy that made the plan.
+    policy: str = "custom"
+    #: The policy's parameters and facts it reports (JSON-serialisable).
+    params: Mapping[str, Any] = field(default_factory=dict)
+    #: Optional ``[L][G]`` routing share of each replica for a static weighted router, mirroring ``gpu_experts``.
+    weights: Sequence[Sequence[Sequence[float]]] | None = None
+    #: ``int64 [L, E, G]``: copies of expert ``e`` on GPU ``g`` in layer ``l`` (derived).
+    copies: np.ndarray = field(init=False, repr=False, compare=False)
+    #: Human-readable warnings found by validation (e.g. two copies of one expert on one GPU).
+    warnings: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        G, E = self.cluster.num_gpus, int(self.num_experts)
+        if E < 1:
+            raise PlanError(f"num_experts ({E}) must be positive")
+        object.__setattr__(self, "num_experts", E)
+        layers = self.gpu_experts
+        if isinstance(layers, str | bytes) or not isinstance(layers, Sequence) or len(layers) == 0:
+            raise PlanError("placement must be a non-empty list of layers, each a list of per-GPU expert lists")
+        frozen: list[tuple[tuple[int, ...], ...]] = []
+        lay_idx: list[int] = []
+        exp_idx: list[int] = []
+        gpu_idx: list[int] = []
+        for li, layer in enumerate(layers):
+            if isinstance(layer, str | bytes) or not isinstance(layer, Sequence) or len(layer) != G:
+                n = len(layer) if isinstance(layer, Sequence) else type(layer).__name__
+                raise PlanError(f"placement[{li}] has {n} GPU lists but the cluster has {G} GPUs")
+            row: list[tuple[int, ...]] = []
+            for gi, experts in enumerate(layer):
+                if isinstance(experts, str | bytes) or not isinstance(experts, Sequence):
+                    raise PlanError(f"placement[{li}][{gi}] must be a list of expert ids")
+                ids: list[int] = []
+                for e in experts:
+                    if isinstance(e, bool) or not isinstance(e, int | np.integer):
+                        raise PlanError(f"placement[{li}][{gi}] holds {e!r}; expert ids are integers")
+                    if not 0 <= e < E:
+                        raise PlanError(f"placement[{li}][{gi}] holds expert {e}; ids must lie in [0, {E})")
+                    ids.append(int(e))
+                row.append(tuple(ids))
+                lay_idx.extend([li] * len(ids))
+                gpu_idx.extend([gi] * len(ids))
+                exp_idx.extend(ids)
+            frozen.append(tuple(row))
+        L = len(frozen)
+        copies = np.zeros((L, E, G), dtype=np.int64)
+        np.add.at(copies, (np.asarray(lay_idx, dtype=np.int64), np.asarray(exp_idx, dtype=np.int64),
+                           np.asarray(gpu_idx, dtype=np.int64)), 1)
+        missing = copies.sum(axis=2) == 0
+        if missing.any():
+            li, e = (int(i) for i in np.argwhere(missing)[0])
+            raise PlanError(f"expert {e} of layer {li} has no replica; every expert must be placed at least once")
+        warnings: list[str] = []
+        dup = copies > 1
+        if dup.any():
+            li, e, g = (int(i) for i in np.argwhere(dup)[0])
+            pairs = int(np.any(dup, axis=1).sum())
+            warnings.append(
+                f"{pairs} layer-GPU pairs host two copies of one expert (first: layer {li}, GPU {g}, expert {e}); "
+                "such copies use memory without improving balance"
+            )
+        object.__setattr__(self, "gpu_experts", tuple(frozen))
+        object.__setattr__(self, "copies", copies)
+        object.__setattr__(self, "warnings", tuple(warnings))
+        object.__setattr__(self, "params", dict(self.params))
+        if self.weights is not None:
+            object.__setattr__(self, "weights", self._check_weights(self.weights))
+
+    def _check_weights(self, weights: Sequence[Sequence[Sequence[float]]]) -> tuple[tuple[tuple[float, ...], ...], ...]:
+        if len(weights) != self.num_layers:
+            raise PlanError(f"weights has {len(weights)} layers but placement has {self.num_layers}")
+        out = []
+        for li, (wl, pl) in enumerate(zip(weights, self.gpu_experts, strict=True)):
+            if len(wl) != len(pl):
+                raise PlanError(f"weights[{li}] has {len(wl)} GPU lists but placement[{li}] has {len(pl)}")
+            row = []
+            for gi, (wg, pg) in enumerate(zip(wl, pl, strict=True)):
+                if len(wg) != len(pg):
+                    raise PlanError(f"weights[{li}][{gi}] has {len(wg)} entries but placement[{li}][{gi}] has {len(pg)}")
+                vals = tuple(float(w) for w in wg)
+                if any(not math.isfinite(w) or w < 0 for w in vals):
+                    raise PlanError(f"weights[{li}][{gi}] holds {vals}; shares must be finite and non-negative")
+                row.append(vals)
+            out.append(tuple(row))
+        return tuple(out)
+
+    # ----- shape facts -------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.gpu_experts)
+
+    @property
+    def num_gpus(self) -> int:
+        return self.cluster.num_gpus
+
+    def replica_counts(self) -> np.ndarray:
+        """``int64 [L, E]``: replicas of each expert (``r[l, e] >= 1``)."""
+        return self.copies.sum(axis=2)
+
+    def slots(self) -> np.ndarray:
+        """``int64 [L, G]``: experts hosted by GPU ``g`` in layer ``l``."""
+        return self.copies.sum(axis=1)
+
+    @property
+    def extra_replicas(self) -> int:
+        """Physical slots minus logical experts, summed over layers (the memory the plan costs)."""
+        return int(self.copies.sum()) - self.num_layers * self.num_experts
+
+    @property
+    def max_slots_per_gpu(self) -> int:
+        """The most experts any GPU hosts in any one layer (EPLB's ``slots_per_gpu``)."""
+        return int(self.slots().max())
+
+    def replica_gpus(self) -> np.ndarray:
+        """``int64 [L, E, R]``: the GPU of each replica of each expert, in GPU order, padded with -1."""
+        L, E, G = self.copies.shape
+        R = int(self.replica_counts().max())
+        flat = self.copies.reshape(L * E, G)
+        # Repeat each GPU id by its copy count, row by row, then left-align into R columns.
+        rows = np.repeat(np.arange(L * E), flat.sum(axis=1))
+        gpus = np.repeat(np.tile(np.arange(G), L * E), flat.ravel())
+        start = np.concatenate(([0], np.cumsum(flat.sum(axis=1))[:-1]))
+        col = np.arange(rows.size) - start[rows]
+        out = np.full((L * E, R), -1, dtype=np.int64)
+        out[rows, col] = gpus
+        return out.reshape(L, E, R)
+
+    # ----- EPLB tensors ------------------------------------------------------------------------------------
+    def to_eplb(self) -> EplbTensors:
+        """This plan as ``(phy2log, log2phy, logcnt)``; needs the same slot count on every GPU and layer."""
+        slots = self.slots()
+        S = int(slots[0, 0])
+        if not np.all(slots == S):
+            raise PlanError(
+                f"EPLB tensors need equal slots on every GPU and layer, but this plan has {int(slots.min())} to "
+                f"{int(slots.max())}; CRAFT-style plans have no phy2log form"
+            )
+        phy2log = np.asarray(self.gpu_experts, dtype=np.int64).reshape(self.num_layers, -1)
+        return EplbTensors(phy2log=phy2log, log2phy=_log2phy(phy2log, self.num_experts), logcnt=self.replica_counts())
+
+    @classmethod
+    def from_eplb(cls, phy2log: Any, cluster: Cluster, *, num_experts: int | None = None, policy: str = "eplb",
+                  params: Mapping[str, Any] | None = None) -> Placement:
+        """Build from ``phy2log [L, P]`` (numpy or torch); slot ``p`` lives on GPU ``p // (P / G)``."""
+        arr = np.asarray(phy2log.cpu().numpy() if hasattr(phy2log, "cpu") else phy2log)
+        if arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer):
+            raise PlanError(f"phy2log must be an integer [L, P] array, got {arr.dtype} {arr.shape}")
+        L, P = arr.shape
+        G = cluster.num_gpus
+        if P % G:
+            raise PlanError(f"phy2log has {P} physical slots, which {G} GPUs cannot share equally")
+        E = int(arr.max()) + 1 if num_experts is None else num_experts
+        layers = arr.reshape(L, G, P // G).tolist()
+        return cls(layers, E, cluster, policy=policy, params=params or {})
+
+    # ----- JSON --------------------------------------------------------------------------------------------
+    def to_json_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "policy": self.policy,
+            "params": dict(self.params),
+            "cluster": self.cluster.to_dict(),
+            "num_layers": self.num_layers,
+            "num_experts": self.num_experts,
+            "placement": [[list(g) for g in layer] for layer in self.gpu_experts],
+        }
+        if self.weights is not None:
+            out["weights"] = [[list(g) for g in layer] for layer in self.weights]
+        return out
+
+    @classmethod
+    def from_json_dict(cls, doc: Any, source: str = "plan") -> Placement:
+        """Validate a parsed plan document; the error names the first thing that is wrong."""
+        if not isinstance(doc, dict):
+            raise PlanError(f"{source} must hold a JSON object, not {type(doc).__name__}")
+        if doc.get("format") != PLAN_FORMAT:
+            raise PlanError(f"{source} has format {doc.get('format')!r}; expected {PLAN_FORMAT!r}")
+        if doc.get("version") != PLAN_VERSION:
+            raise PlanError(f"{source} has version {doc.get('version')!r}; this moebalance reads version {PLAN_VERSION}")
+        for key in ("cluster", "num_layers", "num_experts", "placement"):
+            if key not in doc:
+                raise PlanError(f"{source} lacks the key {key!r}")
+        cl = doc["cluster"]
+        if not isinstance(cl, dict) or "num_nodes" not in cl or "gpus_per_node" not in cl:
+            raise PlanError(f"{source}: 'cluster' must be {{\"num_nodes\": N, \"gpus_per_node\": M}}")
+        try:
+            cluster = Cluster(num_nodes=cl["num_nodes"], gpus_per_node=cl["gpus_per_node"])
+        except InputError as exc:
+            raise PlanError(f"{source}: cluster: {exc}") from None
+        num_layers, num_experts = doc["num_layers"], doc["num_experts"]
+        for key, v in (("num_layers", num_layers), ("num_experts", num_experts)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"{source}: {key} ({v!r}) must be a positive integer")
+        placement = doc["placement"]
+        if not isinstance(placement, list) or len(placement) != num_layers:
+            n = len(placement) if isinstance(placement, list) else type(placement).__name__
+            raise PlanError(f"{source}: placement has {n} layers but num_layers is {num_layers}")
+        params = doc.get("params", {})
+        if not isinstance(params, dict):
+            raise PlanError(f"{source}: 'params' must be a JSON object")
+        return cls(placement, num_experts, cluster, policy=str(doc.get("policy", "custom")), params=params,
+                   weights=doc.get("weights"))
+
+
+def _log2phy(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
+    """``log2phy [L, E, R]`` from ``phy2log [L, P]``: replicas numbered in physical-slot order."""
+    L, P = phy2log.shape
+    counts = np.zeros((L, num_experts), dtype=np.int64)
+    np.add.at(counts, (np.repeat(np.arange(L), P), phy2log.ravel()), 1)
+    R = int(counts.max())
+    # The rank of slot p among its expert's slots: stable sort by expert, position within the run.
+    order = np.argsort(phy2log, axis=1, kind="stable")
+    sorted_log = np.take_along_axis(phy2log, order, axis=1)
+    starts = np.concatenate([np.zeros((L, 1), dtype=np.int64), np.cumsum(counts, axis=1)[:, :-1]], axis=1)
+    rank_sorted = np.arange(P)[None, :] - np.take_along_axis(starts, sorted_log, axis=1)
+    out = np.full((L, num_experts, R), -1, dtype=np.int64)
+    out[np.repeat(np.arange(L), P), sorted_log.ravel(), rank_sorted.ravel()] = order.ravel()
+    return out
+
+
+def write_plan(path: str | os.PathLike[str], plan: Placement) -> None:
+    """Write ``plan`` as JSON, atomically (temporary file in the same folder, then rename)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(plan.to_json_dict(), fh, separators=(",", ":"))
+            fh.write("\n")
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_plan(path: str | os.PathLike[str]) -> Placement:
+    """Read and validate a plan file."""
+    p = Path(path)
+    if not p.exists():
+        raise PlanError(f"plan file {str(p)!r} does not exist")
+    try:
+        doc = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"plan file {str(p)!r} is not valid JSON ({str(exc).splitlines()[0]}); is it truncated?") from None
+    return Placement.from_json_dict(doc, source=str(p))

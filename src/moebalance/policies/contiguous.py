@@ -1,0 +1,30 @@
+"""``contiguous``: Megatron-style expert parallelism, no replicas.
+
+GPU ``g`` hosts a contiguous block of expert ids: with ``E = G * q + m`` the first ``m`` GPUs take
+``q + 1`` experts and the rest ``q`` (Megatron-LM's ``num_local_experts = E / ep_size`` when ``G``
+divides ``E``). It ignores the load: the baseline every other policy is measured against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moebalance.cluster import Cluster
+from moebalance.load import LoadMatrix
+from moebalance.plan import Placement
+from moebalance.policies.budget import Budget
+from moebalance.policies.common import placement_from_assignment
+
+__all__ = ["contiguous"]
+
+
+def contiguous(*, load: LoadMatrix, cluster: Cluster, budget: Budget) -> Placement:
+    """Blocks of consecutive experts per GPU, the same in every layer."""
+    E, L, G = load.num_experts, load.num_layers, cluster.num_gpus
+    budget.placement_slots(E, G)
+    q, m = divmod(E, G)
+    sizes = np.where(np.arange(G) < m, q + 1, q)
+    gpu = np.repeat(np.arange(G), sizes)  # [E]
+    experts = np.arange(E)
+    return placement_from_assignment(np.tile(gpu, (L, 1)), np.tile(experts, (L, 1)), cluster, E, "contiguous",
+                                     budget.as_params())

@@ -1,0 +1,32 @@
+"""``greedy``: load-aware placement without replicas.
+
+Per layer, experts are taken heaviest first (by load summed over the planning batches) and each goes to the
+least-loaded GPU that still has a free slot, every GPU having ``ceil(E / G)`` slots: the longest-processing-
+time rule that EPLB's packing and CRAFT's placement step (Section 4.2.2, step 5) use, here without
+replication. It is CRAFT's "placement-only" baseline (Alg. 1, ``r = 0``). Ties go to the lower expert id
+and the lower GPU id, so the plan is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from moebalance.cluster import Cluster
+from moebalance.load import LoadMatrix
+from moebalance.plan import Placement
+from moebalance.policies.budget import Budget
+from moebalance.policies.common import greedy_pack, placement_from_assignment
+
+__all__ = ["greedy"]
+
+
+def greedy(*, load: LoadMatrix, cluster: Cluster, budget: Budget) -> Placement:
+    """Heaviest expert to the least-loaded GPU with a free slot, per layer."""
+    E, L, G = load.num_experts, load.num_layers, cluster.num_gpus
+    budget.placement_slots(E, G)
+    weight = load.total().astype(np.float64)
+    capacity = np.full((L, G), math.ceil(E / G), dtype=np.int64)
+    gpu = greedy_pack(weight, capacity)
+    return placement_from_assignment(gpu, np.tile(np.arange(E), (L, 1)), cluster, E, "greedy", budget.as_params())

@@ -1,0 +1,156 @@
+"""Tables and plots a person can read at a glance: terminal (rich), Markdown, JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from moebalance.simulate import Score
+
+__all__ = ["ComparisonRow", "atomic_write_text", "comparison_markdown", "comparison_table", "plot_per_layer",
+           "score_table"]
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename, so no partial file is ever seen."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass(frozen=True, slots=True)
+class ComparisonRow:
+    """One policy's line in a comparison."""
+
+    policy: str
+    score: Score
+    plan_seconds: float
+    warnings: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        d = self.score.as_dict()
+        d.pop("traffic_matrix", None)
+        return {"policy": self.policy, "plan_seconds": round(self.plan_seconds, 6), **d,
+                "warnings": list(self.warnings)}
+
+
+_COLUMNS = ("policy", "extra replicas", "balancedness", "imbalance ratio", "gap to bound", "plan time")
+
+
+def _cells(row: ComparisonRow) -> list[str]:
+    s = row.score
+    cells = [row.policy, f"{s.extra_replicas}", f"{s.balancedness:.4f}", f"{s.imbalance_ratio:.3f}",
+             f"{100 * s.lower_bound_gap:.1f}%", f"{1000 * row.plan_seconds:.1f} ms"]
+    if s.traffic is not None:
+        t = s.traffic
+        total = t.local + t.intra_node + t.inter_node
+        cells += [f"{100 * t.inter_node / max(total, 1):.1f}%", f"{100 * t.intra_node / max(total, 1):.1f}%"]
+    return cells
+
+
+def _columns(rows: Sequence[ComparisonRow]) -> list[str]:
+    cols = list(_COLUMNS)
+    if rows and rows[0].score.traffic is not None:
+        cols += ["inter-node copies", "intra-node copies"]
+    return cols
+
+
+def comparison_table(rows: Sequence[ComparisonRow], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(_columns(rows)):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    best = max(r.score.balancedness for r in rows) if rows else 0.0
+    for r in rows:
+        cells = _cells(r)
+        if r.score.balancedness == best:
+            cells[2] = f"[bold green]{cells[2]}[/]"
+        table.add_row(*cells)
+    return table
+
+
+def comparison_markdown(rows: Sequence[ComparisonRow], title: str, notes: Sequence[str] = ()) -> str:
+    cols = _columns(rows)
+    lines = [f"# {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    if notes:
+        lines += ["", *notes]
+    return "\n".join(lines) + "\n"
+
+
+def score_table(score: Score, title: str) -> Table:
+    table = Table(title=title, title_justify="left", show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_row("balancedness (mean/max)", f"{score.balancedness:.4f}")
+    table.add_row("imbalance ratio (max/mean)", f"{score.imbalance_ratio:.3f}")
+    table.add_row("gap to lower bound", f"{100 * score.lower_bound_gap:.1f}%")
+    table.add_row("mean straggler load (tokens)", f"{score.mean_max_load:.1f}")
+    table.add_row("extra replicas", f"{score.extra_replicas}")
+    table.add_row("max slots per GPU", f"{score.max_slots_per_gpu}")
+    worst = np.nanargmin(score.per_layer_balancedness) if np.any(np.isfinite(score.per_layer_balancedness)) else 0
+    table.add_row("worst layer", f"{worst} ({score.per_layer_balancedness[worst]:.3f})")
+    table.add_row("batches scored / router", f"{score.num_batches} / {score.router}")
+    if score.traffic is not None:
+        t = score.traffic
+        table.add_row("dispatch copies local", f"{t.local:,}")
+        table.add_row("dispatch copies intra-node", f"{t.intra_node:,}")
+        table.add_row("dispatch copies inter-node", f"{t.inter_node:,}")
+        table.add_row("inter-node, once per node", f"{t.inter_node_dedup:,}")
+    return table
+
+
+def plot_per_layer(rows: Sequence[ComparisonRow], path: str | os.PathLike[str], title: str) -> None:
+    """PNG of per-layer balancedness, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4), dpi=110)
+    for r in rows:
+        y = r.score.per_layer_balancedness
+        ax.plot(np.arange(y.size), y, marker="o", markersize=2.5, linewidth=1.2,
+                label=f"{r.policy} (mean {r.score.balancedness:.3f})")
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("balancedness (mean / max GPU load)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".png", dir=p.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, indent=2) + "\n"
+
+
+def print_table(table: Table, console: Console | None = None) -> None:
+    (console or Console()).print(table)

@@ -1,0 +1,38 @@
+"""Routers: the run-time rule that picks which replica serves each (token, chosen expert).
+
+A router works at two granularities with the same rule (DESIGN §5):
+
+- ``split_counts(plan, counts_BLE, rng) -> gpu_load_BLG``: expected or sampled tokens per GPU, for replaying
+  load matrices in the simulator;
+- ``assign_tokens(plan, trace, rng) -> dest_gpu_TLK``: the GPU serving each token's each pick, for
+  token-level traces (traffic accounting) and for the runtime.
+
+Routers are looked up by name in :data:`ROUTERS`; callers may also pass a :class:`Router` directly.
+"""
+
+from __future__ import annotations
+
+from moebalance.errors import InputError
+from moebalance.routers.base import Router
+from moebalance.routers.basic import RANDOM, UNIFORM
+
+__all__ = ["DOCUMENTED_ROUTERS", "ROUTERS", "Router", "get_router"]
+
+#: Router names documented in DESIGN §5 (contract). The exact min-max router is documented as ``minmax``.
+DOCUMENTED_ROUTERS = ("uniform", "random", "wrr", "locality", "rebalance", "minmax")
+
+ROUTERS: dict[str, Router] = {r.name: r for r in (UNIFORM, RANDOM)}
+
+_unknown = set(ROUTERS) - set(DOCUMENTED_ROUTERS)
+if _unknown:  # import-time check that the registry only holds documented names (STYLE 3)
+    raise RuntimeError(f"routers {sorted(_unknown)} are registered but not documented in DOCUMENTED_ROUTERS")
+
+
+def get_router(router: str | Router) -> Router:
+    """The router called ``router``, or ``router`` itself if it is already a :class:`Router`."""
+    if isinstance(router, Router):
+        return router
+    try:
+        return ROUTERS[router]
+    except KeyError:
+        raise InputError(f"unknown router {router!r}; choose one of: {', '.join(sorted(ROUTERS))}") from None

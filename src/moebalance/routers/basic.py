@@ -1,0 +1,104 @@
+"""The two baseline routers: ``uniform`` (equal split) and ``random`` (uniformly random replica).
+
+``uniform`` splits each expert's load equally over its replicas, in fractional tokens; it is the default for
+scoring placements (CRAFT Alg. 1: ``G[g] += W[b][l][e] / r_el``). On tokens it is realised as round-robin:
+the ``i``-th token of batch ``b`` routed to expert ``e`` goes to replica ``i mod r_e`` (replicas in GPU
+order), so per-replica counts differ by at most one from the equal split.
+
+``random`` sends each token to a uniformly random replica, as vLLM and SGLang dispatch with EPLB. On counts
+it samples ``multinomial(W[b, l, e], 1 / r_e)`` per expert.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from moebalance.routers.base import Router
+
+if TYPE_CHECKING:
+    from moebalance.plan import Placement
+    from moebalance.trace import RoutingTrace
+
+__all__ = ["RANDOM", "UNIFORM", "share_matrix"]
+
+_CHUNK = 256  # batches per matmul chunk: bounds temporary memory at ~CHUNK * L * (E + G) doubles
+
+
+def share_matrix(plan: Placement) -> np.ndarray:
+    """``float64 [L, E, G]``: the fraction of expert ``e``'s tokens that GPU ``g`` serves, equal split."""
+    copies = plan.copies.astype(np.float64)
+    return copies / copies.sum(axis=2, keepdims=True)
+
+
+def apply_shares(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
+    """``counts [B, L, E] x shares [L, E, G] -> float64 [B, L, G]``, batched over layers, chunked over batches."""
+    B, L, _ = counts.shape
+    out = np.empty((B, L, shares.shape[2]), dtype=np.float64)
+    for lo in range(0, B, _CHUNK):
+        hi = min(B, lo + _CHUNK)
+        block = np.ascontiguousarray(counts[lo:hi].transpose(1, 0, 2), dtype=np.float64)  # [L, b, E]
+        out[lo:hi] = np.matmul(block, shares).transpose(1, 0, 2)
+    return out
+
+
+def _uniform_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    return apply_shares(counts, share_matrix(plan))
+
+
+def _replica_index_round_robin(trace: RoutingTrace, layer: int, reps: np.ndarray) -> np.ndarray:
+    """``int64 [T, K]``: the occurrence number of each (token, pick) among its (batch, expert), mod ``r``."""
+    ids = trace.topk_ids[:, layer, :]
+    key = (trace.batch[:, None] * trace.num_experts + ids).ravel()
+    order = np.argsort(key, kind="stable")
+    sorted_key = key[order]
+    is_start = np.concatenate(([True], sorted_key[1:] != sorted_key[:-1]))
+    start_pos = np.maximum.accumulate(np.where(is_start, np.arange(key.size), 0))
+    occurrence = np.empty(key.size, dtype=np.int64)
+    occurrence[order] = np.arange(key.size) - start_pos
+    return occurrence.reshape(ids.shape) % reps[ids]
+
+
+def _uniform_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
+    replica_gpus = plan.replica_gpus()
+    reps = plan.replica_counts()
+    dest = np.empty(trace.topk_ids.shape, dtype=np.int64)
+    for layer in range(trace.num_layers):
+        ids = trace.topk_ids[:, layer, :]
+        idx = _replica_index_round_robin(trace, layer, reps[layer])
+        dest[:, layer, :] = replica_gpus[layer, ids, idx]
+    return dest
+
+
+def _random_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    reps = plan.replica_counts()
+    single = (reps == 1).astype(np.float64)
+    out = apply_shares(counts, share_matrix(plan) * single[:, :, None])
+    layer_idx, exp_idx = np.nonzero(reps > 1)
+    if layer_idx.size == 0:
+        return out
+    B, L, G = out.shape
+    replica_gpus = plan.replica_gpus()[layer_idx, exp_idx]  # [M, R]
+    valid = replica_gpus >= 0
+    pvals = valid / valid.sum(axis=1, keepdims=True)  # [M, R]
+    n = counts[:, layer_idx, exp_idx]  # [B, M]
+    drawn = rng.multinomial(n, pvals)  # [B, M, R]
+    flat = (np.arange(B)[:, None, None] * L + layer_idx[None, :, None]) * G + np.where(valid, replica_gpus, 0)[None]
+    out += np.bincount(flat.ravel(), weights=drawn.ravel().astype(np.float64), minlength=B * L * G).reshape(B, L, G)
+    return out
+
+
+def _random_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
+    replica_gpus = plan.replica_gpus()
+    reps = plan.replica_counts()
+    dest = np.empty(trace.topk_ids.shape, dtype=np.int64)
+    for layer in range(trace.num_layers):
+        ids = trace.topk_ids[:, layer, :]
+        idx = (rng.random(ids.shape) * reps[layer, ids]).astype(np.int64)
+        dest[:, layer, :] = replica_gpus[layer, ids, idx]
+    return dest
+
+
+UNIFORM = Router("uniform", _uniform_counts, _uniform_tokens, "equal split over replicas (round-robin on tokens)")
+RANDOM = Router("random", _random_counts, _random_tokens, "each token to a uniformly random replica (vLLM/SGLang)")

@@ -1,0 +1,220 @@
+"""Replay traffic through a plan and score it (DESIGN §3).
+
+Legend: ``B`` batches, ``L`` layers, ``E`` experts, ``G`` GPUs, ``T`` tokens, ``K`` top-k.
+
+For each batch ``b`` and layer ``l`` the router turns the expert load ``W[b, l, :]`` into per-GPU load
+``gpu_load[b, l, :]``. Under expert parallelism every layer waits for its most loaded GPU (the straggler
+model of the reference page 002), so we report
+
+- balancedness ``mean_g / max_g`` (CRAFT Section 3.1, vLLM's ``log_balancedness``; 1.0 is perfect),
+- imbalance ratio ``max_g / mean_g`` (Libra),
+- the gap of ``max_g`` to the lower bound ``max(total / G, max_e W_e / r_e)`` that no placement with these
+  replica counts can beat,
+
+each averaged over the ``(b, l)`` with non-zero load, plus per-layer means. For token-level traces we also
+count the copies the all-to-all dispatch sends: a token goes once to each distinct GPU serving any of its
+picks (GRACE, DeepEP); to its own GPU it is local, to another GPU of its node intra-node, else inter-node.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moebalance.errors import InputError, PlanError
+from moebalance.load import LoadMatrix
+from moebalance.plan import Placement
+from moebalance.routers import Router, get_router
+from moebalance.trace import RoutingTrace
+
+__all__ = ["Score", "Traffic", "evaluate", "gpu_loads", "layer_metrics", "traffic"]
+
+
+def check_compatible(plan: Placement, load: LoadMatrix) -> None:
+    """Raise if the plan and the load disagree on layers or experts."""
+    if (plan.num_layers, plan.num_experts) != (load.num_layers, load.num_experts):
+        raise PlanError(
+            f"the plan has {plan.num_layers} layers x {plan.num_experts} experts but the load has "
+            f"{load.num_layers} x {load.num_experts}; plan and score with the same model's data"
+        )
+
+
+def gpu_loads(plan: Placement, counts: np.ndarray, router: str | Router = "uniform",
+              rng: np.random.Generator | None = None) -> np.ndarray:
+    """``float64 [B, L, G]``: tokens each GPU serves, replaying ``counts [B, L, E]`` through ``plan``."""
+    return get_router(router).split_counts(plan, counts, rng if rng is not None else np.random.default_rng(0))
+
+
+@dataclass(frozen=True, slots=True)
+class LayerMetrics:
+    """Per-(batch, layer) metrics of one replay; all arrays ``float64 [B, L]``, nan where a layer had no load."""
+
+    balancedness: np.ndarray
+    imbalance: np.ndarray
+    #: ``max_g gpu_load``: the straggler's tokens.
+    max_load: np.ndarray
+    #: ``max(total / G, max_e W_e / r_e)``.
+    lower_bound: np.ndarray
+
+
+def layer_metrics(gpu_load: np.ndarray, counts: np.ndarray, replicas: np.ndarray) -> LayerMetrics:
+    """Metrics per ``(b, l)`` from ``gpu_load [B, L, G]``, ``counts [B, L, E]`` and ``replicas [L, E]``."""
+    G = gpu_load.shape[2]
+    total = gpu_load.sum(axis=2)
+    peak = gpu_load.max(axis=2)
+    mean = total / G
+    active = peak > 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        bal = np.where(active, mean / np.where(active, peak, 1.0), np.nan)
+        imb = np.where(active, peak / np.where(active, mean, 1.0), np.nan)
+    bound = np.maximum(counts.sum(axis=2) / G, (counts / replicas[None]).max(axis=2))
+    return LayerMetrics(bal, imb, np.where(active, peak, np.nan), np.where(active, bound, np.nan))
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """All-to-all dispatch copies of a token-level replay (combine mirrors dispatch).
+
+    A token picked by top-k is sent once to each distinct GPU serving at least one of its picks.
+    """
+
+    #: Copies to the token's own GPU (free).
+    local: int
+    #: Copies to another GPU of the token's node.
+    intra_node: int
+    #: Copies to a GPU of another node.
+    inter_node: int
+    #: Inter-node copies counted once per destination node (DeepEP node-level forwarding).
+    inter_node_dedup: int
+    #: ``int64 [G, G]``: copies from source GPU to destination GPU, summed over batches and layers.
+    matrix: np.ndarray
+
+    def as_dict(self, bytes_per_copy: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"local": self.local, "intra_node": self.intra_node, "inter_node": self.inter_node,
+                               "inter_node_dedup": self.inter_node_dedup}
+        if bytes_per_copy:
+            # dispatch and combine both move each copy once
+            out["bytes"] = {"intra_node": 2 * self.intra_node * bytes_per_copy,
+                            "inter_node": 2 * self.inter_node * bytes_per_copy,
+                            "inter_node_dedup": 2 * self.inter_node_dedup * bytes_per_copy}
+        return out
+
+
+def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray) -> Traffic:
+    """Count dispatch copies for ``dest [T, L, K]``, the GPU serving each (token, pick)."""
+    cluster = plan.cluster
+    G, gpn = cluster.num_gpus, cluster.gpus_per_node
+    src = trace.src_gpu
+    local = intra = inter = inter_dedup = 0
+    matrix = np.zeros(G * G, dtype=np.int64)
+    for layer in range(dest.shape[1]):
+        d = np.sort(dest[:, layer, :], axis=1)
+        first = np.ones(d.shape, dtype=bool)
+        first[:, 1:] = d[:, 1:] != d[:, :-1]
+        same_gpu = d == src[:, None]
+        same_node = (d // gpn) == (src // gpn)[:, None]
+        local += int(np.count_nonzero(first & same_gpu))
+        intra += int(np.count_nonzero(first & same_node & ~same_gpu))
+        inter += int(np.count_nonzero(first & ~same_node))
+        nodes = np.sort(d // gpn, axis=1)
+        first_node = np.ones(nodes.shape, dtype=bool)
+        first_node[:, 1:] = nodes[:, 1:] != nodes[:, :-1]
+        inter_dedup += int(np.count_nonzero(first_node & (nodes != (src // gpn)[:, None])))
+        pairs = (src[:, None] * G + d)[first]
+        matrix += np.bincount(pairs, minlength=G * G)
+    return Traffic(local, intra, inter, inter_dedup, matrix.reshape(G, G))
+
+
+def _nanmean(x: np.ndarray, axis: int | None = None) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-nan slices (layers that never have load) -> nan
+        return np.nanmean(x, axis=axis)
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """How well a plan balances a load (DESIGN §3). Means are over ``(b, l)`` with non-zero load."""
+
+    balancedness: float
+    imbalance_ratio: float
+    #: Mean of ``max_load / lower_bound - 1``; 0 means no plan with these replica counts does better.
+    lower_bound_gap: float
+    #: ``float64 [L]`` mean balancedness per layer (nan for a layer that never has load).
+    per_layer_balancedness: np.ndarray
+    #: ``float64 [L]`` mean imbalance ratio per layer.
+    per_layer_imbalance: np.ndarray
+    #: Mean straggler load in tokens, over ``(b, l)``.
+    mean_max_load: float
+    extra_replicas: int
+    max_slots_per_gpu: int
+    num_batches: int
+    router: str
+    traffic: Traffic | None = None
+    bytes_per_copy: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``evaluate --json`` object (DESIGN §3)."""
+        def clean(x: np.ndarray) -> list[float | None]:
+            return [None if np.isnan(v) else round(float(v), 6) for v in x]
+
+        out: dict[str, Any] = {
+            "balancedness": round(self.balancedness, 6),
+            "imbalance_ratio": round(self.imbalance_ratio, 6),
+            "lower_bound_gap": round(self.lower_bound_gap, 6),
+            "per_layer_balancedness": clean(self.per_layer_balancedness),
+            "per_layer_imbalance_ratio": clean(self.per_layer_imbalance),
+            "mean_max_load": round(self.mean_max_load, 3),
+            "extra_replicas": self.extra_replicas,
+            "max_slots_per_gpu": self.max_slots_per_gpu,
+            "num_batches": self.num_batches,
+            "router": self.router,
+        }
+        if self.traffic is not None:
+            out["traffic"] = self.traffic.as_dict(self.bytes_per_copy)
+            out["traffic_matrix"] = self.traffic.matrix.tolist()
+        return out
+
+
+def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform", *, seed: int = 0,
+             bytes_per_copy: int | None = None) -> Score:
+    """Replay ``load`` through ``plan`` with ``router`` and score it.
+
+    For a token-level load the ``random`` router is applied per token (so GPU loads and traffic come from
+    the same draws); ``uniform`` keeps its exact fractional split for loads and uses its round-robin token
+    realisation for traffic.
+    """
+    check_compatible(plan, load)
+    r = get_router(router)
+    rng = np.random.default_rng(seed)
+    trace = load.trace
+    dest = None
+    if trace is not None:
+        trace.check_gpus(plan.num_gpus)
+        dest = r.assign_tokens(plan, trace, rng)
+    if dest is not None and trace is not None and r.name != "uniform":
+        B, L, G = load.num_batches, load.num_layers, plan.num_gpus
+        flat = (trace.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest
+        loads = np.bincount(flat.ravel(), minlength=B * L * G).reshape(B, L, G).astype(np.float64)
+    else:
+        loads = r.split_counts(plan, load.counts, rng)
+    m = layer_metrics(loads, load.counts, plan.replica_counts())
+    if not np.any(np.isfinite(m.balancedness)):
+        raise InputError("the load is zero in every batch and layer; there is nothing to score")
+    gap = m.max_load / m.lower_bound - 1.0
+    return Score(
+        balancedness=float(_nanmean(m.balancedness)),
+        imbalance_ratio=float(_nanmean(m.imbalance)),
+        lower_bound_gap=float(_nanmean(gap)),
+        per_layer_balancedness=_nanmean(m.balancedness, axis=0),
+        per_layer_imbalance=_nanmean(m.imbalance, axis=0),
+        mean_max_load=float(_nanmean(m.max_load)),
+        extra_replicas=plan.extra_replicas,
+        max_slots_per_gpu=plan.max_slots_per_gpu,
+        num_batches=load.num_batches,
+        router=r.name,
+        traffic=None if dest is None or trace is None else traffic(plan, trace, dest),
+        bytes_per_copy=bytes_per_copy,
+    )
