@@ -1,0 +1,178 @@
+"""Conformance suite over every registered policy (STYLE 7), golden cases and brute force."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given
+
+from moebalance.cluster import Cluster
+from moebalance.errors import BudgetError, InputError
+from moebalance.load import LoadMatrix
+from moebalance.plan import Placement
+from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, get_policy, make_plan
+from moebalance.simulate import evaluate, gpu_loads
+
+#: Policies of our own never put two copies of an expert on one GPU (the faithful eplb may).
+NO_DUPLICATES = {"contiguous", "greedy"}
+
+
+def test_registry_names_are_documented() -> None:
+    assert set(POLICIES) <= set(DOCUMENTED_POLICIES)
+    assert {"contiguous", "greedy", "eplb"} <= set(POLICIES)
+    with pytest.raises(InputError, match="unknown policy 'nope'; choose one of: contiguous"):
+        get_policy("nope")
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[LoadMatrix, Cluster, Budget]:
+    nodes, gpn = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    G = nodes * gpn
+    groups = draw(st.sampled_from([1, 2, 4]))
+    E = groups * draw(st.integers(1, 6))
+    L, B = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    alpha = draw(st.sampled_from([0.1, 1.0, 10.0]))
+    p = rng.dirichlet(np.full(E, alpha), size=L)
+    counts = np.stack([np.stack([rng.multinomial(draw(st.integers(0, 300)), pl) for pl in p]) for _ in range(B)])
+    base = math.ceil(E / G)
+    if draw(st.booleans()):
+        budget = Budget(slots_per_gpu=base + draw(st.integers(0, 2)))
+    else:
+        budget = Budget(replicas_per_gpu=draw(st.integers(0, 2 * L)) + (L * (base * G - E) + G - 1) // G)
+    return LoadMatrix(counts), Cluster(num_nodes=nodes, gpus_per_node=gpn), budget
+
+
+def _params(name: str, load: LoadMatrix, cluster: Cluster) -> dict:
+    if name == "eplb":  # pick a group count EPLB accepts: it must divide the experts
+        return {"num_groups": math.gcd(load.num_experts, cluster.num_nodes * 2)}
+    return {}
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@given(case=cases())
+def test_conformance(name: str, case: tuple[LoadMatrix, Cluster, Budget]) -> None:
+    load, cluster, budget = case
+    try:
+        plan, _ = make_plan(name, load, cluster, budget, **_params(name, load, cluster))
+    except BudgetError:
+        # a policy may refuse a budget it cannot meet, but only when it really cannot hold the experts
+        assert budget.slots_per_gpu is None or budget.slots_per_gpu * cluster.num_gpus < load.num_experts or \
+            name == "eplb"
+        return
+    # shape, every expert placed (Placement validates), budget respected
+    assert (plan.num_layers, plan.num_experts, plan.num_gpus) == (load.num_layers, load.num_experts, cluster.num_gpus)
+    assert np.all(plan.replica_counts() >= 1)
+    budget.check(plan)
+    if name in NO_DUPLICATES:
+        assert plan.warnings == () and plan.copies.max() == 1
+    # deterministic
+    again, _ = make_plan(name, load, cluster, budget, **_params(name, load, cluster))
+    assert again.gpu_experts == plan.gpu_experts
+    # load conserved, metrics in (0, 1]
+    loads = gpu_loads(plan, load.counts)
+    assert np.allclose(loads.sum(axis=2), load.counts.sum(axis=2))
+    if load.counts.sum() > 0:
+        s = evaluate(plan, load)
+        assert 0 < s.balancedness <= 1 + 1e-12 and s.imbalance_ratio >= 1 - 1e-12 and s.lower_bound_gap >= -1e-12
+    # plans with equal slots round-trip through EPLB's tensors
+    if np.all(plan.slots() == plan.slots()[0, 0]):
+        back = Placement.from_eplb(plan.to_eplb().phy2log, cluster, num_experts=plan.num_experts)
+        assert back.gpu_experts == plan.gpu_experts
+
+
+def test_contiguous_golden() -> None:
+    # 10 experts on 4 GPUs: blocks of 3, 3, 2, 2
+    load = LoadMatrix(np.ones((1, 2, 10), int))
+    plan, _ = make_plan("contiguous", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(slots_per_gpu=3))
+    assert plan.gpu_experts[0] == ((0, 1, 2), (3, 4, 5), (6, 7), (8, 9))
+    assert plan.gpu_experts[1] == plan.gpu_experts[0]
+
+
+def test_greedy_golden() -> None:
+    # loads 10, 7, 5, 4, 3, 1 on 3 GPUs with 2 slots each, heaviest first to the least loaded GPU with room:
+    # e0 -> g0 (10), e1 -> g1 (7), e2 -> g2 (5), e3 -> g2 (9), e4 -> g1 (10), e5 -> g0 (11, the only room left)
+    load = LoadMatrix(np.array([[[10, 7, 5, 4, 3, 1]]]))
+    plan, _ = make_plan("greedy", load, Cluster(num_nodes=1, gpus_per_node=3), Budget(slots_per_gpu=2))
+    assert plan.gpu_experts[0] == ((0, 5), (1, 4), (2, 3))
+    assert evaluate(plan, load).balancedness == pytest.approx(10 / 11)
+
+
+def test_greedy_ties_go_to_lower_ids() -> None:
+    load = LoadMatrix(np.array([[[5, 5, 5, 5]]]))
+    plan, _ = make_plan("greedy", load, Cluster(num_nodes=1, gpus_per_node=2), Budget(slots_per_gpu=2))
+    # e0 -> g0, e1 -> g1, e2 -> g0 (tie, lower id), e3 -> g1
+    assert plan.gpu_experts[0] == ((0, 2), (1, 3))
+
+
+def _best_max_load(w: list[int], G: int, cap: int) -> int:
+    """Exact min over all capacity-respecting assignments of the max GPU load (brute force)."""
+    best = sum(w)
+    for assign in itertools.product(range(G), repeat=len(w)):
+        if max(np.bincount(assign, minlength=G)) > cap:
+            continue
+        best = min(best, max(np.bincount(assign, weights=w, minlength=G)))
+    return int(best)
+
+
+@given(st.lists(st.integers(0, 40), min_size=2, max_size=7), st.integers(2, 3))
+def test_greedy_against_brute_force(w: list[int], G: int) -> None:
+    E = len(w)
+    cap = math.ceil(E / G)
+    load = LoadMatrix(np.array([[w]]))
+    plan, _ = make_plan("greedy", load, Cluster(num_nodes=1, gpus_per_node=G), Budget(slots_per_gpu=cap))
+    greedy_max = gpu_loads(plan, load.counts).max()
+    opt = _best_max_load(w, G, cap)
+    lower = max(sum(w) / G, max(w))
+    # the simulator's lower bound is valid, and greedy never beats the exact optimum
+    assert lower <= opt + 1e-9 <= greedy_max + 1e-9
+
+
+def test_eplb_policy_uses_the_budget() -> None:
+    rng = np.random.default_rng(0)
+    load = LoadMatrix(rng.integers(0, 100, size=(2, 4, 16)))
+    cluster = Cluster(num_nodes=2, gpus_per_node=2)
+    plan, _ = make_plan("eplb", load, cluster, Budget(slots_per_gpu=6))
+    assert plan.extra_replicas == 4 * (24 - 16) and plan.max_slots_per_gpu == 6
+    assert plan.params["mode"] == "global" and plan.params["num_groups"] == 1
+    plan, _ = make_plan("eplb", load, cluster, Budget(slots_per_gpu=6), num_groups=4)
+    assert plan.params["mode"] == "hierarchical"
+    # replicas_per_gpu R over L = 4 layers: floor(R / L) extra slots per GPU per layer
+    plan, _ = make_plan("eplb", load, cluster, Budget(replicas_per_gpu=9))
+    assert plan.max_slots_per_gpu == 4 + 2 and plan.extra_replicas == 4 * 8 <= 9 * 4
+    plan, _ = make_plan("eplb", load, cluster, Budget(replicas_per_gpu=3))
+    assert plan.extra_replicas == 0
+
+
+def test_eplb_beats_placement_on_skewed_load() -> None:
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.full(32, 0.2), size=6)
+    counts = np.stack([np.stack([rng.multinomial(5000, pl) for pl in p]) for _ in range(4)])
+    load = LoadMatrix(counts)
+    cluster = Cluster(num_nodes=2, gpus_per_node=4)
+    scores = {}
+    for name in ("contiguous", "greedy", "eplb"):
+        plan, _ = make_plan(name, load, cluster, Budget(slots_per_gpu=6))
+        scores[name] = evaluate(plan, load).balancedness
+    assert scores["contiguous"] < scores["greedy"] < scores["eplb"]
+
+
+def test_impossible_budgets() -> None:
+    load = LoadMatrix(np.ones((1, 2, 16), int))
+    cluster = Cluster(num_nodes=1, gpus_per_node=4)
+    for name in ("contiguous", "greedy", "eplb"):
+        with pytest.raises(BudgetError, match=r"slots_per_gpu \(3\) cannot hold 16 experts on 4 GPUs"):
+            make_plan(name, load, cluster, Budget(slots_per_gpu=3))
+    with pytest.raises(BudgetError, match="exactly one budget"):
+        Budget()
+    with pytest.raises(BudgetError, match="exactly one budget"):
+        Budget(slots_per_gpu=4, replicas_per_gpu=1)
+    with pytest.raises(InputError, match="has no parameter 'x'"):
+        make_plan("greedy", load, cluster, Budget(slots_per_gpu=4), x=1)
+    # 6 experts on 4 GPUs need 8 equal slots: 2 extra replicas per layer, 4 in all > replicas_per_gpu 0
+    with pytest.raises(BudgetError, match="raise it to at least 1"):
+        make_plan("eplb", LoadMatrix(np.ones((1, 2, 6), int)), cluster, Budget(replicas_per_gpu=0))

@@ -1,0 +1,139 @@
+"""Replay simulator, metrics and traffic accounting."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given
+
+from moebalance.cluster import Cluster
+from moebalance.errors import InputError, PlanError
+from moebalance.load import LoadMatrix
+from moebalance.plan import Placement
+from moebalance.routers import ROUTERS
+from moebalance.simulate import evaluate, gpu_loads, layer_metrics
+from moebalance.trace import RoutingTrace
+
+
+def test_uniform_replay_by_hand() -> None:
+    # GPU 0 hosts {0, 1}, GPU 1 hosts {0, 2, 3}; load [2, 1, 1, 2].
+    # Expert 0 splits 1 + 1: GPU 0 = 1 + 1 = 2, GPU 1 = 1 + 1 + 2 = 4; mean 3, max 4.
+    plan = Placement([[[0, 1], [0, 2, 3]]], 4, Cluster(num_nodes=1, gpus_per_node=2))
+    load = LoadMatrix(np.array([[[2, 1, 1, 2]]]))
+    assert gpu_loads(plan, load.counts).tolist() == [[[2.0, 4.0]]]
+    s = evaluate(plan, load)
+    assert s.balancedness == pytest.approx(0.75)
+    assert s.imbalance_ratio == pytest.approx(4 / 3)
+    # lower bound max(6 / 2, max(2/2, 1, 1, 2/1)) = 3, so the gap is 4 / 3 - 1
+    assert s.lower_bound_gap == pytest.approx(1 / 3)
+    assert s.per_layer_balancedness.tolist() == [pytest.approx(0.75)]
+
+
+def test_zero_load_layers_are_skipped() -> None:
+    plan = Placement([[[0], [1]], [[0], [1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    load = LoadMatrix(np.array([[[3, 1], [0, 0]], [[2, 2], [0, 0]]]))
+    s = evaluate(plan, load)
+    # layer 0: batch 0 -> 2/3, batch 1 -> 1; layer 1 has no load
+    assert s.balancedness == pytest.approx((2 / 3 + 1) / 2)
+    assert np.isnan(s.per_layer_balancedness[1])
+    assert s.as_dict()["per_layer_balancedness"][1] is None
+    with pytest.raises(InputError, match="nothing to score"):
+        evaluate(plan, LoadMatrix(np.zeros((1, 2, 2), int)))
+
+
+def test_mismatched_plan_and_load() -> None:
+    plan = Placement([[[0], [1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    with pytest.raises(PlanError, match="1 layers x 2 experts but the load has 1 x 3"):
+        evaluate(plan, LoadMatrix(np.ones((1, 1, 3), int)))
+
+
+def test_traffic_by_hand() -> None:
+    # 2 nodes x 2 GPUs; 4 experts, expert e on GPU e; expert 0 also on GPU 3.
+    cluster = Cluster(num_nodes=2, gpus_per_node=2)
+    plan = Placement([[[0], [1], [2], [3, 0]]], 4, cluster)
+    # token 0 on GPU 0 picks {0, 1}: expert 0's first use goes to replica 0 (GPU 0, local), 1 -> GPU 1 (intra)
+    # token 1 on GPU 0 picks {0, 2}: expert 0's second use -> replica 1 (GPU 3, inter), 2 -> GPU 2 (inter);
+    #   GPUs 2 and 3 are both on node 1: two inter-node copies, one per destination node
+    # token 2 on GPU 3 picks {3, 0}: 3 -> GPU 3 (local); expert 0 third use -> replica 0 (GPU 0, inter)
+    tr = RoutingTrace([[[0, 1]], [[0, 2]], [[3, 0]]], src_gpu=[0, 0, 3], batch=[0, 0, 0], num_experts=4)
+    s = evaluate(plan, LoadMatrix(tr.counts(), tr))
+    t = s.traffic
+    assert t is not None
+    assert (t.local, t.intra_node, t.inter_node, t.inter_node_dedup) == (2, 1, 3, 2)
+    assert t.matrix[0].tolist() == [1, 1, 1, 1] and t.matrix[3].tolist() == [1, 0, 0, 1]
+    assert s.as_dict(
+    )["traffic"] == {"local": 2, "intra_node": 1, "inter_node": 3, "inter_node_dedup": 2}
+    s2 = evaluate(plan, LoadMatrix(tr.counts(), tr), bytes_per_copy=10)
+    assert s2.as_dict()["traffic"]["bytes"]["inter_node"] == 2 * 3 * 10
+
+
+def test_same_gpu_picks_cost_one_copy() -> None:
+    cluster = Cluster(num_nodes=1, gpus_per_node=2)
+    plan = Placement([[[0, 1], [2, 3]]], 4, cluster)
+    tr = RoutingTrace([[[0, 1]], [[2, 3]]], src_gpu=[1, 1], batch=[0, 0], num_experts=4)
+    t = evaluate(plan, LoadMatrix(tr.counts(), tr)).traffic
+    assert t is not None and (t.local, t.intra_node, t.inter_node) == (1, 1, 0)
+
+
+@st.composite
+def plan_and_load(draw: st.DrawFn) -> tuple[Placement, np.ndarray]:
+    nodes, gpn = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    G = nodes * gpn
+    E, L, B = draw(st.integers(1, 9)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    layers = []
+    for _ in range(L):
+        gpus: list[list[int]] = [[] for _ in range(G)]
+        for e in range(E):
+            for g in rng.choice(G, size=int(rng.integers(1, G + 1)), replace=False):
+                gpus[int(g)].append(e)
+        layers.append(gpus)
+    counts = rng.integers(0, 50, size=(B, L, E)) * (rng.random((B, L, E)) < 0.8)
+    return Placement(layers, E, Cluster(num_nodes=nodes, gpus_per_node=gpn)), counts
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+@given(case=plan_and_load())
+def test_router_conserves_load_and_only_uses_hosting_gpus(router: str, case) -> None:
+    plan, counts = case
+    loads = gpu_loads(plan, counts, router, np.random.default_rng(1))
+    assert np.allclose(loads.sum(axis=2), counts.sum(axis=2))
+    # a GPU gets load only if it hosts some expert with load
+    hosts = (np.einsum("ble,leg->blg", counts, plan.copies) > 0)
+    assert np.all(loads[~hosts] == 0)
+    m = layer_metrics(loads, counts, plan.replica_counts())
+    active = counts.sum(axis=2) > 0
+    assert np.all((m.balancedness[active] > 0) & (m.balancedness[active] <= 1 + 1e-12))
+    assert np.allclose(m.imbalance[active] * m.balancedness[active], 1)
+    assert np.all(m.max_load[active] >= m.lower_bound[active] - 1e-9)
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+@given(case=plan_and_load())
+def test_token_routers_pick_hosting_gpus(router: str, case) -> None:
+    plan, counts = case
+    rng = np.random.default_rng(0)
+    L, E = plan.num_layers, plan.num_experts
+    T, K = 30, min(2, E)
+    topk = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(L)]) for _ in range(T)])
+    tr = RoutingTrace(topk, rng.integers(0, plan.num_gpus, T), np.zeros(T, int), num_experts=E)
+    dest = ROUTERS[router].assign_tokens(plan, tr, rng)
+    layer = np.arange(L)[None, :, None]
+    assert np.all(plan.copies[layer, topk, dest] > 0)
+
+
+def test_round_robin_realises_the_equal_split() -> None:
+    # expert 0 on 3 GPUs, 7 tokens: the round-robin split is 3, 2, 2.
+    plan = Placement([[[0], [0, 1], [0]]], 2, Cluster(num_nodes=1, gpus_per_node=3))
+    tr = RoutingTrace(np.zeros((7, 1, 1), int), np.zeros(7, int), np.zeros(7, int), num_experts=2)
+    dest = ROUTERS["uniform"].assign_tokens(plan, tr, np.random.default_rng(0))
+    assert np.bincount(dest.ravel(), minlength=3).tolist() == [3, 2, 2]
+
+
+def test_random_router_is_unbiased() -> None:
+    plan = Placement([[[0], [0, 1], [0]]], 2, Cluster(num_nodes=1, gpus_per_node=3))
+    counts = np.full((400, 1, 2), [300, 0])
+    loads = gpu_loads(plan, counts, "random", np.random.default_rng(5))
+    assert np.allclose(loads.mean(axis=0)[0], [100, 100, 100], rtol=0.02)
+    assert loads.std(axis=0)[0, 0] > 1  # it really samples
