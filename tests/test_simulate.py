@@ -112,7 +112,7 @@ def test_router_conserves_load_and_only_uses_hosting_gpus(router: str, case) -> 
 @pytest.mark.parametrize("router", sorted(ROUTERS))
 @given(case=plan_and_load())
 def test_token_routers_pick_hosting_gpus(router: str, case) -> None:
-    plan, counts = case
+    plan, _counts = case
     rng = np.random.default_rng(0)
     L, E = plan.num_layers, plan.num_experts
     T, K = 30, min(2, E)

@@ -40,7 +40,7 @@ def greedy_pack(weight: np.ndarray, capacity: np.ndarray) -> np.ndarray:
 def placement_from_assignment(gpu_of_slot: np.ndarray, expert_of_slot: np.ndarray, cluster: Cluster,
                               num_experts: int, policy: str, params: Mapping[str, Any]) -> Placement:
     """A plan from ``gpu_of_slot [L, P]`` and ``expert_of_slot [L, P]``; each GPU lists its experts sorted."""
-    L, P = gpu_of_slot.shape
+    L, _P = gpu_of_slot.shape
     G = cluster.num_gpus
     # Sort slots by (gpu, expert) per layer, then cut each layer's row at the GPU boundaries.
     key = gpu_of_slot * num_experts + expert_of_slot

@@ -6,7 +6,7 @@ the ``i``-th token of batch ``b`` routed to expert ``e`` goes to replica ``i mod
 order), so per-replica counts differ by at most one from the equal split.
 
 ``random`` sends each token to a uniformly random replica, as vLLM and SGLang dispatch with EPLB. On counts
-it samples ``multinomial(W[b, l, e], 1 / r_e)`` per expert.
+it samples ``multinomial(W[b, l, e], 1 / r_e)`` per expert, drawn as a chain of binomials.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RANDOM", "UNIFORM", "share_matrix"]
 
-_CHUNK = 256  # batches per matmul chunk: bounds temporary memory at ~CHUNK * L * (E + G) doubles
+_CHUNK = 128  # batches per chunk: bounds temporary memory at ~CHUNK * nnz doubles
 
 
 def share_matrix(plan: Placement) -> np.ndarray:
@@ -33,14 +33,33 @@ def share_matrix(plan: Placement) -> np.ndarray:
 
 
 def apply_shares(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
-    """``counts [B, L, E] x shares [L, E, G] -> float64 [B, L, G]``, batched over layers, chunked over batches."""
-    B, L, _ = counts.shape
-    out = np.empty((B, L, shares.shape[2]), dtype=np.float64)
+    """``counts [B, L, E] x shares [L, E, G] -> float64 [B, L, G]``.
+
+    ``shares`` is sparse (an expert lives on few GPUs), so instead of a dense ``E x G`` product per layer
+    we gather each non-zero ``(l, e, g)`` entry's tokens and sum them per ``(l, g)`` with a segmented sum:
+    ``O(B * nnz)`` work with no BLAS threads (which slow down badly when cores are shared). Chunked over
+    batches to bound temporary memory.
+    """
+    B, L, E = counts.shape
+    G = shares.shape[2]
+    layer, expert, gpu = np.nonzero(shares)  # sorted by (layer, expert, gpu)
+    if layer.size == 0:
+        return np.zeros((B, L, G), dtype=np.float64)
+    weight = shares[layer, expert, gpu]
+    order = np.argsort(layer * G + gpu, kind="stable")  # group the entries by (layer, gpu)
+    src = (layer * E + expert)[order]
+    weight = weight[order]
+    group = (layer * G + gpu)[order]
+    starts = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))
+    targets = group[starts]
+    flat_counts = counts.reshape(B, L * E)
+    out = np.zeros((B, L * G), dtype=np.float64)
     for lo in range(0, B, _CHUNK):
         hi = min(B, lo + _CHUNK)
-        block = np.ascontiguousarray(counts[lo:hi].transpose(1, 0, 2), dtype=np.float64)  # [L, b, E]
-        out[lo:hi] = np.matmul(block, shares).transpose(1, 0, 2)
-    return out
+        block = np.ascontiguousarray(flat_counts[lo:hi].T, dtype=np.float64)  # [L * E, b]: rows gather fast
+        vals = block[src] * weight[:, None]  # [nnz, b]
+        out[lo:hi, targets] = np.add.reduceat(vals, starts, axis=0).T
+    return out.reshape(B, L, G)
 
 
 def _uniform_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -80,12 +99,22 @@ def _random_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator
         return out
     B, L, G = out.shape
     replica_gpus = plan.replica_gpus()[layer_idx, exp_idx]  # [M, R]
-    valid = replica_gpus >= 0
-    pvals = valid / valid.sum(axis=1, keepdims=True)  # [M, R]
-    n = counts[:, layer_idx, exp_idx]  # [B, M]
-    drawn = rng.multinomial(n, pvals)  # [B, M, R]
-    flat = (np.arange(B)[:, None, None] * L + layer_idx[None, :, None]) * G + np.where(valid, replica_gpus, 0)[None]
-    out += np.bincount(flat.ravel(), weights=drawn.ravel().astype(np.float64), minlength=B * L * G).reshape(B, L, G)
+    r = reps[layer_idx, exp_idx]  # [M]
+    remaining = counts[:, layer_idx, exp_idx].astype(np.int64)  # [B, M]
+    base = np.arange(B)[:, None] * L * G + layer_idx[None, :] * G  # [B, M]
+    for j in range(replica_gpus.shape[1]):
+        # multinomial(n, 1/r) drawn as a chain of binomials: replica j takes Binomial(left, 1 / (r - j)),
+        # the last replica takes what is left; only columns with two or more replicas left need a draw
+        draw = np.flatnonzero(r - j >= 2)
+        last = np.flatnonzero(r - j == 1)
+        take = np.zeros_like(remaining)
+        take[:, draw] = rng.binomial(remaining[:, draw], 1.0 / (r[draw] - j))
+        take[:, last] = remaining[:, last]
+        remaining -= take
+        cols = np.concatenate([draw, last])
+        flat = base[:, cols] + replica_gpus[cols, j][None, :]
+        out += np.bincount(flat.ravel(), weights=take[:, cols].ravel().astype(np.float64),
+                           minlength=B * L * G).reshape(B, L, G)
     return out
 
 

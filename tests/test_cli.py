@@ -1,0 +1,1014 @@
+"""The ``moebalance`` command line: happy paths, and every kind of bad input.
+
+User errors (DESIGN §2 and the ``cli`` docstring): exit code 2, exactly one stderr line starting with
+``moebalance: error:`` that names the bad value, no traceback, and no output (or temporary) file left behind.
+
+Most tests call :func:`moebalance.cli.main` in-process; one runs the installed console script.
+Small data throughout: 3 layers x 16 experts, top-2, 4 batches of 32 tokens, 2 nodes x 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from moebalance.cli import main
+from moebalance.plan import read_plan
+
+L, E, K, B, TOKENS = 3, 16, 2, 4, 32
+NODES, GPN = 2, 2
+G = NODES * GPN
+CLUSTER = ["--nodes", str(NODES), "--gpus-per-node", str(GPN)]
+
+# Modules that other engineers may still be writing: their tests run as soon as the module exists.
+needs_synth = pytest.mark.skipif(importlib.util.find_spec("moebalance.synth") is None,
+                                 reason="moebalance.synth is not written yet")
+needs_stats = pytest.mark.skipif(importlib.util.find_spec("moebalance.stats") is None,
+                                 reason="moebalance.stats is not written yet")
+
+
+# ----- helpers -------------------------------------------------------------------------------------------------
+
+def run_cli(argv: Sequence[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``(exit code, stdout, stderr)`` of ``moebalance argv``; argparse's SystemExit counts as the exit code."""
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse reports its errors by raising SystemExit(2)
+        rc = 0 if exc.code is None else exc.code  # type: ignore[assignment]
+    captured = capsys.readouterr()
+    return int(rc), captured.out, captured.err
+
+
+def tree(root: Path) -> list[str]:
+    """Every path under ``root`` (hidden temporary files included), relative and sorted."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def assert_user_error(argv: Sequence[Any], capsys: pytest.CaptureFixture[str], root: Path,
+                      *fragments: str) -> str:
+    """Run ``argv`` and check the user-error contract; returns the error line."""
+    before = tree(root)
+    rc, _, err = run_cli(argv, capsys)
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert rc == 2, f"exit code {rc}, stderr: {err!r}"
+    assert len(lines) == 1, f"expected exactly one stderr line, got: {err!r}"
+    line = lines[0]
+    assert line.startswith("moebalance: error:"), line
+    for fragment in fragments:
+        assert fragment in line, f"{fragment!r} not in {line!r}"
+    assert tree(root) == before, "an output or temporary file was left behind"
+    return line
+
+
+def make_trace(seed: int = 0, num_batches: int = B, num_gpus: int = G) -> dict[str, np.ndarray]:
+    """A valid token-level trace: skewed top-k picks, distinct within a token, with matching counts."""
+    rng = np.random.default_rng(seed)
+    T = num_batches * TOKENS
+    popularity = rng.dirichlet(np.full(E, 0.4), size=L)  # [L, E]
+    keys = np.log(popularity + 1e-12)[None] + rng.gumbel(size=(T, L, E))  # Gumbel top-k: distinct picks
+    topk_ids = np.argsort(-keys, axis=2)[:, :, :K].astype(np.int64)  # [T, L, K]
+    src_gpu = rng.integers(0, num_gpus, size=T).astype(np.int64)
+    batch = np.repeat(np.arange(num_batches, dtype=np.int64), TOKENS)
+    return {"counts": counts_of(topk_ids, batch, num_batches), "topk_ids": topk_ids, "src_gpu": src_gpu,
+            "batch": batch}
+
+
+def counts_of(topk_ids: np.ndarray, batch: np.ndarray, num_batches: int) -> np.ndarray:
+    counts = np.zeros((num_batches, L, E), dtype=np.int64)
+    for t in range(topk_ids.shape[0]):
+        for layer in range(L):
+            for e in topk_ids[t, layer]:
+                counts[batch[t], layer, e] += 1
+    return counts
+
+
+def contiguous_doc(num_layers: int = L, num_experts: int = E) -> dict[str, Any]:
+    """A valid plan document: GPU g hosts a block of consecutive experts in every layer."""
+    per = num_experts // G
+    return {"format": "moebalance.plan", "version": 1, "policy": "custom", "params": {},
+            "cluster": {"num_nodes": NODES, "gpus_per_node": GPN}, "num_layers": num_layers,
+            "num_experts": num_experts,
+            "placement": [[list(range(g * per, (g + 1) * per)) for g in range(G)] for _ in range(num_layers)]}
+
+
+def write_json(path: Path, doc: Any) -> Path:
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture
+def inp(tmp_path: Path) -> Path:
+    d = tmp_path / "in"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def outdir(tmp_path: Path) -> Path:
+    d = tmp_path / "out"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def trace_file(inp: Path) -> Path:
+    p = inp / "trace.npz"
+    np.savez(p, **make_trace())
+    return p
+
+
+@pytest.fixture
+def plan_file(inp: Path) -> Path:
+    return write_json(inp / "contiguous.json", contiguous_doc())
+
+
+# ----- bad load files ------------------------------------------------------------------------------------------
+
+def _npy(arr: np.ndarray) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        np.save(d / "load.npy", arr)
+        return d / "load.npy"
+    return build
+
+
+def _npz(**arrays: Any) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        np.savez(d / "load.npz", **arrays)
+        return d / "load.npz"
+    return build
+
+
+def _trace_npz(edit: Callable[[dict[str, np.ndarray]], None]) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        arrays = make_trace()
+        edit(arrays)
+        np.savez(d / "trace.npz", **arrays)
+        return d / "trace.npz"
+    return build
+
+
+def _with_nan() -> np.ndarray:
+    a = np.ones((B, L, E))
+    a[1, 2, 3] = np.nan
+    return a
+
+
+def _with_value(value: float, dtype: Any) -> np.ndarray:
+    a = np.ones((B, L, E), dtype=dtype)
+    a[0, 1, 2] = value
+    return a
+
+
+def _pickled_npy(d: Path) -> Path:
+    np.save(d / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    return d / "obj.npy"
+
+
+def _pickled_npz(d: Path) -> Path:
+    np.savez(d / "obj.npz", counts=np.array([{"a": 1}], dtype=object))
+    return d / "obj.npz"
+
+
+def _truncated(suffix: str) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        p = d / f"cut{suffix}"
+        counts = np.ones((B, L, E), dtype=np.int64)
+        if suffix == ".npy":
+            np.save(p, counts)
+        else:
+            np.savez_compressed(p, counts=counts)
+        data = p.read_bytes()
+        p.write_bytes(data[: len(data) // 2])
+        return p
+    return build
+
+
+def _not_numpy(d: Path) -> Path:
+    p = d / "text.npy"
+    p.write_text("layer,expert,count\n0,0,3\n")
+    return p
+
+
+def _csv(d: Path) -> Path:
+    p = d / "load.csv"
+    p.write_text("1,2,3\n4,5,6\n")
+    return p
+
+
+def _missing(d: Path) -> Path:
+    return d / "nowhere.npz"
+
+
+def _set(key: str, index: tuple[int, ...], value: int, drop_counts: bool = True) -> Callable[[dict[str, np.ndarray]], None]:
+    def edit(a: dict[str, np.ndarray]) -> None:
+        a[key][index] = value
+        if drop_counts:
+            del a["counts"]
+    return edit
+
+
+def _bump_count(a: dict[str, np.ndarray]) -> None:
+    a["counts"][1, 2, 3] += 1
+
+
+def _repeat_pick(a: dict[str, np.ndarray]) -> None:
+    a["topk_ids"][7, 2, 1] = a["topk_ids"][7, 2, 0]
+    del a["counts"]
+
+
+def _go_back(a: dict[str, np.ndarray]) -> None:
+    a["batch"][TOKENS + 8] = 0  # token 40 is in batch 0 again, after token 39 of batch 1
+    del a["counts"]
+
+
+def _drop(key: str) -> Callable[[dict[str, np.ndarray]], None]:
+    def edit(a: dict[str, np.ndarray]) -> None:
+        del a[key]
+    return edit
+
+
+BAD_LOADS: list[Any] = [
+    pytest.param(_npy(_with_nan()), ("counts[1, 2, 3] is nan",), id="nan"),
+    pytest.param(_npz(counts=_with_nan()), ("counts[1, 2, 3] is nan",), id="nan-npz"),
+    pytest.param(_npy(_with_value(-1, np.int64)), ("counts[0, 1, 2] is -1", "non-negative"), id="negative"),
+    pytest.param(_npy(_with_value(1.5, np.float64)), ("counts[0, 1, 2] is 1.5", "whole"), id="fractional"),
+    pytest.param(_npy(np.ones(E, dtype=np.int64)), ("(16,)",), id="1-d"),
+    pytest.param(_npy(np.ones((2, 2, L, E), dtype=np.int64)), ("(2, 2, 3, 16)",), id="4-d"),
+    pytest.param(_npy(np.ones((L, 0), dtype=np.int64)), ("every dimension must be at least 1",), id="empty-2d"),
+    pytest.param(_npz(counts=np.ones((0, L, E), dtype=np.int64)), ("every dimension must be at least 1",),
+                 id="empty-batches"),
+    pytest.param(_npy(np.ones((B, L, E), dtype=bool)), ("dtype bool",), id="bool"),
+    pytest.param(_npy(np.full((B, L, E), "x")), ("dtype <U1",), id="strings"),
+    pytest.param(_pickled_npy, ("obj.npy", "pickled"), id="pickled-npy"),
+    pytest.param(_pickled_npz, ("obj.npz", "pickled"), id="pickled-npz"),
+    pytest.param(_truncated(".npy"), ("cannot read", "cut.npy"), id="truncated-npy"),
+    pytest.param(_truncated(".npz"), ("cannot read", "cut.npz"), id="truncated-npz"),
+    pytest.param(_not_numpy, ("cannot read", "text.npy"), id="not-numpy"),
+    pytest.param(_missing, ("nowhere.npz", "does not exist"), id="missing"),
+    pytest.param(_csv, ("load.csv", "must end in .npy"), id="csv"),
+    pytest.param(_npz(weights=np.ones((L, E))), ("no 'counts' array", "weights"), id="no-counts"),
+    pytest.param(_trace_npz(_bump_count), ("counts[1, 2, 3] is", "topk_ids routes"), id="trace-count-mismatch"),
+    pytest.param(_trace_npz(_drop("topk_ids")), ("lacks topk_ids",), id="trace-no-topk_ids"),
+    pytest.param(_trace_npz(_drop("src_gpu")), ("lacks src_gpu",), id="trace-no-src_gpu"),
+    pytest.param(_trace_npz(_drop("batch")), ("lacks batch",), id="trace-no-batch"),
+    pytest.param(_trace_npz(_set("topk_ids", (5, 1, 0), E, drop_counts=False)), ("expert id 16", "[0, 16)"),
+                 id="expert-id-too-large"),
+    pytest.param(_trace_npz(_set("topk_ids", (5, 1, 0), -1)), ("expert id -1",), id="expert-id-negative"),
+    pytest.param(_trace_npz(_repeat_pick), ("token 7 picks the same expert twice in layer 2",), id="repeated-pick"),
+    pytest.param(_trace_npz(_go_back), ("non-decreasing", "token 40"), id="batch-decreasing"),
+    pytest.param(_trace_npz(_set("src_gpu", (3,), -2)), ("src_gpu holds rank -2",), id="src-gpu-negative"),
+]
+
+COMMANDS = ["plan", "evaluate", "compare", pytest.param("stats", marks=needs_stats)]
+
+
+def load_command(command: str, load: Path, tmp_path: Path) -> list[Any]:
+    out = tmp_path / "out"
+    if command == "plan":
+        return ["plan", "--load", load, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                "--out", out / "plan.json"]
+    if command == "evaluate":
+        plan = write_json(tmp_path / "in" / "contiguous.json", contiguous_doc())
+        return ["evaluate", "--plan", plan, "--load", load, "--json"]
+    if command == "compare":
+        return ["compare", "--load", load, "--policies", "contiguous,greedy", *CLUSTER, "--slots-per-gpu", 4,
+                "--out-dir", out / "cmp"]
+    return ["stats", "--load", load]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("build", "fragments"), BAD_LOADS)
+def test_bad_load_file(command: str, build: Callable[[Path], Path], fragments: tuple[str, ...], tmp_path: Path,
+                       inp: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    load = build(inp)
+    argv = load_command(command, load, tmp_path)
+    assert_user_error(argv, capsys, tmp_path, *fragments)
+
+
+@pytest.mark.parametrize("command", ["plan", "evaluate", "compare"])
+def test_corrupted_npz_is_a_user_error(command: str, tmp_path: Path, inp: Path, outdir: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # Intact zip directory, damaged compressed member: numpy raises zlib.error while reading the array.
+    p = inp / "corrupt.npz"
+    np.savez_compressed(p, counts=np.random.default_rng(0).integers(0, 50, (B, L, E)))
+    data = bytearray(p.read_bytes())
+    for i in range(60, 120):
+        data[i] ^= 0xFF
+    p.write_bytes(bytes(data))
+    assert_user_error(load_command(command, p, tmp_path), capsys, tmp_path, "cannot read", "corrupt.npz")
+
+
+@pytest.mark.parametrize("name", ["text.npy", "text.npz"])
+def test_text_file_is_not_called_pickled(name: str, tmp_path: Path, inp: Path, outdir: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # A CSV saved under a numpy name holds no pickle; the message should not send the user hunting for one.
+    p = inp / name
+    p.write_text("layer,expert,count\n0,0,3\n")
+    line = assert_user_error(load_command("plan", p, tmp_path), capsys, tmp_path, "cannot read", name)
+    assert "pickle" not in line, line
+
+
+def test_src_gpu_beyond_cluster_at_evaluate(tmp_path: Path, inp: Path, plan_file: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    arrays = make_trace()
+    arrays["src_gpu"][-1] = 6  # the trace was recorded on 7+ ranks; the plan's cluster has 4 GPUs
+    np.savez(inp / "trace8.npz", **arrays)
+    assert_user_error(["evaluate", "--plan", plan_file, "--load", inp / "trace8.npz", "--json"], capsys, tmp_path,
+                      "src_gpu holds rank 6", "4 GPUs")
+
+
+def test_src_gpu_beyond_cluster_at_plan_leaves_no_plan(tmp_path: Path, inp: Path, outdir: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # `plan` scores its plan in-sample after writing it; an error there must not leave the file behind.
+    arrays = make_trace()
+    arrays["src_gpu"][-1] = 6
+    np.savez(inp / "trace8.npz", **arrays)
+    assert_user_error(["plan", "--load", inp / "trace8.npz", "--policy", "contiguous", *CLUSTER,
+                       "--slots-per-gpu", 4, "--out", outdir / "plan.json"], capsys, tmp_path, "src_gpu holds rank 6")
+
+
+def test_plan_on_all_zero_load(tmp_path: Path, inp: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Either a valid plan (contiguous needs no load) or a user error, but never an error with the file written.
+    np.save(inp / "zero.npy", np.zeros((B, L, E), dtype=np.int64))
+    dest = outdir / "plan.json"
+    rc, _, err = run_cli(["plan", "--load", inp / "zero.npy", "--policy", "contiguous", *CLUSTER,
+                          "--slots-per-gpu", 4, "--out", dest], capsys)
+    assert "Traceback" not in err
+    if rc == 0:
+        assert read_plan(dest).num_layers == L
+    else:
+        assert rc == 2 and len(err.strip().splitlines()) == 1
+        assert tree(outdir) == [], f"exit {rc} ({err.strip()}) but the plan file was written"
+
+
+def test_evaluate_all_zero_load(tmp_path: Path, inp: Path, plan_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    np.save(inp / "zero.npy", np.zeros((B, L, E), dtype=np.int64))
+    assert_user_error(["evaluate", "--plan", plan_file, "--load", inp / "zero.npy"], capsys, tmp_path, "zero")
+
+
+# ----- bad plans -----------------------------------------------------------------------------------------------
+
+def _edit_plan(edit: Callable[[dict[str, Any]], Any]) -> Callable[[Path], Path]:
+    """A contiguous plan document changed in place by ``edit`` (its return value is ignored)."""
+    def build(d: Path) -> Path:
+        doc = contiguous_doc()
+        edit(doc)
+        return write_json(d / "bad.json", doc)
+    return build
+
+
+def _other_plan(doc: dict[str, Any]) -> Callable[[Path], Path]:
+    """A valid plan document for another model than the load."""
+    def build(d: Path) -> Path:
+        return write_json(d / "bad.json", doc)
+    return build
+
+
+def _raw_plan(text: str) -> Callable[[Path], Path]:
+    def build(d: Path) -> Path:
+        (d / "bad.json").write_text(text)
+        return d / "bad.json"
+    return build
+
+
+def _truncated_plan(d: Path) -> Path:
+    text = json.dumps(contiguous_doc())
+    (d / "bad.json").write_text(text[: len(text) // 2])
+    return d / "bad.json"
+
+
+BAD_PLANS: list[Any] = [
+    pytest.param(_edit_plan(lambda d: d["placement"][1][1].remove(5)), ("expert 5 of layer 1 has no replica",),
+                 id="missing-expert"),
+    pytest.param(_edit_plan(lambda d: d["placement"][2][0].append(E)), ("placement[2][0]", "expert 16"),
+                 id="expert-id-too-large"),
+    pytest.param(_edit_plan(lambda d: d["placement"][0][3].append(-1)), ("placement[0][3]", "expert -1"),
+                 id="expert-id-negative"),
+    pytest.param(_edit_plan(lambda d: d["placement"][0][1].append(2.0)), ("placement[0][1]", "2.0"),
+                 id="expert-id-float"),
+    pytest.param(_edit_plan(lambda d: d["placement"].pop()), ("placement has 2 layers but num_layers is 3",),
+                 id="layers-vs-num_layers"),
+    pytest.param(_edit_plan(lambda d: d["placement"][0].pop()), ("placement[0] has 3 GPU lists", "4 GPUs"),
+                 id="gpu-lists-vs-cluster"),
+    pytest.param(_other_plan(contiguous_doc(num_layers=2)), ("the plan has 2 layers", "3 x 16"),
+                 id="layers-vs-load"),
+    pytest.param(_other_plan(contiguous_doc(num_experts=32)), ("32 experts", "3 x 16"),
+                 id="experts-vs-load"),
+    pytest.param(_edit_plan(lambda d: d.update(format="eplb.plan")), ("format 'eplb.plan'",), id="format"),
+    pytest.param(_edit_plan(lambda d: d.pop("format")), ("format None",), id="no-format"),
+    pytest.param(_edit_plan(lambda d: d.update(version=2)), ("version 2",), id="version"),
+    pytest.param(_edit_plan(lambda d: d.pop("placement")), ("lacks the key 'placement'",), id="no-placement"),
+    pytest.param(_edit_plan(lambda d: d.update(cluster={"num_nodes": 0, "gpus_per_node": 2})), ("num_nodes (0)",),
+                 id="cluster-zero-nodes"),
+    pytest.param(_edit_plan(lambda d: d.update(num_experts="16")), ("num_experts ('16')",), id="num-experts-string"),
+    pytest.param(_raw_plan("placement: [[0, 1]]\n"), ("bad.json", "not valid JSON"), id="not-json"),
+    pytest.param(_truncated_plan, ("bad.json", "not valid JSON"), id="truncated-json"),
+    pytest.param(_raw_plan("[[[0, 1, 2, 3]]]"), ("JSON object, not list",), id="json-list"),
+    pytest.param(lambda d: d / "nowhere.json", ("nowhere.json", "does not exist"), id="missing"),
+    pytest.param(_edit_plan(lambda d: d.update(weights=[[[1.0] * 4] * 4] * 2)), ("weights has 2 layers",),
+                 id="weights-layers"),
+    pytest.param(_edit_plan(lambda d: d.update(weights=5)), ("weights",), id="weights-not-a-list"),
+    pytest.param(_edit_plan(lambda d: d.update(weights=[[["a"] * 4] * 4] * 3)), ("weights[0][0]",),
+                 id="weights-not-numbers"),
+]
+
+
+@pytest.mark.parametrize(("build", "fragments"), BAD_PLANS)
+def test_bad_plan_file(build: Callable[[Path], Path], fragments: tuple[str, ...], tmp_path: Path, inp: Path,
+                       trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = build(inp)
+    assert_user_error(["evaluate", "--plan", plan, "--load", trace_file, "--json"], capsys, tmp_path, *fragments)
+
+
+def test_duplicated_expert_on_one_gpu_is_a_warning(tmp_path: Path, inp: Path, trace_file: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # DESIGN §2: a second copy of an expert on the same GPU is a warning, not an error (reference EPLB makes them).
+    doc = contiguous_doc()
+    doc["placement"][1][2].append(doc["placement"][1][2][0])  # GPU 2 hosts expert 8 twice in layer 1
+    plan = write_json(inp / "dup.json", doc)
+    rc, out, err = run_cli(["evaluate", "--plan", plan, "--load", trace_file, "--json"], capsys)
+    assert rc == 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning:"), err
+    assert "layer 1, GPU 2, expert 8" in lines[0]
+    result = json.loads(out)
+    assert len(result["warnings"]) == 1
+    assert result["extra_replicas"] == 1 and result["max_slots_per_gpu"] == 5
+
+
+# ----- budgets, policies, parameters ---------------------------------------------------------------------------
+
+@pytest.fixture
+def load64(inp: Path) -> Path:
+    p = inp / "load64.npy"
+    np.save(p, np.random.default_rng(1).integers(0, 100, size=(2, L, 64)))
+    return p
+
+
+@pytest.mark.parametrize("policy", ["contiguous", "greedy", "eplb"])
+def test_slots_too_small_for_the_experts(policy: str, tmp_path: Path, load64: Path, outdir: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # 64 experts on 8 GPUs need at least 8 slots per GPU.
+    assert_user_error(["plan", "--load", load64, "--policy", policy, "--nodes", 2, "--gpus-per-node", 4,
+                       "--slots-per-gpu", 7, "--out", outdir / "plan.json"], capsys, tmp_path,
+                      "slots_per_gpu (7)", "64 experts on 8 GPUs", "at least 8")
+
+
+def test_eplb_replica_budget_too_small(tmp_path: Path, inp: Path, outdir: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # 18 experts on 4 GPUs: equal slots need 5 per GPU, 2 extra replicas per layer, 6 in all; R=1 allows 4.
+    np.save(inp / "load18.npy", np.ones((2, L, 18), dtype=np.int64))
+    assert_user_error(["plan", "--load", inp / "load18.npy", "--policy", "eplb", *CLUSTER, "--replicas-per-gpu", 1,
+                       "--out", outdir / "plan.json"], capsys, tmp_path, "replicas_per_gpu 1")
+
+
+@pytest.mark.parametrize(("budget", "fragment"), [
+    (["--slots-per-gpu", "0"], "slots_per_gpu (0)"),
+    (["--slots-per-gpu", "-3"], "slots_per_gpu (-3)"),
+    (["--replicas-per-gpu", "-1"], "replicas_per_gpu (-1)"),
+])
+@pytest.mark.parametrize("command", ["plan", "compare"])
+def test_bad_budget_value(command: str, budget: list[str], fragment: str, tmp_path: Path, trace_file: Path,
+                          outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if command == "plan":
+        argv = ["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, *budget, "--out", outdir / "p.json"]
+    else:
+        argv = ["compare", "--load", trace_file, "--policies", "greedy", *CLUSTER, *budget, "--out-dir", outdir / "c"]
+    assert_user_error(argv, capsys, tmp_path, fragment)
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["--slots-per-gpu", "4", "--replicas-per-gpu", "2"], ("--replicas-per-gpu", "not allowed with")),
+    ([], ("--slots-per-gpu", "--replicas-per-gpu", "required")),
+    (["--slots-per-gpu", "four"], ("--slots-per-gpu", "'four'")),
+    (["--slots-per-gpu", "4", "--nodes", "x"], ("--nodes", "'x'")),
+    (["--slots-per-gpu", "4", "--bogus", "1"], ("--bogus",)),
+])
+def test_argparse_errors_are_one_line(args: list[str], fragments: tuple[str, ...], tmp_path: Path, trace_file: Path,
+                                      outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, *args,
+                       "--out", outdir / "p.json"], capsys, tmp_path, *fragments)
+
+
+@pytest.mark.parametrize(("argv", "fragments"), [
+    ([], ("required",)),
+    (["frobnicate"], ("'frobnicate'",)),
+    (["plan"], ("required",)),
+    (["evaluate", "--plan", "p.json", "--load", "l.npz", "--router", "psychic"], ("'psychic'",)),
+    (["compare", "--load", "l.npz", "--policies", "greedy", *CLUSTER, "--slots-per-gpu", "4", "--train-frac", "half"],
+     ("--train-frac", "'half'")),
+])
+def test_argparse_errors_elsewhere(argv: list[str], fragments: tuple[str, ...], tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(argv, capsys, tmp_path, *fragments)
+
+
+def test_eplb_groups_must_divide_experts(tmp_path: Path, load64: Path, outdir: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    # One node: 7 groups is hierarchical (1 divides 7), and 64 experts cannot form 7 equal groups.
+    assert_user_error(["plan", "--load", load64, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 8,
+                       "--slots-per-gpu", 9, "--groups", 7, "--out", outdir / "plan.json"], capsys, tmp_path,
+                      "num_groups (7)", "64")
+
+
+@pytest.mark.parametrize("groups", ["0", "-2"])
+def test_eplb_non_positive_groups(groups: str, tmp_path: Path, trace_file: Path, outdir: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["plan", "--load", trace_file, "--policy", "eplb", *CLUSTER, "--slots-per-gpu", 5,
+                       "--groups", groups, "--out", outdir / "plan.json"], capsys, tmp_path, f"num_groups ({groups})")
+
+
+@pytest.mark.parametrize("value", ["abc", "[1]"])
+def test_eplb_num_groups_set_to_a_non_integer(value: str, tmp_path: Path, trace_file: Path, outdir: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["plan", "--load", trace_file, "--policy", "eplb", *CLUSTER, "--slots-per-gpu", 5,
+                       "--set", f"num_groups={value}", "--out", outdir / "plan.json"], capsys, tmp_path,
+                      "num_groups", value)
+
+
+def test_unknown_policy_plan(tmp_path: Path, trace_file: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["plan", "--load", trace_file, "--policy", "magic", *CLUSTER, "--slots-per-gpu", 4,
+                       "--out", outdir / "plan.json"], capsys, tmp_path, "unknown policy 'magic'", "contiguous")
+
+
+@pytest.mark.parametrize(("policies", "fragments"), [
+    ("greedy,magic", ("unknown policy 'magic'", "eplb")),
+    (" , ", ("--policies is empty",)),
+])
+def test_bad_policies_compare(policies: str, fragments: tuple[str, ...], tmp_path: Path, trace_file: Path,
+                              outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["compare", "--load", trace_file, "--policies", policies, *CLUSTER, "--slots-per-gpu", 4,
+                       "--out-dir", outdir / "c"], capsys, tmp_path, *fragments)
+
+
+@pytest.mark.parametrize(("command", "item", "fragments"), [
+    ("plan", "speed=3", ("policy 'greedy' has no parameter 'speed'",)),
+    ("plan", "novalue", ("--set 'novalue' must look like key=value",)),
+    ("plan", "=3", ("--set '=3' must look like key=value",)),
+    ("compare", "speed=3", ("has no parameter 'speed'",)),
+    ("compare", "greedy.speed=3", ("policy 'greedy' has no parameter 'speed'",)),
+    ("compare", "craft.speed=3", ("policy 'craft' is not being compared",)),
+    ("compare", "novalue", ("--set 'novalue' must look like key=value",)),
+])
+def test_bad_set_parameter(command: str, item: str, fragments: tuple[str, ...], tmp_path: Path, trace_file: Path,
+                           outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if command == "plan":
+        argv = ["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                "--set", item, "--out", outdir / "plan.json"]
+    else:
+        argv = ["compare", "--load", trace_file, "--policies", "contiguous,greedy", *CLUSTER, "--slots-per-gpu", 4,
+                "--set", item, "--out-dir", outdir / "c"]
+    assert_user_error(argv, capsys, tmp_path, *fragments)
+
+
+@pytest.mark.parametrize(("batches", "fragments"), [
+    ("5:2", ("'5:2'", "empty")),
+    ("2:2", ("'2:2'", "empty")),
+    ("a:b", ("'a:b'", "integers")),
+    ("10:20", ("'10:20'", "4 batches")),
+    ("1:2:3", ("'1:2:3'", "a:b")),
+    ("3", ("'3'", "a:b")),
+])
+@pytest.mark.parametrize("command", ["plan", "evaluate"])
+def test_bad_batch_range(command: str, batches: str, fragments: tuple[str, ...], tmp_path: Path, trace_file: Path,
+                         plan_file: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if command == "plan":
+        argv = ["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                "--batches", batches, "--out", outdir / "plan.json"]
+    else:
+        argv = ["evaluate", "--plan", plan_file, "--load", trace_file, "--batches", batches]
+    assert_user_error(argv, capsys, tmp_path, *fragments)
+
+
+@pytest.mark.parametrize(("frac", "fragment"), [("0", "(0.0)"), ("1.5", "(1.5)"), ("-0.5", "(-0.5)"),
+                                                ("nan", "(nan)")])
+def test_bad_train_fraction(frac: str, fragment: str, tmp_path: Path, trace_file: Path, outdir: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["compare", "--load", trace_file, "--policies", "contiguous,greedy", *CLUSTER,
+                       "--slots-per-gpu", 4, "--train-frac", frac, "--out-dir", outdir / "c"], capsys, tmp_path,
+                      "train fraction", fragment)
+
+
+def test_compare_one_batch_with_default_train_fraction(tmp_path: Path, inp: Path, outdir: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    np.save(inp / "one.npy", np.random.default_rng(2).integers(1, 20, size=(L, E)))
+    assert_user_error(["compare", "--load", inp / "one.npy", "--policies", "contiguous,greedy", *CLUSTER,
+                       "--slots-per-gpu", 4, "--out-dir", outdir / "c"], capsys, tmp_path, "1 batch", "--train-frac 1")
+
+
+@pytest.mark.parametrize(("cluster", "fragment"), [
+    (["--nodes", "0", "--gpus-per-node", "2"], "num_nodes (0)"),
+    (["--nodes", "2", "--gpus-per-node", "-1"], "gpus_per_node (-1)"),
+])
+@pytest.mark.parametrize("command", ["plan", "compare"])
+def test_bad_cluster(command: str, cluster: list[str], fragment: str, tmp_path: Path, trace_file: Path, outdir: Path,
+                     capsys: pytest.CaptureFixture[str]) -> None:
+    if command == "plan":
+        argv = ["plan", "--load", trace_file, "--policy", "greedy", *cluster, "--slots-per-gpu", 4,
+                "--out", outdir / "plan.json"]
+    else:
+        argv = ["compare", "--load", trace_file, "--policies", "greedy", *cluster, "--slots-per-gpu", 4,
+                "--out-dir", outdir / "c"]
+    assert_user_error(argv, capsys, tmp_path, fragment)
+
+
+@pytest.mark.parametrize("command", ["evaluate", "compare"])
+def test_negative_seed(command: str, tmp_path: Path, trace_file: Path, plan_file: Path, outdir: Path,
+                       capsys: pytest.CaptureFixture[str]) -> None:
+    if command == "evaluate":
+        argv = ["evaluate", "--plan", plan_file, "--load", trace_file, "--router", "random", "--seed", "-1"]
+    else:
+        argv = ["compare", "--load", trace_file, "--policies", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                "--router", "random", "--seed", "-1", "--out-dir", outdir / "c"]
+    assert_user_error(argv, capsys, tmp_path, "seed", "-1")
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--hidden-size", "-1"), ("--hidden-size", "0"),
+                                             ("--dtype-bytes", "0"), ("--dtype-bytes", "-2")])
+def test_non_positive_traffic_size(flag: str, value: str, tmp_path: Path, trace_file: Path, plan_file: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    # bytes per copy = hidden size x dtype bytes; a non-positive size is a typo, not a traffic volume.
+    argv = ["evaluate", "--plan", plan_file, "--load", trace_file, "--json", "--hidden-size", "64", flag, value]
+    line = assert_user_error(argv, capsys, tmp_path, value)
+    assert flag.split("-")[2] in line, line  # "hidden" or "dtype"
+
+
+# ----- outputs -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["plan.txt", "plan", "plan.json.tmp", "plan.npz"])
+def test_plan_out_wrong_extension(name: str, tmp_path: Path, trace_file: Path, outdir: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                       "--out", outdir / name], capsys, tmp_path, name, "must end in .json")
+
+
+def test_plan_out_is_a_directory(tmp_path: Path, trace_file: Path, outdir: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    (outdir / "plan.json").mkdir()
+    assert_user_error(["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                       "--out", outdir / "plan.json"], capsys, tmp_path, "plan.json", "is a folder")
+
+
+def test_plan_out_under_a_file(tmp_path: Path, trace_file: Path, outdir: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    (outdir / "blocker").write_text("not a folder")
+    assert_user_error(["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                       "--out", outdir / "blocker" / "plan.json"], capsys, tmp_path, "blocker")
+
+
+def test_compare_out_dir_is_a_file(tmp_path: Path, trace_file: Path, outdir: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    (outdir / "results").write_text("not a folder")
+    assert_user_error(["compare", "--load", trace_file, "--policies", "contiguous,greedy", *CLUSTER,
+                       "--slots-per-gpu", 4, "--out-dir", outdir / "results"], capsys, tmp_path, "results")
+
+
+def test_plan_file_has_ordinary_permissions(tmp_path: Path, trace_file: Path, outdir: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # An atomic writer goes through mkstemp (mode 0600); the final file should get the usual 0666 & ~umask,
+    # like any file the user writes, or teammates and serving containers cannot read the plan.
+    umask = os.umask(0)
+    os.umask(umask)
+    rc, _, err = run_cli(["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                          "--out", outdir / "plan.json"], capsys)
+    assert rc == 0, err
+    mode = stat.S_IMODE((outdir / "plan.json").stat().st_mode)
+    assert mode == 0o666 & ~umask, f"plan written with mode {oct(mode)}"
+
+
+# ----- synth ---------------------------------------------------------------------------------------------------
+
+SYNTH = ["synth", "--preset", "olmoe-1b-7b", "--batches", "4", "--tokens-per-batch", "64", "--gpus", "4"]
+
+
+@needs_synth
+def test_synth_unknown_preset(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["synth", "--preset", "gpt-9", "--batches", 2, "--tokens-per-batch", 8, "--gpus", 2,
+                       "--out", outdir / "t.npz"], capsys, tmp_path, "gpt-9", "deepseek-v3", "olmoe-1b-7b")
+
+
+@needs_synth
+@pytest.mark.parametrize("value", ["0", "-1"])
+@pytest.mark.parametrize(("flag", "word"), [("--batches", "batches"), ("--tokens-per-batch", "tokens"),
+                                            ("--gpus", "gpus")])
+def test_synth_non_positive_sizes(flag: str, word: str, value: str, tmp_path: Path, outdir: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    args = {"--batches": "2", "--tokens-per-batch": "8", "--gpus": "2", flag: value}
+    argv = ["synth", "--preset", "olmoe-1b-7b", *[x for kv in args.items() for x in kv], "--out", outdir / "t.npz"]
+    line = assert_user_error(argv, capsys, tmp_path, value)
+    assert word in line.lower(), line
+
+
+@needs_synth
+def test_synth_out_wrong_extension(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error([*SYNTH, "--out", outdir / "t.npy"], capsys, tmp_path, "t.npy", "must end in .npz")
+
+
+@needs_synth
+def test_synth_then_stats_plan_evaluate(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = outdir / "olmoe.npz"
+    rc, out, err = run_cli([*SYNTH, "--token-level", "--out", trace], capsys)
+    assert rc == 0, err
+    assert "olmoe" in out.lower()
+    assert [p for p in tree(outdir) if p != "olmoe.npz"] == [], "temporary files left behind"
+    with np.load(trace, allow_pickle=False) as data:
+        counts, topk, src, batch = (data[k] for k in ("counts", "topk_ids", "src_gpu", "batch"))
+    assert counts.ndim == 3 and counts.shape[0] == 4
+    assert topk.shape[0] == src.shape[0] == batch.shape[0] == 4 * 64
+    assert topk.shape[1] == counts.shape[1]
+    assert counts.sum() == topk.size  # every (token, layer, pick) counted once
+    assert src.min() >= 0 and src.max() < 4
+    assert np.all(np.diff(batch) >= 0)
+    num_experts = counts.shape[2]
+
+    if importlib.util.find_spec("moebalance.stats") is not None:
+        rc, out, err = run_cli(["stats", "--load", trace, "--json"], capsys)
+        assert rc == 0, err
+        assert json.loads(out)["shape"] == list(counts.shape)
+
+    plan = outdir / "plan.json"
+    slots = -(-num_experts // 4) + 1
+    rc, out, err = run_cli(["plan", "--load", trace, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 4,
+                            "--slots-per-gpu", slots, "--out", plan], capsys)
+    assert rc == 0, err
+    assert read_plan(plan).num_experts == num_experts
+    rc, out, err = run_cli(["evaluate", "--plan", plan, "--load", trace, "--json"], capsys)
+    assert rc == 0, err
+    result = json.loads(out)
+    assert 0 < result["balancedness"] <= 1
+    assert set(result["traffic"]) >= {"local", "intra_node", "inter_node"}
+    assert result["traffic"]["inter_node"] == 0  # one node
+    assert "bytes" in result["traffic"]  # the preset knows its hidden size
+
+
+# ----- happy paths ---------------------------------------------------------------------------------------------
+
+@needs_stats
+def test_stats(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(["stats", "--load", trace_file], capsys)
+    assert rc == 0, err
+    assert "token-level" in out
+    rc, out, err = run_cli(["stats", "--load", trace_file, "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["shape"] == [B, L, E]
+    assert len(doc["peak_to_mean"]) == L
+
+
+@pytest.mark.parametrize("budget", [["--slots-per-gpu", "5"], ["--replicas-per-gpu", "3"]])
+@pytest.mark.parametrize("policy", ["contiguous", "greedy", "eplb"])
+def test_plan_policies_and_budgets(policy: str, budget: list[str], trace_file: Path, outdir: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    dest = outdir / "plan.json"
+    rc, out, err = run_cli(["plan", "--load", trace_file, "--policy", policy, *CLUSTER, *budget, "--out", dest],
+                           capsys)
+    assert rc == 0, err
+    # Reference EPLB may put two copies of an expert on one GPU: a warning line, nothing else (DESIGN §2).
+    assert all(line.startswith("warning:") for line in err.splitlines()), err
+    assert "wrote" in out and "balancedness" in out
+    assert tree(outdir) == ["plan.json"], "temporary files left behind"
+    plan = read_plan(dest)
+    assert (plan.num_layers, plan.num_experts, plan.num_gpus, plan.policy) == (L, E, G, policy)
+    assert np.all(plan.replica_counts() >= 1)
+    if budget[0] == "--slots-per-gpu":
+        assert plan.max_slots_per_gpu <= 5
+    else:
+        assert plan.extra_replicas <= 3 * G
+    if policy == "eplb":
+        assert plan.extra_replicas == L * (5 * G - E)  # both budgets give 5 equal slots per GPU here
+    else:
+        assert plan.extra_replicas == 0
+    assert plan.params["planned_on_batches"] == f"0:{B}"
+    doc = json.loads(dest.read_text())
+    assert doc["format"] == "moebalance.plan" and doc["version"] == 1
+
+
+def test_plan_on_batch_range(trace_file: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dest = outdir / "plan.json"
+    rc, _, err = run_cli(["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                          "--batches", "1:3", "--out", dest], capsys)
+    assert rc == 0, err
+    assert read_plan(dest).params["planned_on_batches"] == "1:3"
+
+
+def test_plan_overwrites_existing_file(trace_file: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dest = outdir / "plan.json"
+    dest.write_text("old")
+    rc, _, err = run_cli(["plan", "--load", trace_file, "--policy", "contiguous", *CLUSTER, "--slots-per-gpu", 4,
+                          "--out", dest], capsys)
+    assert rc == 0, err
+    assert read_plan(dest).policy == "contiguous"
+    assert tree(outdir) == ["plan.json"]
+
+
+def _expected_contiguous(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Balancedness, gap and traffic of the contiguous plan (GPU g hosts experts 4g..4g+3), by brute force."""
+    counts = arrays["counts"].astype(np.float64)
+    gpu_load = counts.reshape(B, L, G, E // G).sum(axis=3)
+    mean, peak = gpu_load.mean(axis=2), gpu_load.max(axis=2)
+    bound = np.maximum(counts.sum(axis=2) / G, counts.max(axis=2))
+    local = intra = inter = 0
+    for t in range(arrays["topk_ids"].shape[0]):
+        src = int(arrays["src_gpu"][t])
+        for layer in range(L):
+            for dest in {int(e) // (E // G) for e in arrays["topk_ids"][t, layer]}:
+                if dest == src:
+                    local += 1
+                elif dest // GPN == src // GPN:
+                    intra += 1
+                else:
+                    inter += 1
+    return {"balancedness": float(np.mean(mean / peak)), "per_layer": (mean / peak).mean(axis=0),
+            "imbalance_ratio": float(np.mean(peak / mean)), "gap": float(np.mean(peak / bound - 1)),
+            "traffic": (local, intra, inter)}
+
+
+def test_evaluate_json_contiguous_by_hand(inp: Path, plan_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    arrays = make_trace()
+    np.savez(inp / "t.npz", **arrays)
+    rc, out, err = run_cli(["evaluate", "--plan", plan_file, "--load", inp / "t.npz", "--json"], capsys)
+    assert rc == 0, err
+    assert err == ""
+    r = json.loads(out)
+    want = _expected_contiguous(arrays)
+    assert r["balancedness"] == pytest.approx(want["balancedness"], abs=1e-6)
+    assert r["imbalance_ratio"] == pytest.approx(want["imbalance_ratio"], abs=1e-6)
+    assert r["lower_bound_gap"] == pytest.approx(want["gap"], abs=1e-6)
+    assert r["per_layer_balancedness"] == pytest.approx(list(want["per_layer"]), abs=1e-6)
+    assert r["extra_replicas"] == 0 and r["max_slots_per_gpu"] == E // G
+    t = r["traffic"]
+    assert (t["local"], t["intra_node"], t["inter_node"]) == want["traffic"]
+    T = B * TOKENS
+    assert T * L <= t["local"] + t["intra_node"] + t["inter_node"] <= T * L * K
+    assert r["num_batches"] == B and r["batches"] == f"0:{B}" and r["warnings"] == []
+
+
+@pytest.mark.parametrize("policy", ["contiguous", "greedy", "eplb"])
+@pytest.mark.parametrize("router", ["uniform", "random"])
+def test_evaluate_json_ranges(policy: str, router: str, trace_file: Path, outdir: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    plan = outdir / "plan.json"
+    rc, _, err = run_cli(["plan", "--load", trace_file, "--policy", policy, *CLUSTER, "--slots-per-gpu", 5,
+                          "--out", plan], capsys)
+    assert rc == 0, err
+    rc, out, err = run_cli(["evaluate", "--plan", plan, "--load", trace_file, "--router", router, "--json",
+                            "--batches", "2:"], capsys)
+    assert rc == 0, err
+    r = json.loads(out)
+    for key in ("balancedness", "imbalance_ratio", "per_layer_balancedness", "extra_replicas",
+                "max_slots_per_gpu", "lower_bound_gap", "traffic"):
+        assert key in r, key
+    assert 0 < r["balancedness"] <= 1
+    assert r["imbalance_ratio"] >= 1
+    assert r["imbalance_ratio"] == pytest.approx(1 / r["balancedness"], rel=0.5)
+    assert len(r["per_layer_balancedness"]) == L
+    assert all(0 < v <= 1 for v in r["per_layer_balancedness"])
+    assert r["lower_bound_gap"] >= -1e-9
+    assert r["max_slots_per_gpu"] <= 5 and r["extra_replicas"] >= 0
+    assert r["router"] == router and r["num_batches"] == 2 and r["batches"] == "2:4"
+    t = r["traffic"]
+    T = 2 * TOKENS
+    assert all(isinstance(t[k], int) and t[k] >= 0 for k in ("local", "intra_node", "inter_node"))
+    assert T * L <= t["local"] + t["intra_node"] + t["inter_node"] <= T * L * K
+
+
+def test_random_router_equals_uniform_without_replicas(trace_file: Path, plan_file: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    results = {}
+    for router in ("uniform", "random"):
+        rc, out, err = run_cli(["evaluate", "--plan", plan_file, "--load", trace_file, "--router", router, "--json"],
+                               capsys)
+        assert rc == 0, err
+        results[router] = json.loads(out)
+    for key in ("balancedness", "imbalance_ratio", "lower_bound_gap", "traffic"):
+        assert results["uniform"][key] == results["random"][key], key
+
+
+def test_evaluate_bytes_with_hidden_size(trace_file: Path, plan_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(["evaluate", "--plan", plan_file, "--load", trace_file, "--json", "--hidden-size", "64"],
+                           capsys)
+    assert rc == 0, err
+    t = json.loads(out)["traffic"]
+    assert t["bytes"]["inter_node"] == 2 * t["inter_node"] * 64 * 2
+
+
+def test_evaluate_table(trace_file: Path, plan_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(["evaluate", "--plan", plan_file, "--load", trace_file], capsys)
+    assert rc == 0, err
+    assert "balancedness" in out and "inter-node" in out
+
+
+def test_counts_only_npz_has_no_traffic(inp: Path, plan_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    np.savez(inp / "counts.npz", counts=make_trace()["counts"])
+    rc, out, err = run_cli(["evaluate", "--plan", plan_file, "--load", inp / "counts.npz", "--json"], capsys)
+    assert rc == 0, err
+    assert "traffic" not in json.loads(out)
+
+
+def test_token_level_npz_without_counts(inp: Path, plan_file: Path, trace_file: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    arrays = make_trace()
+    del arrays["counts"]
+    np.savez(inp / "nocounts.npz", **arrays)
+    outs = []
+    for load in (inp / "nocounts.npz", trace_file):
+        rc, out, err = run_cli(["evaluate", "--plan", plan_file, "--load", load, "--json"], capsys)
+        assert rc == 0, err
+        outs.append(json.loads(out))
+    assert outs[0]["balancedness"] == outs[1]["balancedness"]
+    assert outs[0]["traffic"] == outs[1]["traffic"]
+
+
+def test_npy_2d_is_one_batch(inp: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    counts = np.random.default_rng(5).integers(0, 40, size=(L, E))
+    np.save(inp / "le.npy", counts)
+    np.save(inp / "ble.npy", counts[None])
+    plans = []
+    for name in ("le", "ble"):
+        dest = outdir / f"{name}.json"
+        rc, _, err = run_cli(["plan", "--load", inp / f"{name}.npy", "--policy", "greedy", *CLUSTER,
+                              "--slots-per-gpu", 4, "--out", dest], capsys)
+        assert rc == 0, err
+        plans.append(read_plan(dest).gpu_experts)
+        assert read_plan(dest).params["planned_on_batches"] == "0:1"
+    assert plans[0] == plans[1]
+    rc, out, err = run_cli(["evaluate", "--plan", outdir / "le.json", "--load", inp / "le.npy", "--json"], capsys)
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["num_batches"] == 1 and len(r["per_layer_balancedness"]) == L
+
+
+def test_float_npy_with_whole_numbers_is_accepted(inp: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    np.save(inp / "f.npy", np.random.default_rng(6).integers(0, 40, size=(B, L, E)).astype(np.float32))
+    rc, _, err = run_cli(["plan", "--load", inp / "f.npy", "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                          "--out", outdir / "p.json"], capsys)
+    assert rc == 0, err
+
+
+def test_compare_json_and_out_dir(trace_file: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dest = outdir / "cmp"
+    policies = ["contiguous", "greedy", "eplb"]
+    rc, out, err = run_cli(["compare", "--load", trace_file, "--policies", ",".join(policies), *CLUSTER,
+                            "--slots-per-gpu", 5, "--json", "--out-dir", dest], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert [r["policy"] for r in doc["rows"]] == policies
+    for row in doc["rows"]:
+        assert 0 < row["balancedness"] <= 1
+        assert len(row["per_layer_balancedness"]) == L
+        assert set(row["traffic"]) >= {"local", "intra_node", "inter_node"}
+    assert "planned on 2 batches" in doc["title"] and "scored on 2 held-out" in doc["title"]
+    expected = {"comparison.md", "comparison.json", "per_layer_balancedness.png",
+                *(f"plan-{p}.json" for p in policies)}
+    assert set(tree(dest)) == expected, "missing outputs or leftover temporary files"
+    assert json.loads((dest / "comparison.json").read_text()) == doc
+    md = (dest / "comparison.md").read_text()
+    assert md.startswith("# ") and all(p in md for p in policies)
+    assert (dest / "per_layer_balancedness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for p in policies:
+        plan = read_plan(dest / f"plan-{p}.json")
+        assert plan.policy == p and plan.num_layers == L
+
+
+def test_compare_table_with_groups_and_set(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(["compare", "--load", trace_file, "--policies", "greedy,eplb", *CLUSTER,
+                            "--replicas-per-gpu", 3, "--groups", 2, "--set", "eplb.num_groups=4",
+                            "--train-frac", "0.75", "--router", "random"], capsys)
+    assert rc == 0, err
+    assert "eplb" in out and "greedy" in out and "random router" in out
+
+
+def test_compare_in_sample_on_one_batch(inp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    np.save(inp / "one.npy", np.random.default_rng(2).integers(1, 20, size=(L, E)))
+    rc, out, err = run_cli(["compare", "--load", inp / "one.npy", "--policies", "contiguous,greedy", *CLUSTER,
+                            "--slots-per-gpu", 4, "--train-frac", "1", "--json"], capsys)
+    assert rc == 0, err
+    assert len(json.loads(out)["rows"]) == 2
+
+
+def test_console_script(tmp_path: Path, inp: Path, outdir: Path, trace_file: Path) -> None:
+    script = Path(sys.executable).parent / "moebalance"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "moebalance.cli"]
+    ok = subprocess.run([*cmd, "plan", "--load", str(trace_file), "--policy", "greedy", *CLUSTER,
+                         "--slots-per-gpu", "4", "--out", str(outdir / "plan.json")],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert read_plan(outdir / "plan.json").policy == "greedy"
+    bad = subprocess.run([*cmd, "evaluate", "--plan", str(outdir / "plan.json"), "--load", str(inp / "nope.npz")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moebalance: error:") and "nope.npz" in lines[0], bad.stderr

@@ -1,0 +1,464 @@
+"""Tests of moebalance.eplb: DeepSeek's README example, hand-derived cases, agreement with the loop-based
+reference (tests/eplb_reference.py) for both policies, validation and invariants."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from moebalance import eplb
+from moebalance.errors import BudgetError, InputError, MoebalanceError
+
+
+def _load_reference() -> ModuleType:
+    # Loaded by path so the test works whatever pytest's import mode or the tests/ package layout.
+    path = Path(__file__).with_name("eplb_reference.py")
+    spec = importlib.util.spec_from_file_location("eplb_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ref = _load_reference()
+
+# DeepSeek EPLB README example: 2 layers, 12 experts in 4 groups, 16 slots, 2 nodes, 8 GPUs.
+README_WEIGHT = [
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+]
+README_PHY2LOG = [
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+]
+# Replica counts read off README_PHY2LOG (how often each expert appears in its row).
+README_LOGCNT = [
+    [1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1],
+    [1, 2, 1, 1, 1, 2, 2, 1, 2, 1, 1, 1],
+]
+
+
+def _assert_same(fast: tuple[torch.Tensor, ...], slow: tuple[torch.Tensor, ...]) -> None:
+    assert len(fast) == len(slow)
+    for got, want in zip(fast, slow, strict=True):
+        assert got.dtype == want.dtype == torch.int64
+        assert torch.equal(got, want), (got, want)
+
+
+def _check_invariants(
+    phy2log: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray, num_replicas: int
+) -> None:
+    num_layers, num_logical = logcnt.shape
+    assert phy2log.shape == (num_layers, num_replicas)
+    assert log2phy.shape == (num_layers, num_logical, logcnt.max())
+    assert (logcnt >= 1).all()  # every logical expert has a slot
+    assert (logcnt.sum(axis=1) == num_replicas).all()
+    for layer in range(num_layers):
+        assert np.array_equal(np.bincount(phy2log[layer], minlength=num_logical), logcnt[layer])
+        for expert in range(num_logical):
+            count = logcnt[layer, expert]
+            slots = log2phy[layer, expert, :count]
+            assert (log2phy[layer, expert, count:] == -1).all()
+            assert len(set(slots.tolist())) == count
+            assert (phy2log[layer, slots] == expert).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The published example
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_readme_example_torch_in_torch_out() -> None:
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(torch.tensor(README_WEIGHT), 16, 4, 2, 8)
+    for out in (phy2log, log2phy, logcnt):
+        assert isinstance(out, torch.Tensor)
+        assert out.dtype == torch.int64
+        assert out.device.type == "cpu"
+    assert phy2log.tolist() == README_PHY2LOG
+    assert logcnt.tolist() == README_LOGCNT
+    _check_invariants(phy2log.numpy(), log2phy.numpy(), logcnt.numpy(), 16)
+    # Expert 5 of layer 0 sits in slots 0 and 2 (replica 0 and 1); expert 2 only in slot 11.
+    assert log2phy[0, 5].tolist() == [0, 2]
+    assert log2phy[0, 2].tolist() == [11, -1]
+
+
+def test_readme_example_numpy_in_numpy_out() -> None:
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(np.array(README_WEIGHT), 16, 4, 2, 8)
+    for out in (phy2log, log2phy, logcnt):
+        assert isinstance(out, np.ndarray)
+        assert out.dtype == np.int64
+    assert phy2log.tolist() == README_PHY2LOG
+    assert logcnt.tolist() == README_LOGCNT
+
+
+def test_readme_example_reference() -> None:
+    phy2log, _, logcnt = ref.rebalance_experts(torch.tensor(README_WEIGHT), 16, 4, 2, 8)
+    assert phy2log.tolist() == README_PHY2LOG
+    assert logcnt.tolist() == README_LOGCNT
+
+
+def test_eplb_plan_matches_rebalance_experts() -> None:
+    plan = eplb.eplb_plan(np.array(README_WEIGHT), num_replicas=16, num_groups=4, num_nodes=2, num_gpus=8)
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(np.array(README_WEIGHT), 16, 4, 2, 8)
+    assert np.array_equal(plan.physical_to_logical, phy2log)
+    assert np.array_equal(plan.logical_to_physical, log2phy)
+    assert np.array_equal(plan.logical_count, logcnt)
+    assert plan.replica_rank[0].tolist() == [0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 1, 0, 0]
+    # log2phy is phy2log/replica_rank inverted.
+    for layer in range(2):
+        for slot in range(16):
+            expert, rank = plan.physical_to_logical[layer, slot], plan.replica_rank[layer, slot]
+            assert plan.logical_to_physical[layer, expert, rank] == slot
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.logical_count = logcnt  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small cases derived by hand
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["fast", "reference"])
+def test_balanced_packing_by_hand(implementation: str) -> None:
+    pack = eplb.balanced_packing if implementation == "fast" else ref.balanced_packing
+
+    # [4, 3, 2, 1] into 2 packs of 2. Heaviest first: 4 -> pack 0 (both empty, lowest index);
+    # 3 -> pack 1 (0 < 4); 2 -> pack 1 (3 < 4, now 5, full); 1 -> pack 0 (4 < 5).
+    index, rank = pack(torch.tensor([[4.0, 3.0, 2.0, 1.0]]), 2)
+    assert index.tolist() == [[0, 1, 1, 0]]
+    assert rank.tolist() == [[0, 0, 1, 1]]
+
+    # [10, 1, 1, 1, 1, 1] into 2 packs of 3: 10 -> pack 0; the first three 1s -> pack 1 (loads 1, 2,
+    # 3, all below 10), which is then full, so the last two 1s must go to pack 0 despite its load.
+    index, rank = pack(torch.tensor([[10.0, 1, 1, 1, 1, 1]]), 2)
+    assert index.tolist() == [[0, 1, 1, 1, 0, 0]]
+    assert rank.tolist() == [[0, 0, 1, 2, 1, 2]]
+
+    # Equal weights (short rows sort ties by index): packs alternate 0, 1, 0, 1, since on equal
+    # loads the lower pack index wins.
+    index, rank = pack(torch.ones(1, 4), 2)
+    assert index.tolist() == [[0, 1, 0, 1]]
+    assert rank.tolist() == [[0, 0, 1, 1]]
+
+    # One item per pack: item i goes to pack i whatever the weights.
+    index, rank = pack(torch.tensor([[1.0, 5.0, 3.0]]), 3)
+    assert index.tolist() == [[0, 1, 2]]
+    assert rank.tolist() == [[0, 0, 0]]
+
+
+@pytest.mark.parametrize("implementation", ["fast", "reference"])
+def test_replicate_experts_by_hand(implementation: str) -> None:
+    replicate = eplb.replicate_experts if implementation == "fast" else ref.replicate_experts
+    # [6, 3, 2] into 6 slots. Slots 0-2 hold experts 0-2. Slot 3: loads per replica [6, 3, 2] -> expert
+    # 0 (its 2nd replica, rank 1). Slot 4: [3, 3, 2], a tie -> lowest index, expert 0 again (rank 2).
+    # Slot 5: [2, 3, 2] -> expert 1 (rank 1).
+    phy2log, rank, logcnt = replicate(torch.tensor([[6.0, 3.0, 2.0]]), 6)
+    assert phy2log.tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert rank.tolist() == [[0, 0, 0, 1, 2, 1]]
+    assert logcnt.tolist() == [[3, 2, 1]]
+
+
+@pytest.mark.parametrize("implementation", ["fast", "reference"])
+def test_global_policy_by_hand(implementation: str) -> None:
+    rebalance = eplb.rebalance_experts if implementation == "fast" else ref.rebalance_experts
+    # Load [8, 4, 2, 2], 6 slots on 2 GPUs (3 each), one group and one node: the global policy.
+    # Replication: slot 4 -> expert 0 (8 is the largest), slot 5 -> expert 0 again (4 = 8/2 ties with
+    # expert 1's 4; lowest index wins). Slots [0, 1, 2, 3, 0, 0], ranks [0, 0, 0, 0, 1, 2], counts [3, 1, 1, 1].
+    # Per-slot loads [8/3, 4, 2, 2, 8/3, 8/3]; packing into 2 GPUs of 3 slots, heaviest first:
+    #   slot 1 (4)    -> GPU 0 (4)
+    #   slot 0 (8/3)  -> GPU 1 (8/3)
+    #   slot 4 (8/3)  -> GPU 1 (16/3, 8/3 < 4)
+    #   slot 5 (8/3)  -> GPU 0 (20/3, 4 < 16/3)
+    #   slot 2 (2)    -> GPU 1 (22/3, full)
+    #   slot 3 (2)    -> GPU 0 (the only one with room)
+    # GPU 0 = [slot 1, slot 5, slot 3] = experts [1, 0, 3]; GPU 1 = [slot 0, slot 4, slot 2] = [0, 0, 2]:
+    # GPU 1 holds two copies of expert 0, as DeepSeek's reference does.
+    phy2log, log2phy, logcnt = rebalance(torch.tensor([[8, 4, 2, 2]]), 6, 1, 1, 2)
+    assert phy2log.tolist() == [[1, 0, 3, 0, 0, 2]]
+    assert logcnt.tolist() == [[3, 1, 1, 1]]
+    # Expert 0's replicas 0, 1, 2 were slots 0, 4, 5, now placed at 3, 4 and 1.
+    assert log2phy.tolist() == [[[3, 4, 1], [0, -1, -1], [5, -1, -1], [2, -1, -1]]]
+
+
+def test_long_tied_rows_follow_torch_sort() -> None:
+    # torch's default CPU sort does not keep index order among ties in rows longer than 16 items, and
+    # the packing must visit items in exactly torch's order.
+    weight = torch.tensor([[float(i % 2) for i in range(40)], [1.0] * 20 + [0.0] * 20])
+    fast = eplb.balanced_packing(weight, 8)
+    slow = ref.balanced_packing(weight, 8)
+    _assert_same(fast, slow)
+
+
+def test_all_zero_load() -> None:
+    # Every expert ties at 0, so the first expert of each replication row takes all extra slots, and the
+    # packing follows torch's tie order.
+    weight = torch.zeros(3, 32, dtype=torch.int64)
+    # Global: one row of 32 experts and 48 slots, so expert 0 gets 1 + 16 replicas.
+    fast = eplb.rebalance_experts(weight, 48, 3, 2, 8)
+    _assert_same(fast, ref.rebalance_experts(weight, 48, 3, 2, 8))
+    assert fast[2][:, 0].tolist() == [17, 17, 17]
+    # Hierarchical, 2 nodes: each node replicates its 16 experts into 24 slots, so one expert per node
+    # gets 1 + 8 replicas.
+    fast = eplb.rebalance_experts(weight, 48, 4, 2, 8)
+    _assert_same(fast, ref.rebalance_experts(weight, 48, 4, 2, 8))
+    assert sorted(fast[2][0].tolist()) == [1] * 30 + [9, 9]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Agreement with the reference
+# ---------------------------------------------------------------------------------------------------
+
+
+def _random_load(rng: np.random.Generator, kind: str, shape: tuple[int, int]) -> np.ndarray:
+    if kind == "few_ints":  # many ties and zeros
+        return rng.integers(0, 3, size=shape)
+    if kind == "ints":
+        load = rng.integers(0, 1000, size=shape)
+        load[rng.random(shape) < 0.2] = 0
+        return load
+    if kind == "zipf":
+        return np.minimum(rng.zipf(1.3, size=shape), 10**7)
+    if kind == "float":
+        return rng.lognormal(0.0, 2.0, size=shape)
+    if kind == "float32":
+        return rng.random(shape, dtype=np.float32) * 100
+    assert kind == "zero_layers"
+    load = rng.integers(0, 50, size=shape)
+    load[rng.random(shape[0]) < 0.5] = 0
+    load[0] = 0
+    return load
+
+
+LOAD_KINDS = ["few_ints", "ints", "zipf", "float", "float32", "zero_layers"]
+
+
+@st.composite
+def _layouts(draw: st.DrawFn, hierarchical: bool) -> tuple[int, int, int, int, int, int]:
+    """(num_layers, num_logical, num_replicas, num_groups, num_nodes, num_gpus) selecting the policy."""
+    if hierarchical:
+        num_nodes = draw(st.integers(1, 4))
+        num_groups = num_nodes * draw(st.integers(1, 4))
+        num_logical = num_groups * draw(st.integers(1, 5))
+        num_gpus = num_nodes * draw(st.integers(1, 4))
+    else:
+        num_nodes = draw(st.integers(2, 5))
+        num_groups = draw(st.integers(1, 12).filter(lambda g: g % num_nodes != 0))
+        num_logical = draw(st.integers(1, 40))  # need not be a multiple of num_groups here
+        num_gpus = draw(st.integers(1, 8))
+    per_gpu = math.ceil(num_logical / num_gpus) + draw(st.integers(0, 3))
+    num_layers = draw(st.integers(1, 3))
+    return num_layers, num_logical, per_gpu * num_gpus, num_groups, num_nodes, num_gpus
+
+
+@pytest.mark.parametrize("hierarchical", [True, False], ids=["hierarchical", "global"])
+def test_matches_reference_random(hierarchical: bool) -> None:
+    @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        layout=_layouts(hierarchical),
+        kind=st.sampled_from(LOAD_KINDS),
+        seed=st.integers(0, 2**32 - 1),
+    )
+    def check(layout: tuple[int, int, int, int, int, int], kind: str, seed: int) -> None:
+        num_layers, num_logical, num_replicas, num_groups, num_nodes, num_gpus = layout
+        assert (num_groups % num_nodes == 0) == hierarchical
+        load = _random_load(np.random.default_rng(seed), kind, (num_layers, num_logical))
+        args = (num_replicas, num_groups, num_nodes, num_gpus)
+
+        want = ref.rebalance_experts(torch.from_numpy(load), *args)
+        _assert_same(eplb.rebalance_experts(torch.from_numpy(load), *args), want)
+        got_np = eplb.rebalance_experts(load, *args)
+        for got, expected in zip(got_np, want, strict=True):
+            assert got.dtype == np.int64
+            assert np.array_equal(got, expected.numpy())
+        _check_invariants(*got_np, num_replicas)
+        if hierarchical:
+            _check_groups_stay_on_one_node(got_np[0], num_logical, num_groups, num_nodes)
+
+    check()
+
+
+def _check_groups_stay_on_one_node(
+    phy2log: np.ndarray, num_logical: int, num_groups: int, num_nodes: int
+) -> None:
+    group_size = num_logical // num_groups
+    slot_node = np.arange(phy2log.shape[1]) // (phy2log.shape[1] // num_nodes)
+    for layer in range(phy2log.shape[0]):
+        node_of_group: dict[int, int] = {}
+        for slot, expert in enumerate(phy2log[layer].tolist()):
+            node = node_of_group.setdefault(expert // group_size, int(slot_node[slot]))
+            assert node == slot_node[slot]
+        assert np.array_equal(
+            np.bincount(list(node_of_group.values()), minlength=num_nodes),
+            np.full(num_nodes, num_groups // num_nodes),
+        )
+
+
+@pytest.mark.parametrize(
+    ("args", "kind"),
+    [
+        ((320, 8, 8, 64), "zipf"),  # DeepSeek-V3-like, hierarchical
+        ((320, 4, 8, 64), "zipf"),  # same cluster, global (8 nodes do not divide 4 groups)
+        ((288, 8, 4, 32), "few_ints"),
+        ((320, 16, 2, 16), "float"),  # several groups per node: step 1 packs sums of float32 loads
+    ],
+)
+def test_matches_reference_realistic_size(args: tuple[int, int, int, int], kind: str) -> None:
+    load = _random_load(np.random.default_rng(7), kind, (3, 256))
+    want = ref.rebalance_experts(torch.from_numpy(load), *args)
+    _assert_same(eplb.rebalance_experts(torch.from_numpy(load), *args), want)
+
+
+@pytest.mark.parametrize(
+    "load",
+    [
+        np.array([[3, 0, 7, 7, 1, 2, 9, 9]], dtype=np.uint8),
+        np.array([[3, 0, 7, 7, 1, 2, 9, 9]], dtype=np.int32),
+        np.array([[True, False, True, True, False, False, True, False]]),
+        np.array([[0.1, 0.7, 0.30000001, 0.3, 2**24 + 1, 1e-30, 5.5, 0.2]], dtype=np.float64),
+        np.array([[0.1, 0.7, 0.3, 0.3, 1.5, 6e-8, 5.5, 0.2]], dtype=np.float16),
+        np.array([[2**40 + 1, 2**40, 3, 2**62 + 2**38 + 1, 0, 1, 2**24 + 1, 2**24]], dtype=np.int64),
+    ],
+    ids=["uint8", "int32", "bool", "float64", "float16", "int64_large"],
+)
+def test_dtypes_are_converted_like_the_reference(load: np.ndarray) -> None:
+    for args in [(12, 4, 2, 4), (12, 3, 2, 4)]:
+        want = ref.rebalance_experts(torch.from_numpy(load), *args)
+        _assert_same(eplb.rebalance_experts(torch.from_numpy(load), *args), want)
+        for got, expected in zip(eplb.rebalance_experts(load, *args), want, strict=True):
+            assert np.array_equal(got, expected.numpy())
+
+
+def test_non_contiguous_and_float_group_sums() -> None:
+    # Step 1 sums float32 loads in torch's order (numpy's pairwise sum can round differently).
+    rng = np.random.default_rng(3)
+    base = torch.from_numpy(rng.lognormal(0.0, 3.0, size=(64, 6)).astype(np.float32))
+    weight = base.T  # [6, 64], not contiguous
+    for args in [(96, 16, 2, 8), (96, 8, 1, 8), (80, 5, 2, 8)]:
+        _assert_same(eplb.rebalance_experts(weight, *args), ref.rebalance_experts(weight, *args))
+
+
+def test_list_input_and_read_only_array() -> None:
+    load = np.array(README_WEIGHT)
+    load.setflags(write=False)
+    assert eplb.rebalance_experts(load, 16, 4, 2, 8)[0].tolist() == README_PHY2LOG
+    assert eplb.rebalance_experts(README_WEIGHT, 16, 4, 2, 8)[0].tolist() == README_PHY2LOG
+
+
+def test_public_kernels_match_reference() -> None:
+    rng = np.random.default_rng(11)
+    for _ in range(20):
+        num_packs = int(rng.integers(1, 6))
+        weight = rng.integers(0, 4, size=(4, num_packs * int(rng.integers(1, 9)))).astype(np.float32)
+        _assert_same(
+            eplb.balanced_packing(torch.from_numpy(weight), num_packs),
+            ref.balanced_packing(torch.from_numpy(weight), num_packs),
+        )
+        got = eplb.balanced_packing(weight, num_packs)
+        assert all(isinstance(out, np.ndarray) for out in got)
+        num_phy = weight.shape[1] + int(rng.integers(0, 10))
+        _assert_same(
+            eplb.replicate_experts(torch.from_numpy(weight), num_phy),
+            ref.replicate_experts(torch.from_numpy(weight), num_phy),
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------
+
+LOAD_12 = np.ones((2, 12), dtype=np.int64)
+
+
+@pytest.mark.parametrize(
+    ("weight", "args", "error", "message"),
+    [
+        # hierarchical (num_nodes divides num_groups) needs num_groups to divide the experts
+        (
+            LOAD_12,
+            (12, 5, 1, 4),
+            InputError,
+            r"num_logical_experts \(12\) must be divisible by num_groups \(5\)",
+        ),
+        (LOAD_12, (12, 4, 2, 3), InputError, r"num_gpus \(3\) must be divisible by num_nodes \(2\)"),
+        (
+            LOAD_12,
+            (13, 4, 2, 4),
+            BudgetError,
+            r"num_replicas \(13\) must be divisible by num_gpus \(4\).* 16",
+        ),
+        (
+            LOAD_12,
+            (8, 4, 2, 4),
+            BudgetError,
+            r"num_replicas \(8\) must be at least num_logical_experts \(12\)",
+        ),
+        (LOAD_12, (12, 3, 2, 5), BudgetError, r"num_replicas \(12\) must be divisible by num_gpus \(5\)"),
+        (LOAD_12, (12, 4, 0, 4), InputError, r"num_nodes \(0\) must be a positive integer"),
+        (LOAD_12, (12, 4, 2, -4), InputError, r"num_gpus \(-4\) must be a positive integer"),
+        (LOAD_12, (12.0, 4, 2, 4), InputError, r"num_replicas must be a positive integer, got 12.0"),
+        (LOAD_12, (12, True, 1, 4), InputError, r"num_groups must be a positive integer, got True"),
+        (
+            np.ones(12),
+            (12, 4, 2, 4),
+            InputError,
+            r"must be 2-D \[num_layers, num_logical_experts\], got shape \(12,\)",
+        ),
+        (np.ones((1, 2, 12)), (12, 4, 2, 4), InputError, r"must be 2-D"),
+        (np.ones((0, 12)), (12, 4, 2, 4), InputError, r"at least one layer and one expert"),
+        (
+            np.array([[1.0, np.nan] * 6]),
+            (12, 4, 2, 4),
+            InputError,
+            r"weight\[0, 1\] is nan; loads must be finite",
+        ),
+        (
+            np.array([[1.0, np.inf] * 6]),
+            (12, 4, 2, 4),
+            InputError,
+            r"weight\[0, 1\] is inf; loads must be finite",
+        ),
+        (
+            np.array([[1, 2, -3] * 4]),
+            (12, 4, 2, 4),
+            InputError,
+            r"weight\[0, 2\] is -3.0; loads must be non-negative",
+        ),
+        (np.array([["a"] * 12]), (12, 4, 2, 4), InputError, r"must hold real numbers, got dtype <U1"),
+        (torch.ones(2, 12, dtype=torch.complex64), (12, 4, 2, 4), InputError, r"must be real"),
+    ],
+)
+def test_validation(
+    weight: object, args: tuple[object, ...], error: type[MoebalanceError], message: str
+) -> None:
+    with pytest.raises(error, match=message) as info:
+        eplb.rebalance_experts(weight, *args)  # type: ignore[call-overload]
+    assert "\n" not in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_global_policy_ignores_group_divisibility() -> None:
+    # 3 nodes do not divide 5 groups -> global policy, which (like the reference) never uses num_groups,
+    # so 12 experts need not be divisible by 5 nor 4 GPUs by 3 nodes.
+    args = (12, 5, 3, 4)
+    _assert_same(
+        eplb.rebalance_experts(torch.tensor(README_WEIGHT), *args),
+        ref.rebalance_experts(torch.tensor(README_WEIGHT), *args),
+    )
+
+
+def test_kernel_validation() -> None:
+    with pytest.raises(InputError, match=r"items \(6\) must be divisible by num_packs \(4\)"):
+        eplb.balanced_packing(np.ones((1, 6)), 4)
+    with pytest.raises(BudgetError, match=r"num_phy \(2\) must be at least the number of experts \(3\)"):
+        eplb.replicate_experts(np.ones((1, 3)), 2)
+    with pytest.raises(InputError, match="non-negative"):
+        eplb.replicate_experts(-np.ones((1, 3)), 4)
