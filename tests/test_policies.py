@@ -176,3 +176,35 @@ def test_impossible_budgets() -> None:
     # 6 experts on 4 GPUs need 8 equal slots: 2 extra replicas per layer, 4 in all > replicas_per_gpu 0
     with pytest.raises(BudgetError, match="raise it to at least 1"):
         make_plan("eplb", LoadMatrix(np.ones((1, 2, 6), int)), cluster, Budget(replicas_per_gpu=0))
+
+
+@given(case=cases())
+def test_eplb_avoid_duplicates_keeps_replica_counts(case: tuple[LoadMatrix, Cluster, Budget]) -> None:
+    load, cluster, budget = case
+    params = _params("eplb", load, cluster)
+    try:
+        ref, _ = make_plan("eplb", load, cluster, budget, **params)
+    except BudgetError:
+        return
+    fixed, _ = make_plan("eplb", load, cluster, budget, avoid_duplicates=True, **params)
+    # the same experts get the same number of replicas, with the same slots per GPU
+    assert np.array_equal(fixed.replica_counts(), ref.replica_counts())
+    assert np.array_equal(fixed.slots(), ref.slots())
+    # a surplus copy survives only where no GPU could take it without a duplicate of its own
+    for layer in np.flatnonzero((fixed.copies > 1).any(axis=(1, 2))):
+        assert (fixed.replica_counts()[layer] > cluster.num_gpus).any() or fixed.slots()[layer, 0] > load.num_experts
+
+
+def test_eplb_avoid_duplicates_removes_the_reference_duplicates() -> None:
+    rng = np.random.default_rng(0)
+    pop = rng.lognormal(0, 1.5, (6, 64))
+    counts = rng.poisson(pop / pop.sum(1, keepdims=True) * 20000, size=(2, 6, 64))
+    load, cluster = LoadMatrix(counts), Cluster(num_nodes=2, gpus_per_node=4)
+    ref, _ = make_plan("eplb", load, cluster, Budget(slots_per_gpu=12), num_groups=1)
+    fixed, _ = make_plan("eplb", load, cluster, Budget(slots_per_gpu=12), num_groups=1, avoid_duplicates=True)
+    surplus = (fixed.copies - 1).clip(0).sum(axis=2)  # [L, E] copies beyond one per GPU
+    # an expert with more replicas than GPUs must double up somewhere; everything else is repaired
+    unavoidable = (fixed.replica_counts() - cluster.num_gpus).clip(0)
+    assert ref.warnings and (ref.copies - 1).clip(0).sum() > unavoidable.sum()
+    assert np.array_equal(surplus, unavoidable)
+    assert evaluate(fixed, load).balancedness >= evaluate(ref, load).balancedness - 0.01

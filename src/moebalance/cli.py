@@ -156,7 +156,6 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise InputError("--policies is empty; give names like contiguous,greedy,eplb")
