@@ -9,7 +9,6 @@ Small data throughout: 3 layers x 16 experts, top-2, 4 batches of 32 tokens, 2 n
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import stat
@@ -29,12 +28,6 @@ L, E, K, B, TOKENS = 3, 16, 2, 4, 32
 NODES, GPN = 2, 2
 G = NODES * GPN
 CLUSTER = ["--nodes", str(NODES), "--gpus-per-node", str(GPN)]
-
-# Modules that other engineers may still be writing: their tests run as soon as the module exists.
-needs_synth = pytest.mark.skipif(importlib.util.find_spec("moebalance.synth") is None,
-                                 reason="moebalance.synth is not written yet")
-needs_stats = pytest.mark.skipif(importlib.util.find_spec("moebalance.stats") is None,
-                                 reason="moebalance.stats is not written yet")
 
 
 # ----- helpers -------------------------------------------------------------------------------------------------
@@ -271,7 +264,7 @@ BAD_LOADS: list[Any] = [
     pytest.param(_trace_npz(_set("src_gpu", (3,), -2)), ("src_gpu holds rank -2",), id="src-gpu-negative"),
 ]
 
-COMMANDS = ["plan", "evaluate", "compare", pytest.param("stats", marks=needs_stats)]
+COMMANDS = ["plan", "evaluate", "compare", "stats"]
 
 
 def load_command(command: str, load: Path, tmp_path: Path) -> list[Any]:
@@ -675,17 +668,26 @@ def test_compare_out_dir_is_a_file(tmp_path: Path, trace_file: Path, outdir: Pat
                        "--slots-per-gpu", 4, "--out-dir", outdir / "results"], capsys, tmp_path, "results")
 
 
-def test_plan_file_has_ordinary_permissions(tmp_path: Path, trace_file: Path, outdir: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
-    # An atomic writer goes through mkstemp (mode 0600); the final file should get the usual 0666 & ~umask,
-    # like any file the user writes, or teammates and serving containers cannot read the plan.
+@pytest.mark.parametrize("command", ["plan", "compare", "synth"])
+def test_outputs_have_ordinary_permissions(command: str, trace_file: Path, outdir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # The atomic writers go through mkstemp (mode 0600); the final files should get the usual 0666 & ~umask,
+    # like any file the user writes, or teammates and serving containers cannot read them.
     umask = os.umask(0)
     os.umask(umask)
-    rc, _, err = run_cli(["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
-                          "--out", outdir / "plan.json"], capsys)
+    if command == "plan":
+        argv = ["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                "--out", outdir / "plan.json"]
+    elif command == "compare":
+        argv = ["compare", "--load", trace_file, "--policies", "greedy", *CLUSTER, "--slots-per-gpu", 4,
+                "--out-dir", outdir]
+    else:
+        argv = ["synth", "--preset", "olmoe-1b-7b", "--batches", 2, "--tokens-per-batch", 8, "--gpus", 2,
+                "--out", outdir / "t.npz"]
+    rc, _, err = run_cli(argv, capsys)
     assert rc == 0, err
-    mode = stat.S_IMODE((outdir / "plan.json").stat().st_mode)
-    assert mode == 0o666 & ~umask, f"plan written with mode {oct(mode)}"
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in outdir.iterdir()}
+    assert modes and set(modes.values()) == {oct(0o666 & ~umask)}, f"files written with modes {modes}"
 
 
 # ----- synth ---------------------------------------------------------------------------------------------------
@@ -693,13 +695,11 @@ def test_plan_file_has_ordinary_permissions(tmp_path: Path, trace_file: Path, ou
 SYNTH = ["synth", "--preset", "olmoe-1b-7b", "--batches", "4", "--tokens-per-batch", "64", "--gpus", "4"]
 
 
-@needs_synth
 def test_synth_unknown_preset(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert_user_error(["synth", "--preset", "gpt-9", "--batches", 2, "--tokens-per-batch", 8, "--gpus", 2,
                        "--out", outdir / "t.npz"], capsys, tmp_path, "gpt-9", "deepseek-v3", "olmoe-1b-7b")
 
 
-@needs_synth
 @pytest.mark.parametrize("value", ["0", "-1"])
 @pytest.mark.parametrize(("flag", "word"), [("--batches", "batches"), ("--tokens-per-batch", "tokens"),
                                             ("--gpus", "gpus")])
@@ -711,12 +711,14 @@ def test_synth_non_positive_sizes(flag: str, word: str, value: str, tmp_path: Pa
     assert word in line.lower(), line
 
 
-@needs_synth
+def test_synth_negative_seed(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error([*SYNTH, "--seed", "-1", "--out", outdir / "t.npz"], capsys, tmp_path, "seed", "-1")
+
+
 def test_synth_out_wrong_extension(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert_user_error([*SYNTH, "--out", outdir / "t.npy"], capsys, tmp_path, "t.npy", "must end in .npz")
 
 
-@needs_synth
 def test_synth_then_stats_plan_evaluate(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = outdir / "olmoe.npz"
     rc, out, err = run_cli([*SYNTH, "--token-level", "--out", trace], capsys)
@@ -733,10 +735,9 @@ def test_synth_then_stats_plan_evaluate(tmp_path: Path, outdir: Path, capsys: py
     assert np.all(np.diff(batch) >= 0)
     num_experts = counts.shape[2]
 
-    if importlib.util.find_spec("moebalance.stats") is not None:
-        rc, out, err = run_cli(["stats", "--load", trace, "--json"], capsys)
-        assert rc == 0, err
-        assert json.loads(out)["shape"] == list(counts.shape)
+    rc, out, err = run_cli(["stats", "--load", trace, "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["shape"] == list(counts.shape)
 
     plan = outdir / "plan.json"
     slots = -(-num_experts // 4) + 1
@@ -755,7 +756,6 @@ def test_synth_then_stats_plan_evaluate(tmp_path: Path, outdir: Path, capsys: py
 
 # ----- happy paths ---------------------------------------------------------------------------------------------
 
-@needs_stats
 def test_stats(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run_cli(["stats", "--load", trace_file], capsys)
     assert rc == 0, err

@@ -59,6 +59,23 @@ def _progress() -> Progress:
                     console=err, transient=True, disable=not err.is_terminal)
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("0 must be >= 1")
+    return value
+
+
 def _parse_set(items: Sequence[str] | None) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for item in items or ():
@@ -127,10 +144,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
     plan, seconds = make_plan(args.policy, load, _cluster(args), _budget(args), **params)
     plan = type(plan)(plan.gpu_experts, plan.num_experts, plan.cluster, policy=plan.policy,
                       params={**plan.params, "planned_on_batches": f"{start}:{stop}"}, weights=plan.weights)
+    score = evaluate(plan, load)  # before writing: a load that cannot be scored leaves no plan behind
     write_plan(dest, plan)
     for w in plan.warnings:
         err.print(f"warning: {w}")
-    score = evaluate(plan, load)
     out.print(f"wrote {dest}: {plan.policy}, {plan.extra_replicas} extra replicas, "
               f"{plan.max_slots_per_gpu} max slots per GPU, planned in {1000 * seconds:.1f} ms; "
               f"in-sample balancedness {score.balancedness:.4f}")
@@ -336,9 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True)
     p.add_argument("--router", default="uniform", choices=sorted(ROUTERS))
     p.add_argument("--batches", help="score batches a:b only (e.g. the held-out ones)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random router")
-    p.add_argument("--hidden-size", type=int, help="bytes of traffic per copy = hidden size x dtype bytes")
-    p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random router")
+    p.add_argument("--hidden-size", type=_positive, help="bytes of traffic per copy = hidden size x dtype bytes")
+    p.add_argument("--dtype-bytes", type=_positive, default=2)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
@@ -348,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster(p)
     p.add_argument("--train-frac", type=float, default=0.5, help="fraction of batches to plan on (rest scored)")
     p.add_argument("--router", default="uniform", choices=sorted(ROUTERS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write comparison.md, comparison.json, a PNG and the plans here")
     p.set_defaults(func=cmd_compare)

@@ -9,13 +9,14 @@ token-level trace, ``topk_ids``, ``src_gpu`` and ``batch``. Nothing is ever unpi
 from __future__ import annotations
 
 import os
-import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from moebalance._io import atomic_path
 from moebalance.errors import InputError
 from moebalance.trace import RoutingTrace
 
@@ -31,12 +32,12 @@ def check_counts(value: object, name: str = "counts") -> np.ndarray:
         raise InputError(f"{name} is an object array; store plain integer counts")
     if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
         raise InputError(f"{name} has dtype {arr.dtype}; it must hold non-negative integer token counts")
-    if arr.ndim == 2:
-        arr = arr[None]
-    if arr.ndim != 3:
+    if arr.ndim not in (2, 3):
         raise InputError(f"{name} has shape {arr.shape}; expected [L, E] or [B, L, E]")
     if 0 in arr.shape:
         raise InputError(f"{name} has shape {arr.shape}; every dimension must be at least 1")
+    if arr.ndim == 2:
+        arr = arr[None]
     if np.issubdtype(arr.dtype, np.floating):
         if not np.all(np.isfinite(arr)):
             bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
@@ -181,15 +182,17 @@ def read_load(path: str | os.PathLike[str]) -> LoadMatrix:
         else:
             with np.load(p, allow_pickle=False) as data:
                 arrays = {k: data[k] for k in data.files}
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as exc:
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as exc:
         raise InputError(f"cannot read {str(p)!r}: {_why(exc)}") from None
     return LoadMatrix.from_arrays(arrays, source=str(p))
 
 
 def _why(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if "allow_pickle" in text or "Object arrays" in text:
+    if "Object arrays" in text:
         return "it holds pickled Python objects, which are never loaded; save plain integer arrays"
+    if "pickled (object) data" in text or "pickled data" in text:
+        return "it has no numpy header, so it is not a .npy/.npz file; save the counts with numpy.save or numpy.savez"
     return f"{text} (is the file truncated, or not written by numpy?)"
 
 
@@ -198,15 +201,8 @@ def write_load(path: str | os.PathLike[str], load: LoadMatrix) -> None:
     p = Path(path)
     if p.suffix != ".npz":
         raise InputError(f"output {str(p)!r} must end in .npz")
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".npz", dir=p.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez_compressed(fh, **load.to_arrays())  # type: ignore[arg-type]
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(p) as tmp, open(tmp, "wb") as fh:
+        np.savez_compressed(fh, **load.to_arrays())  # type: ignore[arg-type]
 
 
 def parse_batch_range(text: str | None, num_batches: int) -> tuple[int, int]:

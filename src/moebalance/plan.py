@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from moebalance._io import atomic_path
 from moebalance.cluster import Cluster
 from moebalance.errors import InputError, PlanError
 
@@ -141,17 +141,23 @@ class Placement:
         if self.weights is not None:
             object.__setattr__(self, "weights", self._check_weights(self.weights))
 
-    def _check_weights(self, weights: Sequence[Sequence[Sequence[float]]]) -> tuple[tuple[tuple[float, ...], ...], ...]:
-        if len(weights) != self.num_layers:
-            raise PlanError(f"weights has {len(weights)} layers but placement has {self.num_layers}")
+    def _check_weights(self, weights: object) -> tuple[tuple[tuple[float, ...], ...], ...]:
+        def seq(x: object) -> bool:
+            return isinstance(x, Sequence) and not isinstance(x, str | bytes)
+
+        if not seq(weights) or len(weights) != self.num_layers:  # type: ignore[arg-type]
+            n = len(weights) if seq(weights) else type(weights).__name__  # type: ignore[arg-type]
+            raise PlanError(f"weights has {n} layers but placement has {self.num_layers}; it must mirror placement")
         out = []
-        for li, (wl, pl) in enumerate(zip(weights, self.gpu_experts, strict=True)):
-            if len(wl) != len(pl):
-                raise PlanError(f"weights[{li}] has {len(wl)} GPU lists but placement[{li}] has {len(pl)}")
+        for li, (wl, pl) in enumerate(zip(weights, self.gpu_experts, strict=True)):  # type: ignore[call-overload]
+            if not seq(wl) or len(wl) != len(pl):
+                raise PlanError(f"weights[{li}] must be a list of {len(pl)} per-GPU share lists, mirroring placement")
             row = []
             for gi, (wg, pg) in enumerate(zip(wl, pl, strict=True)):
-                if len(wg) != len(pg):
-                    raise PlanError(f"weights[{li}][{gi}] has {len(wg)} entries but placement[{li}][{gi}] has {len(pg)}")
+                if not seq(wg) or len(wg) != len(pg):
+                    raise PlanError(f"weights[{li}][{gi}] must list {len(pg)} shares, one per replica in placement")
+                if any(isinstance(w, bool) or not isinstance(w, int | float) for w in wg):
+                    raise PlanError(f"weights[{li}][{gi}] holds {list(wg)!r}; shares must be numbers")
                 vals = tuple(float(w) for w in wg)
                 if any(not math.isfinite(w) or w < 0 for w in vals):
                     raise PlanError(f"weights[{li}][{gi}] holds {vals}; shares must be finite and non-negative")
@@ -296,17 +302,8 @@ def _log2phy(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
 
 def write_plan(path: str | os.PathLike[str], plan: Placement) -> None:
     """Write ``plan`` as JSON, atomically (temporary file in the same folder, then rename)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(plan.to_json_dict(), fh, separators=(",", ":"))
-            fh.write("\n")
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(plan.to_json_dict(), separators=(",", ":")) + "\n")
 
 
 def read_plan(path: str | os.PathLike[str]) -> Placement:

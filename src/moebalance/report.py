@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from moebalance._io import atomic_path
 from moebalance.simulate import Score
 
 __all__ = ["ComparisonRow", "atomic_write_text", "comparison_markdown", "comparison_table", "plot_per_layer",
@@ -22,16 +21,8 @@ __all__ = ["ComparisonRow", "atomic_write_text", "comparison_markdown", "compari
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename, so no partial file is ever seen."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,16 +125,9 @@ def plot_per_layer(rows: Sequence[ComparisonRow], path: str | os.PathLike[str], 
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".png", dir=p.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png")
     finally:
         plt.close(fig)
 

@@ -702,7 +702,7 @@ def _token_level(model: ModelPreset, prof: RoutingProfile, structure: _Structure
     knots32 = (knots - 0.5 * structure.drift_gain * prof.drift_sigma**2).astype(np.float32)
     cdf = np.cumsum(mixtures, axis=2)
     cdf[:, :, -1] = 1.0
-    chunk = max(1, min(_CHUNK_BATCHES, (1 << 21) // max(1, tokens * E // 64)))
+    chunk = max(1, min(_CHUNK_BATCHES, (1 << 24) // (tokens * E)))  # at most ~16M logits per chunk
     for start in range(0, num_batches, chunk):
         stop = min(num_batches, start + chunk)
         nb = stop - start
