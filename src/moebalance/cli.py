@@ -7,6 +7,7 @@ leaving no output file behind. Long steps show a progress bar on stderr.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -218,7 +219,7 @@ def _title(load: LoadMatrix, args: argparse.Namespace) -> str:
 
 
 def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], load: LoadMatrix,
-                     args: argparse.Namespace) -> None:
+                     args: argparse.Namespace, notes: Sequence[str] = ()) -> None:
     title = _title(load, args)
     doc = {"title": title, "rows": [r.as_dict() for r in rows]}
     for r in rows:
@@ -226,7 +227,8 @@ def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], load: Loa
             err.print(f"warning: {r.policy}: {w}")
     if args.out_dir:
         d = Path(args.out_dir)
-        atomic_write_text(d / "comparison.md", comparison_markdown(rows, title))
+        atomic_write_text(d / "comparison.md", comparison_markdown(
+            rows, title, [*notes, "", "![per-layer balancedness](per_layer_balancedness.png)"]))
         atomic_write_text(d / "comparison.json", dumps(doc))
         plot_per_layer(rows, d / "per_layer_balancedness.png", title)
         for name, plan in plans.items():
@@ -235,6 +237,8 @@ def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], load: Loa
         sys.stdout.write(dumps(doc))
     else:
         out.print(comparison_table(rows, title))
+        for note in notes:
+            out.print(note)
         if args.out_dir:
             out.print(f"wrote {args.out_dir}/comparison.md, comparison.json, per_layer_balancedness.png and plans")
 
@@ -295,20 +299,28 @@ def cmd_demo(args: argparse.Namespace) -> None:
     skew = layer_skew(load.counts)
     out.rule("[bold]moebalance demo[/]")
     out.print(f"Bundled data: {load.preset} routing, {load.num_batches} batches x {load.num_layers} layers x "
-              f"{load.num_experts} experts (synthetic, calibrated to CRAFT/MoETuner observations).")
+              f"{load.num_experts} experts (synthetic, calibrated to CRAFT/MoETuner observations; docs/synth.md).")
     out.print(f"Skew: peak/mean expert load ranges {np.min(skew.peak_to_mean):.1f}x to "
               f"{np.max(skew.peak_to_mean):.1f}x; {int(np.sum(skew.high_skew))} of {load.num_layers} layers "
               "are high-skew (> 10x).")
     ns = argparse.Namespace(load=BUNDLED_DATA, nodes=8, gpus_per_node=8, slots_per_gpu=5, replicas_per_gpu=None,
                             train_frac=0.5, router="uniform", seed=0, json=False, out_dir=args.out_dir)
-    policies = ["contiguous", "greedy", "eplb"]
+    policies = list(POLICIES)
     rows, plans = _run_compare(load, policies, ns, {p: {} for p in policies})
-    _emit_comparison(rows, plans, load, ns)
+    # DeepSeek-V3 has 8 expert groups, so on 8 nodes EPLB runs its hierarchical policy; show the global too
+    extra, extra_plans = _run_compare(load, ["eplb"], ns, {"eplb": {"num_groups": 1}})
+    rows.append(dataclasses.replace(extra[0], policy="eplb (global)"))
+    plans["eplb-global"] = extra_plans["eplb"]
     random_rows, _ = _run_compare(load, ["eplb"], argparse.Namespace(**{**vars(ns), "router": "random"}),
-                                  {"eplb": {}})
-    eplb = rows[-1].score
-    out.print(f"EPLB under vLLM/SGLang-style random replica choice: balancedness "
-              f"{random_rows[0].score.balancedness:.4f} (vs {eplb.balancedness:.4f} with the equal split).")
+                                  {"eplb": {"num_groups": 1}})
+    notes = [
+        "- EPLB's hierarchical policy packs one expert group per node (DeepSeek-V3 has 8 groups, here 8 nodes), "
+        "so node loads follow group loads; its global policy ignores groups.",
+        f"- EPLB (global) under vLLM/SGLang-style random replica choice: balancedness "
+        f"{random_rows[0].score.balancedness:.4f} (equal split: {extra[0].score.balancedness:.4f}).",
+        "- Gap to bound: how far the straggler is above max(total / G, max_e load_e / replicas_e).",
+    ]
+    _emit_comparison(rows, plans, load, ns, notes)
     out.print(f"Done in {time.perf_counter() - t0:.1f} s. Try: moebalance stats --load <file>, "
               "moebalance synth --help, moebalance compare --help.")
 

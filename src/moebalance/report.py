@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,7 +123,7 @@ def plot_per_layer(rows: Sequence[ComparisonRow], path: str | os.PathLike[str], 
     ax.set_ylabel("balancedness (mean / max GPU load)")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(textwrap.fill(title, 110), fontsize=9)
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     try:

@@ -37,9 +37,10 @@ observation:
   ``route_persistence`` (else uniformly at random), so the experts a token picks in layer ``l`` make some
   experts of layer ``l + 1`` more likely. The route state is uniform in every layer, whatever the topic.
 * per-GPU topic mixtures -- locality (Libra, Section 3.2: each GPU has its own "local hot experts"): each
-  data-parallel rank draws its tokens' topics from a rank-specific mixture (Dirichlet around the global
-  topic popularity) that is renewed slowly (a fraction ``request_turnover`` per batch, like requests that
-  finish and are replaced), so per-GPU demand differs from the global one.
+  data-parallel rank has a *home* topic mixture (Dirichlet around the global topic popularity, as if
+  requests were routed to ranks by session or prefix) and draws its tokens' topics from a current mixture
+  that is renewed slowly around the home one (a fraction ``request_turnover`` per batch, like requests
+  that finish and are replaced), so per-GPU demand differs from the global one.
 
 Token level (``token_level=True``) simulates exactly that, token by token. The count-only path must be fast
 (DeepSeek-V3, 3000 batches of 4096 tokens in a few seconds), so it simulates no tokens. Per batch it samples
@@ -149,7 +150,7 @@ class RoutingProfile:
     #: Peak/mean range of the warm expert of moderate layers.
     moderate_peak_range: tuple[float, float] = (3.0, 8.0)
     #: Log-normal sigma of the other experts' popularity in balanced layers.
-    balanced_sigma: float = 0.35
+    balanced_sigma: float = 0.3
     #: Log-normal sigma of the other experts' popularity in moderate and high-skew layers.
     skewed_sigma: float = 0.6
     #: ``C``: latent topics.
@@ -594,9 +595,9 @@ def _sample_counts(rng: np.random.Generator, expected: np.ndarray, tokens: int, 
 def _check_args(num_batches: object, tokens_per_batch: object, num_gpus: object, seed: object) -> None:
     for name, value in (("num_batches", num_batches), ("tokens_per_batch", tokens_per_batch),
                         ("num_gpus", num_gpus)):
-        if not _is_int(value) or value < 1:  # type: ignore[operator]
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
             raise InputError(f"{name} ({value!r}) must be a positive integer")
-    if not _is_int(seed) or seed < 0:  # type: ignore[operator]
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise InputError(f"seed ({seed!r}) must be an integer >= 0")
 
 
