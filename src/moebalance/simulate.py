@@ -70,7 +70,12 @@ def layer_metrics(gpu_load: np.ndarray, counts: np.ndarray, replicas: np.ndarray
     with np.errstate(invalid="ignore", divide="ignore"):
         bal = np.where(active, mean / np.where(active, peak, 1.0), np.nan)
         imb = np.where(active, peak / np.where(active, mean, 1.0), np.nan)
-    bound = np.maximum(counts.sum(axis=2) / G, (counts / replicas[None]).max(axis=2))
+    # max_e W_e / r_e, in chunks of batches so that no [B, L, E] float temporary is made at once
+    inv_r = 1.0 / replicas
+    per_replica = np.empty(total.shape, dtype=np.float64)
+    for lo in range(0, counts.shape[0], 64):
+        per_replica[lo:lo + 64] = (counts[lo:lo + 64] * inv_r).max(axis=2)
+    bound = np.maximum(total / G, per_replica)
     return LayerMetrics(bal, imb, np.where(active, peak, np.nan), np.where(active, bound, np.nan))
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RANDOM", "UNIFORM", "share_matrix"]
 
-_CHUNK = 128  # batches per chunk: bounds temporary memory at ~CHUNK * nnz doubles
+_CHUNK = 256  # batches per chunk: bounds temporary memory at ~CHUNK * L * (E + G) doubles
 
 
 def share_matrix(plan: Placement) -> np.ndarray:
@@ -33,33 +33,18 @@ def share_matrix(plan: Placement) -> np.ndarray:
 
 
 def apply_shares(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
-    """``counts [B, L, E] x shares [L, E, G] -> float64 [B, L, G]``.
+    """``counts [B, L, E] x shares [L, E, G] -> float64 [B, L, G]``: one ``[b, E] @ [E, G]`` product per layer.
 
-    ``shares`` is sparse (an expert lives on few GPUs), so instead of a dense ``E x G`` product per layer
-    we gather each non-zero ``(l, e, g)`` entry's tokens and sum them per ``(l, g)`` with a segmented sum:
-    ``O(B * nnz)`` work with no BLAS threads (which slow down badly when cores are shared). Chunked over
-    batches to bound temporary memory.
+    Chunked over batches to bound temporary memory. (A sparse gather over the few non-zero shares does less
+    arithmetic but measured 4x slower than BLAS here: 0.86 s against 0.2 s for 3000 x 58 x 256 on 64 GPUs.)
     """
-    B, L, E = counts.shape
-    G = shares.shape[2]
-    layer, expert, gpu = np.nonzero(shares)  # sorted by (layer, expert, gpu)
-    if layer.size == 0:
-        return np.zeros((B, L, G), dtype=np.float64)
-    weight = shares[layer, expert, gpu]
-    order = np.argsort(layer * G + gpu, kind="stable")  # group the entries by (layer, gpu)
-    src = (layer * E + expert)[order]
-    weight = weight[order]
-    group = (layer * G + gpu)[order]
-    starts = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))
-    targets = group[starts]
-    flat_counts = counts.reshape(B, L * E)
-    out = np.zeros((B, L * G), dtype=np.float64)
+    B, L, _ = counts.shape
+    out = np.empty((B, L, shares.shape[2]), dtype=np.float64)
     for lo in range(0, B, _CHUNK):
         hi = min(B, lo + _CHUNK)
-        block = np.ascontiguousarray(flat_counts[lo:hi].T, dtype=np.float64)  # [L * E, b]: rows gather fast
-        vals = block[src] * weight[:, None]  # [nnz, b]
-        out[lo:hi, targets] = np.add.reduceat(vals, starts, axis=0).T
-    return out.reshape(B, L, G)
+        block = np.ascontiguousarray(counts[lo:hi].transpose(1, 0, 2), dtype=np.float64)  # [L, b, E]
+        out[lo:hi] = np.matmul(block, shares).transpose(1, 0, 2)
+    return out
 
 
 def _uniform_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
