@@ -98,20 +98,27 @@ class Placement:
         exp_idx: list[int] = []
         gpu_idx: list[int] = []
         for li, layer in enumerate(layers):
-            if isinstance(layer, str | bytes) or not isinstance(layer, Sequence) or len(layer) != G:
+            if (type(layer) not in (list, tuple) and (isinstance(layer, str | bytes) or not isinstance(layer, Sequence))) \
+                    or len(layer) != G:
                 n = len(layer) if isinstance(layer, Sequence) else type(layer).__name__
                 raise PlanError(f"placement[{li}] has {n} GPU lists but the cluster has {G} GPUs")
             row: list[tuple[int, ...]] = []
             for gi, experts in enumerate(layer):
-                if isinstance(experts, str | bytes) or not isinstance(experts, Sequence):
+                if type(experts) not in (list, tuple) and (
+                        isinstance(experts, str | bytes) or not isinstance(experts, Sequence)):
                     raise PlanError(f"placement[{li}][{gi}] must be a list of expert ids")
-                ids: list[int] = []
-                for e in experts:
-                    if isinstance(e, bool) or not isinstance(e, int | np.integer):
-                        raise PlanError(f"placement[{li}][{gi}] holds {e!r}; expert ids are integers")
-                    if not 0 <= e < E:
-                        raise PlanError(f"placement[{li}][{gi}] holds expert {e}; ids must lie in [0, {E})")
-                    ids.append(int(e))
+                # fast path for plain ints (ABC isinstance checks cost ~1.5 us each on 10^4+ slots)
+                if all(type(e) is int for e in experts):
+                    ids = list(experts)
+                else:
+                    ids = []
+                    for e in experts:
+                        if isinstance(e, bool) or not isinstance(e, int | np.integer):
+                            raise PlanError(f"placement[{li}][{gi}] holds {e!r}; expert ids are integers")
+                        ids.append(int(e))
+                if ids and (min(ids) < 0 or max(ids) >= E):
+                    bad = min(ids) if min(ids) < 0 else max(ids)
+                    raise PlanError(f"placement[{li}][{gi}] holds expert {bad}; ids must lie in [0, {E})")
                 row.append(tuple(ids))
                 lay_idx.extend([li] * len(ids))
                 gpu_idx.extend([gi] * len(ids))
