@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -25,8 +21,8 @@ from types import ModuleType
 
 import numpy as np
 import torch
+from _common import ROOT, machine, median_seconds
 
-ROOT = Path(__file__).resolve().parent.parent
 try:
     from moebalance import eplb
 except ImportError:  # not installed: use the source tree
@@ -64,23 +60,7 @@ def skewed_load(seed: int = 0) -> torch.Tensor:
 
 
 def median_ms(fn: Callable[[], object], runs: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return median_seconds(fn, runs) * 1e3
 
 
 def main() -> None:
@@ -116,10 +96,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
 
-    machine = (
-        f"{cpu_model()}, nproc {os.cpu_count()}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), numpy {np.__version__}, Python {platform.python_version()}"
-    )
+    machine_line = f"{machine()}, torch {torch.__version__} ({torch.get_num_threads()} threads)"
     report = f"""# EPLB `rebalance_experts`: vectorised numpy vs the loop-based reference
 
 Load: {NUM_LAYERS} layers x {NUM_EXPERTS} experts, integer token counts (8,192 tokens x top-8 per layer,
@@ -136,7 +113,7 @@ project with the computational shape of DeepSeek's code (Python loops over layer
 
 {table}
 
-Machine: {machine}.
+Machine: {machine_line}.
 
 Times are wall-clock on whatever else the machine runs at the time (on a shared VM,
 absolute times vary by tens of percent between runs; the speedup is the figure to compare).

@@ -6,39 +6,13 @@ Prints a table and writes docs/results/bench_replay.md. Run: .venv/bin/python be
 
 from __future__ import annotations
 
-import platform
-import statistics
-import sys
-import time
-from pathlib import Path
-
 import numpy as np
+from _common import ROOT, machine, median_seconds
 
 from moebalance.cluster import Cluster
 from moebalance.load import LoadMatrix
 from moebalance.policies import Budget, make_plan
 from moebalance.simulate import evaluate, gpu_loads
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def median_seconds(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -57,14 +31,12 @@ def main() -> None:
         ("evaluate (loads + metrics), uniform", lambda: evaluate(plan, load, "uniform"), 7),
         ("evaluate, random router", lambda: evaluate(plan, load, "random"), 3),
     ]:
-        fn()  # warm-up
         rows.append((what, median_seconds(fn, repeat), repeat))
     lines = [
         "# Replay benchmark",
         "",
         f"{B} batches x {L} layers x {E} experts, {G} GPUs (8 x 8), EPLB plan with 5 slots per GPU.",
-        f"Machine: {cpu_model()}, {len(__import__('os').sched_getaffinity(0))} cores, numpy {np.__version__}, "
-        f"Python {sys.version.split()[0]}.",
+        f"Machine: {machine()}.",
         "Command: `.venv/bin/python bench/bench_replay.py` (median of the given repeats, after one warm-up).",
         "",
         "| step | median | repeats |",

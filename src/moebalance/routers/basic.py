@@ -11,6 +11,7 @@ it samples ``multinomial(W[b, l, e], 1 / r_e)`` per expert, drawn as a chain of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from moebalance.plan import Placement
     from moebalance.trace import RoutingTrace
 
-__all__ = ["RANDOM", "UNIFORM", "share_matrix"]
+__all__ = ["RANDOM", "UNIFORM", "apply_shares", "share_matrix", "tokens_to_gpus"]
 
 _CHUNK = 256  # batches per chunk: bounds temporary memory at ~CHUNK * L * (E + G) doubles
 
@@ -64,15 +65,21 @@ def _replica_index_round_robin(trace: RoutingTrace, layer: int, reps: np.ndarray
     return occurrence.reshape(ids.shape) % reps[ids]
 
 
-def _uniform_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
+def tokens_to_gpus(plan: Placement, trace: RoutingTrace,
+                   replica_index: Callable[[int, np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    """``int64 [T, L, K]`` GPUs from a rule ``(layer, ids [T, K], reps [T, K]) -> replica index [T, K]``."""
     replica_gpus = plan.replica_gpus()
     reps = plan.replica_counts()
     dest = np.empty(trace.topk_ids.shape, dtype=np.int64)
     for layer in range(trace.num_layers):
         ids = trace.topk_ids[:, layer, :]
-        idx = _replica_index_round_robin(trace, layer, reps[layer])
-        dest[:, layer, :] = replica_gpus[layer, ids, idx]
+        dest[:, layer, :] = replica_gpus[layer, ids, replica_index(layer, ids, reps[layer, ids])]
     return dest
+
+
+def _uniform_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
+    reps = plan.replica_counts()
+    return tokens_to_gpus(plan, trace, lambda layer, ids, r: _replica_index_round_robin(trace, layer, reps[layer]))
 
 
 def _random_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -104,14 +111,7 @@ def _random_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator
 
 
 def _random_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
-    replica_gpus = plan.replica_gpus()
-    reps = plan.replica_counts()
-    dest = np.empty(trace.topk_ids.shape, dtype=np.int64)
-    for layer in range(trace.num_layers):
-        ids = trace.topk_ids[:, layer, :]
-        idx = (rng.random(ids.shape) * reps[layer, ids]).astype(np.int64)
-        dest[:, layer, :] = replica_gpus[layer, ids, idx]
-    return dest
+    return tokens_to_gpus(plan, trace, lambda layer, ids, r: (rng.random(ids.shape) * r).astype(np.int64))
 
 
 UNIFORM = Router("uniform", _uniform_counts, _uniform_tokens, "equal split over replicas (round-robin on tokens)")
