@@ -18,7 +18,17 @@ from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, get_polic
 from moebalance.simulate import evaluate, gpu_loads
 
 #: Policies of our own never put two copies of an expert on one GPU (the faithful eplb may).
-NO_DUPLICATES = {"contiguous", "greedy"}
+NO_DUPLICATES = {"contiguous", "greedy", "craft"}
+
+
+def _may_refuse(name: str, load: LoadMatrix, cluster: Cluster, budget: Budget) -> bool:
+    """Whether ``name`` may legitimately refuse ``budget`` (it must never refuse anything else)."""
+    too_few_slots = budget.slots_per_gpu is not None and budget.slots_per_gpu < math.ceil(load.num_experts / cluster.num_gpus)
+    if name == "craft":  # spreads R * G replicas over layers: a slots budget is the wrong kind
+        return budget.slots_per_gpu is not None
+    if name == "eplb":  # equal slots per GPU: a replicas budget may be too small for the rounding
+        return too_few_slots or budget.replicas_per_gpu is not None
+    return too_few_slots
 
 
 def test_registry_names_are_documented() -> None:
@@ -60,9 +70,8 @@ def test_conformance(name: str, case: tuple[LoadMatrix, Cluster, Budget]) -> Non
     try:
         plan, _ = make_plan(name, load, cluster, budget, **_params(name, load, cluster))
     except BudgetError:
-        # a policy may refuse a budget it cannot meet, but only when it really cannot hold the experts
-        assert budget.slots_per_gpu is None or budget.slots_per_gpu * cluster.num_gpus < load.num_experts or \
-            name == "eplb"
+        # a policy may refuse a budget it cannot meet, but only then
+        assert _may_refuse(name, load, cluster, budget)
         return
     # shape, every expert placed (Placement validates), budget respected
     assert (plan.num_layers, plan.num_experts, plan.num_gpus) == (load.num_layers, load.num_experts, cluster.num_gpus)

@@ -17,6 +17,7 @@ from moebalance.load import LoadMatrix
 from moebalance.plan import Placement
 from moebalance.policies.budget import Budget
 from moebalance.policies.contiguous import contiguous
+from moebalance.policies.craft import craft
 from moebalance.policies.eplb import eplb
 from moebalance.policies.greedy import greedy
 
@@ -31,6 +32,7 @@ POLICIES: dict[str, PolicyFn] = {
     "contiguous": contiguous,
     "greedy": greedy,
     "eplb": eplb,
+    "craft": craft,
 }
 
 _unknown = set(POLICIES) - set(DOCUMENTED_POLICIES)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from moebalance.errors import BudgetError
 from moebalance.plan import Placement
@@ -26,22 +27,32 @@ class Budget:
     """
 
     slots_per_gpu: int | None = None
-    replicas_per_gpu: int | None = None
+    #: ``R``, or ``"auto"`` for a policy that chooses it (CRAFT Step 2).
+    replicas_per_gpu: int | Literal["auto"] | None = None
 
     def __post_init__(self) -> None:
         if (self.slots_per_gpu is None) == (self.replicas_per_gpu is None):
             raise BudgetError("give exactly one budget: --slots-per-gpu S or --replicas-per-gpu R")
-        if self.slots_per_gpu is not None and (isinstance(self.slots_per_gpu, bool) or self.slots_per_gpu < 1):
-            raise BudgetError(f"slots_per_gpu ({self.slots_per_gpu}) must be a positive integer")
-        if self.replicas_per_gpu is not None and (isinstance(self.replicas_per_gpu, bool) or self.replicas_per_gpu < 0):
-            raise BudgetError(f"replicas_per_gpu ({self.replicas_per_gpu}) must be a non-negative integer")
+        if self.slots_per_gpu is not None and (
+                isinstance(self.slots_per_gpu, bool) or not isinstance(self.slots_per_gpu, int) or self.slots_per_gpu < 1):
+            raise BudgetError(f"slots_per_gpu ({self.slots_per_gpu!r}) must be a positive integer")
+        r = self.replicas_per_gpu
+        if r is not None and r != "auto" and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            raise BudgetError(f"replicas_per_gpu ({r!r}) must be a non-negative integer or 'auto'")
+
+    def fixed_replicas(self, policy: str) -> int:
+        """``R`` as a number; ``auto`` is only for policies that choose it themselves."""
+        if self.replicas_per_gpu == "auto":
+            raise BudgetError(f"policy {policy!r} cannot choose replicas_per_gpu itself; give a number (craft can: auto)")
+        assert isinstance(self.replicas_per_gpu, int)
+        return self.replicas_per_gpu
 
     def describe(self) -> str:
         if self.slots_per_gpu is not None:
             return f"slots_per_gpu={self.slots_per_gpu}"
         return f"replicas_per_gpu={self.replicas_per_gpu}"
 
-    def as_params(self) -> dict[str, int]:
+    def as_params(self) -> dict[str, int | str]:
         if self.slots_per_gpu is not None:
             return {"slots_per_gpu": self.slots_per_gpu}
         assert self.replicas_per_gpu is not None
@@ -67,14 +78,14 @@ class Budget:
         need = self.placement_slots(num_experts, num_gpus)
         if self.slots_per_gpu is not None:
             return self.slots_per_gpu
-        assert self.replicas_per_gpu is not None
-        slots = need + self.replicas_per_gpu // num_layers
+        R = self.fixed_replicas("eplb")
+        slots = need + R // num_layers
         extra = num_layers * (slots * num_gpus - num_experts)
-        if extra > self.replicas_per_gpu * num_gpus:
+        if extra > R * num_gpus:
             raise BudgetError(
                 f"equal slots per GPU put {num_experts} experts into {slots * num_gpus} slots per layer, "
-                f"{extra} extra replicas in all, but replicas_per_gpu {self.replicas_per_gpu} allows "
-                f"{self.replicas_per_gpu * num_gpus}; raise it to at least {math.ceil(extra / num_gpus)}"
+                f"{extra} extra replicas in all, but replicas_per_gpu {R} allows "
+                f"{R * num_gpus}; raise it to at least {math.ceil(extra / num_gpus)}"
             )
         return slots
 
@@ -87,17 +98,22 @@ class Budget:
                     f"but slots_per_gpu is {self.slots_per_gpu}"
                 )
             return
-        assert self.replicas_per_gpu is not None
+        R = self.replicas_per_gpu
+        if R == "auto":  # the policy chose R and must say which
+            if "chosen_replicas_per_gpu" not in plan.params:
+                self.fixed_replicas(plan.policy)
+            R = int(plan.params["chosen_replicas_per_gpu"])
+        assert isinstance(R, int)
         G = plan.num_gpus
-        if plan.extra_replicas > self.replicas_per_gpu * G:
+        if plan.extra_replicas > R * G:
             raise BudgetError(
                 f"plan {plan.policy!r} uses {plan.extra_replicas} extra replicas but replicas_per_gpu "
-                f"{self.replicas_per_gpu} allows {self.replicas_per_gpu * G}"
+                f"{R} allows {R * G}"
             )
         per_gpu = int(plan.slots().sum(axis=0).max())
-        limit = math.ceil(plan.num_layers * plan.num_experts / G) + self.replicas_per_gpu
+        limit = math.ceil(plan.num_layers * plan.num_experts / G) + R
         if per_gpu > limit:
             raise BudgetError(
                 f"plan {plan.policy!r} puts {per_gpu} experts on one GPU over all layers but "
-                f"replicas_per_gpu {self.replicas_per_gpu} allows {limit}"
+                f"replicas_per_gpu {R} allows {limit}"
             )

@@ -13,43 +13,67 @@ from moebalance.plan import Placement
 __all__ = ["greedy_pack", "placement_from_assignment"]
 
 
-def greedy_pack(weight: np.ndarray, capacity: np.ndarray) -> np.ndarray:
-    """Longest-processing-time packing, vectorised over layers.
+def greedy_pack(weight: np.ndarray, capacity: np.ndarray, item_expert: np.ndarray | None = None) -> np.ndarray:
+    """Longest-processing-time packing with per-bin capacities, vectorised over layers.
 
-    ``weight [L, N]`` items (e.g. experts or replicas) go, heaviest first (ties: lowest item index), to the
-    least-loaded bin that still has room (ties: lowest bin index); ``capacity [L, G]`` counts the items
-    each bin takes. Returns ``int64 [L, N]``, the bin of every item. Needs ``capacity.sum(1) >= N``.
+    ``weight [L, N]`` items (experts, or replicas carrying ``W_e / r_e``) go, heaviest first (ties: lowest
+    item index), to the least-loaded bin that still has room (ties: lowest bin index); ``capacity [L, G]``
+    counts the items each bin takes. Items with weight ``-inf`` are padding: they are skipped and get bin -1.
+    With ``item_expert [L, N]`` (the expert of each item), a bin never takes a second copy of an expert
+    (CRAFT Section 4.2.2, step 5) unless every bin with room already holds one, which happens only when
+    an expert has more replicas than there are bins with room. Returns ``int64 [L, N]``, the bin of each item.
     """
     L, N = weight.shape
     G = capacity.shape[1]
-    assert capacity.shape[0] == L and np.all(capacity.sum(axis=1) >= N)
+    valid = weight > -np.inf
+    assert capacity.shape[0] == L and np.all(capacity.sum(axis=1) >= valid.sum(axis=1))
     order = np.argsort(-weight, axis=1, kind="stable")
     load = np.zeros((L, G), dtype=np.float64)
     used = np.zeros((L, G), dtype=np.int64)
-    out = np.empty((L, N), dtype=np.int64)
+    out = np.full((L, N), -1, dtype=np.int64)
     rows = np.arange(L)
+    hosts = None
+    if item_expert is not None:
+        hosts = np.zeros((L, G, int(item_expert.max()) + 1), dtype=bool)
     for j in range(N):
         item = order[:, j]
-        g = np.argmin(np.where(used < capacity, load, np.inf), axis=1)
-        out[rows, item] = g
-        load[rows, g] += weight[rows, item]
-        used[rows, g] += 1
+        live = valid[rows, item]
+        if not live.any():
+            break  # padding sorts last: every remaining item is padding
+        room = used < capacity
+        if hosts is not None:
+            assert item_expert is not None
+            expert = item_expert[rows, item]
+            fresh = room & ~hosts[rows, :, expert]
+            room = np.where(fresh.any(axis=1, keepdims=True), fresh, room)
+        g = np.argmin(np.where(room, load, np.inf), axis=1)
+        r, g, item = rows[live], g[live], item[live]
+        out[r, item] = g
+        load[r, g] += weight[r, item]
+        used[r, g] += 1
+        if hosts is not None:
+            hosts[r, g, expert[live]] = True
     return out
 
 
 def placement_from_assignment(gpu_of_slot: np.ndarray, expert_of_slot: np.ndarray, cluster: Cluster,
                               num_experts: int, policy: str, params: Mapping[str, Any]) -> Placement:
-    """A plan from ``gpu_of_slot [L, P]`` and ``expert_of_slot [L, P]``; each GPU lists its experts sorted."""
-    L, _P = gpu_of_slot.shape
+    """A plan from ``gpu_of_slot [L, P]`` and ``expert_of_slot [L, P]``; each GPU lists its experts sorted.
+
+    Slots with ``gpu_of_slot == -1`` are padding (layers with fewer slots than ``P``) and are dropped.
+    """
+    L = gpu_of_slot.shape[0]
     G = cluster.num_gpus
-    # Sort slots by (gpu, expert) per layer, then cut each layer's row at the GPU boundaries.
-    key = gpu_of_slot * num_experts + expert_of_slot
+    # Sort slots by (gpu, expert) per layer (padding first), then cut each row at the GPU boundaries.
+    key = np.where(gpu_of_slot < 0, -1, gpu_of_slot * num_experts + expert_of_slot)
     order = np.argsort(key, axis=1, kind="stable")
     experts_sorted = np.take_along_axis(expert_of_slot, order, axis=1).tolist()
-    bounds = np.cumsum(np.stack([np.bincount(row, minlength=G) for row in gpu_of_slot]), axis=1).tolist()
+    per_gpu = np.stack([np.bincount(row[row >= 0], minlength=G) for row in gpu_of_slot])
+    padding = (gpu_of_slot < 0).sum(axis=1)
+    bounds = (padding[:, None] + np.cumsum(per_gpu, axis=1)).tolist()
     layers = []
     for li in range(L):
-        row, cut, start = experts_sorted[li], bounds[li], 0
+        row, cut, start = experts_sorted[li], bounds[li], int(padding[li])
         gpus = []
         for stop in cut:
             gpus.append(row[start:stop])
