@@ -8,8 +8,10 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# CPU torch pinned for dev and CI; the package itself declares a range.
-	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	# CPU torch pinned for dev and CI (the package itself declares a range). The +cpu build comes from a local
+	# wheel where the machine has one, else from PyTorch's CPU index: never a multi-GB CUDA build.
+	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null || \
+	  $(PY) -m pip install --quiet --disable-pip-version-check --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 	touch $(STAMP)
 

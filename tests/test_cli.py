@@ -1012,3 +1012,30 @@ def test_console_script(tmp_path: Path, inp: Path, outdir: Path, trace_file: Pat
     assert bad.stdout == ""
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("moebalance: error:") and "nope.npz" in lines[0], bad.stderr
+
+
+def test_stats_on_a_trace_without_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "empty.npz"
+    np.savez(path, counts=np.zeros((1, 2, 4), dtype=np.int64), topk_ids=np.zeros((0, 2, 2), dtype=np.int64),
+             src_gpu=np.zeros(0, dtype=np.int64), batch=np.zeros(0, dtype=np.int64))
+    code, out, err = run_cli(["stats", "--load", path], capsys)
+    assert code == 0 and "no tokens" in out and err == ""
+
+
+def test_replicas_per_gpu_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(0)
+    load = tmp_path / "c.npy"
+    np.save(load, rng.integers(0, 100, size=(6, 4, 16)))
+    out_plan = tmp_path / "p.json"
+    code, _, err = run_cli(["plan", "--load", load, "--policy", "craft", "--nodes", 2, "--gpus-per-node", 2,
+                            "--replicas-per-gpu", "auto", "--out", out_plan], capsys)
+    assert code == 0, err
+    plan = read_plan(out_plan)
+    assert plan.params["replicas_per_gpu"] == "auto" and plan.params["chosen_replicas_per_gpu"] >= 1
+    assert plan.extra_replicas <= plan.params["chosen_replicas_per_gpu"] * 4
+    assert_user_error(["plan", "--load", load, "--policy", "eplb", "--nodes", 2, "--gpus-per-node", 2,
+                       "--replicas-per-gpu", "auto", "--out", tmp_path / "q.json"], capsys, tmp_path,
+                      "cannot choose replicas_per_gpu itself")
+    assert_user_error(["plan", "--load", load, "--policy", "craft", "--nodes", 2, "--gpus-per-node", 2,
+                       "--replicas-per-gpu", "lots", "--out", tmp_path / "q.json"], capsys, tmp_path,
+                      "neither an integer nor 'auto'")

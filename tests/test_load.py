@@ -157,3 +157,20 @@ def test_split_and_ranges() -> None:
     assert parse_batch_range(":-2", 10) == (0, 8)
     with pytest.raises(InputError, match="empty"):
         parse_batch_range("5:2", 10)
+
+
+def test_header_claiming_a_huge_array(tmp_path) -> None:
+    # a valid header for a 2**60-element array followed by a few bytes: numpy would try to allocate it
+    path = tmp_path / "huge.npy"
+    with open(path, "wb") as fh:
+        np.lib.format.write_array_header_1_0(fh, {"descr": "<i8", "fortran_order": False, "shape": (2**20, 2**20, 2**20)})
+        fh.write(b"\0" * 64)
+    with pytest.raises(InputError, match="cannot read"):
+        read_load(path)
+
+
+def test_counts_beyond_int64() -> None:
+    with pytest.raises(InputError, match="below 2\\*\\*62"):
+        check_counts(np.array([[1.0, 2.0**63]]))
+    with pytest.raises(InputError, match="below 2\\*\\*62"):
+        check_counts(np.array([[1, 2**63]], dtype=np.uint64))

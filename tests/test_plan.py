@@ -140,3 +140,48 @@ def test_truncated_plan_file(tmp_path) -> None:
     path.write_text(path.read_text()[:20])
     with pytest.raises(PlanError, match="not valid JSON"):
         read_plan(path)
+
+
+def test_to_eplb_log2phy_numbers_replicas_by_slot() -> None:
+    """``to_eplb`` lists an expert's slots in slot order; the reference numbers them by creation (phyrank).
+
+    Both index the same slots, so an engine dispatching over ``log2phy[l, e, :logcnt]`` sees the same set.
+    """
+    from moebalance.eplb import rebalance_experts
+
+    weight = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                       [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
+    phy2log, log2phy, logcnt = rebalance_experts(weight, 16, 4, 2, 8)
+    t = Placement.from_eplb(phy2log, Cluster(num_nodes=2, gpus_per_node=4), num_experts=12).to_eplb()
+    assert np.array_equal(t.phy2log, phy2log) and np.array_equal(t.logcnt, logcnt)
+    assert np.array_equal(np.sort(t.log2phy, axis=2), np.sort(log2phy, axis=2))
+    real = t.log2phy[t.log2phy >= 0]
+    assert real.size == 2 * 16
+    # in slot order: each expert's list is increasing
+    for layer in range(2):
+        for e in range(12):
+            slots = t.log2phy[layer, e, : t.logcnt[layer, e]]
+            assert np.all(np.diff(slots) > 0)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (lambda d: d.update(version=True), "version"),
+        (lambda d: d.update(version=1.0), "version"),
+        (lambda d: d.update(policy=["x"]), "'policy' must be a string"),
+        (lambda d: d.update(weights=[[[0.0, 0.0], [1.0, 1.0]]]), "expert 0 a total share of 0"),
+    ],
+)
+def test_more_bad_plan_documents(mutate, fragment: str) -> None:
+    doc = Placement([[[0, 1], [2, 3]]], 4, C12).to_json_dict()
+    mutate(doc)
+    with pytest.raises(PlanError, match=fragment):
+        Placement.from_json_dict(doc)
+
+
+def test_deeply_nested_plan_file(tmp_path) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100000)
+    with pytest.raises(PlanError, match=r"nests too deeply|not valid JSON"):
+        read_plan(path)

@@ -27,7 +27,9 @@ def _may_refuse(name: str, load: LoadMatrix, cluster: Cluster, budget: Budget) -
     if name == "craft":  # spreads R * G replicas over layers: a slots budget is the wrong kind
         return budget.slots_per_gpu is not None
     if name == "eplb":  # equal slots per GPU: a replicas budget may be too small for the rounding
-        return too_few_slots or budget.replicas_per_gpu is not None
+        L, E, G = load.num_layers, load.num_experts, cluster.num_gpus
+        R = budget.replicas_per_gpu
+        return too_few_slots or (isinstance(R, int) and (L * E + R * G) // (L * G) < math.ceil(E / G))
     return too_few_slots
 
 
@@ -53,7 +55,7 @@ def cases(draw: st.DrawFn) -> tuple[LoadMatrix, Cluster, Budget]:
     if draw(st.booleans()):
         budget = Budget(slots_per_gpu=base + draw(st.integers(0, 2)))
     else:
-        budget = Budget(replicas_per_gpu=draw(st.integers(0, 2 * L)) + (L * (base * G - E) + G - 1) // G)
+        budget = Budget(replicas_per_gpu=draw(st.integers(0, 2 * L)))
     return LoadMatrix(counts), Cluster(num_nodes=nodes, gpus_per_node=gpn), budget
 
 
@@ -199,9 +201,15 @@ def test_eplb_avoid_duplicates_keeps_replica_counts(case: tuple[LoadMatrix, Clus
     # the same experts get the same number of replicas, with the same slots per GPU
     assert np.array_equal(fixed.replica_counts(), ref.replica_counts())
     assert np.array_equal(fixed.slots(), ref.slots())
-    # a surplus copy survives only where no GPU could take it without a duplicate of its own
-    for layer in np.flatnonzero((fixed.copies > 1).any(axis=(1, 2))):
-        assert (fixed.replica_counts()[layer] > cluster.num_gpus).any() or fixed.slots()[layer, 0] > load.num_experts
+    # never worse than the reference, and every surplus copy left has no legal swap partner
+    assert (fixed.copies - 1).clip(0).sum() <= (ref.copies - 1).clip(0).sum()
+    for layer, e, g in np.argwhere(fixed.copies > 1):
+        holds = fixed.copies[layer] > 0  # [E, G]
+        for h in range(cluster.num_gpus):
+            if h == g or holds[e, h]:
+                continue
+            partners = [f for f in fixed.gpu_experts[layer][h] if not holds[f, g]]
+            assert not partners, f"layer {layer}: expert {e} on GPU {g} could swap with {partners[0]} on GPU {h}"
 
 
 def test_eplb_avoid_duplicates_removes_the_reference_duplicates() -> None:
@@ -217,3 +225,30 @@ def test_eplb_avoid_duplicates_removes_the_reference_duplicates() -> None:
     assert ref.warnings and (ref.copies - 1).clip(0).sum() > unavoidable.sum()
     assert np.array_equal(surplus, unavoidable)
     assert evaluate(fixed, load).balancedness >= evaluate(ref, load).balancedness - 0.01
+
+
+def test_budgets_when_gpus_do_not_divide_experts() -> None:
+    # 10 experts on 4 GPUs need 3 slots per GPU: 2 extra replicas per layer, 4 in all for 2 layers
+    load = LoadMatrix(np.ones((1, 2, 10), int))
+    cluster = Cluster(num_nodes=1, gpus_per_node=4)
+    plan, _ = make_plan("eplb", load, cluster, Budget(replicas_per_gpu=2))  # allows 8 extra replicas
+    assert plan.max_slots_per_gpu == 3 and plan.extra_replicas == 4
+    with pytest.raises(BudgetError, match="raise it to at least 1"):
+        make_plan("eplb", load, cluster, Budget(replicas_per_gpu=0))
+    for name in ("contiguous", "greedy"):  # no replicas: always within a replicas budget
+        plan, _ = make_plan(name, load, cluster, Budget(replicas_per_gpu=0))
+        assert plan.extra_replicas == 0
+
+
+def test_avoid_duplicates_must_be_a_bool() -> None:
+    load = LoadMatrix(np.ones((1, 2, 8), int))
+    with pytest.raises(BudgetError, match="avoid_duplicates \\('no'\\) must be true or false"):
+        make_plan("eplb", load, Cluster(num_nodes=1, gpus_per_node=2), Budget(slots_per_gpu=5), avoid_duplicates="no")
+
+
+def test_auto_is_only_for_craft() -> None:
+    load = LoadMatrix(np.ones((1, 2, 8), int))
+    with pytest.raises(BudgetError, match="cannot choose replicas_per_gpu itself"):
+        make_plan("eplb", load, Cluster(num_nodes=1, gpus_per_node=2), Budget(replicas_per_gpu="auto"))
+    with pytest.raises(BudgetError, match="cannot choose replicas_per_gpu itself"):
+        make_plan("greedy", load, Cluster(num_nodes=1, gpus_per_node=2), Budget(replicas_per_gpu="auto"))

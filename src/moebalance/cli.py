@@ -77,6 +77,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _replicas(text: str) -> int | str:
+    """An integer (the Budget checks its sign and names the value) or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
+
+
 def _parse_set(items: Sequence[str] | None) -> dict[str, Any]:
     params: dict[str, Any] = {}
     for item in items or ():
@@ -280,6 +290,9 @@ def _print_trace_stats(load: LoadMatrix) -> None:
     from moebalance import stats
 
     tr = load.trace
+    if tr.num_tokens == 0:
+        out.print("token-level: the trace holds no tokens")
+        return
     num_gpus = int(tr.src_gpu.max()) + 1
     loc = stats.locality(tr.topk_ids, tr.src_gpu, tr.num_experts)
     co = stats.coactivation_strength(tr.topk_ids, tr.num_experts)
@@ -305,12 +318,17 @@ def cmd_demo(args: argparse.Namespace) -> None:
               "are high-skew (> 10x).")
     ns = argparse.Namespace(load=BUNDLED_DATA, nodes=8, gpus_per_node=8, slots_per_gpu=5, replicas_per_gpu=None,
                             train_frac=0.5, router="uniform", seed=0, json=False, out_dir=args.out_dir)
-    policies = list(POLICIES)
-    rows, plans = _run_compare(load, policies, ns, {p: {} for p in policies})
+    slot_policies = [p for p in POLICIES if p != "craft"]  # craft takes a replicas budget, below
+    rows, plans = _run_compare(load, slot_policies, ns, {p: {} for p in slot_policies})
     # DeepSeek-V3 has 8 expert groups, so on 8 nodes EPLB runs its hierarchical policy; show the global too
     extra, extra_plans = _run_compare(load, ["eplb"], ns, {"eplb": {"num_groups": 1}})
     rows.append(dataclasses.replace(extra[0], policy="eplb (global)"))
     plans["eplb-global"] = extra_plans["eplb"]
+    if "craft" in POLICIES:  # CRAFT with R = 8 extra slots per GPU: 1/7 of EPLB's 58 per GPU (one per layer)
+        craft_ns = argparse.Namespace(**{**vars(ns), "slots_per_gpu": None, "replicas_per_gpu": 8})
+        craft_rows, craft_plans = _run_compare(load, ["craft"], craft_ns, {"craft": {}})
+        rows.append(dataclasses.replace(craft_rows[0], policy="craft (R=8)"))
+        plans["craft"] = craft_plans["craft"]
     random_rows, _ = _run_compare(load, ["eplb"], argparse.Namespace(**{**vars(ns), "router": "random"}),
                                   {"eplb": {"num_groups": 1}})
     notes = [
@@ -318,6 +336,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         "so node loads follow group loads; its global policy ignores groups.",
         f"- EPLB (global) under vLLM/SGLang-style random replica choice: balancedness "
         f"{random_rows[0].score.balancedness:.4f} (equal split: {extra[0].score.balancedness:.4f}).",
+        "- craft (R=8) has a budget of 8 extra expert slots per GPU over all layers, 1/7 of EPLB's 58 here.",
         "- Gap to bound: how far the straggler is above max(total / G, max_e load_e / replicas_e).",
     ]
     _emit_comparison(rows, plans, load, ns, notes)
@@ -332,7 +351,8 @@ def _add_cluster(p: argparse.ArgumentParser, budget_required: bool = True) -> No
     p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node M (G = N * M)")
     g = p.add_mutually_exclusive_group(required=budget_required)
     g.add_argument("--slots-per-gpu", type=int, help="experts per GPU per layer, the same in every layer (EPLB)")
-    g.add_argument("--replicas-per-gpu", type=int, help="extra expert slots per GPU over all layers (CRAFT's R)")
+    g.add_argument("--replicas-per-gpu", type=_replicas, metavar="R|auto",
+                   help="extra expert slots per GPU over all layers (CRAFT's R; craft accepts auto)")
     p.add_argument("--groups", type=int, help="expert groups for eplb's hierarchical policy (default: the preset's)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="policy parameter (repeatable)")
 

@@ -48,6 +48,10 @@ def check_counts(value: object, name: str = "counts") -> np.ndarray:
     if np.any(arr < 0):
         bad = tuple(int(i) for i in np.argwhere(arr < 0)[0])
         raise InputError(f"{name}{list(bad)} is {arr[bad]}; counts must be non-negative")
+    too_big = arr >= 2**62  # far above any real token count; int64 sums of such values would overflow
+    if np.any(too_big):
+        bad = tuple(int(i) for i in np.argwhere(too_big)[0])
+        raise InputError(f"{name}{list(bad)} is {arr[bad]:.4g}; counts must be below 2**62 tokens")
     return arr.astype(np.int64, copy=False)
 
 
@@ -184,6 +188,9 @@ def read_load(path: str | os.PathLike[str]) -> LoadMatrix:
                 arrays = {k: data[k] for k in data.files}
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as exc:
         raise InputError(f"cannot read {str(p)!r}: {_why(exc)}") from None
+    except MemoryError:
+        raise InputError(f"cannot read {str(p)!r}: its header claims an array larger than memory "
+                         "(is the file damaged?)") from None
     return LoadMatrix.from_arrays(arrays, source=str(p))
 
 

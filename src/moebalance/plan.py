@@ -170,6 +170,12 @@ class Placement:
                     raise PlanError(f"weights[{li}][{gi}] holds {vals}; shares must be finite and non-negative")
                 row.append(vals)
             out.append(tuple(row))
+            total = np.zeros(self.num_experts)
+            for experts, shares in zip(pl, row, strict=True):
+                np.add.at(total, np.asarray(experts, dtype=np.int64), np.asarray(shares, dtype=np.float64))
+            if np.any(total <= 0):
+                e = int(np.argmax(total <= 0))
+                raise PlanError(f"weights[{li}] give expert {e} a total share of 0; a weighted router could not route it")
         return tuple(out)
 
     # ----- shape facts -------------------------------------------------------------------------------------
@@ -264,7 +270,7 @@ class Placement:
             raise PlanError(f"{source} must hold a JSON object, not {type(doc).__name__}")
         if doc.get("format") != PLAN_FORMAT:
             raise PlanError(f"{source} has format {doc.get('format')!r}; expected {PLAN_FORMAT!r}")
-        if doc.get("version") != PLAN_VERSION:
+        if type(doc.get("version")) is not int or doc.get("version") != PLAN_VERSION:
             raise PlanError(f"{source} has version {doc.get('version')!r}; this moebalance reads version {PLAN_VERSION}")
         for key in ("cluster", "num_layers", "num_experts", "placement"):
             if key not in doc:
@@ -287,8 +293,10 @@ class Placement:
         params = doc.get("params", {})
         if not isinstance(params, dict):
             raise PlanError(f"{source}: 'params' must be a JSON object")
-        return cls(placement, num_experts, cluster, policy=str(doc.get("policy", "custom")), params=params,
-                   weights=doc.get("weights"))
+        policy = doc.get("policy", "custom")
+        if not isinstance(policy, str):
+            raise PlanError(f"{source}: 'policy' must be a string, not {policy!r}")
+        return cls(placement, num_experts, cluster, policy=policy, params=params, weights=doc.get("weights"))
 
 
 def _log2phy(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
@@ -322,4 +330,6 @@ def read_plan(path: str | os.PathLike[str]) -> Placement:
         doc = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PlanError(f"plan file {str(p)!r} is not valid JSON ({str(exc).splitlines()[0]}); is it truncated?") from None
+    except RecursionError:
+        raise PlanError(f"plan file {str(p)!r} nests too deeply to be a plan") from None
     return Placement.from_json_dict(doc, source=str(p))

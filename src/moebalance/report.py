@@ -59,7 +59,7 @@ def _cells(row: ComparisonRow) -> list[str]:
 def _columns(rows: Sequence[ComparisonRow]) -> list[str]:
     cols = list(_COLUMNS)
     if rows and rows[0].score.traffic is not None:
-        cols += ["inter-node copies", "intra-node copies"]
+        cols += ["inter-node copies %", "intra-node copies %"]
     return cols
 
 

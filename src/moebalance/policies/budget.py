@@ -2,7 +2,7 @@
 
 A budget is either ``slots_per_gpu`` ``S`` (every GPU hosts at most ``S`` experts in every layer, EPLB-style)
 or ``replicas_per_gpu`` ``R`` (CRAFT: ``R * G`` extra replicas in all, spread over layers as the policy
-likes, with every GPU's memory over all layers at most ``ceil(L * E / G) + R`` expert slots). A budget is a
+likes; a GPU then holds at most ``L * ceil(E / G) + R`` expert slots over all layers). A budget is a
 maximum: a policy may use less, never more, and never changes it silently.
 """
 
@@ -79,11 +79,12 @@ class Budget:
         if self.slots_per_gpu is not None:
             return self.slots_per_gpu
         R = self.fixed_replicas("eplb")
-        slots = need + R // num_layers
-        extra = num_layers * (slots * num_gpus - num_experts)
-        if extra > R * num_gpus:
+        # the most equal slots S with L * (S * G - E) <= R * G extra replicas
+        slots = (num_layers * num_experts + R * num_gpus) // (num_layers * num_gpus)
+        if slots < need:
+            extra = num_layers * (need * num_gpus - num_experts)
             raise BudgetError(
-                f"equal slots per GPU put {num_experts} experts into {slots * num_gpus} slots per layer, "
+                f"equal slots per GPU put {num_experts} experts into {need * num_gpus} slots per layer, "
                 f"{extra} extra replicas in all, but replicas_per_gpu {R} allows "
                 f"{R * num_gpus}; raise it to at least {math.ceil(extra / num_gpus)}"
             )
@@ -110,8 +111,9 @@ class Budget:
                 f"plan {plan.policy!r} uses {plan.extra_replicas} extra replicas but replicas_per_gpu "
                 f"{R} allows {R * G}"
             )
+        # per-GPU memory: at most what equal slots of ceil(E / G) per layer take, plus R
         per_gpu = int(plan.slots().sum(axis=0).max())
-        limit = math.ceil(plan.num_layers * plan.num_experts / G) + R
+        limit = plan.num_layers * math.ceil(plan.num_experts / G) + R
         if per_gpu > limit:
             raise BudgetError(
                 f"plan {plan.policy!r} puts {per_gpu} experts on one GPU over all layers but "

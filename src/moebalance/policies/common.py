@@ -10,7 +10,7 @@ import numpy as np
 from moebalance.cluster import Cluster
 from moebalance.plan import Placement
 
-__all__ = ["greedy_pack", "placement_from_assignment"]
+__all__ = ["greedy_pack", "placement_from_assignment", "repair_duplicates"]
 
 
 def greedy_pack(weight: np.ndarray, capacity: np.ndarray, item_expert: np.ndarray | None = None) -> np.ndarray:
@@ -80,3 +80,53 @@ def placement_from_assignment(gpu_of_slot: np.ndarray, expert_of_slot: np.ndarra
             start = stop
         layers.append(gpus)
     return Placement(layers, num_experts, cluster, policy=policy, params=params)
+
+
+def repair_duplicates(gpu_of_slot: np.ndarray, expert_of_slot: np.ndarray, weight: np.ndarray,
+                      gpus_per_node: int) -> tuple[np.ndarray, int]:
+    """Swap surplus same-GPU copies of an expert away, keeping every GPU's slot count.
+
+    ``gpu_of_slot [L, P]`` (-1 for padding) and ``expert_of_slot [L, P]`` describe a plan; ``weight [L, E]``
+    is the planned load. Each surplus copy of expert ``e`` on GPU ``g`` is swapped with a slot on another GPU
+    ``h`` holding an expert ``f`` such that ``g`` has no ``f`` and ``h`` has no ``e``; among legal swaps, same
+    node first, then the one keeping ``max(load_g, load_h)`` lowest, then the lowest slot. A copy with no
+    legal partner stays (only possible when an expert has more replicas than GPUs can take).
+    Returns the new ``expert_of_slot`` and the number of swaps.
+    """
+    L = gpu_of_slot.shape[0]
+    E = weight.shape[1]
+    G = int(gpu_of_slot.max()) + 1
+    out = expert_of_slot.copy()
+    swaps = 0
+    for layer in range(L):
+        live = np.flatnonzero(gpu_of_slot[layer] >= 0)
+        h = gpu_of_slot[layer, live]
+        row = out[layer, live]  # a copy: written back below
+        count = np.bincount(row, minlength=E)
+        per_slot = weight[layer].astype(np.float64) / np.maximum(count, 1)
+        host = np.zeros((G, E), dtype=np.int64)
+        np.add.at(host, (h, row), 1)
+        if host.max(initial=0) < 2:
+            continue
+        gpu_load = np.bincount(h, weights=per_slot[row], minlength=G)
+        for g, e in np.argwhere(host > 1):
+            while host[g, e] > 1:
+                slot = int(np.flatnonzero((h == g) & (row == e))[-1])
+                legal = (h != g) & (host[g, row] == 0) & (host[h, e] == 0)
+                if not legal.any():
+                    break
+                cost = np.maximum(gpu_load[g] - per_slot[e] + per_slot[row], gpu_load[h] - per_slot[row] + per_slot[e])
+                same_node = (h // gpus_per_node) == (g // gpus_per_node)
+                prefer = legal & same_node if (legal & same_node).any() else legal
+                p = int(np.argmin(np.where(prefer, cost, np.inf)))
+                f, hp = int(row[p]), int(h[p])
+                row[slot], row[p] = f, e
+                host[g, e] -= 1
+                host[g, f] += 1
+                host[hp, f] -= 1
+                host[hp, e] += 1
+                gpu_load[g] += per_slot[f] - per_slot[e]
+                gpu_load[hp] += per_slot[e] - per_slot[f]
+                swaps += 1
+        out[layer, live] = row
+    return out, swaps

@@ -48,7 +48,7 @@ from moebalance.errors import BudgetError
 from moebalance.load import LoadMatrix
 from moebalance.plan import Placement
 from moebalance.policies.budget import Budget
-from moebalance.policies.common import greedy_pack, placement_from_assignment
+from moebalance.policies.common import greedy_pack, placement_from_assignment, repair_duplicates
 
 __all__ = [
     "BenefitTable",
@@ -120,7 +120,8 @@ def interleaved_capacity(num_experts: int, num_gpus: int, extra: np.ndarray) -> 
     return A
 
 
-def place(weight: np.ndarray, counts: np.ndarray, capacity: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def place(weight: np.ndarray, counts: np.ndarray, capacity: np.ndarray,
+          gpus_per_node: int) -> tuple[np.ndarray, np.ndarray]:
     """Step 5: capacity-aware greedy placement of the replicas ``counts [L, E]`` of ``weight [L, E]``.
 
     Returns ``(gpu_of_slot, expert_of_slot)``, both ``int64 [L, P]`` with ``P = max_l counts[l].sum()``;
@@ -135,6 +136,8 @@ def place(weight: np.ndarray, counts: np.ndarray, capacity: np.ndarray) -> tuple
         expert_of_slot[layer, : ids.size] = ids
         slot_weight[layer, : ids.size] = weight[layer, ids] / counts[layer, ids]
     gpu = greedy_pack(slot_weight, capacity, np.maximum(expert_of_slot, 0))
+    # Greedy can corner itself (a replicated expert meeting only GPUs that already hold it); swaps fix it.
+    expert_of_slot, _ = repair_duplicates(gpu, expert_of_slot, weight, gpus_per_node)
     return gpu, expert_of_slot
 
 
@@ -190,7 +193,7 @@ def benefit_table(counts: np.ndarray, cluster: Cluster, replica_counts: tuple[in
     for r in (0, *ladder):
         extra = np.full(L, r, dtype=np.int64)
         reps = replicate(summed, extra, G)
-        gpu, expert = place(summed, reps, interleaved_capacity(E, G, extra))
+        gpu, expert = place(summed, reps, interleaved_capacity(E, G, extra), cluster.gpus_per_node)
         bal.append(_mean_balancedness(counts, _shares(gpu, expert, E, G)))
         if callable(on_step):
             on_step()
@@ -275,7 +278,7 @@ def craft(*, load: LoadMatrix, cluster: Cluster, budget: Budget, objective: Obje
             "craft spreads R * G extra replicas over the layers; give --replicas-per-gpu R (or auto). "
             f"EPLB's --slots-per-gpu {budget.slots_per_gpu} is R = L * (slots - E / G) in those terms"
         )
-    if objective not in ("gain", "weighted"):
+    if objective not in ("gain", "weighted"):  # also rejects non-strings from --set
         raise BudgetError(f"objective ({objective!r}) must be 'gain' or 'weighted'")
     _, L, E = load.counts.shape
     G = cluster.num_gpus
@@ -293,7 +296,7 @@ def craft(*, load: LoadMatrix, cluster: Cluster, budget: Budget, objective: Obje
     x = allocate_replicas(table, R * G, objective)
     summed = load.total().astype(np.float64)
     reps = replicate(summed, x, G)
-    gpu, expert = place(summed, reps, interleaved_capacity(E, G, x))
+    gpu, expert = place(summed, reps, interleaved_capacity(E, G, x), cluster.gpus_per_node)
     params.update(layer_replicas=x.tolist(), predicted_gain=round(_total_gain(table, x) / L, 6),
                   placement_only_balancedness=round(float(table.base.mean()), 6))
     return placement_from_assignment(gpu, expert, cluster, E, "craft", params)

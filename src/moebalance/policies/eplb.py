@@ -22,8 +22,9 @@ from moebalance.errors import BudgetError
 from moebalance.load import LoadMatrix
 from moebalance.plan import Placement
 from moebalance.policies.budget import Budget
+from moebalance.policies.common import repair_duplicates
 
-__all__ = ["eplb", "remove_duplicates"]
+__all__ = ["eplb"]
 
 
 def _preset_groups(load: LoadMatrix) -> int:
@@ -41,59 +42,20 @@ def eplb(*, load: LoadMatrix, cluster: Cluster, budget: Budget, num_groups: int 
     E, L, G = load.num_experts, load.num_layers, cluster.num_gpus
     slots = budget.uniform_slots(E, G, L)
     groups = _preset_groups(load) if num_groups is None else num_groups
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+    if isinstance(groups, bool) or not isinstance(groups, int | np.integer) or groups < 1:
         raise BudgetError(f"num_groups ({groups!r}) must be a positive integer")
     weight = load.total()
     result = eplb_plan(weight, num_replicas=slots * G, num_groups=groups, num_nodes=cluster.num_nodes,
                        num_gpus=G)
     phy2log = result.physical_to_logical
     swaps = 0
+    if not isinstance(avoid_duplicates, bool):
+        raise BudgetError(f"avoid_duplicates ({avoid_duplicates!r}) must be true or false")
     if avoid_duplicates:
-        phy2log, swaps = remove_duplicates(phy2log, weight, cluster)
+        slot_gpu = np.broadcast_to(np.arange(phy2log.shape[1]) // slots, phy2log.shape)
+        phy2log, swaps = repair_duplicates(slot_gpu, phy2log, weight, cluster.gpus_per_node)
     mode = "hierarchical" if groups % cluster.num_nodes == 0 else "global"
     params = {**budget.as_params(), "num_groups": groups, "mode": mode, "slots_per_gpu": slots}
     if avoid_duplicates:
         params.update(avoid_duplicates=True, duplicate_swaps=swaps)
     return Placement.from_eplb(phy2log, cluster, num_experts=E, policy="eplb", params=params)
-
-
-def remove_duplicates(phy2log: np.ndarray, weight: np.ndarray, cluster: Cluster) -> tuple[np.ndarray, int]:
-    """Swap surplus same-GPU copies away; returns the new ``phy2log [L, P]`` and the number of swaps."""
-    L, P = phy2log.shape
-    G, gpn = cluster.num_gpus, cluster.gpus_per_node
-    S = P // G
-    out = phy2log.copy()
-    swaps = 0
-    slot_gpu = np.arange(P) // S
-    for layer in range(L):
-        row = out[layer]
-        count = np.bincount(row, minlength=weight.shape[1])
-        per_slot = weight[layer].astype(np.float64) / count  # planned tokens per replica
-        host = np.zeros((G, weight.shape[1]), dtype=np.int64)  # copies of expert e on GPU g
-        np.add.at(host, (slot_gpu, row), 1)
-        gpu_load = np.bincount(slot_gpu, weights=per_slot[row], minlength=G)
-        for g, e in np.argwhere(host > 1):
-            while host[g, e] > 1:
-                slot = int(np.flatnonzero((slot_gpu == g) & (row == e))[-1])
-                f = row  # candidate partners: every slot p on GPU h != g with expert f
-                h = slot_gpu
-                legal = (h != g) & (host[g, f] == 0) & (host[h, e] == 0)
-                if not legal.any():
-                    break
-                we, wf = per_slot[e], per_slot[f]
-                cost = np.maximum(gpu_load[g] - we + wf, gpu_load[h] - wf + we)
-                same_node = (h // gpn) == (g // gpn)
-                # prefer the same node, then the lowest resulting load; ties: lowest slot
-                key = np.where(legal, cost + np.where(same_node, 0.0, np.inf if (legal & same_node).any() else 0.0),
-                               np.inf)
-                p = int(np.argmin(key))
-                fe, hp = int(row[p]), int(h[p])
-                row[slot], row[p] = fe, e
-                host[g, e] -= 1
-                host[g, fe] += 1
-                host[hp, fe] -= 1
-                host[hp, e] += 1
-                gpu_load[g] += per_slot[fe] - per_slot[e]
-                gpu_load[hp] += per_slot[e] - per_slot[fe]
-                swaps += 1
-    return out, swaps
