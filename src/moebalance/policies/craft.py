@@ -60,6 +60,7 @@ __all__ = [
     "place",
     "replica_ladder",
     "replicate",
+    "uniform_allocation",
 ]
 
 Objective = Literal["gain", "weighted"]
@@ -270,9 +271,22 @@ def _total_gain(table: BenefitTable, x: np.ndarray) -> float:
     return float(np.where(x > 0, g, 0.0).sum())
 
 
+def uniform_allocation(num_layers: int, total: int) -> np.ndarray:
+    """``int64 [L]``: ``total`` replicas spread as evenly as possible, the first layers taking the remainder
+    (the per-layer uniform replication of CRAFT's Figure 8, at any total)."""
+    x = np.full(num_layers, total // num_layers, dtype=np.int64)
+    x[: total % num_layers] += 1
+    return x
+
+
 def craft(*, load: LoadMatrix, cluster: Cluster, budget: Budget, objective: Objective = "gain",
-          replica_counts: list[int] | None = None) -> Placement:
-    """CRAFT with ``R * G`` extra replicas spread over layers by benefit (``--replicas-per-gpu R|auto``)."""
+          replica_counts: list[int] | None = None,
+          allocation: Literal["benefit", "uniform"] = "benefit") -> Placement:
+    """CRAFT with ``R * G`` extra replicas spread over layers by benefit (``--replicas-per-gpu R|auto``).
+
+    ``allocation="uniform"`` skips Steps 1-3 and gives every layer the same number of replicas (the
+    baseline CRAFT compares against), placed with the same Steps 4-5.
+    """
     if budget.replicas_per_gpu is None:
         raise BudgetError(
             "craft spreads R * G extra replicas over the layers; give --replicas-per-gpu R (or auto). "
@@ -280,23 +294,34 @@ def craft(*, load: LoadMatrix, cluster: Cluster, budget: Budget, objective: Obje
         )
     if objective not in ("gain", "weighted"):  # also rejects non-strings from --set
         raise BudgetError(f"objective ({objective!r}) must be 'gain' or 'weighted'")
+    if allocation not in ("benefit", "uniform"):
+        raise BudgetError(f"allocation ({allocation!r}) must be 'benefit' or 'uniform'")
     _, L, E = load.counts.shape
     G = cluster.num_gpus
     ladder = replica_ladder(G) if replica_counts is None else tuple(sorted({int(r) for r in replica_counts}))
     if not ladder or ladder[0] < 1 or ladder[-1] > G:
         raise BudgetError(f"replica_counts ({list(ladder)}) must be integers in [1, {G}]")
-    table = benefit_table(load.counts, cluster, ladder)
-    params: dict[str, object] = {"objective": objective, "replica_counts": list(ladder)}
-    if budget.replicas_per_gpu == "auto":
-        R, curve = auto_replicas_per_gpu(table, G, objective=objective)
-        params.update(replicas_per_gpu="auto", chosen_replicas_per_gpu=R, auto_curve=[round(float(v), 6) for v in curve])
-    else:
-        R = int(budget.replicas_per_gpu)
-        params["replicas_per_gpu"] = R
-    x = allocate_replicas(table, R * G, objective)
+    params: dict[str, object] = {"objective": objective, "replica_counts": list(ladder), "allocation": allocation}
     summed = load.total().astype(np.float64)
+    if allocation == "uniform":
+        if budget.replicas_per_gpu == "auto":
+            raise BudgetError("allocation 'uniform' has no benefit curve to choose R from; give a number")
+        R = int(budget.replicas_per_gpu)
+        x = uniform_allocation(L, R * G)
+        params["replicas_per_gpu"] = R
+    else:
+        table = benefit_table(load.counts, cluster, ladder)
+        if budget.replicas_per_gpu == "auto":
+            R, curve = auto_replicas_per_gpu(table, G, objective=objective)
+            params.update(replicas_per_gpu="auto", chosen_replicas_per_gpu=R,
+                          auto_curve=[round(float(v), 6) for v in curve])
+        else:
+            R = int(budget.replicas_per_gpu)
+            params["replicas_per_gpu"] = R
+        x = allocate_replicas(table, R * G, objective)
+        params.update(predicted_gain=round(_total_gain(table, x) / L, 6),
+                      placement_only_balancedness=round(float(table.base.mean()), 6))
     reps = replicate(summed, x, G)
-    gpu, expert = place(summed, reps, interleaved_capacity(E, G, x), cluster.gpus_per_node)
-    params.update(layer_replicas=x.tolist(), predicted_gain=round(_total_gain(table, x) / L, 6),
-                  placement_only_balancedness=round(float(table.base.mean()), 6))
+    gpu, expert = place(summed, reps, interleaved_capacity(E, G, reps.sum(axis=1) - E), cluster.gpus_per_node)
+    params["layer_replicas"] = (reps.sum(axis=1) - E).tolist()
     return placement_from_assignment(gpu, expert, cluster, E, "craft", params)
