@@ -30,6 +30,8 @@ test: lint
 bench: $(STAMP)
 	$(PY) bench/bench_eplb.py
 	$(PY) bench/bench_replay.py
+	$(PY) bench/bench_craft.py
+	$(PY) bench/craft_acceptance.py
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache

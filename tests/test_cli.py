@@ -1039,3 +1039,28 @@ def test_replicas_per_gpu_auto(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert_user_error(["plan", "--load", load, "--policy", "craft", "--nodes", 2, "--gpus-per-node", 2,
                        "--replicas-per-gpu", "lots", "--out", tmp_path / "q.json"], capsys, tmp_path,
                       "neither an integer nor 'auto'")
+
+
+def test_sweep_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(1)
+    load = tmp_path / "c.npy"
+    p = rng.dirichlet(np.full(16, 0.2), size=4)
+    np.save(load, np.stack([np.stack([rng.multinomial(2000, pl) for pl in p]) for _ in range(6)]))
+    out_dir = tmp_path / "sw"
+    code, out, err = run_cli(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--policies",
+                              "eplb,craft,uniform", "--replicas-per-gpu", "0,1,2", "--out-dir", out_dir, "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    points = {(q["policy"], q["replicas_per_gpu"]): q for q in doc["points"]}
+    assert ("eplb", 4) in points  # EPLB's minimum uniform replication, R = L, is always included
+    assert points[("eplb", 4)]["extra_replicas"] == 4 * 4
+    assert points[("craft", 2)]["extra_replicas"] == 2 * 4 and points[("craft", 0)]["gain"] == pytest.approx(0)
+    assert all(0 < q["balancedness"] <= 1 for q in doc["points"])
+    for name in ("sweep.md", "sweep.json", "sweep.png"):
+        assert (out_dir / name).stat().st_size > 0
+    assert_user_error(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--replicas-per-gpu", "1,x"],
+                      capsys, tmp_path, "must be integers")
+    assert_user_error(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--policies", "craft,magic"],
+                      capsys, tmp_path, "sweep policy 'magic' is unknown")
+    assert_user_error(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--replicas-per-gpu", "-1"],
+                      capsys, tmp_path, "must be a non-empty list of integers >= 0")

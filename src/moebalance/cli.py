@@ -253,6 +253,39 @@ def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], load: Loa
             out.print(f"wrote {args.out_dir}/comparison.md, comparison.json, per_layer_balancedness.png and plans")
 
 
+def cmd_sweep(args: argparse.Namespace) -> None:
+    from moebalance.report import plot_sweep, sweep_markdown, sweep_table
+    from moebalance.sweep import sweep
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    try:
+        replicas = [int(r) for r in args.replicas_per_gpu.split(",") if r.strip()]
+    except ValueError:
+        raise InputError(f"--replicas-per-gpu {args.replicas_per_gpu!r} must be integers like 0,1,2,4,8") from None
+    load = read_load(args.load)
+    cluster = _cluster(args)
+    steps = sum(len(set(replicas) | ({load.num_layers} if p == "eplb" else set())) for p in policies)
+    with _progress() as progress:
+        task = progress.add_task("sweep", total=steps)
+        points = sweep(load, cluster, policies, replicas, train_frac=args.train_frac, num_groups=args.groups,
+                       on_step=lambda: progress.advance(task))
+    train, test = load.split(args.train_frac)
+    title = (f"{load.preset or Path(args.load).name}: {load.num_layers} layers x {load.num_experts} experts on "
+             f"{args.nodes}x{args.gpus_per_node} GPUs, planned on {train.num_batches} batches, scored on "
+             f"{test.num_batches}{' held-out' if args.train_frac < 1 else ''}; gain over placement-only greedy")
+    if args.out_dir:
+        d = Path(args.out_dir)
+        atomic_write_text(d / "sweep.md", sweep_markdown(points, title) + "\n![sweep](sweep.png)\n")
+        atomic_write_text(d / "sweep.json", dumps({"title": title, "points": [p.as_dict() for p in points]}))
+        plot_sweep(points, d / "sweep.png", title, load.num_layers)
+    if args.json:
+        sys.stdout.write(dumps({"title": title, "points": [p.as_dict() for p in points]}))
+    else:
+        out.print(sweep_table(points, title))
+        if args.out_dir:
+            out.print(f"wrote {args.out_dir}/sweep.md, sweep.json and sweep.png")
+
+
 def cmd_stats(args: argparse.Namespace) -> None:
     from moebalance.stats import layer_skew
 
@@ -401,6 +434,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write comparison.md, comparison.json, a PNG and the plans here")
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("sweep", help="balancedness against extra replicas per GPU (CRAFT Figures 1 and 8)")
+    p.add_argument("--load", required=True)
+    p.add_argument("--policies", default="eplb,craft", help="from craft, uniform, eplb, greedy, contiguous")
+    p.add_argument("--replicas-per-gpu", default="0,1,2,4,8,16,32", help="comma-separated R values")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--groups", type=int, help="expert groups for eplb (default: the preset's)")
+    p.add_argument("--train-frac", type=float, default=0.5)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out-dir", help="write sweep.md, sweep.json and sweep.png here")
+    p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("stats", help="per-layer skew of a load or trace")
     p.add_argument("--load", required=True)

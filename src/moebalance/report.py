@@ -139,3 +139,53 @@ def dumps(obj: Any) -> str:
 
 def print_table(table: Table, console: Console | None = None) -> None:
     (console or Console()).print(table)
+
+
+def sweep_markdown(points: Sequence[Any], title: str) -> str:
+    """Markdown table of sweep points (``moebalance.sweep.SweepPoint``)."""
+    lines = [f"# {title}", "", "| policy | R (extra slots per GPU) | extra replicas | balancedness | imbalance ratio | gain over placement only |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {p.policy} | {p.replicas_per_gpu} | {p.extra_replicas} | {p.balancedness:.4f} | "
+              f"{p.imbalance_ratio:.3f} | {p.gain:+.4f} |" for p in points]
+    return "\n".join(lines) + "\n"
+
+
+def sweep_table(points: Sequence[Any], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("policy", "R", "extra replicas", "balancedness", "imbalance ratio", "gain"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    for p in points:
+        table.add_row(p.policy, str(p.replicas_per_gpu), str(p.extra_replicas), f"{p.balancedness:.4f}",
+                      f"{p.imbalance_ratio:.3f}", f"{p.gain:+.4f}")
+    return table
+
+
+def plot_sweep(points: Sequence[Any], path: str | os.PathLike[str], title: str, num_layers: int) -> None:
+    """PNG: held-out balancedness against extra replicas per GPU, one line per policy (CRAFT Figures 1, 8)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    markers = {"craft": "o", "uniform": "s", "eplb": "^", "greedy": "x", "contiguous": "+"}
+    for policy in dict.fromkeys(p.policy for p in points):
+        pts = sorted((p.replicas_per_gpu, p.balancedness) for p in points if p.policy == policy)
+        xs, ys = zip(*pts, strict=True)
+        ax.plot(xs, ys, marker=markers.get(policy, "o"), linewidth=1.4, label=policy)
+    eplb_min = [p for p in points if p.policy == "eplb" and p.replicas_per_gpu == num_layers]
+    if eplb_min:
+        ax.scatter([num_layers], [eplb_min[0].balancedness], s=140, marker="x", color="black", zorder=5,
+                   label=f"EPLB minimum uniform replication (R = L = {num_layers})")
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xlabel("extra expert slots per GPU, R (symlog)")
+    ax.set_ylabel("held-out balancedness (mean / max)")
+    ax.grid(alpha=0.3)
+    ax.set_title(textwrap.fill(title, 100), fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)

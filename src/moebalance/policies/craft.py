@@ -58,6 +58,8 @@ __all__ = [
     "craft",
     "interleaved_capacity",
     "place",
+    "plan_from_table",
+    "plan_with_allocation",
     "replica_ladder",
     "replicate",
     "uniform_allocation",
@@ -296,32 +298,46 @@ def craft(*, load: LoadMatrix, cluster: Cluster, budget: Budget, objective: Obje
         raise BudgetError(f"objective ({objective!r}) must be 'gain' or 'weighted'")
     if allocation not in ("benefit", "uniform"):
         raise BudgetError(f"allocation ({allocation!r}) must be 'benefit' or 'uniform'")
-    _, L, E = load.counts.shape
+    L = load.num_layers
     G = cluster.num_gpus
     ladder = replica_ladder(G) if replica_counts is None else tuple(sorted({int(r) for r in replica_counts}))
     if not ladder or ladder[0] < 1 or ladder[-1] > G:
         raise BudgetError(f"replica_counts ({list(ladder)}) must be integers in [1, {G}]")
     params: dict[str, object] = {"objective": objective, "replica_counts": list(ladder), "allocation": allocation}
-    summed = load.total().astype(np.float64)
     if allocation == "uniform":
         if budget.replicas_per_gpu == "auto":
             raise BudgetError("allocation 'uniform' has no benefit curve to choose R from; give a number")
         R = int(budget.replicas_per_gpu)
-        x = uniform_allocation(L, R * G)
         params["replicas_per_gpu"] = R
+        return plan_with_allocation(load, cluster, uniform_allocation(L, R * G), params)
+    table = benefit_table(load.counts, cluster, ladder)
+    if budget.replicas_per_gpu == "auto":
+        R, curve = auto_replicas_per_gpu(table, G, objective=objective)
+        params.update(replicas_per_gpu="auto", chosen_replicas_per_gpu=R, auto_curve=[round(float(v), 6) for v in curve])
     else:
-        table = benefit_table(load.counts, cluster, ladder)
-        if budget.replicas_per_gpu == "auto":
-            R, curve = auto_replicas_per_gpu(table, G, objective=objective)
-            params.update(replicas_per_gpu="auto", chosen_replicas_per_gpu=R,
-                          auto_curve=[round(float(v), 6) for v in curve])
-        else:
-            R = int(budget.replicas_per_gpu)
-            params["replicas_per_gpu"] = R
-        x = allocate_replicas(table, R * G, objective)
-        params.update(predicted_gain=round(_total_gain(table, x) / L, 6),
-                      placement_only_balancedness=round(float(table.base.mean()), 6))
-    reps = replicate(summed, x, G)
+        R = int(budget.replicas_per_gpu)
+        params["replicas_per_gpu"] = R
+    return plan_from_table(load, cluster, table, R, objective, params)
+
+
+def plan_from_table(load: LoadMatrix, cluster: Cluster, table: BenefitTable, replicas_per_gpu: int,
+                    objective: Objective = "gain", params: dict[str, object] | None = None) -> Placement:
+    """Steps 3-5 for ``R = replicas_per_gpu`` from an existing benefit table (a budget sweep reuses one)."""
+    L = load.num_layers
+    x = allocate_replicas(table, replicas_per_gpu * cluster.num_gpus, objective)
+    extra = dict(params or {"objective": objective, "replica_counts": table.replica_counts.tolist(),
+                            "allocation": "benefit", "replicas_per_gpu": replicas_per_gpu})
+    extra.update(predicted_gain=round(_total_gain(table, x) / L, 6),
+                 placement_only_balancedness=round(float(table.base.mean()), 6))
+    return plan_with_allocation(load, cluster, x, extra)
+
+
+def plan_with_allocation(load: LoadMatrix, cluster: Cluster, layer_replicas: np.ndarray,
+                         params: dict[str, object]) -> Placement:
+    """Steps 4-5: replicate ``layer_replicas[l]`` times in layer ``l``, assign capacities, place."""
+    E, G = load.num_experts, cluster.num_gpus
+    summed = load.total().astype(np.float64)
+    reps = replicate(summed, layer_replicas, G)
     gpu, expert = place(summed, reps, interleaved_capacity(E, G, reps.sum(axis=1) - E), cluster.gpus_per_node)
-    params["layer_replicas"] = (reps.sum(axis=1) - E).tolist()
-    return placement_from_assignment(gpu, expert, cluster, E, "craft", params)
+    return placement_from_assignment(gpu, expert, cluster, E, "craft",
+                                     {**params, "layer_replicas": (reps.sum(axis=1) - E).tolist()})

@@ -1,0 +1,84 @@
+"""Budget sweeps: held-out balancedness against extra replicas per GPU (CRAFT Figures 1 and 8).
+
+For each ``R`` in a list, plan on the planning batches and score on the held-out ones:
+
+- ``craft``: CRAFT's benefit-driven allocation of ``R * G`` replicas (the benefit table is computed once);
+- ``uniform``: the same number of replicas in every layer (CRAFT Figure 8's uniform replication), placed
+  the same way, so the difference is the allocation alone;
+- ``eplb``: DeepSeek EPLB with ``floor(R / L)`` extra slots per GPU in every layer: placement only below
+  ``R = L``, and EPLB's minimum uniform replication (one replica per layer per GPU) at ``R = L``, which
+  the sweep always includes;
+- ``greedy`` / ``contiguous``: placement only (the same at every ``R``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from moebalance.cluster import Cluster
+from moebalance.errors import InputError
+from moebalance.load import LoadMatrix
+from moebalance.policies import Budget, make_plan
+from moebalance.policies.craft import benefit_table, plan_from_table
+from moebalance.simulate import evaluate
+
+__all__ = ["SWEEP_POLICIES", "SweepPoint", "sweep"]
+
+SWEEP_POLICIES = ("craft", "uniform", "eplb", "greedy", "contiguous")
+
+
+@dataclass(frozen=True, slots=True)
+class SweepPoint:
+    """One (policy, R) point of a sweep, scored on held-out batches."""
+
+    policy: str
+    replicas_per_gpu: int
+    extra_replicas: int
+    balancedness: float
+    imbalance_ratio: float
+    #: Balancedness minus the placement-only (``greedy``) plan's, on the same held-out batches.
+    gain: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "replicas_per_gpu": self.replicas_per_gpu,
+                "extra_replicas": self.extra_replicas, "balancedness": round(self.balancedness, 6),
+                "imbalance_ratio": round(self.imbalance_ratio, 6), "gain": round(self.gain, 6)}
+
+
+def sweep(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas: Sequence[int], *,
+          train_frac: float = 0.5, num_groups: int | None = None,
+          on_step: Callable[[], None] | None = None) -> list[SweepPoint]:
+    """Score every policy at every ``R`` in ``replicas`` (plus ``R = L`` for eplb)."""
+    unknown = [p for p in policies if p not in SWEEP_POLICIES]
+    if unknown:
+        raise InputError(f"sweep policy {unknown[0]!r} is unknown; choose from {', '.join(SWEEP_POLICIES)}")
+    if not replicas or any(r < 0 for r in replicas):
+        raise InputError(f"replicas per GPU ({list(replicas)}) must be a non-empty list of integers >= 0")
+    train, test = load.split(train_frac)
+    L = load.num_layers
+    base_plan, _ = make_plan("greedy", train, cluster, Budget(replicas_per_gpu=0))
+    base = evaluate(base_plan, test).balancedness
+    table = benefit_table(train.counts, cluster) if "craft" in policies else None
+    points: list[SweepPoint] = []
+    for policy in policies:
+        rs = sorted(set(replicas) | ({L} if policy == "eplb" else set()))
+        for R in rs:
+            budget = Budget(replicas_per_gpu=R)
+            if policy == "craft":
+                assert table is not None
+                plan = plan_from_table(train, cluster, table, R)
+            elif policy == "uniform":
+                plan, _ = make_plan("craft", train, cluster, budget, allocation="uniform")
+            elif policy == "eplb":
+                plan, _ = make_plan("eplb", train, cluster, budget,
+                                    **({} if num_groups is None else {"num_groups": num_groups}))
+            else:
+                plan, _ = make_plan(policy, train, cluster, budget)
+            score = evaluate(plan, test)
+            points.append(SweepPoint(policy, R, plan.extra_replicas, score.balancedness, score.imbalance_ratio,
+                                     score.balancedness - base))
+            if on_step is not None:
+                on_step()
+    return points
