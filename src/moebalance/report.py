@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
 from moebalance._io import atomic_path
@@ -125,6 +124,13 @@ def plot_per_layer(rows: Sequence[ComparisonRow], path: str | os.PathLike[str], 
     ax.grid(alpha=0.3)
     ax.set_title(textwrap.fill(title, 110), fontsize=9)
     ax.legend(fontsize=8, loc="lower left")
+    _save_png(fig, path)
+
+
+def _save_png(fig: Any, path: str | os.PathLike[str]) -> None:
+    """Save a matplotlib figure atomically and free it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     try:
         with atomic_path(path) as tmp:
@@ -135,10 +141,6 @@ def plot_per_layer(rows: Sequence[ComparisonRow], path: str | os.PathLike[str], 
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2) + "\n"
-
-
-def print_table(table: Table, console: Console | None = None) -> None:
-    (console or Console()).print(table)
 
 
 def sweep_markdown(points: Sequence[Any], title: str) -> str:
@@ -183,9 +185,4 @@ def plot_sweep(points: Sequence[Any], path: str | os.PathLike[str], title: str, 
     ax.grid(alpha=0.3)
     ax.set_title(textwrap.fill(title, 100), fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, format="png")
-    finally:
-        plt.close(fig)
+    _save_png(fig, path)
