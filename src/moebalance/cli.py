@@ -452,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
 
-    p = sub.add_parser("demo", help="compare contiguous, greedy and eplb on bundled DeepSeek-V3-like data")
+    p = sub.add_parser("demo", help="compare every policy on bundled DeepSeek-V3-like data")
     p.add_argument("--out-dir", default="demo-out")
     p.set_defaults(func=cmd_demo)
     return parser
