@@ -7,7 +7,10 @@ placement-only `greedy` plan. Compared:
 - EPLB with one replica per layer per GPU (its minimum uniform replication, L * G extra replicas), both its
   hierarchical policy (the preset's expert groups) and its global one;
 - CRAFT with R = 8 (8 * G extra replicas);
-- uniform per-layer replication with the same total as CRAFT (the same placement steps, equal counts).
+- uniform per-layer replication with the same total as CRAFT (the same placement steps, equal counts);
+- a hindsight allocation: Alg. 2 on a benefit table measured on the *held-out* batches (placed from the
+  planning batches like the others). No allocation known in advance can do much better on these batches, so
+  its ratio to uniform bounds what any allocation rule can reach here.
 
 Writes docs/results/craft.md and the sweep plots docs/results/craft_sweep_<model>.png.
 Run: .venv/bin/python bench/craft_acceptance.py [--batches 400]
@@ -22,6 +25,7 @@ from _common import ROOT, machine
 from moebalance.cluster import Cluster
 from moebalance.load import LoadMatrix
 from moebalance.policies import Budget, make_plan
+from moebalance.policies.craft import allocate_replicas, benefit_table, plan_with_allocation
 from moebalance.report import plot_sweep
 from moebalance.simulate import evaluate
 from moebalance.sweep import sweep
@@ -63,6 +67,8 @@ def main() -> None:
             "craft R = 8": make_plan("craft", train, cluster, Budget(replicas_per_gpu=8))[0],
             "uniform, same total as craft R = 8":
                 make_plan("craft", train, cluster, Budget(replicas_per_gpu=8), allocation="uniform")[0],
+            "hindsight allocation (held-out benefit table), R = 8": plan_with_allocation(
+                train, cluster, allocate_replicas(benefit_table(test.counts, cluster), 8 * G), {"hindsight": True}),
         }
         bal = {k: evaluate(p, test).balancedness for k, p in plans.items()}
         base = bal["greedy (placement only)"]
@@ -73,26 +79,33 @@ def main() -> None:
         craft_gain = bal["craft R = 8"] - base
         uniform_gain = bal["uniform, same total as craft R = 8"] - base
         eplb_extra = plans["eplb global, 1 replica/layer/GPU"].extra_replicas
+        hindsight_gain = bal["hindsight allocation (held-out benefit table), R = 8"] - base
         checks.append((preset.display_name, craft_gain / best_eplb, eplb_extra / plans["craft R = 8"].extra_replicas,
-                       craft_gain / uniform_gain if uniform_gain > 0 else float("inf")))
-        points = sweep(load, cluster, ["craft", "uniform", "eplb"], [0, 1, 2, 4, 8, 16, 32], num_groups=1)
+                       craft_gain / uniform_gain if uniform_gain > 0 else float("inf"),
+                       hindsight_gain / uniform_gain if uniform_gain > 0 else float("inf")))
+        points = sweep(load, cluster, ["craft", "uniform", "eplb"], [0, 1, 2, 4, 8, 16, 32], num_groups=1).points
         plot_sweep(points, ROOT / "docs" / "results" / f"craft_sweep_{name}.png",
-                   f"{preset.display_name}-like, 8x8 GPUs, held-out", L)
+                   f"{preset.display_name}-like, 8x8 GPUs, held-out", L, G)
         sweep_rows = [p for p in points if p.policy in ("craft", "uniform")]
         ratio = {p.replicas_per_gpu: p.gain for p in sweep_rows if p.policy == "craft"}
         uni = {p.replicas_per_gpu: p.gain for p in sweep_rows if p.policy == "uniform"}
         checks[-1] = (*checks[-1], {R: ratio[R] / uni[R] for R in ratio if R > 0 and uni[R] > 0})
     out += ["", "## Acceptance ratios", "",
-            "| model | CRAFT R=8 gain / best EPLB gain | EPLB extra replicas / CRAFT's | CRAFT gain / uniform gain at R=8 | CRAFT / uniform gain by R |",
-            "|---|---|---|---|---|"]
-    for model, frac, mem, vs_uniform, by_r in checks:
-        out.append(f"| {model} | {frac:.0%} | {mem:.2f}x | {vs_uniform:.2f}x | "
+            "| model | CRAFT R=8 gain / best EPLB gain | EPLB extra replicas / CRAFT's | CRAFT gain / uniform gain at R=8 | hindsight / uniform at R=8 | CRAFT / uniform gain by R |",
+            "|---|---|---|---|---|---|"]
+    for model, frac, mem, vs_uniform, hindsight, by_r in checks:
+        out.append(f"| {model} | {frac:.0%} | {mem:.2f}x | {vs_uniform:.2f}x | {hindsight:.2f}x | "
                    + ", ".join(f"R={R}: {v:.2f}x" for R, v in sorted(by_r.items())) + " |")
     out += ["",
             "Issue 3 asks for CRAFT R=8 to reach >= 75% of EPLB's gain with <= 1/7 of its replicas (met above), and",
             "for CRAFT's gain to be >= 1.5x uniform per-layer replication at the same total. On these traces that",
             "holds only at small budgets (R = 1, and R = 2 for Kimi-K2): at R = 8 there are ~9 replicas per layer",
             "and the equal split already covers the hot experts of most layers, so allocation matters little.",
+            "The hindsight column allocates with the held-out batches' own benefit table: even that cannot reach",
+            "1.5x uniform at R = 8 on these traces, so the shortfall is a property of the traces' layer mix",
+            "(calibrated to CRAFT's Figures 8-9: most layers are moderately skewed and plateau within ~8 replicas),",
+            "not of the allocation rule. CRAFT's paper itself compares against EPLB's minimum replication",
+            "(first two ratio columns), not against uniform replication at equal total.",
             "", *[f"![{m}](craft_sweep_{m}.png)" for m in MODELS]]
     text = "\n".join(out) + "\n"
     print(text)

@@ -1064,3 +1064,25 @@ def test_sweep_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.Capture
                       capsys, tmp_path, "sweep policy 'magic' is unknown")
     assert_user_error(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--replicas-per-gpu", "-1"],
                       capsys, tmp_path, "must be a non-empty list of integers >= 0")
+    assert_user_error(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--policies", " , "],
+                      capsys, tmp_path, "no sweep policies given")
+    assert_user_error(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--replicas-per-gpu",
+                       "0,99999999999999"], capsys, tmp_path, "exceeds", "every GPU already holds every expert")
+
+
+def test_sweep_skips_points_a_policy_cannot_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 6 experts on 4 GPUs: EPLB's equal slots need 8 slots per layer, i.e. 2 extra replicas per layer, so it
+    # refuses R = 0 and R = 1; the sweep goes on and says so
+    rng = np.random.default_rng(2)
+    load = tmp_path / "c.npy"
+    np.save(load, rng.integers(0, 50, size=(6, 3, 6)))
+    code, out, err = run_cli(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--policies",
+                              "eplb,craft", "--replicas-per-gpu", "0,1,2", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert {(q["policy"], q["replicas_per_gpu"]) for q in doc["points"]} == {
+        ("eplb", 2), ("eplb", 3), ("craft", 0), ("craft", 1), ("craft", 2)}
+    assert [s.split(":")[0] for s in doc["skipped"]] == ["eplb at R = 0", "eplb at R = 1"]
+    code, out, err = run_cli(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--policies",
+                              "eplb", "--replicas-per-gpu", "0,2"], capsys)
+    assert code == 0 and "skipped eplb at R = 0" in out

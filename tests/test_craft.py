@@ -89,6 +89,19 @@ def test_dp_is_exact(L: int, G: int, seed: int, weighted: bool) -> None:
         assert got == pytest.approx(_brute_force(table, total, weighted))
 
 
+def test_dp_without_exact_budget_takes_the_best_reachable_total() -> None:
+    # a ladder without 1 cannot spend 6 replicas over two layers exactly; the best total <= 6 is 4
+    table = BenefitTable(np.array([4, 8]), np.array([[0.3, 0.1], [0.5, 0.2]]), np.zeros(2))
+    assert allocate_replicas(table, 6).tolist() == [4, 0]
+    assert allocate_replicas(table, 8).tolist() == [8, 0]  # 0.5 beats 4 + 4 (0.3 + 0.1)
+
+
+def test_replicate_stops_when_every_gpu_holds_every_expert() -> None:
+    # a huge budget must neither hang nor overshoot: 3 experts on 4 GPUs take at most 3 * 3 extras
+    counts = replicate(np.array([[5.0, 3.0, 1.0]]), np.array([10**15]), max_replicas=4)
+    assert counts.tolist() == [[4, 4, 4]]
+
+
 def test_dp_prefers_layers_with_benefit() -> None:
     # layer 0 gains a lot from 4 replicas, layer 1 nothing: all 4 go to layer 0
     table = BenefitTable(np.array([1, 2, 4]), np.array([[0.1, 0.0], [0.2, 0.0], [0.5, 0.01]]), np.zeros(2))
@@ -158,6 +171,9 @@ def test_craft_budget_errors() -> None:
         make_plan("craft", load, cluster, Budget(replicas_per_gpu=1), replica_counts=[1, 8])
     with pytest.raises(BudgetError, match="allocation"):
         make_plan("craft", load, cluster, Budget(replicas_per_gpu=1), allocation="even")
+    for bad in ([], [True], ["2"], [1.5], [0, 1], 4, None.__class__):
+        with pytest.raises(BudgetError, match=r"replica_counts .* must be a non-empty list of integers in \[1, 4\]"):
+            make_plan("craft", load, cluster, Budget(replicas_per_gpu=1), replica_counts=bad)
 
 
 def test_auto_replication_factor_is_recorded() -> None:
@@ -166,3 +182,20 @@ def test_auto_replication_factor_is_recorded() -> None:
     R = plan.params["chosen_replicas_per_gpu"]
     assert R in (1, 2, 4) and plan.extra_replicas == R * 4
     assert len(plan.params["auto_curve"]) == 3  # R = 1, 2, 4 for L = 6 layers
+
+
+def test_sweep_progress_counts_every_step_and_points_use_actual_replicas() -> None:
+    from moebalance.sweep import sweep, sweep_steps
+
+    load = _skewed_load(B=6)
+    cluster = Cluster(num_nodes=2, gpus_per_node=2)
+    L = load.num_layers
+    calls = []
+    policies, replicas = ["craft", "uniform", "eplb", "greedy"], [0, 1, 2 * L]
+    result = sweep(load, cluster, policies, replicas, on_step=lambda: calls.append(1))
+    assert len(calls) == sweep_steps(load, cluster, policies, replicas) == 4 + 3 + 3 + 4 + 3
+    point = {(p.policy, p.replicas_per_gpu): p for p in result.points}
+    # CRAFT gives a layer at most G replicas, so at R = 2L it spends L * G, not 2L * G; uniform spends it all
+    assert point[("craft", 2 * L)].extra_replicas == L * 4
+    assert point[("uniform", 2 * L)].extra_replicas == 2 * L * 4
+    assert point[("greedy", 1)].extra_replicas == 0 and result.skipped == []

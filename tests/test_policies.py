@@ -69,8 +69,33 @@ def _params(name: str, load: LoadMatrix, cluster: Cluster) -> dict:
 @given(case=cases())
 def test_conformance(name: str, case: tuple[LoadMatrix, Cluster, Budget]) -> None:
     load, cluster, budget = case
+    _check_conforms(name, load, cluster, budget, _params(name, load, cluster))
+
+
+#: CRAFT's variants beyond the defaults: automatic R, the uniform baseline, the printed weighted objective,
+#: a custom ladder.
+CRAFT_VARIANTS = [
+    ({"auto": True}, {}),
+    ({}, {"allocation": "uniform"}),
+    ({}, {"objective": "weighted"}),
+    ({}, {"replica_counts": [2, 3]}),
+]
+
+
+@pytest.mark.parametrize(("how", "params"), CRAFT_VARIANTS)
+@given(case=cases())
+def test_craft_variants_conform(how: dict, params: dict, case: tuple[LoadMatrix, Cluster, Budget]) -> None:
+    load, cluster, budget = case
+    if how.get("auto") and budget.replicas_per_gpu is not None:
+        budget = Budget(replicas_per_gpu="auto")
+    if "replica_counts" in params and cluster.num_gpus < 3:
+        params = {"replica_counts": [1]}
+    _check_conforms("craft", load, cluster, budget, params)
+
+
+def _check_conforms(name: str, load: LoadMatrix, cluster: Cluster, budget: Budget, params: dict) -> None:
     try:
-        plan, _ = make_plan(name, load, cluster, budget, **_params(name, load, cluster))
+        plan, _ = make_plan(name, load, cluster, budget, **params)
     except BudgetError:
         # a policy may refuse a budget it cannot meet, but only then
         assert _may_refuse(name, load, cluster, budget)
@@ -81,8 +106,13 @@ def test_conformance(name: str, case: tuple[LoadMatrix, Cluster, Budget]) -> Non
     budget.check(plan)
     if name in NO_DUPLICATES:
         assert plan.warnings == () and plan.copies.max() == 1
+    if name == "craft":  # Alg. 3: memory stays uniform, per-GPU totals over layers differ by at most one
+        per_gpu = plan.slots().sum(axis=0)
+        assert per_gpu.max() - per_gpu.min() <= 1
+        within = plan.slots()
+        assert np.all(within.max(axis=1) - within.min(axis=1) <= 1)
     # deterministic
-    again, _ = make_plan(name, load, cluster, budget, **_params(name, load, cluster))
+    again, _ = make_plan(name, load, cluster, budget, **params)
     assert again.gpu_experts == plan.gpu_experts
     # load conserved, metrics in (0, 1]
     loads = gpu_loads(plan, load.counts)

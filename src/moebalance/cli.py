@@ -255,7 +255,7 @@ def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], load: Loa
 
 def cmd_sweep(args: argparse.Namespace) -> None:
     from moebalance.report import plot_sweep, sweep_markdown, sweep_table
-    from moebalance.sweep import sweep
+    from moebalance.sweep import sweep, sweep_steps
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
@@ -264,24 +264,29 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         raise InputError(f"--replicas-per-gpu {args.replicas_per_gpu!r} must be integers like 0,1,2,4,8") from None
     load = read_load(args.load)
     cluster = _cluster(args)
-    steps = sum(len(set(replicas) | ({load.num_layers} if p == "eplb" else set())) for p in policies)
+    steps = sweep_steps(load, cluster, policies, replicas) if policies else 0
     with _progress() as progress:
         task = progress.add_task("sweep", total=steps)
-        points = sweep(load, cluster, policies, replicas, train_frac=args.train_frac, num_groups=args.groups,
+        result = sweep(load, cluster, policies, replicas, train_frac=args.train_frac, num_groups=args.groups,
                        on_step=lambda: progress.advance(task))
+    points = result.points
     train, test = load.split(args.train_frac)
     title = (f"{load.preset or Path(args.load).name}: {load.num_layers} layers x {load.num_experts} experts on "
              f"{args.nodes}x{args.gpus_per_node} GPUs, planned on {train.num_batches} batches, scored on "
              f"{test.num_batches}{' held-out' if args.train_frac < 1 else ''}; gain over placement-only greedy")
+    doc = {"title": title, "points": [p.as_dict() for p in points], "skipped": result.skipped}
+    skipped_md = "".join(f"\nSkipped: {note}\n" for note in result.skipped)
     if args.out_dir:
         d = Path(args.out_dir)
-        atomic_write_text(d / "sweep.md", sweep_markdown(points, title) + "\n![sweep](sweep.png)\n")
-        atomic_write_text(d / "sweep.json", dumps({"title": title, "points": [p.as_dict() for p in points]}))
-        plot_sweep(points, d / "sweep.png", title, load.num_layers)
+        atomic_write_text(d / "sweep.md", sweep_markdown(points, title) + skipped_md + "\n![sweep](sweep.png)\n")
+        atomic_write_text(d / "sweep.json", dumps(doc))
+        plot_sweep(points, d / "sweep.png", title, load.num_layers, cluster.num_gpus)
     if args.json:
-        sys.stdout.write(dumps({"title": title, "points": [p.as_dict() for p in points]}))
+        sys.stdout.write(dumps(doc))
     else:
         out.print(sweep_table(points, title))
+        for note in result.skipped:
+            out.print(f"skipped {note}")
         if args.out_dir:
             out.print(f"wrote {args.out_dir}/sweep.md, sweep.json and sweep.png")
 

@@ -162,8 +162,10 @@ def sweep_table(points: Sequence[Any], title: str) -> Table:
     return table
 
 
-def plot_sweep(points: Sequence[Any], path: str | os.PathLike[str], title: str, num_layers: int) -> None:
-    """PNG: held-out balancedness against extra replicas per GPU, one line per policy (CRAFT Figures 1, 8)."""
+def plot_sweep(points: Sequence[Any], path: str | os.PathLike[str], title: str, num_layers: int,
+               num_gpus: int) -> None:
+    """PNG: held-out balancedness against the extra replicas per GPU each plan uses, one line per policy
+    (CRAFT Figures 1 and 8)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,15 +174,16 @@ def plot_sweep(points: Sequence[Any], path: str | os.PathLike[str], title: str, 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     markers = {"craft": "o", "uniform": "s", "eplb": "^", "greedy": "x", "contiguous": "+"}
     for policy in dict.fromkeys(p.policy for p in points):
-        pts = sorted((p.replicas_per_gpu, p.balancedness) for p in points if p.policy == policy)
+        pts = sorted({(p.extra_replicas / num_gpus, p.balancedness) for p in points if p.policy == policy})
         xs, ys = zip(*pts, strict=True)
-        ax.plot(xs, ys, marker=markers.get(policy, "o"), linewidth=1.4, label=policy)
+        # EPLB's equal slots exist only at multiples of L replicas per GPU: points, not a line between them
+        ax.plot(xs, ys, marker=markers.get(policy, "o"), linewidth=0 if policy == "eplb" else 1.4, label=policy)
     eplb_min = [p for p in points if p.policy == "eplb" and p.replicas_per_gpu == num_layers]
     if eplb_min:
-        ax.scatter([num_layers], [eplb_min[0].balancedness], s=140, marker="x", color="black", zorder=5,
-                   label=f"EPLB minimum uniform replication (R = L = {num_layers})")
+        ax.scatter([eplb_min[0].extra_replicas / num_gpus], [eplb_min[0].balancedness], s=140, marker="x",
+                   color="black", zorder=5, label=f"EPLB minimum uniform replication (R = L = {num_layers})")
     ax.set_xscale("symlog", linthresh=1)
-    ax.set_xlabel("extra expert slots per GPU, R (symlog)")
+    ax.set_xlabel("extra expert replicas per GPU used by the plan (symlog)")
     ax.set_ylabel("held-out balancedness (mean / max)")
     ax.grid(alpha=0.3)
     ax.set_title(textwrap.fill(title, 100), fontsize=9)

@@ -9,22 +9,28 @@ For each ``R`` in a list, plan on the planning batches and score on the held-out
   ``R = L``, and EPLB's minimum uniform replication (one replica per layer per GPU) at ``R = L``, which
   the sweep always includes;
 - ``greedy`` / ``contiguous``: placement only (the same at every ``R``).
+
+A point a policy cannot plan (EPLB below its rounding minimum when ``G`` does not divide ``E``) is skipped
+with its reason rather than ending the sweep. Plots put each point at the extra replicas per GPU its plan
+actually uses (``extra_replicas / G``): CRAFT never gives a layer more than ``G`` replicas, so above
+``R = L`` it spends less than ``R * G``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from moebalance.cluster import Cluster
-from moebalance.errors import InputError
+from moebalance.errors import BudgetError, InputError
 from moebalance.load import LoadMatrix
 from moebalance.policies import Budget, make_plan
-from moebalance.policies.craft import benefit_table, plan_from_table
+from moebalance.policies.craft import benefit_table, plan_from_table, replica_ladder
 from moebalance.simulate import evaluate
 
-__all__ = ["SWEEP_POLICIES", "SweepPoint", "sweep"]
+__all__ = ["SWEEP_POLICIES", "SweepPoint", "SweepResult", "sweep", "sweep_steps"]
 
 SWEEP_POLICIES = ("craft", "uniform", "eplb", "greedy", "contiguous")
 
@@ -47,38 +53,72 @@ class SweepPoint:
                 "imbalance_ratio": round(self.imbalance_ratio, 6), "gain": round(self.gain, 6)}
 
 
-def sweep(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas: Sequence[int], *,
-          train_frac: float = 0.5, num_groups: int | None = None,
-          on_step: Callable[[], None] | None = None) -> list[SweepPoint]:
-    """Score every policy at every ``R`` in ``replicas`` (plus ``R = L`` for eplb)."""
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    """The scored points of a sweep, and the ``(policy, R)`` points skipped with the reason."""
+
+    points: list[SweepPoint]
+    #: ``"eplb at R = 0: ..."``: points no plan could be made for.
+    skipped: list[str] = field(default_factory=list)
+
+
+def _check(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas: Sequence[int]) -> None:
+    if not policies:
+        raise InputError(f"no sweep policies given; choose from {', '.join(SWEEP_POLICIES)}, e.g. eplb,craft")
     unknown = [p for p in policies if p not in SWEEP_POLICIES]
     if unknown:
         raise InputError(f"sweep policy {unknown[0]!r} is unknown; choose from {', '.join(SWEEP_POLICIES)}")
     if not replicas or any(r < 0 for r in replicas):
         raise InputError(f"replicas per GPU ({list(replicas)}) must be a non-empty list of integers >= 0")
+    L, E, G = load.num_layers, load.num_experts, cluster.num_gpus
+    # with every expert of every layer on every GPU, no replica can be added
+    most = math.ceil(L * E * (G - 1) / G)
+    if max(replicas) > max(most, L):
+        raise InputError(f"replicas per GPU {max(replicas)} exceeds {max(most, L)}, where every GPU already "
+                         f"holds every expert of all {L} layers; sweep smaller values")
+
+
+def _rs(policy: str, replicas: Sequence[int], num_layers: int) -> list[int]:
+    return sorted(set(replicas) | ({num_layers} if policy == "eplb" else set()))
+
+
+def sweep_steps(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas: Sequence[int]) -> int:
+    """How many times :func:`sweep` calls ``on_step`` (for a progress bar's total)."""
+    table = len(replica_ladder(cluster.num_gpus)) + 1 if "craft" in policies else 0
+    return table + sum(len(_rs(p, replicas, load.num_layers)) for p in policies)
+
+
+def sweep(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas: Sequence[int], *,
+          train_frac: float = 0.5, num_groups: int | None = None,
+          on_step: Callable[[], None] | None = None) -> SweepResult:
+    """Score every policy at every ``R`` in ``replicas`` (plus ``R = L`` for eplb)."""
+    _check(load, cluster, policies, replicas)
     train, test = load.split(train_frac)
     L = load.num_layers
     base_plan, _ = make_plan("greedy", train, cluster, Budget(replicas_per_gpu=0))
     base = evaluate(base_plan, test).balancedness
-    table = benefit_table(train.counts, cluster) if "craft" in policies else None
-    points: list[SweepPoint] = []
+    table = benefit_table(train.counts, cluster, on_step=on_step) if "craft" in policies else None
+    result = SweepResult([])
     for policy in policies:
-        rs = sorted(set(replicas) | ({L} if policy == "eplb" else set()))
-        for R in rs:
+        for R in _rs(policy, replicas, L):
             budget = Budget(replicas_per_gpu=R)
-            if policy == "craft":
-                assert table is not None
-                plan = plan_from_table(train, cluster, table, R)
-            elif policy == "uniform":
-                plan, _ = make_plan("craft", train, cluster, budget, allocation="uniform")
-            elif policy == "eplb":
-                plan, _ = make_plan("eplb", train, cluster, budget,
-                                    **({} if num_groups is None else {"num_groups": num_groups}))
+            try:
+                if policy == "craft":
+                    assert table is not None
+                    plan = plan_from_table(train, cluster, table, R)
+                elif policy == "uniform":
+                    plan, _ = make_plan("craft", train, cluster, budget, allocation="uniform")
+                elif policy == "eplb":
+                    plan, _ = make_plan("eplb", train, cluster, budget,
+                                        **({} if num_groups is None else {"num_groups": num_groups}))
+                else:
+                    plan, _ = make_plan(policy, train, cluster, budget)
+            except BudgetError as exc:
+                result.skipped.append(f"{policy} at R = {R}: {exc}")
             else:
-                plan, _ = make_plan(policy, train, cluster, budget)
-            score = evaluate(plan, test)
-            points.append(SweepPoint(policy, R, plan.extra_replicas, score.balancedness, score.imbalance_ratio,
-                                     score.balancedness - base))
+                score = evaluate(plan, test)
+                result.points.append(SweepPoint(policy, R, plan.extra_replicas, score.balancedness,
+                                                score.imbalance_ratio, score.balancedness - base))
             if on_step is not None:
                 on_step()
-    return points
+    return result

@@ -79,8 +79,9 @@ class Budget:
         if self.slots_per_gpu is not None:
             return self.slots_per_gpu
         R = self.fixed_replicas("eplb")
-        # the most equal slots S with L * (S * G - E) <= R * G extra replicas
-        slots = (num_layers * num_experts + R * num_gpus) // (num_layers * num_gpus)
+        # the most equal slots S with L * (S * G - E) <= R * G extra replicas; beyond E slots a GPU would
+        # hold some expert twice, so a larger R is not spent (a budget is a maximum)
+        slots = min((num_layers * num_experts + R * num_gpus) // (num_layers * num_gpus), num_experts)
         if slots < need:
             extra = num_layers * (need * num_gpus - num_experts)
             raise BudgetError(

@@ -84,10 +84,14 @@ def replicate(weight: np.ndarray, extra: np.ndarray, max_replicas: int) -> np.nd
     counts = np.ones((L, E), dtype=np.int64)
     rows = np.arange(L)
     per_replica = weight.astype(np.float64).copy()
+    # a layer whose experts are all at max_replicas takes no more: E * (max_replicas - 1) extras at most
+    extra = np.minimum(np.asarray(extra, dtype=np.int64), E * (max_replicas - 1))
     for step in range(int(extra.max(initial=0))):
         score = np.where(counts < max_replicas, per_replica, -np.inf)
         best = np.argmax(score, axis=1)
-        live = (extra > step) & np.isfinite(score[rows, best])  # a layer whose experts are all on every GPU stops
+        live = (extra > step) & np.isfinite(score[rows, best])
+        if not live.any():
+            break
         r, e = rows[live], best[live]
         counts[r, e] += 1
         per_replica[r, e] = weight[r, e] / counts[r, e]
@@ -211,6 +215,9 @@ def allocate_replicas(table: BenefitTable, total: int, objective: Objective = "g
 
     Ties keep the earlier option (no replication, then smaller counts), as Alg. 2's strict ``>``.
     If ``total`` exceeds what the ladder can absorb (``L * max(r)``), every layer takes the largest count.
+    Alg. 2 backtracks from exactly ``C``; a ladder without 1 (``replica_counts=[4, 8]``) may not reach
+    ``C`` exactly, and then we take the best reachable ``c < C`` (ties: the larger ``c``): a budget is a
+    maximum, so spending less of it is allowed, and the plan records what it used.
     """
     K, L = table.gain.shape
     ladder = table.replica_counts
@@ -232,10 +239,11 @@ def allocate_replicas(table: BenefitTable, total: int, objective: Objective = "g
             new = np.where(better, cand, new)
             pick = np.where(better, r, pick)
         dp, choice[layer] = new, pick
-    if not np.isfinite(dp[C]):
-        raise BudgetError(f"no choice of replica counts from {ladder.tolist()} sums to {C}")
-    x = np.zeros(L, dtype=np.int64)
     c = C
+    if not np.isfinite(dp[C]):  # dp[0] = 0 is always reachable
+        reachable = np.flatnonzero(np.isfinite(dp))
+        c = int(reachable[np.flatnonzero(dp[reachable] == dp[reachable].max())[-1]])
+    x = np.zeros(L, dtype=np.int64)
     for layer in range(L - 1, -1, -1):
         x[layer] = choice[layer, c]
         c -= x[layer]
@@ -300,9 +308,7 @@ def craft(*, load: LoadMatrix, cluster: Cluster, budget: Budget, objective: Obje
         raise BudgetError(f"allocation ({allocation!r}) must be 'benefit' or 'uniform'")
     L = load.num_layers
     G = cluster.num_gpus
-    ladder = replica_ladder(G) if replica_counts is None else tuple(sorted({int(r) for r in replica_counts}))
-    if not ladder or ladder[0] < 1 or ladder[-1] > G:
-        raise BudgetError(f"replica_counts ({list(ladder)}) must be integers in [1, {G}]")
+    ladder = replica_ladder(G) if replica_counts is None else _check_ladder(replica_counts, G)
     params: dict[str, object] = {"objective": objective, "replica_counts": list(ladder), "allocation": allocation}
     if allocation == "uniform":
         if budget.replicas_per_gpu == "auto":
@@ -318,6 +324,16 @@ def craft(*, load: LoadMatrix, cluster: Cluster, budget: Budget, objective: Obje
         R = int(budget.replicas_per_gpu)
         params["replicas_per_gpu"] = R
     return plan_from_table(load, cluster, table, R, objective, params)
+
+
+def _check_ladder(replica_counts: object, num_gpus: int) -> tuple[int, ...]:
+    """The sorted distinct counts of a user's ``replica_counts``, each an integer in ``[1, G]``."""
+    values = list(replica_counts) if isinstance(replica_counts, list | tuple) else []
+    if not values or not all(isinstance(r, int | np.integer) and not isinstance(r, bool) and 1 <= r <= num_gpus
+                             for r in values):
+        raise BudgetError(f"replica_counts ({replica_counts!r}) must be a non-empty list of integers in "
+                          f"[1, {num_gpus}] (replicas a layer may take), e.g. [1, 2, 4]")
+    return tuple(sorted({int(r) for r in values}))
 
 
 def plan_from_table(load: LoadMatrix, cluster: Cluster, table: BenefitTable, replicas_per_gpu: int,
