@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/moebalance demo --out-dir demo-out
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench tools
 	$(VENV)/bin/mypy
 
 test: lint

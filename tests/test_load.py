@@ -174,3 +174,27 @@ def test_counts_beyond_int64() -> None:
         check_counts(np.array([[1.0, 2.0**63]]))
     with pytest.raises(InputError, match="below 2\\*\\*62"):
         check_counts(np.array([[1, 2**63]], dtype=np.uint64))
+
+
+def test_bundled_traces_load_and_match_their_recipes() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    from moebalance.load import bundled_names, read_load
+    from moebalance.synth import get_preset, synthesize
+
+    spec = importlib.util.spec_from_file_location("make_bundled_data", Path(__file__).parents[1] / "tools" / "make_bundled_data.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert bundled_names() == sorted(tool.RECIPES)
+    for name, (preset, batches, tokens, gpus, token_level) in tool.RECIPES.items():
+        load = read_load(f"bundled:{name}")
+        again = synthesize(get_preset(preset), num_batches=batches, tokens_per_batch=tokens, num_gpus=gpus, seed=0,
+                           token_level=token_level)
+        assert np.array_equal(load.counts, again["counts"]) and load.preset == preset
+        assert (load.trace is not None) == token_level
+        if load.trace is not None:
+            assert np.array_equal(load.trace.topk_ids, again["topk_ids"])
+    with pytest.raises(InputError, match="no bundled trace 'nope'; bundled: deepseek-v3-8x8"):
+        read_load("bundled:nope")

@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("plan", help="compute a placement plan")
-    p.add_argument("--load", required=True, help=".npy [L, E] / [B, L, E] or .npz with counts")
+    p.add_argument("--load", required=True, help=".npy [L, E] / [B, L, E], .npz with counts, or bundled:NAME")
     p.add_argument("--policy", required=True, help=f"one of: {', '.join(POLICIES)}")
     _add_cluster(p)
     p.add_argument("--batches", help="plan on batches a:b only")

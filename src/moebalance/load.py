@@ -20,7 +20,8 @@ from moebalance._io import atomic_path
 from moebalance.errors import InputError
 from moebalance.trace import RoutingTrace
 
-__all__ = ["LoadMatrix", "check_counts", "parse_batch_range", "read_load", "write_load"]
+__all__ = ["BUNDLED_PREFIX", "LoadMatrix", "bundled_names", "check_counts", "parse_batch_range", "read_bundled",
+           "read_load", "write_load"]
 
 _TOKEN_KEYS = ("topk_ids", "src_gpu", "batch")
 
@@ -173,8 +174,35 @@ class LoadMatrix:
         return cls(arrays["counts"], None, preset)
 
 
+#: Prefix naming a trace shipped with the package: ``bundled:mixtral-8x7b-tokens``.
+BUNDLED_PREFIX = "bundled:"
+
+
+def bundled_names() -> list[str]:
+    """Names of the traces shipped in ``moebalance/data`` (``bundled:NAME`` loads one)."""
+    from importlib import resources
+
+    return sorted(f.name.removesuffix(".npz").replace("_", "-")
+                  for f in (resources.files("moebalance") / "data").iterdir() if f.name.endswith(".npz"))
+
+
+def read_bundled(name: str) -> LoadMatrix:
+    """The bundled trace ``name`` (see :func:`bundled_names`; ``docs/synth.md`` says how each was made)."""
+    from importlib import resources
+
+    if name not in bundled_names():
+        raise InputError(f"no bundled trace {name!r}; bundled: {', '.join(bundled_names())}")
+    with resources.as_file(resources.files("moebalance") / "data" / (name.replace("-", "_") + ".npz")) as p:
+        return read_load(p)
+
+
 def read_load(path: str | os.PathLike[str]) -> LoadMatrix:
-    """Read a ``.npy`` or ``.npz`` load file without unpickling anything; errors name the problem."""
+    """Read a ``.npy`` or ``.npz`` load file without unpickling anything; errors name the problem.
+
+    ``bundled:NAME`` reads a trace shipped with the package (:func:`bundled_names`).
+    """
+    if isinstance(path, str) and path.startswith(BUNDLED_PREFIX):
+        return read_bundled(path.removeprefix(BUNDLED_PREFIX))
     p = Path(path)
     if not p.exists():
         raise InputError(f"load file {str(p)!r} does not exist")
