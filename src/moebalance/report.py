@@ -52,6 +52,8 @@ def _cells(row: ComparisonRow) -> list[str]:
         t = s.traffic
         total = t.local + t.intra_node + t.inter_node
         cells += [f"{100 * t.inter_node / max(total, 1):.1f}%", f"{100 * t.intra_node / max(total, 1):.1f}%"]
+        if t.a2a_seconds is not None:
+            cells.append(f"{1e6 * float(t.a2a_seconds.mean()):.1f} us")
     return cells
 
 
@@ -59,6 +61,8 @@ def _columns(rows: Sequence[ComparisonRow]) -> list[str]:
     cols = list(_COLUMNS)
     if rows and rows[0].score.traffic is not None:
         cols += ["inter-node copies %", "intra-node copies %"]
+        if rows[0].score.traffic.a2a_seconds is not None:
+            cols.append("all-to-all per layer")
     return cols
 
 
@@ -92,6 +96,8 @@ def score_table(score: Score, title: str) -> Table:
     table.add_row("imbalance ratio (max/mean)", f"{score.imbalance_ratio:.3f}")
     table.add_row("gap to lower bound", f"{100 * score.lower_bound_gap:.1f}%")
     table.add_row("mean straggler load (tokens)", f"{score.mean_max_load:.1f}")
+    table.add_row("GPU idle, sum over GPUs (tokens)", f"{score.gpu_idle:.1f}")
+    table.add_row("std of GPU load (tokens)", f"{score.load_std:.1f}")
     table.add_row("extra replicas", f"{score.extra_replicas}")
     table.add_row("max slots per GPU", f"{score.max_slots_per_gpu}")
     worst = np.nanargmin(score.per_layer_balancedness) if np.any(np.isfinite(score.per_layer_balancedness)) else 0
@@ -103,6 +109,8 @@ def score_table(score: Score, title: str) -> Table:
         table.add_row("dispatch copies intra-node", f"{t.intra_node:,}")
         table.add_row("dispatch copies inter-node", f"{t.inter_node:,}")
         table.add_row("inter-node, once per node", f"{t.inter_node_dedup:,}")
+        if t.a2a_seconds is not None and t.a2a_seconds.size:
+            table.add_row("all-to-all per layer (dispatch + combine)", f"{1e6 * float(t.a2a_seconds.mean()):.1f} us")
     return table
 
 

@@ -14,6 +14,21 @@ model of the reference page 002), so we report
 each averaged over the ``(b, l)`` with non-zero load, plus per-layer means. For token-level traces we also
 count the copies the all-to-all dispatch sends: a token goes once to each distinct GPU serving any of its
 picks (GRACE, DeepEP); to its own GPU it is local, to another GPU of its node intra-node, else inter-node.
+
+All-to-all time (GRACE Section 5.3 reports it next to traffic): per ``(b, l)``, dispatch sends every copy
+once and combine sends it back, so each phase moves the same bytes. A GPU's intra-node copies go over its
+NVLink/PCIe share (``Cluster.intra_node_bandwidth``) and its inter-node copies over its NIC
+(``inter_node_bandwidth``), in parallel; a phase lasts as long as the busiest of those links, counting what
+a GPU sends and what it receives separately (full duplex)::
+
+    t_phase[b, l] = bytes_per_copy * max_g max(send_intra[g], recv_intra[g]) / bw_intra,
+                                           max(send_inter[g], recv_inter[g]) / bw_inter)
+    a2a[b, l] = 2 * t_phase[b, l]
+
+No latency term and no node-level deduplication (``inter_node_dedup`` is reported separately): a
+bandwidth lower bound that ranks plans the way traffic does. GRACE's two load metrics come from the same
+replay: GPU idle time ``sum_g (max_g' load - load_g)`` (in tokens: the work the other GPUs could have done
+while waiting for the straggler) and the standard deviation of GPU load, both per ``(b, l)``.
 """
 
 from __future__ import annotations
@@ -24,13 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from moebalance.cluster import Cluster
 from moebalance.errors import InputError, PlanError
 from moebalance.load import LoadMatrix
 from moebalance.plan import Placement
 from moebalance.routers import Router, get_router
 from moebalance.trace import RoutingTrace
 
-__all__ = ["Score", "Traffic", "evaluate", "gpu_loads", "layer_metrics", "traffic"]
+__all__ = ["Score", "Traffic", "a2a_seconds", "evaluate", "gpu_loads", "layer_metrics", "traffic"]
 
 
 def check_compatible(plan: Placement, load: LoadMatrix) -> None:
@@ -96,6 +112,8 @@ class Traffic:
     inter_node_dedup: int
     #: ``int64 [G, G]``: copies from source GPU to destination GPU, summed over batches and layers.
     matrix: np.ndarray
+    #: ``float64 [B, L]``: all-to-all seconds (dispatch + combine) per batch and layer; ``None`` without bytes.
+    a2a_seconds: np.ndarray | None = None
 
     def as_dict(self, bytes_per_copy: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"local": self.local, "intra_node": self.intra_node, "inter_node": self.inter_node,
@@ -105,17 +123,33 @@ class Traffic:
             out["bytes"] = {"intra_node": 2 * self.intra_node * bytes_per_copy,
                             "inter_node": 2 * self.inter_node * bytes_per_copy,
                             "inter_node_dedup": 2 * self.inter_node_dedup * bytes_per_copy}
+        if self.a2a_seconds is not None and self.a2a_seconds.size:
+            out["a2a_us_per_layer"] = round(float(self.a2a_seconds.mean()) * 1e6, 3)
+            out["a2a_ms_per_batch"] = round(float(self.a2a_seconds.sum(axis=1).mean()) * 1e3, 6)
         return out
 
 
-def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray) -> Traffic:
-    """Count dispatch copies for ``dest [T, L, K]``, the GPU serving each (token, pick)."""
+def a2a_seconds(pair_copies: np.ndarray, cluster: Cluster, bytes_per_copy: int) -> np.ndarray:
+    """``float64 [...]``: all-to-all seconds (dispatch + combine) for copies ``[..., G, G]`` (source, dest)."""
+    kind = cluster.link_kind()
+    intra, inter = (kind == 1), (kind == 2)
+    m = pair_copies.astype(np.float64)
+    t_intra = np.maximum((m * intra).sum(axis=-1), (m * intra).sum(axis=-2)) / cluster.intra_node_bandwidth
+    t_inter = np.maximum((m * inter).sum(axis=-1), (m * inter).sum(axis=-2)) / cluster.inter_node_bandwidth
+    return 2.0 * bytes_per_copy * np.maximum(t_intra, t_inter).max(axis=-1) / 1e9
+
+
+def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_copy: int | None = None) -> Traffic:
+    """Count dispatch copies for ``dest [T, L, K]``, the GPU serving each (token, pick); with
+    ``bytes_per_copy``, also the all-to-all time of every ``(b, l)``."""
     cluster = plan.cluster
     G, gpn = cluster.num_gpus, cluster.gpus_per_node
+    B, L = trace.num_batches, dest.shape[1]
     src = trace.src_gpu
     local = intra = inter = inter_dedup = 0
     matrix = np.zeros(G * G, dtype=np.int64)
-    for layer in range(dest.shape[1]):
+    seconds = np.zeros((B, L)) if bytes_per_copy else None
+    for layer in range(L):
         d = np.sort(dest[:, layer, :], axis=1)
         first = np.ones(d.shape, dtype=bool)
         first[:, 1:] = d[:, 1:] != d[:, :-1]
@@ -130,7 +164,11 @@ def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray) -> Traffic:
         inter_dedup += int(np.count_nonzero(first_node & (nodes != (src // gpn)[:, None])))
         pairs = (src[:, None] * G + d)[first]
         matrix += np.bincount(pairs, minlength=G * G)
-    return Traffic(local, intra, inter, inter_dedup, matrix.reshape(G, G))
+        if seconds is not None and bytes_per_copy:
+            per_batch = ((trace.batch[:, None] * G + src[:, None]) * G + d)[first]
+            copies = np.bincount(per_batch, minlength=B * G * G).reshape(B, G, G)
+            seconds[:, layer] = a2a_seconds(copies, cluster, bytes_per_copy)
+    return Traffic(local, intra, inter, inter_dedup, matrix.reshape(G, G), seconds)
 
 
 def _nanmean(x: np.ndarray, axis: int | None = None) -> Any:
@@ -153,6 +191,10 @@ class Score:
     per_layer_imbalance: np.ndarray
     #: Mean straggler load in tokens, over ``(b, l)``.
     mean_max_load: float
+    #: GRACE's GPU idle time in tokens: mean over ``(b, l)`` of ``sum_g (max load - load_g)``.
+    gpu_idle: float
+    #: GRACE's load deviation: mean over ``(b, l)`` of the standard deviation of GPU load, in tokens.
+    load_std: float
     extra_replicas: int
     max_slots_per_gpu: int
     num_batches: int
@@ -172,6 +214,8 @@ class Score:
             "per_layer_balancedness": clean(self.per_layer_balancedness),
             "per_layer_imbalance_ratio": clean(self.per_layer_imbalance),
             "mean_max_load": round(self.mean_max_load, 3),
+            "gpu_idle_tokens": round(self.gpu_idle, 3),
+            "load_std": round(self.load_std, 3),
             "extra_replicas": self.extra_replicas,
             "max_slots_per_gpu": self.max_slots_per_gpu,
             "num_batches": self.num_batches,
@@ -209,6 +253,9 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
     if not np.any(np.isfinite(m.balancedness)):
         raise InputError("the load is zero in every batch and layer; there is nothing to score")
     gap = m.max_load / m.lower_bound - 1.0
+    active = np.isfinite(m.balancedness)
+    idle = (loads.max(axis=2, keepdims=True) - loads).sum(axis=2)[active]
+    std = loads.std(axis=2)[active]
     return Score(
         balancedness=float(_nanmean(m.balancedness)),
         imbalance_ratio=float(_nanmean(m.imbalance)),
@@ -216,10 +263,12 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
         per_layer_balancedness=_nanmean(m.balancedness, axis=0),
         per_layer_imbalance=_nanmean(m.imbalance, axis=0),
         mean_max_load=float(_nanmean(m.max_load)),
+        gpu_idle=float(idle.mean()),
+        load_std=float(std.mean()),
         extra_replicas=plan.extra_replicas,
         max_slots_per_gpu=plan.max_slots_per_gpu,
         num_batches=load.num_batches,
         router=r.name,
-        traffic=None if dest is None or trace is None else traffic(plan, trace, dest),
+        traffic=None if dest is None or trace is None else traffic(plan, trace, dest, bytes_per_copy),
         bytes_per_copy=bytes_per_copy,
     )

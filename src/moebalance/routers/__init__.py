@@ -15,13 +15,14 @@ from __future__ import annotations
 from moebalance.errors import InputError
 from moebalance.routers.base import Router
 from moebalance.routers.basic import RANDOM, UNIFORM
+from moebalance.routers.grace import LOCALITY, WRR
 
 __all__ = ["DOCUMENTED_ROUTERS", "ROUTERS", "Router", "get_router"]
 
 #: Router names documented in DESIGN §5 (contract). The exact min-max router is documented as ``minmax``.
 DOCUMENTED_ROUTERS = ("uniform", "random", "wrr", "locality", "rebalance", "minmax")
 
-ROUTERS: dict[str, Router] = {r.name: r for r in (UNIFORM, RANDOM)}
+ROUTERS: dict[str, Router] = {r.name: r for r in (UNIFORM, RANDOM, WRR, LOCALITY)}
 
 _unknown = set(ROUTERS) - set(DOCUMENTED_ROUTERS)
 if _unknown:  # import-time check that the registry only holds documented names (STYLE 3)

@@ -1,0 +1,120 @@
+"""GRACE's routers (paper 001, Alg. 3-4): weights from the plan, locality tiers, conservation."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given
+
+from moebalance.cluster import Cluster
+from moebalance.errors import InputError
+from moebalance.plan import Placement
+from moebalance.routers import ROUTERS
+from moebalance.routers.grace import replica_weights
+from moebalance.simulate import gpu_loads
+from moebalance.trace import RoutingTrace
+
+
+@st.composite
+def weighted_plans(draw: st.DrawFn) -> Placement:
+    nodes, gpn = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    G = nodes * gpn
+    E, L = draw(st.integers(1, 6)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    layers, weights = [], []
+    for _ in range(L):
+        gpus: list[list[int]] = [[] for _ in range(G)]
+        for e in range(E):
+            for g in rng.choice(G, size=int(rng.integers(1, G + 1)), replace=False):
+                gpus[int(g)].append(e)
+        layers.append(gpus)
+        # positive weights, so every replica can be drawn
+        weights.append([[float(rng.integers(1, 5)) for _ in g] for g in gpus])
+    return Placement(layers, E, Cluster(num_nodes=nodes, gpus_per_node=gpn), weights=weights)
+
+
+def _trace(plan: Placement, T: int, seed: int) -> RoutingTrace:
+    rng = np.random.default_rng(seed)
+    L, E = plan.num_layers, plan.num_experts
+    K = min(2, E)
+    topk = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(L)]) for _ in range(T)])
+    return RoutingTrace(topk, rng.integers(0, plan.num_gpus, T), np.zeros(T, int), num_experts=E)
+
+
+@given(plan=weighted_plans(), seed=st.integers(0, 2**31))
+def test_wrr_conserves_counts_and_uses_hosting_gpus(plan: Placement, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 40, size=(3, plan.num_layers, plan.num_experts))
+    loads = gpu_loads(plan, counts, "wrr", rng)
+    assert np.allclose(loads.sum(axis=2), counts.sum(axis=2))
+    hosts = np.einsum("ble,leg->blg", counts, plan.copies) > 0
+    assert np.all(loads[~hosts] == 0) and np.all(loads == np.round(loads))  # whole tokens
+
+
+@given(plan=weighted_plans(), seed=st.integers(0, 2**31))
+def test_locality_prefers_own_gpu_then_own_node(plan: Placement, seed: int) -> None:
+    tr = _trace(plan, 40, seed)
+    dest = ROUTERS["locality"].assign_tokens(plan, tr, np.random.default_rng(seed))
+    gpn = plan.cluster.gpus_per_node
+    L = plan.num_layers
+    layer = np.arange(L)[None, :, None]
+    ids, src = tr.topk_ids, tr.src_gpu[:, None, None]
+    assert np.all(plan.copies[layer, ids, dest] > 0)  # never a GPU without a replica
+    on_own = plan.copies[layer, ids, np.broadcast_to(src, ids.shape)] > 0
+    assert np.all(dest[on_own] == np.broadcast_to(src, ids.shape)[on_own])  # own GPU whenever it has one
+    node_copies = plan.copies.reshape(L, plan.num_experts, -1, gpn).sum(axis=3)  # [L, E, nodes]
+    on_node = node_copies[layer, ids, np.broadcast_to(src // gpn, ids.shape)] > 0
+    assert np.all((dest // gpn == src // gpn)[on_node])  # else its own node whenever that has one
+
+
+def test_locality_refuses_bare_counts() -> None:
+    plan = Placement([[[0], [0, 1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    with pytest.raises(InputError, match="locality router needs to know which GPU each token lives on"):
+        gpu_loads(plan, np.ones((1, 1, 2), int), "locality")
+
+
+def test_replica_weights_follow_the_plan() -> None:
+    # expert 0 on GPUs 0, 1, 2 with weights 2 : 1 : 1; expert 1 twice on GPU 1 (weights 1 and 3, shared equally)
+    plan = Placement([[[0], [0, 1, 1], [0]]], 2, Cluster(num_nodes=1, gpus_per_node=3),
+                     weights=[[[2.0], [1.0, 1.0, 3.0], [1.0]]])
+    w = replica_weights(plan)
+    assert w[0, 0].tolist() == [0.5, 0.25, 0.25]
+    assert w[0, 1].tolist() == [0.5, 0.5, 0.0]
+    unweighted = Placement([[[0], [0, 1], [0]]], 2, Cluster(num_nodes=1, gpus_per_node=3))
+    assert replica_weights(unweighted)[0, 0].tolist() == pytest.approx([1 / 3] * 3)
+
+
+def test_wrr_follows_the_weights_on_counts_and_tokens() -> None:
+    plan = Placement([[[0], [0, 1], [0]]], 2, Cluster(num_nodes=1, gpus_per_node=3),
+                     weights=[[[2.0], [1.0, 1.0], [1.0]]])
+    counts = np.full((400, 1, 2), [400, 0])
+    loads = gpu_loads(plan, counts, "wrr", np.random.default_rng(5))
+    assert np.allclose(loads.mean(axis=0)[0], [200, 100, 100], rtol=0.02)
+    assert loads.std(axis=0)[0, 0] > 1  # it really samples
+    T = 20000
+    tr = RoutingTrace(np.zeros((T, 1, 1), int), np.zeros(T, int), np.zeros(T, int), num_experts=2)
+    dest = ROUTERS["wrr"].assign_tokens(plan, tr, np.random.default_rng(0))
+    assert np.bincount(dest.ravel(), minlength=3) / T == pytest.approx([0.5, 0.25, 0.25], abs=0.01)
+
+
+def test_locality_draws_by_weight_within_the_node_tier() -> None:
+    # 2 nodes x 2 GPUs; expert 0 on GPUs 1, 2, 3 with weights 1, 3, 1; tokens on GPU 0 (node 0) must all go
+    # to GPU 1 (the only same-node replica), tokens on GPU 2 stay, tokens on GPU 3 stay
+    plan = Placement([[[1], [0], [0], [0]]], 2, Cluster(num_nodes=2, gpus_per_node=2),
+                     weights=[[[1.0], [1.0], [3.0], [1.0]]])
+    T = 3000
+    src = np.repeat([0, 2, 3], T // 3)
+    tr = RoutingTrace(np.zeros((T, 1, 1), int), src, np.zeros(T, int), num_experts=2)
+    dest = ROUTERS["locality"].assign_tokens(plan, tr, np.random.default_rng(0))[:, 0, 0]
+    assert np.all(dest[src == 0] == 1) and np.all(dest[src == 2] == 2) and np.all(dest[src == 3] == 3)
+
+
+def test_locality_remote_tier_uses_all_weights() -> None:
+    # expert 0 only on node 1 (GPUs 2, 3, weights 3 : 1); tokens from node 0 split 3 : 1
+    plan = Placement([[[1], [1], [0], [0]]], 2, Cluster(num_nodes=2, gpus_per_node=2),
+                     weights=[[[1.0], [1.0], [3.0], [1.0]]])
+    T = 20000
+    tr = RoutingTrace(np.zeros((T, 1, 1), int), np.zeros(T, int), np.zeros(T, int), num_experts=2)
+    dest = ROUTERS["locality"].assign_tokens(plan, tr, np.random.default_rng(1)).ravel()
+    assert np.bincount(dest, minlength=4)[2:] / T == pytest.approx([0.75, 0.25], abs=0.01)
