@@ -16,9 +16,10 @@ from moebalance.load import LoadMatrix
 from moebalance.plan import Placement
 from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, get_policy, make_plan
 from moebalance.simulate import evaluate, gpu_loads
+from moebalance.trace import RoutingTrace
 
 #: Policies of our own never put two copies of an expert on one GPU (the faithful eplb may).
-NO_DUPLICATES = {"contiguous", "greedy", "craft"}
+NO_DUPLICATES = {"contiguous", "greedy", "craft", "grace"}
 
 
 def _may_refuse(name: str, load: LoadMatrix, cluster: Cluster, budget: Budget) -> bool:
@@ -30,6 +31,10 @@ def _may_refuse(name: str, load: LoadMatrix, cluster: Cluster, budget: Budget) -
         L, E, G = load.num_layers, load.num_experts, cluster.num_gpus
         R = budget.replicas_per_gpu
         return too_few_slots or (isinstance(R, int) and (L * E + R * G) // (L * G) < math.ceil(E / G))
+    if name == "grace":  # its replicas need a free slot (slots budget) or R >= 1, unless there is one GPU
+        G, S = cluster.num_gpus, budget.slots_per_gpu
+        no_room = G > 1 and ((S is not None and S * G == load.num_experts) or budget.replicas_per_gpu == 0)
+        return too_few_slots or no_room
     return too_few_slots
 
 
@@ -69,7 +74,42 @@ def _params(name: str, load: LoadMatrix, cluster: Cluster) -> dict:
 @given(case=cases())
 def test_conformance(name: str, case: tuple[LoadMatrix, Cluster, Budget]) -> None:
     load, cluster, budget = case
+    if name == "grace":  # GRACE groups by co-activation: counts alone are refused (token-level cases below)
+        with pytest.raises(InputError, match="needs a token-level trace"):
+            make_plan(name, load, cluster, budget)
+        return
     _check_conforms(name, load, cluster, budget, _params(name, load, cluster))
+
+
+@st.composite
+def token_cases(draw: st.DrawFn) -> tuple[LoadMatrix, Cluster, Budget]:
+    """Like :func:`cases`, with a token-level trace: each token has one of two topics, and picks its top-k
+    experts without replacement from its topic's per-layer popularity (so experts co-activate)."""
+    counts_case, cluster, budget = draw(cases())
+    B, L, E = counts_case.counts.shape
+    k = draw(st.integers(1, min(E, 3)))
+    tokens = draw(st.integers(0, 40))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    alpha = draw(st.sampled_from([0.1, 1.0, 10.0]))
+    p = rng.dirichlet(np.full(E, alpha), size=(2, L))  # [topic, L, E]
+    topic = rng.integers(2, size=B * tokens)
+    keys = np.log(p[topic] + 1e-12) + rng.gumbel(size=(B * tokens, L, E))  # Gumbel-top-k
+    ids = np.argsort(-keys, axis=2, kind="stable")[:, :, :k]
+    trace = RoutingTrace(ids, rng.integers(cluster.num_gpus, size=B * tokens), np.repeat(np.arange(B), tokens),
+                         num_experts=E, num_batches=B)
+    return LoadMatrix(trace.counts(), trace), cluster, budget
+
+
+#: GRACE's variants beyond the defaults (Section 5.3's ablation and a fixed ratio).
+GRACE_VARIANTS = [{}, {"grouping": "uniform"}, {"replication": "fixed"}, {"replication": "none"}, {"ratio": 0.3},
+                  {"node_ratio": 0.2}]
+
+
+@pytest.mark.parametrize("params", GRACE_VARIANTS)
+@given(case=token_cases())
+def test_grace_conforms_on_token_level(params: dict, case: tuple[LoadMatrix, Cluster, Budget]) -> None:
+    load, cluster, budget = case
+    _check_conforms("grace", load, cluster, budget, params)
 
 
 #: CRAFT's variants beyond the defaults: automatic R, the uniform baseline, the printed weighted objective,
@@ -106,6 +146,12 @@ def _check_conforms(name: str, load: LoadMatrix, cluster: Cluster, budget: Budge
     budget.check(plan)
     if name in NO_DUPLICATES:
         assert plan.warnings == () and plan.copies.max() == 1
+    if plan.weights is not None:  # a static weighted router's shares: each expert's sum to 1
+        total = np.zeros((plan.num_layers, plan.num_experts))
+        for layer, (wl, pl) in enumerate(zip(plan.weights, plan.gpu_experts, strict=True)):
+            for wg, pg in zip(wl, pl, strict=True):
+                np.add.at(total[layer], np.asarray(pg, dtype=np.int64), np.asarray(wg, dtype=np.float64))
+        assert np.allclose(total, 1.0)
     if name == "craft":  # Alg. 3: memory stays uniform, per-GPU totals over layers differ by at most one
         per_gpu = plan.slots().sum(axis=0)
         assert per_gpu.max() - per_gpu.min() <= 1

@@ -33,6 +33,9 @@ LINK_PRESETS: dict[str, float] = {
     "efa-p4d": 6.25,
     # RoCE / Ethernet 200 Gb/s per GPU.
     "eth200": 25.0,
+    # 25 Gb Ethernet, one NIC per server (GRACE-MoE Section 5.1's cluster): 3.125 GB/s per direction, to be
+    # divided among the GPUs of a node that share it.
+    "eth25": 3.125,
 }
 
 

@@ -50,8 +50,7 @@ def _cells(row: ComparisonRow) -> list[str]:
              f"{100 * s.lower_bound_gap:.1f}%", f"{1000 * row.plan_seconds:.1f} ms"]
     if s.traffic is not None:
         t = s.traffic
-        total = t.local + t.intra_node + t.inter_node
-        cells += [f"{100 * t.inter_node / max(total, 1):.1f}%", f"{100 * t.intra_node / max(total, 1):.1f}%"]
+        cells += [f"{t.inter_node / 1e3:,.1f}k", f"{t.intra_node / 1e3:,.1f}k"]
         if t.a2a_seconds is not None:
             cells.append(f"{1e6 * float(t.a2a_seconds.mean()):.1f} us")
     return cells
@@ -60,7 +59,7 @@ def _cells(row: ComparisonRow) -> list[str]:
 def _columns(rows: Sequence[ComparisonRow]) -> list[str]:
     cols = list(_COLUMNS)
     if rows and rows[0].score.traffic is not None:
-        cols += ["inter-node copies %", "intra-node copies %"]
+        cols += ["inter-node copies", "intra-node copies"]
         if rows[0].score.traffic.a2a_seconds is not None:
             cols.append("all-to-all per layer")
     return cols

@@ -19,6 +19,7 @@ from moebalance.policies.budget import Budget
 from moebalance.policies.contiguous import contiguous
 from moebalance.policies.craft import craft
 from moebalance.policies.eplb import eplb
+from moebalance.policies.grace import grace
 from moebalance.policies.greedy import greedy
 
 __all__ = ["DOCUMENTED_POLICIES", "POLICIES", "Budget", "PolicyFn", "get_policy", "make_plan"]
@@ -33,6 +34,7 @@ POLICIES: dict[str, PolicyFn] = {
     "greedy": greedy,
     "eplb": eplb,
     "craft": craft,
+    "grace": grace,
 }
 
 _unknown = set(POLICIES) - set(DOCUMENTED_POLICIES)
