@@ -1,0 +1,79 @@
+"""Runtime: an expert-parallel MoE layer on torch.distributed that runs any placement plan (DESIGN §7).
+
+Glossary (see also :mod:`moebalance`)
+-------------------------------------
+rank
+    One process of the expert-parallel group; rank ``g`` is GPU ``g`` of the plan's cluster and holds the
+    tokens that live there (the trace's ``src_gpu``).
+logical expert
+    Expert ``e`` of the model: one set of weights ``w1[e], w2[e] (, w3[e])``.
+physical expert / slot
+    One copy of a logical expert's weights on one rank. Rank ``g`` holds ``plan.gpu_experts[l][g]`` in
+    layer ``l``, in that order: its *local* slots ``0 .. S-1``.
+redundant expert / replica
+    A second or later physical copy of a logical expert (on another rank); the router picks which serves a
+    token. Two copies on one rank: the first serves, the second is idle (DESIGN §2 warns about them).
+local / remote pick
+    A (token, expert) pick served on the token's own rank (no communication: Libra's MoE_local) or on
+    another rank (dispatched and combined over the all-to-all: MoE_remote).
+capacity
+    The most picks an expert takes from one rank's tokens (page 002's capacity factor).
+
+Modules: :mod:`~moebalance.runtime.gating` (top-k gating and capacity, page 002),
+:mod:`~moebalance.runtime.experts` (expert weights, FFN, dense reference),
+:mod:`~moebalance.runtime.comm` (variable all-to-all on NCCL or gloo, point-to-point batches),
+:mod:`~moebalance.runtime.dispatch` (who sends what, dispatchers by name),
+:mod:`~moebalance.runtime.ep` (the layer, Libra Section 3.1's local-first phases),
+:mod:`~moebalance.runtime.rearrange` (moving weights when the plan changes),
+:mod:`~moebalance.runtime.launch` (local multi-process groups for tests and benchmarks).
+"""
+
+from moebalance.runtime.comm import A2AImpl, all_gather_v, all_to_all_v, exchange_counts, p2p_exchange
+from moebalance.runtime.dispatch import DISPATCHERS, Dispatcher, DispatchMeta, build_dispatch, make_dispatcher
+from moebalance.runtime.ep import (
+    EPConfig,
+    EPStats,
+    ExpertParallelMoE,
+    MoEOutput,
+    layer_placement,
+    route_picks,
+    slot_table,
+)
+from moebalance.runtime.experts import ExpertWeights, dense_moe, expert_ffn, random_experts
+from moebalance.runtime.gating import GateConfig, GateOutput, apply_capacity, expert_capacity, topk_gating
+from moebalance.runtime.launch import launch
+from moebalance.runtime.rearrange import RearrangeReport, Transfer, plan_transfers, rearrange
+
+__all__ = [
+    "DISPATCHERS",
+    "A2AImpl",
+    "DispatchMeta",
+    "Dispatcher",
+    "EPConfig",
+    "EPStats",
+    "ExpertParallelMoE",
+    "ExpertWeights",
+    "GateConfig",
+    "GateOutput",
+    "MoEOutput",
+    "RearrangeReport",
+    "Transfer",
+    "all_gather_v",
+    "all_to_all_v",
+    "apply_capacity",
+    "build_dispatch",
+    "dense_moe",
+    "exchange_counts",
+    "expert_capacity",
+    "expert_ffn",
+    "launch",
+    "layer_placement",
+    "make_dispatcher",
+    "p2p_exchange",
+    "plan_transfers",
+    "random_experts",
+    "rearrange",
+    "route_picks",
+    "slot_table",
+    "topk_gating",
+]

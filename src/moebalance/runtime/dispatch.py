@@ -1,0 +1,237 @@
+"""Token dispatch for the expert-parallel layer: who sends which rows where, and the dispatchers that move them.
+
+Legend: ``G`` ranks (rank ``g`` is GPU ``g`` of the plan), ``T`` tokens of all ranks, ``T_r`` tokens of
+rank ``r``, ``K`` picks per token, ``N`` rows this rank sends, ``M`` rows it receives, ``P`` picks it
+serves, ``S`` its physical expert slots, ``H`` hidden size.
+
+Protocol (one forward of one layer), after every rank has gated its own tokens:
+
+1. **Gather the routing.** Each rank's ``[T_r, K]`` expert ids (a dropped pick encoded as ``-1 - id``) and
+   gate weights are all-gathered (:meth:`Dispatcher.gather_routing`), tokens in rank order. Every rank now
+   holds the same ``[T, K]`` routing.
+2. **Route.** Every rank runs the plan's router on the whole batch with the same seeded generator
+   (:func:`moebalance.runtime.ep.route_picks`), so all agree on the GPU of every pick without another
+   message, and the result is exactly what the simulator computes for those tokens.
+3. **Plan the exchange** (:func:`build_dispatch`, pure numpy). As in DESIGN §3 and DeepEP, a token goes
+   once to each distinct GPU serving any of its picks; rows to one destination are in token order.
+   Because every rank knows every pick's GPU, receive counts and the picks behind each received row are
+   computed locally: the only payload on the wire is hidden states, and no count exchange is needed.
+4. **Dispatch** rows to the other ranks (:meth:`Dispatcher.dispatch`; a token served on its own GPU is
+   not sent, whatever the phase order).
+5. **Compute** on the receiving rank: for each local slot, its picks' rows through the expert FFN, scaled by
+   the gate weight and summed per row (so several picks on one GPU come back as one row).
+6. **Combine** (:meth:`Dispatcher.combine`): partial rows go back the way they came, and each token's output
+   is the sum of its partial rows, added in ascending GPU order (deterministic, also on CUDA).
+
+The layer's ``local_first`` flag (Libra Section 3.1) only moves *when* the local picks are computed
+(before the remote exchange completes, overlapping it, instead of after it), never how, so results are
+bit-identical either way.
+
+A plan may hold two copies of one expert on one GPU (DeepSeek EPLB does): the router picks a GPU, so the
+first copy on that GPU serves all of that GPU's picks of the expert and the second stays idle, exactly as
+the simulator counts per GPU.
+
+Dispatchers are chosen by name (STYLE 11): ``all_to_all`` (the exchange over a process group, natively or
+from point-to-point ops, see :mod:`moebalance.runtime.comm`) and ``local`` (no communication: one rank
+that holds every expert, a no-op base).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from moebalance.errors import InputError
+from moebalance.runtime.comm import A2AImpl, Pending, all_gather_v, all_to_all_v, resolve_impl
+
+__all__ = ["DISPATCHERS", "AllToAllDispatcher", "DispatchMeta", "Dispatcher", "ExpertWork", "LocalDispatcher",
+           "build_dispatch", "make_dispatcher"]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWork:
+    """The picks one rank serves from one batch of rows (its own tokens, or the rows it received).
+
+    Example: rows ``[x_a, x_b]``, token ``a`` picked local slots 0 and 2 and token ``b`` slot 2::
+
+        pick_row = [0, 0, 1], pick_slot = [0, 2, 2], pick_weight = [0.7, 0.3, 1.0]
+    """
+
+    #: ``int64 [P]``: the row of each pick.
+    pick_row: torch.Tensor
+    #: ``int64 [P]``: the local physical slot serving it.
+    pick_slot: torch.Tensor
+    #: ``float32 [P]``: its gate weight.
+    pick_weight: torch.Tensor
+    #: Rows in the batch.
+    num_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchMeta:
+    """What :func:`build_dispatch` decided for one rank, passed from dispatch to compute to combine.
+
+    Example (2 ranks, rank 0 has tokens 0-1, token 1 picks an expert on rank 1 only)::
+
+        send_token = [1], send_counts = (0, 1), local_token = [0] (if token 0 is served on rank 0)
+    """
+
+    rank: int
+    #: ``int64 [N]``: the local token of each row sent, grouped by destination rank (ascending), then token.
+    send_token: torch.Tensor
+    #: ``[G]`` rows sent to each rank (0 for this rank: local picks are not sent).
+    send_counts: tuple[int, ...]
+    #: ``[G]`` rows received from each rank (0 for this rank).
+    recv_counts: tuple[int, ...]
+    #: ``int64 [N_local]``: this rank's tokens with at least one pick served here, ascending.
+    local_token: torch.Tensor
+    #: Picks of ``local_token`` rows served here.
+    local: ExpertWork
+    #: Picks of the received rows (rows in the order received: by source rank, then token).
+    remote: ExpertWork
+
+    @property
+    def num_local_picks(self) -> int:
+        return int(self.local.pick_row.numel())
+
+    @property
+    def num_remote_picks(self) -> int:
+        return int(self.remote.pick_row.numel())
+
+
+def build_dispatch(dest_TK: np.ndarray, ids_TK: np.ndarray, weights_TK: np.ndarray, tokens_per_rank: Sequence[int],
+                   rank: int, slot_of_E: np.ndarray, device: torch.device | str = "cpu") -> DispatchMeta:
+    """Rank ``rank``'s sends, receives and picks, from every token's routing.
+
+    ``dest_TK`` is the GPU serving each pick of every token (ranks' tokens concatenated in rank order),
+    ``-1`` for a dropped pick; ``ids_TK`` and ``weights_TK`` the experts and gate weights;
+    ``slot_of_E [E]`` this rank's slot for each expert (``-1`` where it holds none).
+    """
+    G = len(tokens_per_rank)
+    T, K = dest_TK.shape
+    offsets = np.concatenate(([0], np.cumsum(tokens_per_rank))).astype(np.int64)
+    assert offsets[-1] == T, (offsets, T)
+    src_T = np.repeat(np.arange(G, dtype=np.int64), tokens_per_rank)
+    lo, hi = int(offsets[rank]), int(offsets[rank + 1])
+
+    # distinct (token, destination) copies, sorted by token then destination
+    valid = dest_TK >= 0
+    tok_of_pick = np.broadcast_to(np.arange(T, dtype=np.int64)[:, None], (T, K))[valid]
+    copies = np.unique(tok_of_pick * G + dest_TK[valid])
+    copy_tok, copy_dst = copies // G, copies % G
+    copy_src = src_T[copy_tok]
+
+    mine = (copy_src == rank) & (copy_dst != rank)
+    by_dest = np.lexsort((copy_tok[mine], copy_dst[mine]))
+    send_token = copy_tok[mine][by_dest] - lo
+    send_counts = np.bincount(copy_dst[mine], minlength=G)
+    incoming = (copy_dst == rank) & (copy_src != rank)
+    recv_tok = copy_tok[incoming]  # ascending token = by source rank, then token
+    recv_counts = np.bincount(copy_src[incoming], minlength=G)
+    local_token = copy_tok[(copy_dst == rank) & (copy_src == rank)] - lo
+
+    here = dest_TK == rank
+    pick_tok, pick_k = np.nonzero(here)
+    pick_slot = slot_of_E[ids_TK[pick_tok, pick_k]]
+    assert np.all(pick_slot >= 0), "a pick was routed to a rank that holds no copy of its expert"
+    pick_w = weights_TK[pick_tok, pick_k].astype(np.float32)
+    is_local = (pick_tok >= lo) & (pick_tok < hi)
+    # numpy int64 index arrays go to torch once, on the layer's device
+    def work(rows: np.ndarray, keys: np.ndarray, sel: np.ndarray) -> ExpertWork:
+        return ExpertWork(
+            pick_row=torch.as_tensor(np.searchsorted(keys, rows[sel]), dtype=torch.long, device=device),
+            pick_slot=torch.as_tensor(pick_slot[sel], dtype=torch.long, device=device),
+            pick_weight=torch.as_tensor(pick_w[sel], device=device), num_rows=int(keys.size))
+
+    return DispatchMeta(
+        rank=rank,
+        send_token=torch.as_tensor(send_token, dtype=torch.long, device=device),
+        send_counts=tuple(int(c) for c in send_counts),
+        recv_counts=tuple(int(c) for c in recv_counts),
+        local_token=torch.as_tensor(local_token, dtype=torch.long, device=device),
+        local=work(pick_tok - lo, local_token, is_local),
+        remote=work(pick_tok, recv_tok, ~is_local),
+    )
+
+
+class Dispatcher:
+    """The interface: gather the routing, dispatch rows, combine results. This base is the local no-op."""
+
+    name = "local"
+
+    def __init__(self, group: Any = None, impl: A2AImpl = "auto") -> None:
+        self.group = group
+        self.impl = impl
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    def gather_routing(self, routing_TX: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``[T_r, X]`` routing rows, by rank."""
+        return [routing_TX]
+
+    def dispatch(self, x_TH: torch.Tensor, meta: DispatchMeta, *, async_op: bool = False) -> Pending:
+        """The rows other ranks send here (``[M, H]``, by source rank then token); ``x`` rows go out."""
+        assert not meta.send_token.numel() and not sum(meta.recv_counts), "local dispatch cannot send rows"
+        return Pending(x_TH.new_empty((0, x_TH.shape[1])))
+
+    def combine(self, y_MH: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """The partial results for the rows this rank sent (``[N, H]``, aligned with ``meta.send_token``)."""
+        return y_MH.new_empty((0, y_MH.shape[1]))
+
+
+LocalDispatcher = Dispatcher
+
+
+class AllToAllDispatcher(Dispatcher):
+    """Dispatch and combine with a variable-size all-to-all over ``group`` (native or point-to-point)."""
+
+    name = "all_to_all"
+
+    def __init__(self, group: Any = None, impl: A2AImpl = "auto") -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise InputError("the all_to_all dispatcher needs an initialised torch.distributed process group "
+                             "(torch.distributed.init_process_group); use dispatcher='local' on one process")
+        super().__init__(group, impl)
+        resolve_impl(impl, group, torch.device("cpu"))  # validates the name early
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    def gather_routing(self, routing_TX: torch.Tensor) -> list[torch.Tensor]:
+        return all_gather_v(routing_TX, self.group)
+
+    def dispatch(self, x_TH: torch.Tensor, meta: DispatchMeta, *, async_op: bool = False) -> Pending:
+        rows = x_TH.index_select(0, meta.send_token)
+        return all_to_all_v(rows, meta.send_counts, meta.recv_counts, self.group, self.impl, async_op=async_op)
+
+    def combine(self, y_MH: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        return all_to_all_v(y_MH, meta.recv_counts, meta.send_counts, self.group, self.impl).wait()
+
+
+#: Dispatchers by name.
+DISPATCHERS: dict[str, Callable[..., Dispatcher]] = {"all_to_all": AllToAllDispatcher, "local": LocalDispatcher}
+
+
+def make_dispatcher(name: str, group: Any = None, impl: A2AImpl = "auto") -> Dispatcher:
+    """The dispatcher called ``name`` over ``group``."""
+    try:
+        cls = DISPATCHERS[name]
+    except KeyError:
+        raise InputError(f"unknown dispatcher {name!r}; choose one of: {', '.join(sorted(DISPATCHERS))}") from None
+    return cls(group, impl)
