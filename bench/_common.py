@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ROOT", "machine", "median_seconds"]
+__all__ = ["ROOT", "fold_ranks", "machine", "median_seconds"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,3 +41,19 @@ def machine() -> str:
         pass
     return (f"{model}, {len(os.sched_getaffinity(0))} cores, numpy {np.__version__}, "
             f"Python {sys.version.split()[0]}")
+
+
+def fold_ranks(load, num_gpus: int):  # type: ignore[no-untyped-def]
+    """The same tokens with data-parallel ranks merged contiguously onto ``num_gpus`` GPUs (rank ``s`` goes to
+    GPU ``s * num_gpus // ranks``), for a bundled trace recorded on more ranks than the cluster has GPUs."""
+    from moebalance.load import LoadMatrix
+    from moebalance.trace import RoutingTrace
+
+    tr = load.trace
+    assert tr is not None
+    ranks = int(tr.src_gpu.max()) + 1
+    if ranks <= num_gpus:
+        return load
+    src = tr.src_gpu * num_gpus // ranks
+    folded = RoutingTrace(tr.topk_ids, src, tr.batch, num_experts=tr.num_experts, num_batches=tr.num_batches)
+    return LoadMatrix(load.counts, folded, load.preset)

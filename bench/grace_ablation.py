@@ -29,14 +29,13 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from _common import ROOT, machine
+from _common import ROOT, fold_ranks, machine
 
 from moebalance.cluster import LINK_PRESETS, Cluster
 from moebalance.load import LoadMatrix, read_load
 from moebalance.policies import Budget, make_plan
 from moebalance.simulate import Score, evaluate
 from moebalance.synth import get_preset, synthesize
-from moebalance.trace import RoutingTrace
 
 MODELS = ("olmoe-1b-7b", "qwen3-30b-a3b")
 CLUSTERS = ((2, 2), (2, 4))
@@ -58,18 +57,6 @@ class Row:
     config: str
     score: Score
     plan_seconds: float
-
-
-def fold_ranks(load: LoadMatrix, num_gpus: int) -> LoadMatrix:
-    """The same tokens with ranks merged contiguously onto ``num_gpus`` GPUs (rank ``s`` -> ``s * G // S``)."""
-    tr = load.trace
-    assert tr is not None
-    ranks = int(tr.src_gpu.max()) + 1
-    if ranks <= num_gpus:
-        return load
-    src = tr.src_gpu * num_gpus // ranks
-    folded = RoutingTrace(tr.topk_ids, src, tr.batch, num_experts=tr.num_experts, num_batches=tr.num_batches)
-    return LoadMatrix(load.counts, folded, load.preset)
 
 
 def cluster_for(nodes: int, gpn: int) -> Cluster:

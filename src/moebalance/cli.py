@@ -356,9 +356,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
               "are high-skew (> 10x).")
     ns = argparse.Namespace(load=BUNDLED_DATA, nodes=8, gpus_per_node=8, slots_per_gpu=5, replicas_per_gpu=None,
                             train_frac=0.5, router="uniform", seed=0, json=False, out_dir=args.out_dir)
-    # craft takes a replicas budget (below); grace groups by co-activation, so it needs the token-level trace
-    # of part 2
-    slot_policies = [p for p in POLICIES if p not in ("craft", "grace")]
+    # craft takes a replicas budget (below); grace and moetuner work from token-level statistics
+    # (co-activation, cross-layer transitions), shown in part 2
+    slot_policies = [p for p in POLICIES if p not in ("craft", "grace", "moetuner")]
     rows, plans = _run_compare(load, slot_policies, ns, {p: {} for p in slot_policies})
     # DeepSeek-V3 has 8 expert groups, so on 8 nodes EPLB runs its hierarchical policy; show the global too
     extra, extra_plans = _run_compare(load, ["eplb"], ns, {"eplb": {"num_groups": 1}})
@@ -400,6 +400,7 @@ def _demo_traffic(args: argparse.Namespace) -> None:
     plans: dict[str, Any] = {}
     for label, policy, params, router in (
             ("contiguous", "contiguous", {}, "uniform"),
+            ("moetuner", "moetuner", {}, "uniform"),
             ("eplb (random router)", "eplb", {"num_groups": 1}, "random"),
             ("grace, no replicas", "grace", {"replication": "none"}, "uniform"),
             ("grace (wrr router)", "grace", {}, "wrr"),
@@ -413,6 +414,8 @@ def _demo_traffic(args: argparse.Namespace) -> None:
         "replicas; GRACE uses them for uneven affinity groups and a few replicas of hot experts.",
         "- GRACE co-locates experts that the same tokens pick, cutting inter-node copies at a cost in balance; "
         "its locality router keeps tokens on their own GPU or node when a replica is there.",
+        "- MoETuner balances each layer exactly (ILP 1) and puts experts that pass tokens to each other in "
+        "adjacent layers on the same GPU (ILP 2); its own traffic model is in docs/results/moetuner.md.",
         "- All-to-all time: dispatch + combine over the busiest link (450 GB/s NVLink, 50 GB/s per GPU across "
         "nodes), 2-byte activations of the model's hidden size.",
     ]

@@ -21,6 +21,7 @@ from moebalance.policies.craft import craft
 from moebalance.policies.eplb import eplb
 from moebalance.policies.grace import grace
 from moebalance.policies.greedy import greedy
+from moebalance.policies.moetuner import moetuner
 
 __all__ = ["DOCUMENTED_POLICIES", "POLICIES", "Budget", "PolicyFn", "get_policy", "make_plan"]
 
@@ -35,6 +36,7 @@ POLICIES: dict[str, PolicyFn] = {
     "eplb": eplb,
     "craft": craft,
     "grace": grace,
+    "moetuner": moetuner,
 }
 
 _unknown = set(POLICIES) - set(DOCUMENTED_POLICIES)

@@ -1,0 +1,817 @@
+"""``moetuner``: MoETuner, ILP-based expert placement (seed paper 004, Sections 3-4).
+
+Legend: ``L`` layers, ``E`` experts per layer, ``G`` GPUs (one expert *cluster* per GPU and layer),
+``N`` nodes, ``M = G / N`` GPUs per node, ``S`` a layer's load, ``T_mean = S / G``.
+
+MoETuner places experts with two integer programs solved in sequence (Section 4.2), as the paper does:
+
+1. **Routing statistics** (Section 4.1, :func:`routing_statistics`): the load ``P[e, l]`` of every expert
+   and the cross-layer transitions ``R[l, i, j]``: (token, pick) pairs going from expert ``i`` of layer
+   ``l`` to expert ``j`` of layer ``l + 1`` (:meth:`RoutingTrace.transitions`; ``K * K`` pairs per token).
+2. **ILP 1, load-balanced clustering** (Eq. 1-7, :func:`cluster_experts`): per layer, split the experts
+   into ``G`` clusters minimising ``O1 = sum_c |T_c - T_mean|``.
+3. **ILP 2, cluster-to-GPU assignment** (Eq. 8-15, :func:`assign_clusters`): one cluster per GPU in every
+   layer, minimising ``O2 = sum_l max_{g1, g2} C[l, cluster on g1, cluster on g2] / B[g1, g2]``, the
+   bandwidth-weighted all-to-all tail between adjacent layers.
+
+What we solve, exactly (where the paper is ambiguous, the choice is written down):
+
+- **ILP 1**, one MILP per layer: Eq. 1 is a sum of per-layer terms and no constraint links layers, so
+  solving layers apart is exact. Variables ``x[c, e]`` (Eq. 2); Eq. 1-6 with ``|.|`` linearised by
+  ``d_c >= +-(G * T_c - S)`` (integers: ``d_c / G = |T_c - T_mean|``); what the printed program leaves
+  implicit, every expert in exactly one cluster; Eq. 7 (no empty cluster) whenever ``E >= G``. The memory
+  side of Eq. 13 is made per layer so the plan runs on equal-slot EP engines and fits ``slots_per_gpu``:
+  each cluster has exactly ``E / G`` experts when ``G`` divides ``E``, else 1 to ``ceil(E / G)``
+  (:func:`cluster_sizes`). The paper's Eq. 13 only equalises a GPU's experts summed over layers, so its
+  Figure 10 has a hot expert alone on a GPU in one layer; Megatron-LM's or vLLM's EP cannot run that.
+  Three additions change no optimum: clusters are ordered by their smallest expert id
+  (``x[c, e] <= sum_{e' < e} x[c - 1, e']``, removing the ``G!`` relabellings); a valid cut
+  ``sum_c d_c >= LB`` (:func:`_ilp1_lower_bound`: integrality of ``T_c`` and the hottest experts), which
+  proves most layers optimal at the root; and a warm start (greedy, then swap/move local search).
+  **Gap.** The relative gap of Gurobi and HiGHS, ``(O1 - bound) / O1``, cannot close when the optimum is
+  a near-perfect split (``O1`` of a few tokens, bound 0; the common case with many experts), so ILP 1
+  stops at ``(O1 - bound) / max(O1, T_mean) <= mip_gap`` (:func:`ilp1_gap`): the usual relative gap in
+  skewed layers, and "within ``mip_gap`` of a GPU's mean load" in balanced ones.
+- **ILP 2**, over all layers (Eq. 8 chains layer ``l`` to ``l + 1``). Eq. 8 as printed puts the ``max``
+  around the whole double sum, where it does nothing; the text ("the maximum communication cost across
+  all GPU pairs") makes it a max over GPU pairs of ``C[l, c1, c2] / B[g1, g2]`` for ``c1`` on ``g1`` in
+  layer ``l`` and ``c2`` on ``g2`` in ``l + 1``, a pair on one GPU being free (``B = inf``); the sum runs
+  over the ``L - 1`` adjacent pairs. ``C`` is Eq. 9/12 (:func:`cluster_traffic`), computed from ILP 1's
+  clusters before ILP 2, as in the paper. Linearising ``y[c1, g1, l] * y[c2, g2, l + 1]`` GPU by GPU
+  takes ``G^4`` McCormick products per layer pair and its LP bound is about 0, so we use that our
+  :class:`Cluster` has three kinds of link (same GPU, same node, other node; weights ``0``,
+  ``w_n = 1 / B_intra``, ``w_x = 1 / B_inter``) and that a GPU holds one cluster per layer: the tail of
+  pair ``l`` is ``max_{c1, c2} C[l, c1, c2] * w(link of c1 and c2)``, which depends only on which
+  clusters of ``l`` and ``l + 1`` share a GPU (a perfect matching) and which share a node. Two exact
+  solvers of that program:
+
+  * ``"dp"``: given each layer's *node layout* (which clusters are on which node), the best matchings are
+    independent per node and layer pair: a bottleneck matching whose value is the first entry, in
+    descending order, that shares a row or column with a larger one (:func:`_bottleneck_value`). A
+    dynamic program over the ``G! / (M!)^N`` layouts per layer then gives the optimum (one layout on one
+    node, or with one GPU per node, or equal bandwidths: ILP 2 then splits into independent per-pair
+    matchings). Used when there are at most :data:`MAX_DP_LAYOUTS` layouts (e.g. 70 for 2 nodes x 4).
+  * ``"milp"`` (HiGHS), otherwise: binaries ``a[l, c1, c2]`` (share a GPU; perfect matching, Eq. 14-15)
+    and ``Y[l, c, n]`` (``M`` clusters per node), ``b[l, c1, c2, n] = Y[l, c1, n] * Y[l + 1, c2, n]``
+    linearised by McCormick upper envelopes plus the RLT equalities ``sum_{c2} b[l, c1, c2, n] =
+    M * Y[l, c1, n]`` (and transposed), which make ``b`` exact at integer ``Y``; ``a <= sum_n b`` and
+    ``t_l >= C[l, c1, c2] * (w_x - (w_x - w_n) * sum_n b - w_n * a)``, minimising ``sum_l t_l``. Cluster 0
+    of layer 0 is fixed to node 0 (node labels are interchangeable); warm start: heaviest transition
+    first into its source's node. Its LP bound is weak, so big instances stop at the time limit.
+
+  Any matching-and-layout solution is realised by GPU permutations (lay out layer 0, then give each
+  cluster of layer ``l + 1`` its matched cluster's GPU) and every GPU assignment yields one with the same
+  cost, so both optima equal the paper's ILP 2 optimum; the tests check this against brute force over all
+  ``(G!)^L`` assignments. Eq. 13 holds by construction (equal cluster sizes when ``G | E``).
+- **Joint solve.** One program for ILP 1 and 2 would let ILP 2 choose among equally balanced partitions,
+  but ``C`` multiplies the ``x`` of two layers (cubic), and the paper solves them in sequence; so do we.
+- **Without a token-level trace** there are no transitions: ILP 1 runs as above and ILP 2, whose
+  objective is then 0 for every assignment, is skipped (cluster ``c`` on GPU ``c``); params say
+  ``"statistics": "load_only"`` and carry a ``"warning"``.
+- **Solver and budget** (:mod:`moebalance.milp`): HiGHS via ``highspy``, one thread, ``random_seed =
+  seed``, ``mip_gap`` 0.025 by default (Section 5.1's tolerance, used with Gurobi). ``time_limit`` is the
+  policy's total wall-clock budget in seconds (default 60): ILP 1 gets all of it when ILP 2 goes to the DP,
+  else half; each layer first gets an equal share, then the layers that hit their share are solved
+  again, warm-started, with what the others left; the ILP 2 MILP gets the rest. A stopped solve keeps its
+  best solution and ``"time_limit_hit": true`` is recorded; only then may the plan depend on the
+  machine's speed. Params record ``ilp1_objective`` (``O1`` in tokens, summed over layers),
+  ``ilp2_objective`` (``O2`` in tokens / (GB/s)), the worst proven gap of each ILP, ``ilp2_method`` and
+  the seconds spent.
+
+Measured on the 2-core development machine (highspy 1.15.1, defaults, synthetic token-level traces of
+8 batches x 1024 tokens, ``synthesize(..., seed=0)``):
+
+=============================  ======  ===========  ========  =======  ========  =========  ===========
+model, GPUs                    total   ILP 1        ILP 1     ILP 2    ILP 2     ILP 2      time limit
+                               (s)     (s)          gap       method   (s)       gap        hit
+=============================  ======  ===========  ========  =======  ========  =========  ===========
+Mixtral 8x7B, 1 node x 4       0.47    0.42         0.021     dp       0.02      0          no
+Mixtral 8x7B, 2 nodes x 4      0.33    0.00         0         dp       0.31      0          no
+OLMoE (E = 64, L = 16), 1 x 4  0.49    0.26         0.0005    dp       0.01      0          no
+OLMoE, 1 node x 8              0.68    0.60         0.007     dp       0.04      0          no
+OLMoE, 2 nodes x 4             0.95    0.59         0.007     dp       0.16      0          no
+OLMoE, 1 node x 16             60.2    60.0         0.053     dp       0.14      0          yes (ILP 1)
+OLMoE, 2 nodes x 8             60.2    30.0         0.053     milp     30.0      0.50       yes
+OLMoE, 4 nodes x 4             60.3    30.0         0.053     milp     30.0      0.99       yes
+=============================  ======  ===========  ========  =======  ========  =========  ===========
+
+DeepSeek-V3 (256 experts, 58 layers, 8 nodes x 8, load only): 60.1 s, ILP 1 gap 0.037, limit hit.
+So the paper's setting and 64 experts on up to 8 GPUs are solved to the requested gap in about a second.
+At 16 GPUs (4 experts per GPU) one near-balanced ILP 1 layer stays 5% of a GPU's mean load from its
+proven bound, and ILP 2's MILP (12,870 or 63 million node layouts, beyond the DP) ends at the limit with
+a weak bound: the plan is the best found, and its params say so.
+
+Solver choice (ILP 1, same model and warm start, one thread): HiGHS 7.9 s vs OR-Tools CP-SAT 19.0 s for
+OLMoE's 16 layers on 8 GPUs; 0.43 s vs 0.16 s for Mixtral's 32 layers on 4 GPUs; 37.1 s vs 36.8 s on 16
+GPUs (5 s limit per layer, same 7 layers unproven, same objectives; before the hot-expert cut). HiGHS
+also takes ILP 2's fractional bandwidth weights, which CP-SAT would need scaled to integers, and the two
+wheels cannot be imported into one process (each bundles its own HiGHS: undefined-symbol errors).
+``scipy.optimize.milp`` runs the same HiGHS without warm starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moebalance.cluster import Cluster
+from moebalance.errors import InputError
+from moebalance.load import LoadMatrix
+from moebalance.milp import Milp, MilpResult
+from moebalance.plan import Placement
+from moebalance.policies.budget import Budget
+from moebalance.policies.common import placement_from_assignment
+from moebalance.trace import RoutingTrace
+
+__all__ = [
+    "CrossLayerTraffic",
+    "Ilp2Solution",
+    "assign_clusters",
+    "cluster_experts",
+    "cluster_sizes",
+    "cluster_traffic",
+    "cross_layer_traffic",
+    "ilp1_gap",
+    "ilp1_objective",
+    "ilp2_objective",
+    "moetuner",
+    "processing_load",
+    "routing_statistics",
+]
+
+#: Relative MIP gap of Section 5.1 ("Both ILPs were set to execute until reaching a tolerance of 0.025").
+DEFAULT_MIP_GAP = 0.025
+#: Default total time budget in seconds (see the module docstring).
+DEFAULT_TIME_LIMIT = 60.0
+#: A solve given less time than this is skipped: ILP 1 keeps its warm start (and says the limit was hit).
+MIN_SOLVE_SECONDS = 0.05
+
+
+# --------------------------------------------------------------------------------------------------
+# Section 4.1: routing statistics
+# --------------------------------------------------------------------------------------------------
+
+def routing_statistics(load: LoadMatrix) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(P, R)``: ``P int64 [E, L]`` tokens per expert (the paper's ``P_{e,l}``) and
+    ``R int64 [L-1, E, E]`` cross-layer transitions (``R_{e1,e2,l}``), or ``None`` without a token-level trace.
+    """
+    P = load.total().T.copy()
+    R = None if load.trace is None else load.trace.transitions()
+    return P, R
+
+
+# --------------------------------------------------------------------------------------------------
+# ILP 1 (Eq. 1-7): load-balanced expert clustering, one layer at a time
+# --------------------------------------------------------------------------------------------------
+
+def cluster_sizes(num_experts: int, num_gpus: int) -> tuple[int, int]:
+    """``(lo, hi)`` experts per cluster: ``E / G`` each when ``G`` divides ``E``; else 1 to ``ceil(E / G)``
+    (0 to 1 when ``E < G``, where Eq. 7 cannot hold)."""
+    E, G = num_experts, num_gpus
+    if E % G == 0:
+        return E // G, E // G
+    return (1 if E >= G else 0), math.ceil(E / G)
+
+
+def ilp1_objective(weight: np.ndarray, cluster_of_expert: np.ndarray, num_gpus: int) -> float:
+    """Eq. 1 for one layer: ``sum_c |T_c - S / G|`` for ``weight [E]`` and ``cluster_of_expert [E]``."""
+    T = np.bincount(cluster_of_expert, weights=weight.astype(np.float64), minlength=num_gpus)
+    return float(np.abs(T - weight.sum() / num_gpus).sum())
+
+
+def _canonical(cluster_of_expert: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Relabel clusters by their smallest expert id (empty clusters last): ILP 1's symmetry-free form."""
+    E = cluster_of_expert.shape[0]
+    first = np.full(num_gpus, E, dtype=np.int64)
+    np.minimum.at(first, cluster_of_expert, np.arange(E))
+    rank = np.empty(num_gpus, dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(num_gpus)
+    return rank[cluster_of_expert]
+
+
+def _balanced_start(weight: np.ndarray, num_gpus: int, lo: int, hi: int) -> np.ndarray:
+    """A feasible ILP 1 point: heaviest expert to the lightest cluster with room (ties: fewer experts,
+    then lower index), keeping room for the clusters that still need experts to reach ``lo``."""
+    E, G = weight.shape[0], num_gpus
+    load = np.zeros(G)
+    size = np.zeros(G, dtype=np.int64)
+    out = np.empty(E, dtype=np.int64)
+    for left, e in enumerate(np.argsort(-weight, kind="stable")):
+        room = size < hi
+        short = size < lo
+        if int(np.maximum(lo - size, 0).sum()) >= E - left:
+            room &= short
+        key = np.lexsort((np.arange(G), size, np.where(room, load, np.inf)))
+        c = int(key[0])
+        out[e] = c
+        load[c] += weight[e]
+        size[c] += 1
+    return _canonical(_improve(weight, out, G, lo, hi), G)
+
+
+def _improve(weight: np.ndarray, cluster_of: np.ndarray, num_gpus: int, lo: int, hi: int,
+             max_rounds: int = 10_000) -> np.ndarray:
+    """Best-improvement local search on Eq. 1: swap two experts of different clusters, or move one expert
+    where the sizes allow, until no move lowers ``sum_c |G * T_c - S|``. Deterministic (ties: lowest ids)."""
+    G = num_gpus
+    w = weight.astype(np.float64)
+    S = w.sum()
+    out = cluster_of.copy()
+    dev = G * np.bincount(out, weights=w, minlength=G) - S  # [G] G * T_c - S
+    size = np.bincount(out, minlength=G)
+    for _ in range(max_rounds):
+        c = out
+        # swap e (in c[e]) with f (in c[f]): c[e] gains G * (w_f - w_e), c[f] loses it
+        delta = G * (w[None, :] - w[:, None])  # [E(e), E(f)]
+        gain = (np.abs(dev[c])[:, None] + np.abs(dev[c])[None, :]
+                - np.abs(dev[c][:, None] + delta) - np.abs(dev[c][None, :] - delta))
+        gain[c[:, None] == c[None, :]] = 0.0
+        best_swap = np.unravel_index(int(np.argmax(gain)), gain.shape)
+        # move e to cluster k: c[e] loses G * w_e, k gains it
+        mv = (np.abs(dev[c])[:, None] + np.abs(dev)[None, :]
+              - np.abs(dev[c] - G * w)[:, None] - np.abs(dev[None, :] + G * w[:, None]))  # [E, G]
+        ok = (size[c] > lo)[:, None] & (size < hi)[None, :] & (c[:, None] != np.arange(G)[None, :])
+        mv = np.where(ok, mv, 0.0)
+        best_move = np.unravel_index(int(np.argmax(mv)), mv.shape)
+        g_swap, g_move = gain[best_swap], mv[best_move]
+        if max(g_swap, g_move) <= 1e-9 * max(S, 1.0):
+            break
+        if g_swap >= g_move:
+            e, f = (int(i) for i in best_swap)
+            ce, cf = int(c[e]), int(c[f])
+            d = G * (w[f] - w[e])
+            dev[ce] += d
+            dev[cf] -= d
+            out[e], out[f] = cf, ce
+        else:
+            e, k = (int(i) for i in best_move)
+            ce = int(c[e])
+            dev[ce] -= G * w[e]
+            dev[k] += G * w[e]
+            size[ce] -= 1
+            size[k] += 1
+            out[e] = k
+    return out
+
+
+def _ilp1_lower_bound(weight: np.ndarray, num_gpus: int, lo: int) -> float:
+    """A lower bound on ``sum_c |G * T_c - S|`` that every integer point meets (a valid cut for ILP 1).
+
+    The positive and negative deviations cancel, so the sum is twice the positive part, which is at least
+    (a) ``r (G - r)`` with ``r = S mod G`` (``T_c`` are integers: the best split puts ``r`` clusters at
+    ``ceil(S / G)``), and (b) for the ``h`` heaviest experts, spread over some ``m`` clusters (``h / lo <= m
+    <= min(h, G)``) that also hold at least ``m * lo - h`` other experts:
+    ``min_m G * (W_h + lightest(m * lo - h)) - m * S``. Hot experts bound the imbalance from below.
+    """
+    G = num_gpus
+    S = int(weight.sum())
+    r = S % G
+    best = r * (G - r)
+    desc = np.sort(weight)[::-1].astype(np.int64)
+    E = len(desc)
+    top = np.concatenate([[0], np.cumsum(desc)])  # top[h]: the h heaviest
+    light = np.concatenate([[0], np.cumsum(desc[::-1])])  # light[n]: the n lightest
+    for h in range(1, E + 1):
+        if h > G * max(lo, 1):  # more heavy experts than G clusters of lo can hold: done
+            break
+        ms = np.arange(max(1, math.ceil(h / max(lo, 1))), min(h, G) + 1)
+        fill = np.clip(ms * lo - h, 0, E - h)
+        best = max(best, int((G * (top[h] + light[fill]) - ms * S).min()))
+    return float(2 * best)
+
+
+def ilp1_gap(result: MilpResult, layer_load: float) -> float:
+    """ILP 1's proven gap for one layer: ``(O1 - bound) / max(O1, T_mean)``, ``T_mean = S / G``.
+
+    Gurobi's and HiGHS's relative gap ``(O1 - bound) / O1`` cannot close when the optimum is near 0 (a
+    near-perfect split, the common case with many experts: no bound short of finding the perfect split
+    proves it), so the gap is measured against the mean cluster load when ``O1`` is below it: a gap of
+    0.025 then means the split is proven within 2.5% of a GPU's mean load of the best one. Where
+    ``O1 >= T_mean`` (skewed layers) it is the usual relative gap. :func:`cluster_experts` stops at this gap.
+    """
+    scale = max(result.objective, layer_load)  # the solve's units are G * tokens: O1 * G and S = T_mean * G
+    return 0.0 if scale <= 0 else max(result.objective - result.bound, 0.0) / scale
+
+
+def cluster_experts(weight: np.ndarray, num_gpus: int, *, time_limit: float | None = None,
+                    mip_gap: float = DEFAULT_MIP_GAP, seed: int = 0,
+                    start: np.ndarray | None = None) -> tuple[np.ndarray, MilpResult | None]:
+    """ILP 1 (Eq. 1-7) for one layer: ``int64 [E]`` cluster of each expert, and the solve (``None`` if trivial).
+
+    ``weight int64 [E]`` is the layer's ``P[:, l]``. Clusters are numbered by their smallest expert id.
+    The solve is warm-started from ``start [E]`` (a feasible clustering) or else from a greedy split
+    improved by local search. It stops at :func:`ilp1_gap` ``<= mip_gap`` or at ``time_limit``.
+    Example: loads ``[4, 1, 1, 4]`` on 2 GPUs give clusters ``[0, 0, 1, 1]`` (5 tokens each, ``O1 = 0``).
+    """
+    E, G = int(weight.shape[0]), int(num_gpus)
+    lo, hi = cluster_sizes(E, G)
+    start = _balanced_start(weight, G, lo, hi) if start is None else _canonical(np.asarray(start), G)
+    if G == 1 or hi == 1:  # one cluster, or one expert per cluster: nothing to choose up to relabelling
+        return start, None
+    w = weight.astype(np.float64)
+    S = float(w.sum())
+    lower = _ilp1_lower_bound(weight, G, lo)
+    T0 = np.bincount(start, weights=w, minlength=G)
+    if time_limit is not None and time_limit < MIN_SOLVE_SECONDS:  # no time to build and solve: the warm start
+        return start, MilpResult(x=np.zeros(0), objective=float(np.abs(G * T0 - S).sum()), bound=lower,
+                                 status="time_limit", seconds=0.0)
+    m = Milp()
+    # x[c, e] = 0 for e < c: cluster c's smallest expert is at least c (symmetry breaking)
+    x = m.add_vars((G, E), ub=(np.arange(E)[None, :] >= np.arange(G)[:, None]).astype(np.float64))
+    d = m.add_vars(G, ub=np.inf, cost=1.0, integer=False)  # d_c >= |G * T_c - S|
+    m.add_rows(x.T, 1.0, lower=1.0, upper=1.0)  # each expert in one cluster
+    m.add_rows(x, 1.0, lower=float(lo), upper=float(hi))  # Eq. 7 and the per-layer memory side of Eq. 13
+    row = np.concatenate([x, d[:, None]], axis=1)  # [G, E + 1]
+    m.add_rows(row, np.concatenate([G * w, [-1.0]]), upper=S)  # G * T_c - d_c <= S   (Eq. 5-6)
+    m.add_rows(row, np.concatenate([G * w, [1.0]]), lower=S)  # G * T_c + d_c >= S
+    m.add_rows(d[None, :], 1.0, lower=lower)
+    # cluster c >= 1 may hold e only if cluster c - 1 holds an expert below e (clusters ordered by min id),
+    # through prefix counts z[c, e] = sum_{e' < e} x[c, e'] (O(G E) non-zeros instead of O(G E^2))
+    z = m.add_vars((G - 1, E + 1), ub=float(E), integer=False)
+    m.add_rows(z[:, :1], 1.0, upper=0.0)  # z[c, 0] = 0 (z >= 0)
+    m.add_rows(np.stack([z[:, 1:], z[:, :-1], x[:-1]], axis=-1), np.array([1.0, -1.0, -1.0]), lower=0.0, upper=0.0)
+    m.add_rows(np.stack([x[1:], z[:, :E]], axis=-1), np.array([1.0, -1.0]), upper=0.0)
+    x0 = np.zeros((G, E))
+    x0[start, np.arange(E)] = 1.0
+    x_start = np.concatenate([x0.ravel(), np.abs(G * T0 - S),
+                              np.concatenate([np.zeros((G - 1, 1)), np.cumsum(x0[:-1], axis=1)], axis=1).ravel()])
+    result = m.solve(time_limit=time_limit, mip_gap=mip_gap, abs_gap=mip_gap * S, seed=seed, start=x_start)
+    result = dataclasses.replace(result, bound=max(result.bound, lower))  # the cut is proven even if HiGHS stopped early
+    sol = result.x[x].round().astype(np.int64)
+    cluster_of = np.argmax(sol, axis=0)
+    assert np.all(sol.sum(axis=0) == 1)
+    return cluster_of, result
+
+
+# --------------------------------------------------------------------------------------------------
+# ILP 2 (Eq. 8-15): communication-aware cluster-to-GPU assignment over all layers
+# --------------------------------------------------------------------------------------------------
+
+def cluster_traffic(R: np.ndarray, cluster_of_expert: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Eq. 9/12: ``C float64 [L-1, G, G]``, transitions from cluster ``c1`` (layer ``l``) to ``c2`` (``l + 1``).
+
+    ``R [L-1, E, E]``, ``cluster_of_expert int [L, E]``.
+    """
+    L = cluster_of_expert.shape[0]
+    onehot = np.zeros((L, cluster_of_expert.shape[1], num_gpus))
+    np.put_along_axis(onehot, cluster_of_expert[..., None], 1.0, axis=2)
+    return np.einsum("lic,lij,ljd->lcd", onehot[:-1], R.astype(np.float64), onehot[1:])
+
+
+def _inverse_bandwidth(cluster: Cluster) -> np.ndarray:
+    """``float64 [G, G]``: ``1 / B[g1, g2]`` in s/GB, 0 on the diagonal (a token staying on its GPU is free)."""
+    return 1.0 / cluster.bandwidth_matrix()
+
+
+def ilp2_objective(traffic: np.ndarray, gpu_of_cluster: np.ndarray, cluster: Cluster) -> float:
+    """Eq. 8 evaluated GPU by GPU: ``sum_l max_{g1, g2} C[l, c1, c2] / B[g1, g2]`` for the clusters on them.
+
+    ``traffic [L-1, G, G]`` (:func:`cluster_traffic`), ``gpu_of_cluster int [L, G]``. In tokens / (GB/s).
+    """
+    if traffic.shape[0] == 0:
+        return 0.0
+    inv = _inverse_bandwidth(cluster)
+    w = inv[gpu_of_cluster[:-1, :, None], gpu_of_cluster[1:, None, :]]  # [L-1, G, G] cost per cluster pair
+    return float((traffic * w).max(axis=(1, 2)).sum())
+
+
+#: ILP 2 is solved by dynamic programming over node layouts when a layer has at most this many of them.
+MAX_DP_LAYOUTS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Ilp2Solution:
+    """How ILP 2 was solved. Example: on one node ``method == "dp"`` and ``gap == 0.0``."""
+
+    #: ``int64 [L, G]``: GPU of cluster ``c`` in layer ``l``.
+    gpu_of_cluster: np.ndarray
+    #: ``O2`` of Eq. 8, tokens / (GB/s).
+    objective: float
+    #: Proven relative gap (0 for the exact DP).
+    gap: float
+    #: ``"dp"``, ``"milp"`` or ``"trivial"``.
+    method: str
+    time_limit_hit: bool = False
+
+
+def _link_weights(cluster: Cluster) -> tuple[float, float, bool]:
+    """``(w_n, w_x, two_level)``: cost per token to another GPU of the node and to another node (1 / GB/s),
+    and whether the two differ in a way placement can use (more than one node of more than one GPU)."""
+    N, M = cluster.num_nodes, cluster.gpus_per_node
+    w_n, w_x = 1.0 / cluster.intra_node_bandwidth, 1.0 / cluster.inter_node_bandwidth
+    if N == 1:
+        w_x = w_n  # there is no other node
+    if M == 1:
+        w_n = w_x  # another GPU is another node
+    return w_n, w_x, N > 1 and M > 1 and w_n != w_x
+
+
+def _bottleneck_value(sub: np.ndarray) -> np.ndarray:
+    """``min over perfect matchings p of max_{j != p(i)} sub[..., i, j]``, for ``sub [..., M, M] >= 0``.
+
+    A value ``v`` is reachable iff the entries above ``v`` share no row or column (then a matching covers
+    them all, and a partial matching of a complete bipartite graph always extends to a perfect one). So the
+    optimum is the first entry, in descending order, that shares a row or column with a larger one.
+    """
+    M = sub.shape[-1]
+    flat = sub.reshape(*sub.shape[:-2], M * M)
+    order = np.argsort(-flat, axis=-1, kind="stable")
+    vals = np.take_along_axis(flat, order, axis=-1)
+    rows, cols = order // M, order % M
+    lead = sub.shape[:-2]
+    row_used = np.zeros((*lead, M), dtype=bool)
+    col_used = np.zeros((*lead, M), dtype=bool)
+    value = np.zeros(lead)
+    found = np.zeros(lead, dtype=bool)
+    for k in range(M * M):
+        r, c = rows[..., k:k + 1], cols[..., k:k + 1]
+        conflict = (np.take_along_axis(row_used, r, axis=-1) | np.take_along_axis(col_used, c, axis=-1))[..., 0]
+        new = conflict & ~found
+        value = np.where(new, vals[..., k], value)
+        found |= conflict
+        np.put_along_axis(row_used, r, True, axis=-1)
+        np.put_along_axis(col_used, c, True, axis=-1)
+    return value
+
+
+def _bottleneck_matching(sub: np.ndarray) -> np.ndarray:
+    """``int64 [M]``: a perfect matching (column of each row) reaching :func:`_bottleneck_value` of ``sub [M, M]``."""
+    M = sub.shape[0]
+    v = float(_bottleneck_value(sub))
+    match = np.full(M, -1, dtype=np.int64)
+    for i, j in np.argwhere(sub > v):  # the entries that must be matched: a partial matching
+        match[i] = j
+    free_cols = [j for j in range(M) if j not in set(match.tolist())]
+    for i in np.flatnonzero(match < 0):
+        match[i] = free_cols.pop(0)
+    return match
+
+
+def _node_layouts(num_nodes: int, gpus_per_node: int) -> np.ndarray:
+    """``int64 [K, G]``: every way to put ``G`` clusters on ``N`` nodes, ``M`` each (node of each cluster)."""
+    G = num_nodes * gpus_per_node
+    out: list[list[int]] = []
+
+    def rec(layout: list[int], left: list[int]) -> None:
+        if len(layout) == G:
+            out.append(layout)
+            return
+        for n in range(num_nodes):
+            if left[n]:
+                left[n] -= 1
+                rec([*layout, n], left)
+                left[n] += 1
+
+    rec([], [gpus_per_node] * num_nodes)
+    return np.array(out, dtype=np.int64).reshape(-1, G)
+
+
+def _num_layouts(num_nodes: int, gpus_per_node: int) -> int:
+    return math.factorial(num_nodes * gpus_per_node) // math.factorial(gpus_per_node) ** num_nodes
+
+
+def _pair_costs(C: np.ndarray, layouts: np.ndarray, num_nodes: int, w_n: float, w_x: float) -> np.ndarray:
+    """``[K, K]``: the tail ``t_l`` between layouts ``s`` (layer ``l``) and ``s'`` (``l + 1``), matchings optimal.
+
+    ``t = max(w_x * max of C over cluster pairs on different nodes, w_n * max over nodes of the node's
+    bottleneck matching value)``: within a node, the clusters sharing a GPU form a perfect matching.
+    """
+    K, G = layouts.shape
+    M = G // num_nodes
+    cross = layouts[:, None, :, None] != layouts[None, :, None, :]  # [K, K, G, G]
+    cost = w_x * np.where(cross, C, 0.0).max(axis=(2, 3))
+    members = np.argsort(layouts, axis=1, kind="stable").reshape(K, num_nodes, M)  # clusters per node
+    for n in range(num_nodes):
+        mem = members[:, n]
+        sub = C[mem[:, None, :, None], mem[None, :, None, :]]  # [K, K, M, M]
+        cost = np.maximum(cost, w_n * _bottleneck_value(sub))
+    return cost
+
+
+def _realise(C: np.ndarray, layouts: np.ndarray, num_nodes: int) -> np.ndarray:
+    """``int64 [L, G]`` GPUs from per-layer layouts ``[L, G]`` (node of each cluster), optimal matchings."""
+    L, G = layouts.shape
+    gpu = np.empty((L, G), dtype=np.int64)
+    order = np.lexsort((np.arange(G), layouts[0]))  # layer 0: node by node, clusters in id order
+    gpu[0, order] = np.arange(G)
+    for layer in range(L - 1):
+        for n in range(num_nodes):
+            src = np.flatnonzero(layouts[layer] == n)
+            dst = np.flatnonzero(layouts[layer + 1] == n)
+            match = _bottleneck_matching(C[layer][np.ix_(src, dst)])
+            gpu[layer + 1, dst[match]] = gpu[layer, src]
+    return gpu
+
+
+def _solve_dp(C: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """Exact ILP 2 by dynamic programming over node layouts (see :func:`assign_clusters`)."""
+    w_n, w_x, two_level = _link_weights(cluster)
+    N = cluster.num_nodes if two_level else 1
+    G = cluster.num_gpus
+    layouts = _node_layouts(N, G // N)
+    L = C.shape[0] + 1
+    value = np.zeros(len(layouts))
+    back = np.empty((L - 1, len(layouts)), dtype=np.int64)
+    for layer in range(L - 1):
+        total = value[:, None] + _pair_costs(C[layer], layouts, N, w_n, w_x if two_level else w_n)
+        back[layer] = np.argmin(total, axis=0)  # ties: the lowest layout index
+        value = total[back[layer], np.arange(len(layouts))]
+    path = np.empty(L, dtype=np.int64)
+    path[-1] = int(np.argmin(value))
+    for layer in range(L - 2, -1, -1):
+        path[layer] = back[layer, path[layer + 1]]
+    return _realise(C, layouts[path], N)
+
+
+def _greedy_assignment(C: np.ndarray, cluster: Cluster) -> np.ndarray:
+    """A quick feasible ILP 2 point for the MILP's warm start: layer ``l + 1``'s clusters join, heaviest
+    transition first, the node of their source cluster while it has room; matchings as in the DP."""
+    L, G = C.shape[0] + 1, cluster.num_gpus
+    N, M = cluster.num_nodes, cluster.gpus_per_node
+    layouts = np.empty((L, G), dtype=np.int64)
+    layouts[0] = np.arange(G) // M
+    for layer in range(L - 1):
+        node = np.full(G, -1, dtype=np.int64)
+        room = np.full(N, M)
+        for flat in np.argsort(-C[layer], axis=None, kind="stable"):
+            c1, c2 = divmod(int(flat), G)
+            n = layouts[layer, c1]
+            if node[c2] < 0 and room[n] > 0:
+                node[c2] = n
+                room[n] -= 1
+        layouts[layer + 1] = node
+    return _realise(C, layouts, N)
+
+
+def _solve_milp(C: np.ndarray, cluster: Cluster, *, time_limit: float | None, mip_gap: float,
+                seed: int) -> tuple[np.ndarray, MilpResult]:
+    """ILP 2 as one MILP over all layers (the matching reformulation of :func:`assign_clusters`)."""
+    L, G = C.shape[0] + 1, cluster.num_gpus
+    N, M = cluster.num_nodes, cluster.gpus_per_node
+    w_n, w_x, use_nodes = _link_weights(cluster)
+    scale = max(w_n, w_x)  # solve in units of the slowest link, report in tokens / (GB/s)
+    w_n, w_x = w_n / scale, w_x / scale
+    m = Milp()
+    a = m.add_vars((L - 1, G, G))  # a[l, c1, c2]: c1 (layer l) and c2 (layer l + 1) share a GPU
+    t = m.add_vars(L - 1, ub=np.inf, cost=1.0, integer=False)  # t_l: the tail of layer pair l (Eq. 8's max)
+    m.add_rows(a, 1.0, lower=1.0, upper=1.0)  # Eq. 14-15: a GPU holds one cluster per layer, so a is a
+    m.add_rows(a.transpose(0, 2, 1), 1.0, lower=1.0, upper=1.0)  # perfect matching between layers
+    ls = np.broadcast_to(np.arange(L - 1)[:, None, None], a.shape)
+    start = _greedy_assignment(C, cluster)
+    same_gpu = start[:-1, :, None] == start[1:, None, :]  # [L-1, G, G]
+    if use_nodes:
+        Y = m.add_vars((L, G, N))  # Y[l, c, n]: cluster c of layer l is on node n
+        m.add_rows(Y, 1.0, lower=1.0, upper=1.0)
+        m.add_rows(Y.transpose(0, 2, 1), 1.0, lower=float(M), upper=float(M))
+        m.add_rows(Y[0, 0, 0].reshape(1, 1), 1.0, lower=1.0)  # node labels are interchangeable
+        b = m.add_vars((L - 1, G, G, N), integer=False)  # b[l, c1, c2, n] = Y[l, c1, n] * Y[l + 1, c2, n]
+        Y1 = np.broadcast_to(Y[:-1, :, None, :], b.shape)
+        Y2 = np.broadcast_to(Y[1:, None, :, :], b.shape)
+        m.add_rows(np.stack([b, Y1], axis=-1), np.array([1.0, -1.0]), upper=0.0)  # McCormick upper envelopes
+        m.add_rows(np.stack([b, Y2], axis=-1), np.array([1.0, -1.0]), upper=0.0)
+        # RLT: c1 on node n shares it with exactly M clusters of the next layer (and the transpose)
+        rows1 = np.concatenate([b.transpose(0, 1, 3, 2), Y[:-1, :, :, None]], axis=3)  # [L-1, G, N, G + 1]
+        m.add_rows(rows1, np.concatenate([np.ones(G), [-float(M)]]), lower=0.0, upper=0.0)
+        rows2 = np.concatenate([b.transpose(0, 2, 3, 1), Y[1:, :, :, None]], axis=3)
+        m.add_rows(rows2, np.concatenate([np.ones(G), [-float(M)]]), lower=0.0, upper=0.0)
+        # sharing a GPU means sharing a node
+        m.add_rows(np.concatenate([a[..., None], b], axis=3), np.concatenate([[1.0], -np.ones(N)]), upper=0.0)
+        # t_l >= C * (w_x - (w_x - w_n) * same_node - w_n * same_gpu)
+        idx = np.concatenate([t[ls][..., None], a[..., None], b], axis=3)
+        val = np.concatenate([np.ones_like(C)[..., None], (C * w_n)[..., None],
+                              np.broadcast_to((C * (w_x - w_n))[..., None], b.shape)], axis=3)
+        m.add_rows(idx, val, lower=C * w_x)
+        # warm start: the greedy point, nodes relabelled so that cluster 0 of layer 0 is on node 0
+        node = start // M
+        node = (node - node[0, 0]) % N
+        y0 = (node[..., None] == np.arange(N)).astype(np.float64)  # [L, G, N]
+        b0 = y0[:-1, :, None, :] * y0[1:, None, :, :]
+        same_node = b0.sum(axis=3) > 0
+        t0 = (C * np.where(same_gpu, 0.0, np.where(same_node, w_n, w_x))).max(axis=(1, 2))
+        x0 = np.zeros(m.num_vars)
+        x0[a] = same_gpu
+        x0[t] = t0
+        x0[Y] = y0
+        x0[b] = b0
+    else:
+        w = w_x if N > 1 else w_n
+        m.add_rows(np.stack([t[ls], a], axis=-1), np.stack([np.ones_like(C), C * w], axis=-1), lower=C * w)
+        x0 = np.zeros(m.num_vars)
+        x0[a] = same_gpu
+        x0[t] = (C * np.where(same_gpu, 0.0, w)).max(axis=(1, 2))
+    result = m.solve(time_limit=time_limit, mip_gap=mip_gap, seed=seed, start=x0)
+    partner = np.argmax(result.x[a].round(), axis=1)  # [L-1, G]: the layer-l cluster each c2 shares a GPU with
+    gpu = np.empty((L, G), dtype=np.int64)
+    if use_nodes:
+        node0 = np.argmax(result.x[Y[0]].round(), axis=1)
+        gpu[0, np.lexsort((np.arange(G), node0))] = np.arange(G)  # clusters of layer 0 by node, then id
+    else:
+        gpu[0] = np.arange(G)
+    for layer in range(L - 1):
+        gpu[layer + 1] = gpu[layer, partner[layer]]
+    assert np.all(np.sort(gpu, axis=1) == np.arange(G))
+    assert math.isclose(ilp2_objective(C, gpu, cluster), result.objective * scale, rel_tol=1e-6,
+                        abs_tol=1e-9 * max(1.0, float(C.max()) * scale))
+    return gpu, result
+
+
+def _ilp2_method(cluster: Cluster) -> str:
+    """``"dp"`` when a layer has at most :data:`MAX_DP_LAYOUTS` node layouts, else ``"milp"``."""
+    _, _, two_level = _link_weights(cluster)
+    layouts = _num_layouts(cluster.num_nodes, cluster.gpus_per_node) if two_level else 1
+    return "dp" if layouts <= MAX_DP_LAYOUTS else "milp"
+
+
+def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float | None = None,
+                    mip_gap: float = DEFAULT_MIP_GAP, seed: int = 0, method: str = "auto") -> Ilp2Solution:
+    """ILP 2 (Eq. 8-15): the GPU of every cluster in every layer (:class:`Ilp2Solution`).
+
+    ``traffic float [L-1, G, G]`` is ``C`` of Eq. 9 (:func:`cluster_traffic`). ``method``: ``"dp"`` (exact
+    dynamic programming over node layouts), ``"milp"`` (HiGHS on the matching reformulation), or
+    ``"auto"``: the DP when a layer has at most :data:`MAX_DP_LAYOUTS` node layouts, else the MILP.
+    Both solve the module docstring's program; the DP exactly, the MILP to ``mip_gap`` or ``time_limit``.
+    """
+    L, G = traffic.shape[0] + 1, cluster.num_gpus
+    C = np.asarray(traffic, dtype=np.float64)
+    if G == 1 or L == 1 or not np.any(C > 0):
+        gpu = np.tile(np.arange(G, dtype=np.int64), (L, 1))
+        return Ilp2Solution(gpu, ilp2_objective(C, gpu, cluster), 0.0, "trivial")
+    _, _, two_level = _link_weights(cluster)
+    layouts = _num_layouts(cluster.num_nodes, cluster.gpus_per_node) if two_level else 1
+    if method == "auto":
+        method = _ilp2_method(cluster)
+    if method == "dp":
+        if layouts > 16 * MAX_DP_LAYOUTS:
+            raise InputError(f"{layouts} node layouts are too many for the exact DP; use method='milp'")
+        gpu = _solve_dp(C, cluster)
+        return Ilp2Solution(gpu, ilp2_objective(C, gpu, cluster), 0.0, "dp")
+    if method != "milp":
+        raise InputError(f"method ({method!r}) must be 'auto', 'dp' or 'milp'")
+    gpu, result = _solve_milp(C, cluster, time_limit=time_limit, mip_gap=mip_gap, seed=seed)
+    return Ilp2Solution(gpu, ilp2_objective(C, gpu, cluster), result.gap, "milp", result.time_limit_hit)
+
+
+# --------------------------------------------------------------------------------------------------
+# The policy
+# --------------------------------------------------------------------------------------------------
+
+def _check_params(time_limit: float | None, mip_gap: float, seed: int) -> None:
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, int | float)
+                                   or not math.isfinite(time_limit) or time_limit <= 0):
+        raise InputError(f"time_limit ({time_limit!r}) must be a positive number of seconds, or None for no limit")
+    if isinstance(mip_gap, bool) or not isinstance(mip_gap, int | float) or not 0.0 <= mip_gap < 1.0:
+        raise InputError(f"mip_gap ({mip_gap!r}) must be a relative gap in [0, 1), e.g. 0.025 (the paper's)")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise InputError(f"seed ({seed!r}) must be an integer in [0, 2**31)")
+
+
+def _json_float(x: float) -> float | None:
+    return round(float(x), 9) if math.isfinite(x) else None
+
+
+def moetuner(*, load: LoadMatrix, cluster: Cluster, budget: Budget, time_limit: float | None = DEFAULT_TIME_LIMIT,
+             mip_gap: float = DEFAULT_MIP_GAP, seed: int = 0) -> Placement:
+    """MoETuner placement: ILP 1 per layer, then ILP 2 over all layers (see the module docstring).
+
+    ``time_limit``: total seconds for all solves (None: no limit); ``mip_gap``: relative gap each solve
+    stops at; ``seed``: HiGHS's random seed. No replicas: a ``replicas_per_gpu`` budget is met with 0.
+    """
+    _check_params(time_limit, mip_gap, seed)
+    E, L, G = load.num_experts, load.num_layers, cluster.num_gpus
+    budget.placement_slots(E, G)
+    # MoETuner's traffic model follows tokens from expert to expert; the trace's src_gpu is not used
+    P, R = routing_statistics(load)
+    ilp2_exact = R is None or _ilp2_method(cluster) == "dp"
+    t0 = time.perf_counter()
+    deadline = None if time_limit is None else t0 + float(time_limit)
+    # ILP 1's share of the budget: all of it when ILP 2 is solved by the DP (well under a second), else half
+    ilp1_deadline = None if time_limit is None else t0 + float(time_limit) * (1.0 if ilp2_exact else 0.5)
+
+    def left(until: float | None, parts: int) -> float | None:
+        return None if until is None else max(until - time.perf_counter(), 0.0) / parts
+
+    # ILP 1, layer by layer: a first pass with an equal share per layer, then the layers that hit their
+    # share again, warm-started, sharing what the easy layers left
+    cluster_of = np.empty((L, E), dtype=np.int64)
+    results: list[MilpResult | None] = []
+    share = None if time_limit is None else float(time_limit) * (1.0 if ilp2_exact else 0.5) / (2 * L)
+    for layer in range(L):
+        limit = None if share is None else min(share, left(ilp1_deadline, L - layer) or 0.0)
+        cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=limit, mip_gap=mip_gap, seed=seed)
+        results.append(res)
+    again = [layer for layer, res in enumerate(results) if res is not None and res.time_limit_hit]
+    for i, layer in enumerate(again):
+        first = results[layer]
+        assert first is not None
+        cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=left(ilp1_deadline, len(again) - i),
+                                                 mip_gap=mip_gap, seed=seed, start=cluster_of[layer])
+        assert res is not None
+        # a stopped solve proves at least the better of its two bounds
+        results[layer] = dataclasses.replace(res, bound=max(res.bound, first.bound))
+    o1 = float(sum(ilp1_objective(P[:, layer], cluster_of[layer], G) for layer in range(L)))
+    gap1 = max((ilp1_gap(res, float(P[:, layer].sum())) for layer, res in enumerate(results) if res is not None),
+               default=0.0)
+    hit = any(res is not None and res.time_limit_hit for res in results)
+    t1 = time.perf_counter()
+
+    # ILP 2 over all layers
+    params: dict[str, Any] = {**budget.as_params(), "time_limit": time_limit, "mip_gap": mip_gap, "seed": seed}
+    if R is None:
+        gpu_of_cluster = np.tile(np.arange(G, dtype=np.int64), (L, 1))
+        params["statistics"] = "load_only"
+        params["warning"] = ("no token-level trace: ILP 2 (Eq. 8-15) needs cross-layer transitions, so it was "
+                             "skipped and cluster c went to GPU c; give a trace with topk_ids for the full policy")
+        o2: float | None = None
+        gap2, method2 = 0.0, "skipped"
+    else:
+        C = cluster_traffic(R, cluster_of, G)
+        limit = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+        sol = assign_clusters(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed)
+        params["statistics"] = "transitions"
+        gpu_of_cluster, o2, gap2, method2 = sol.gpu_of_cluster, sol.objective, sol.gap, sol.method
+        hit |= sol.time_limit_hit
+    t2 = time.perf_counter()
+    params.update({
+        "solver": "highs",
+        "ilp1_objective": _json_float(o1),
+        "ilp1_gap": _json_float(gap1),
+        "ilp1_seconds": round(t1 - t0, 3),
+        "ilp2_method": method2,
+        "ilp2_objective": None if o2 is None else _json_float(o2),
+        "ilp2_gap": _json_float(gap2),
+        "ilp2_seconds": round(t2 - t1, 3),
+        "time_limit_hit": bool(hit),
+    })
+    if hit:
+        params["note"] = ("a time limit stopped a solve: the best solution found is used, and the gaps above "
+                          "are what was proven")
+    gpu_of_expert = np.take_along_axis(gpu_of_cluster, cluster_of, axis=1)
+    return placement_from_assignment(gpu_of_expert, np.tile(np.arange(E), (L, 1)), cluster, E, "moetuner", params)
+
+
+# --------------------------------------------------------------------------------------------------
+# Scoring under MoETuner's model (Section 5.2 metrics)
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class CrossLayerTraffic:
+    """GPU-to-GPU token moves between adjacent layers under MoETuner's model.
+
+    A (token, pick) pair at expert ``i`` of layer ``l`` moves to expert ``j`` of layer ``l + 1``: from
+    the GPU hosting ``i`` to the GPU hosting ``j`` (an expert with ``r`` replicas sends and receives a
+    ``1 / r`` share from each, the uniform router). Example: 2 GPUs, ``R[0] = [[0, 3], [0, 0]]`` with
+    expert 0 on GPU 0 and expert 1 on GPU 1 in both layers gives ``matrix[0] = [[0, 3], [0, 0]]``.
+    """
+
+    #: ``float64 [L-1, G, G]``: tokens from GPU ``g1`` (layer ``l``) to GPU ``g2`` (layer ``l + 1``);
+    #: the diagonal stays on its GPU.
+    matrix: np.ndarray
+    #: ``float64 [G, G]``: ``1 / B[g1, g2]`` in s/GB, 0 on the diagonal.
+    inverse_bandwidth: np.ndarray
+
+    def pair_tail(self) -> np.ndarray:
+        """``float64 [L-1]``: the all-to-all tail, ``max_{g1 != g2}`` tokens sent between one GPU pair."""
+        return self._offdiag(self.matrix).max(axis=1, initial=0.0)
+
+    def pair_mean(self) -> np.ndarray:
+        """``float64 [L-1]``: mean tokens over the ``G (G - 1)`` ordered GPU pairs."""
+        off = self._offdiag(self.matrix)
+        return off.mean(axis=1) if off.shape[1] else np.zeros(off.shape[0])
+
+    def cost_tail(self) -> np.ndarray:
+        """``float64 [L-1]``: ``max_{g1, g2} tokens / B``, the term of Eq. 8 (tokens / (GB/s))."""
+        return (self.matrix * self.inverse_bandwidth).max(axis=(1, 2), initial=0.0)
+
+    def remote(self) -> np.ndarray:
+        """``float64 [L-1]``: tokens that change GPU between the layers."""
+        return self._offdiag(self.matrix).sum(axis=1)
+
+    @staticmethod
+    def _offdiag(m: np.ndarray) -> np.ndarray:
+        G = m.shape[-1]
+        return m.reshape(m.shape[0], -1)[:, ~np.eye(G, dtype=bool).ravel()]
+
+
+def cross_layer_traffic(plan: Placement, trace: RoutingTrace) -> CrossLayerTraffic:
+    """Per adjacent layer pair, the GPU-to-GPU traffic of ``trace`` under ``plan`` (:class:`CrossLayerTraffic`)."""
+    if (trace.num_layers, trace.num_experts) != (plan.num_layers, plan.num_experts):
+        raise InputError(f"the trace has {trace.num_layers} layers x {trace.num_experts} experts but the plan has "
+                         f"{plan.num_layers} x {plan.num_experts}; score with the same model's data")
+    share = plan.copies / plan.replica_counts()[..., None]  # [L, E, G]
+    R = trace.transitions().astype(np.float64)
+    matrix = np.einsum("lig,lij,ljh->lgh", share[:-1], R, share[1:])
+    return CrossLayerTraffic(matrix, _inverse_bandwidth(plan.cluster))
+
+
+def processing_load(plan: Placement, load: LoadMatrix) -> tuple[np.ndarray, np.ndarray]:
+    """``(tail, mean)``, each ``float64 [L]``: per layer, the max and the mean over GPUs of the tokens a GPU
+    processes, each averaged over batches (Section 5.2's tail and average token-processing latency)."""
+    from moebalance.simulate import gpu_loads
+
+    loads = gpu_loads(plan, load.counts)  # [B, L, G]
+    return loads.max(axis=2).mean(axis=0), loads.mean(axis=2).mean(axis=0)

@@ -1,0 +1,339 @@
+"""MoETuner (seed paper 004): ILP 1 and ILP 2 against brute force, golden traces, params, scoring helpers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from moebalance.cluster import Cluster
+from moebalance.errors import BudgetError, InputError
+from moebalance.load import LoadMatrix
+from moebalance.plan import Placement
+from moebalance.policies import Budget, make_plan
+from moebalance.policies.moetuner import (
+    _bottleneck_value,
+    _ilp1_lower_bound,
+    assign_clusters,
+    cluster_experts,
+    cluster_sizes,
+    cluster_traffic,
+    cross_layer_traffic,
+    ilp1_objective,
+    ilp2_objective,
+    processing_load,
+    routing_statistics,
+)
+from moebalance.synth import synthesize
+from moebalance.trace import RoutingTrace
+
+# --------------------------------------------------------------------------------------------------
+# brute force
+# --------------------------------------------------------------------------------------------------
+
+
+def _brute_ilp1(w: np.ndarray, G: int) -> int:
+    """min over every clustering with the allowed sizes of ``G * O1 = sum_c |G * T_c - S|`` (an integer)."""
+    E = len(w)
+    lo, hi = cluster_sizes(E, G)
+    assign = np.array(list(itertools.product(range(G), repeat=E)))  # [G^E, E]
+    onehot = assign[:, :, None] == np.arange(G)  # [A, E, G]
+    sizes = onehot.sum(axis=1)
+    ok = np.all((sizes >= lo) & (sizes <= hi), axis=1)
+    T = (onehot * w[None, :, None]).sum(axis=1)  # [A, G]
+    dev = np.abs(G * T - w.sum()).sum(axis=1)
+    return int(dev[ok].min())
+
+
+def _brute_ilp2(C: np.ndarray, cluster: Cluster) -> float:
+    """Eq. 8 minimised over all ``(G!)^L`` per-layer cluster-to-GPU permutations (enumerated by broadcasting)."""
+    G = cluster.num_gpus
+    perms = np.array(list(itertools.permutations(range(G))))  # [P, G]: perms[p][c] is cluster c's GPU
+    inv = 1.0 / cluster.bandwidth_matrix()
+    w = inv[perms[:, None, :, None], perms[None, :, None, :]]  # [P, P, G, G]
+    total = np.zeros((1,) * 1)
+    for layer in range(C.shape[0]):
+        pair = (C[layer] * w).max(axis=(2, 3))  # [P (layer l), P (layer l + 1)]
+        total = total[..., None] + pair.reshape((1,) * (total.ndim - 1) + pair.shape) if layer else pair
+    return float(total.min())
+
+
+# --------------------------------------------------------------------------------------------------
+# ILP 1
+# --------------------------------------------------------------------------------------------------
+
+
+def test_ilp1_matches_brute_force_fixed_seed() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(6):  # 8 experts, 4 GPUs: 2 experts per cluster, 105 partitions
+        w = rng.integers(0, 200, size=8)
+        clusters, _ = cluster_experts(w, 4, mip_gap=0.0)
+        assert np.all(np.bincount(clusters, minlength=4) == 2)
+        assert round(ilp1_objective(w, clusters, 4) * 4) == _brute_ilp1(w, 4)
+
+
+@settings(max_examples=25)
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=8), st.integers(1, 4))
+def test_ilp1_matches_brute_force(w_list: list[int], G: int) -> None:
+    w = np.array(w_list, dtype=np.int64)
+    E = len(w)
+    clusters, _ = cluster_experts(w, G, mip_gap=0.0)
+    lo, hi = cluster_sizes(E, G)
+    sizes = np.bincount(clusters, minlength=G)
+    assert len(sizes) == G and np.all((sizes >= lo) & (sizes <= hi))
+    # clusters are numbered by their smallest expert
+    firsts = [int(np.flatnonzero(clusters == c)[0]) for c in range(G) if sizes[c]]
+    assert firsts == sorted(firsts)
+    assert round(ilp1_objective(w, clusters, G) * G) == _brute_ilp1(w, G)
+
+
+@settings(max_examples=60)
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=8), st.integers(1, 4), st.booleans())
+def test_ilp1_cut_is_valid(w_list: list[int], G: int, skew: bool) -> None:
+    w = np.array(w_list, dtype=np.int64)
+    if skew:  # a few hot experts, where the hot-expert bound bites
+        w[: max(1, len(w) // 3)] *= 20
+    lo, _ = cluster_sizes(len(w), G)
+    assert _ilp1_lower_bound(w, G, lo) <= _brute_ilp1(w, G)
+
+
+def test_ilp1_sizes() -> None:
+    assert cluster_sizes(8, 4) == (2, 2)
+    assert cluster_sizes(10, 4) == (1, 3)  # at most ceil(E / G) so the plan fits ceil(E / G) slots
+    assert cluster_sizes(3, 4) == (0, 1)  # fewer experts than GPUs: Eq. 7 cannot hold
+    # loads 4, 1, 1, 4 on two GPUs: {0, 1} and {2, 3} carry 5 tokens each
+    clusters, _ = cluster_experts(np.array([4, 1, 1, 4]), 2, mip_gap=0.0)
+    assert clusters.tolist() in ([0, 0, 1, 1], [0, 1, 1, 0])
+    assert ilp1_objective(np.array([4, 1, 1, 4]), clusters, 2) == 0.0
+
+
+def test_ilp1_hot_expert_bound_proves_optimum() -> None:
+    # one expert carries most of the layer: no split beats putting it with the 7 lightest experts, and
+    # the hot-expert cut proves that at the root, so the gap is 0 even with mip_gap = 0
+    w = np.array([5000, *range(1, 64)])
+    clusters, res = cluster_experts(w, 8, mip_gap=0.0)
+    assert res is not None and res.gap == 0.0 and not res.time_limit_hit
+    assert sorted(np.flatnonzero(clusters == clusters[0]).tolist()) == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+# --------------------------------------------------------------------------------------------------
+# ILP 2
+# --------------------------------------------------------------------------------------------------
+
+TOPOLOGIES = [(1, 4), (2, 2), (4, 1)]
+
+
+@pytest.mark.parametrize(("nodes", "gpn"), TOPOLOGIES)
+@pytest.mark.parametrize("method", ["dp", "milp"])
+def test_ilp2_matches_brute_force_fixed_seed(nodes: int, gpn: int, method: str) -> None:
+    rng = np.random.default_rng(nodes * 10 + gpn)
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn)
+    for _ in range(2):
+        C = rng.integers(0, 40, size=(2, 4, 4)).astype(np.float64)  # L = 3 layers: 24^3 assignments
+        sol = assign_clusters(C, cluster, method=method, mip_gap=0.0)
+        assert sol.method == method and sol.gap <= 1e-9
+        assert np.all(np.sort(sol.gpu_of_cluster, axis=1) == np.arange(4))
+        assert sol.objective == pytest.approx(ilp2_objective(C, sol.gpu_of_cluster, cluster), rel=1e-12)
+        assert sol.objective == pytest.approx(_brute_ilp2(C, cluster), rel=1e-9)
+
+
+@settings(max_examples=30)
+@given(st.sampled_from(TOPOLOGIES), st.integers(2, 3), st.integers(0, 2**31), st.sampled_from([3, 30, 1000]))
+def test_ilp2_dp_matches_brute_force(topology: tuple[int, int], L: int, seed: int, high: int) -> None:
+    nodes, gpn = topology
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn, inter_node_bandwidth=25.0)
+    C = np.random.default_rng(seed).integers(0, high, size=(L - 1, 4, 4)).astype(np.float64)
+    sol = assign_clusters(C, cluster, method="dp")
+    assert sol.objective == pytest.approx(_brute_ilp2(C, cluster), rel=1e-9)
+
+
+@pytest.mark.parametrize("method", ["dp", "milp"])
+def test_ilp2_two_nodes_of_three(method: str) -> None:
+    # 6 GPUs on 2 nodes, 2 layers: brute force over 720^2 assignments
+    cluster = Cluster(num_nodes=2, gpus_per_node=3)
+    C = np.random.default_rng(3).integers(0, 60, size=(1, 6, 6)).astype(np.float64)
+    sol = assign_clusters(C, cluster, method=method, mip_gap=0.0)
+    assert sol.objective == pytest.approx(_brute_ilp2(C, cluster), rel=1e-9)
+
+
+@settings(max_examples=40)
+@given(st.integers(1, 4), st.integers(0, 2**31), st.sampled_from([2, 5, 100]))
+def test_bottleneck_matching_value(M: int, seed: int, high: int) -> None:
+    sub = np.random.default_rng(seed).integers(0, high, size=(M, M)).astype(np.float64)
+    best = min(max([sub[i, j] for i in range(M) for j in range(M) if j != p[i]], default=0.0)
+               for p in itertools.permutations(range(M)))
+    assert float(_bottleneck_value(sub)) == best
+
+
+def test_ilp2_bad_method() -> None:
+    with pytest.raises(InputError, match="method"):
+        assign_clusters(np.ones((1, 2, 2)), Cluster(num_nodes=1, gpus_per_node=2), method="nope")
+
+
+# --------------------------------------------------------------------------------------------------
+# golden traces
+# --------------------------------------------------------------------------------------------------
+
+
+def _trace(moves: list[tuple[int, int, int]], num_experts: int = 8) -> LoadMatrix:
+    """Top-1 tokens over 2 layers: ``count`` tokens at expert ``i`` in layer 0 go to ``j`` in layer 1."""
+    ids = np.array([[[i], [j]] for i, j, count in moves for _ in range(count)])
+    n = len(ids)
+    trace = RoutingTrace(ids, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), num_experts=num_experts)
+    return LoadMatrix(trace.counts(), trace)
+
+
+def _golden_load() -> LoadMatrix:
+    # Layer 0 loads: e0 10, e5 90 | e1 20, e4 80 | e2 30, e7 70 | e3 40, e6 60. The only pairing with every pair
+    # at the mean (100) is {0, 5}, {1, 4}, {2, 7}, {3, 6}, so ILP 1 must pick it (O1 = 0).
+    # Layer 1 loads: e3 10, e6 90 | e0 20, e1 80 | e2 30, e4 70 | e5 40, e7 60: again a unique perfect pairing
+    # {0, 1}, {2, 4}, {3, 6}, {5, 7}.
+    # Every token of experts 0 and 5 goes to experts 3 and 6 (100 tokens between one pair of clusters); the other
+    # clusters spread their 100 tokens over three clusters each (at most 34 to one). Unless {0, 5} and {3, 6}
+    # share a GPU, some GPU pair carries 100 tokens; sharing one, no pair carries more than 34.
+    # Cluster to cluster: {0, 5} -> {3, 6} 100; {1, 4} -> {0, 1} 34, {2, 4} 33, {5, 7} 33; {2, 7} -> 33, 34, 33;
+    # {3, 6} -> 33, 33, 34 (expert by expert below; every expert's in- and out-flow matches its load).
+    moves = [(0, 3, 10), (5, 6, 90),
+             (1, 0, 20), (4, 1, 14), (4, 2, 30), (4, 4, 3), (4, 5, 33),
+             (2, 4, 30), (7, 1, 33), (7, 4, 4), (7, 7, 33),
+             (6, 1, 33), (6, 4, 27), (3, 4, 6), (3, 5, 7), (3, 7, 27)]
+    return _trace(moves)
+
+
+def test_golden_dependent_experts_share_a_gpu() -> None:
+    load = _golden_load()
+    totals = load.total()
+    assert totals[0].tolist() == [10, 20, 30, 40, 80, 90, 60, 70]
+    for nodes, gpn in [(1, 4), (2, 2)]:
+        cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn)
+        plan, _ = make_plan("moetuner", load, cluster, Budget(slots_per_gpu=2), mip_gap=0.0)
+        layer0, layer1 = plan.gpu_experts
+        assert sorted(sorted(g) for g in layer0) == [[0, 5], [1, 4], [2, 7], [3, 6]]
+        assert sorted(sorted(g) for g in layer1) == [[0, 1], [2, 4], [3, 6], [5, 7]]
+        g = next(i for i, experts in enumerate(layer0) if 0 in experts)
+        h = next(i for i, experts in enumerate(layer1) if 3 in experts)
+        assert plan.params["ilp1_objective"] == 0.0 and plan.params["ilp2_gap"] == 0.0
+        if nodes == 1:
+            # same GPU: otherwise one GPU pair carries 100 tokens; with it, the tail is the 33 left unmatched
+            assert g == h, "experts 0 and 5 must sit with 3 and 6"
+            traffic = cross_layer_traffic(plan, load.trace)  # type: ignore[arg-type]
+            assert traffic.matrix[0].trace() == 100 + 3 * 34 and traffic.pair_tail()[0] == 33
+        else:
+            # 2 nodes: 100 tokens across nodes cost 100 / 50 GB/s; every layout sends >= 33 tokens across
+            # (33 / 50 > 100 / 450), so the optimum keeps {0, 5} and {3, 6} on one node, on one GPU or not
+            assert g // gpn == h // gpn
+
+
+def test_golden_cross_layer_traffic() -> None:
+    # 2 GPUs, experts 0 and 1 on GPU 0 and 1 in both layers; 3 tokens go 0 -> 1 and 2 go 1 -> 1
+    load = _trace([(0, 1, 3), (1, 1, 2)], num_experts=2)
+    plan = Placement([[[0], [1]], [[0], [1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    traffic = cross_layer_traffic(plan, load.trace)  # type: ignore[arg-type]
+    assert traffic.matrix[0].tolist() == [[0.0, 3.0], [0.0, 2.0]]
+    assert traffic.pair_tail().tolist() == [3.0] and traffic.pair_mean().tolist() == [1.5]
+    assert traffic.remote().tolist() == [3.0]
+    assert traffic.cost_tail() == pytest.approx([3.0 / 450.0])
+    tail, mean = processing_load(plan, load)
+    assert tail.tolist() == [3.0, 5.0] and mean.tolist() == [2.5, 2.5]
+    # a replicated expert splits its traffic evenly over its replicas
+    rep = Placement([[[0, 1], [1]], [[0], [1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    assert cross_layer_traffic(rep, load.trace).matrix[0].tolist() == [[0.0, 4.0], [0.0, 1.0]]  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------
+# the policy
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixtral() -> LoadMatrix:
+    return LoadMatrix.from_arrays(synthesize("mixtral-8x7b", num_batches=2, tokens_per_batch=256, num_gpus=8, seed=0,
+                                             token_level=True))
+
+
+@pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 4)])
+def test_policy_on_mixtral(mixtral: LoadMatrix, nodes: int, gpn: int) -> None:
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn)
+    budget = Budget(slots_per_gpu=2)
+    plan, _ = make_plan("moetuner", mixtral, cluster, budget)
+    budget.check(plan)
+    assert np.all(plan.replica_counts() == 1) and np.all(plan.slots() == 8 // cluster.num_gpus)
+    p = plan.params
+    json.dumps(p, allow_nan=False)  # JSON-serialisable, no inf / nan
+    assert p["statistics"] == "transitions" and p["ilp2_method"] == "dp" and not p["time_limit_hit"]
+    assert 0 <= p["ilp1_gap"] <= 0.025 and p["ilp2_gap"] == 0.0
+    # the recorded objectives are what the scoring helpers measure on the planning data
+    P, R = routing_statistics(mixtral)
+    gpu = plan.copies.argmax(axis=2)  # [L, E]
+    o1 = sum(ilp1_objective(P[:, layer], gpu[layer], cluster.num_gpus) for layer in range(mixtral.num_layers))
+    assert p["ilp1_objective"] == pytest.approx(o1)
+    traffic = cross_layer_traffic(plan, mixtral.trace)  # type: ignore[arg-type]
+    assert p["ilp2_objective"] == pytest.approx(traffic.cost_tail().sum(), rel=1e-6)
+    # ILP 2 is optimal for ILP 1's clusters: the same clusters laid out contiguously never do better
+    assert R is not None
+    C = cluster_traffic(R, _cluster_ids(plan), cluster.num_gpus)
+    same = np.tile(np.arange(cluster.num_gpus), (mixtral.num_layers, 1))
+    assert p["ilp2_objective"] <= ilp2_objective(C, same, cluster) + 1e-9
+    # deterministic
+    again, _ = make_plan("moetuner", mixtral, cluster, budget)
+    assert again.gpu_experts == plan.gpu_experts
+
+
+def _cluster_ids(plan: Placement) -> np.ndarray:
+    """``[L, E]`` cluster of each expert, numbered by smallest expert id (the policy's ILP 1 numbering)."""
+    gpu = plan.copies.argmax(axis=2)
+    out = np.empty_like(gpu)
+    for layer, row in enumerate(gpu):
+        firsts = sorted({int(np.flatnonzero(row == g)[0]): g for g in set(row.tolist())}.items())
+        for c, (_, g) in enumerate(firsts):
+            out[layer, row == g] = c
+    return out
+
+
+def test_policy_without_trace_falls_back() -> None:
+    load = LoadMatrix(np.array([[[9, 1, 5, 5, 2, 8, 4, 6], [1, 1, 1, 1, 1, 1, 1, 1]]]))
+    plan, _ = make_plan("moetuner", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(replicas_per_gpu=0))
+    assert plan.params["statistics"] == "load_only" and "no token-level trace" in plan.params["warning"]
+    assert plan.params["ilp2_method"] == "skipped" and plan.params["ilp2_objective"] is None
+    assert plan.extra_replicas == 0
+    # layer 0 is split perfectly: 40 tokens, 10 per GPU
+    assert sorted(int(load.counts[0, 0, list(g)].sum()) for g in plan.gpu_experts[0]) == [10, 10, 10, 10]
+
+
+def test_policy_refuses_small_slot_budget() -> None:
+    load = LoadMatrix(np.ones((1, 2, 8), int))
+    with pytest.raises(BudgetError, match=r"slots_per_gpu \(1\) cannot hold 8 experts on 4 GPUs"):
+        make_plan("moetuner", load, Cluster(num_nodes=1, gpus_per_node=4), Budget(slots_per_gpu=1))
+
+
+@pytest.mark.parametrize(("params", "needle"), [
+    ({"time_limit": -1.0}, r"time_limit \(-1.0\) must be a positive number"),
+    ({"time_limit": 0}, r"time_limit \(0\) must be a positive number"),
+    ({"time_limit": math.nan}, r"time_limit \(nan\)"),
+    ({"time_limit": True}, r"time_limit \(True\)"),
+    ({"mip_gap": -0.1}, r"mip_gap \(-0.1\) must be a relative gap in \[0, 1\)"),
+    ({"mip_gap": 1.0}, r"mip_gap \(1.0\)"),
+    ({"mip_gap": "0.1"}, r"mip_gap \('0.1'\)"),
+    ({"seed": -1}, r"seed \(-1\) must be an integer"),
+    ({"seed": 1.5}, r"seed \(1.5\)"),
+])
+def test_bad_params(params: dict, needle: str) -> None:
+    load = LoadMatrix(np.ones((1, 2, 4), int))
+    with pytest.raises(InputError, match=needle) as info:
+        make_plan("moetuner", load, Cluster(num_nodes=1, gpus_per_node=2), Budget(slots_per_gpu=2), **params)
+    assert "\n" not in str(info.value)
+
+
+def test_time_limit_keeps_the_best_solution() -> None:
+    rng = np.random.default_rng(0)
+    load = LoadMatrix(rng.integers(0, 3000, size=(1, 2, 64)))
+    plan, _ = make_plan("moetuner", load, Cluster(num_nodes=1, gpus_per_node=8), Budget(slots_per_gpu=8),
+                        time_limit=1e-4)
+    assert plan.params["time_limit_hit"] is True and "time limit" in plan.params["note"]
+    assert np.all(plan.slots() == 8)
+    json.dumps(plan.params, allow_nan=False)
