@@ -1086,3 +1086,22 @@ def test_sweep_skips_points_a_policy_cannot_plan(tmp_path: Path, capsys: pytest.
     code, out, err = run_cli(["sweep", "--load", load, "--nodes", 2, "--gpus-per-node", 2, "--policies",
                               "eplb", "--replicas-per-gpu", "0,2"], capsys)
     assert code == 0 and "skipped eplb at R = 0" in out
+
+
+def test_link_options_set_the_all_to_all_time(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # one 2 x 1 cluster, every token crosses nodes: halving the inter-node link doubles the time
+    plan = tmp_path / "p.json"
+    code, _, err = run_cli(["plan", "--load", "bundled:mixtral-8x7b-tokens", "--policy", "contiguous", "--nodes", 2,
+                            "--gpus-per-node", 4, "--slots-per-gpu", 1, "--out", plan], capsys)
+    assert code == 0, err
+    times = []
+    for link in ("50", "25", "ib-ndr400"):
+        code, out, err = run_cli(["evaluate", "--plan", plan, "--load", "bundled:mixtral-8x7b-tokens", "--json",
+                                  "--batches", "0:4", "--inter-link", link, "--intra-link", "1e9"], capsys)
+        assert code == 0, err
+        times.append(json.loads(out)["traffic"]["a2a_us_per_layer"])
+    assert times[1] == pytest.approx(2 * times[0], rel=1e-3) and times[2] == pytest.approx(times[0], rel=1e-3)
+    assert_user_error(["evaluate", "--plan", plan, "--load", "bundled:mixtral-8x7b-tokens", "--inter-link", "fast"],
+                      capsys, tmp_path, "--inter-link", "neither a number of GB/s nor a link preset")
+    assert_user_error(["evaluate", "--plan", plan, "--load", "bundled:mixtral-8x7b-tokens", "--intra-link", "-3"],
+                      capsys, tmp_path, "must be a positive number of GB/s")

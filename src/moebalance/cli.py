@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moebalance.cluster import Cluster
+from moebalance.cluster import LINK_PRESETS, Cluster
 from moebalance.errors import InputError, MoebalanceError
 from moebalance.load import LoadMatrix, parse_batch_range, read_load, write_load
 from moebalance.plan import read_plan, write_plan
@@ -104,8 +104,40 @@ def _budget(args: argparse.Namespace) -> Budget:
     return Budget(slots_per_gpu=args.slots_per_gpu, replicas_per_gpu=args.replicas_per_gpu)
 
 
+def _link(value: str) -> float:
+    """A link bandwidth in GB/s per GPU and direction: a preset name (LINK_PRESETS) or a number."""
+    if value in LINK_PRESETS:
+        return LINK_PRESETS[value]
+    try:
+        gbps = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is neither a number of GB/s nor a link preset ({', '.join(LINK_PRESETS)})") from None
+    if not (gbps > 0 and np.isfinite(gbps)):
+        raise argparse.ArgumentTypeError(f"{value!r} must be a positive number of GB/s")
+    return gbps
+
+
+def _links(args: argparse.Namespace) -> dict[str, Any]:
+    """The link bandwidths given on the command line (the Cluster defaults for the others)."""
+    links: dict[str, Any] = {}
+    if getattr(args, "intra_link", None) is not None:
+        links["intra_node_bandwidth"] = args.intra_link
+    if getattr(args, "inter_link", None) is not None:
+        links["inter_node_bandwidth"] = args.inter_link
+    return links
+
+
 def _cluster(args: argparse.Namespace) -> Cluster:
-    return Cluster(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    return Cluster(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, **_links(args))
+
+
+def _add_links(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--intra-link", type=_link, metavar="PRESET|GBPS",
+                   help=f"GB/s per GPU and direction inside a node, for all-to-all time (default nvlink4; presets: "
+                        f"{', '.join(LINK_PRESETS)})")
+    p.add_argument("--inter-link", type=_link, metavar="PRESET|GBPS",
+                   help="GB/s per GPU and direction across nodes (default ib-ndr400)")
 
 
 def _bytes_per_copy(load: LoadMatrix, hidden_size: int | None, dtype_bytes: int) -> int | None:
@@ -166,6 +198,10 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     plan = read_plan(args.plan)
+    if _links(args):  # plan files record the topology, not the links: the time model takes them from here
+        c = plan.cluster
+        plan = dataclasses.replace(plan, cluster=Cluster(num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
+                                                         **_links(args)))
     load = read_load(args.load)
     start, stop = parse_batch_range(args.batches, load.num_batches)
     load = load.select_batches(start, stop)
@@ -434,6 +470,7 @@ def _add_cluster(p: argparse.ArgumentParser, budget_required: bool = True) -> No
                    help="extra expert slots per GPU over all layers (CRAFT's R; craft accepts auto)")
     p.add_argument("--groups", type=int, help="expert groups for eplb's hierarchical policy (default: the preset's)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="policy parameter (repeatable)")
+    _add_links(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -467,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random router")
     p.add_argument("--hidden-size", type=_positive, help="bytes of traffic per copy = hidden size x dtype bytes")
     p.add_argument("--dtype-bytes", type=_positive, default=2)
+    _add_links(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
