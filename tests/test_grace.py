@@ -32,7 +32,14 @@ from moebalance.grouping import (
 from moebalance.load import LoadMatrix
 from moebalance.plan import Placement
 from moebalance.policies import Budget, make_plan
-from moebalance.policies.grace import grace_plan, hot_experts, predict_loads, replica_count, replica_shares
+from moebalance.policies.grace import (
+    grace_plan,
+    hot_experts,
+    predict_loads,
+    replica_count,
+    replica_shares,
+    skew_ratio,
+)
 from moebalance.synth import synthesize
 from moebalance.trace import RoutingTrace
 
@@ -65,11 +72,28 @@ def olmoe() -> LoadMatrix:
     ([19, 1], 1),          # mean 10, rho 1.9 -> 1
     ([100, 0, 0, 0], 3),   # rho 4 -> capped at n_gpu - 1 = 3
     ([9, 3, 0], 2),        # mean 4, rho 2.25 -> 2 = n_gpu - 1
+    # rho = 9 / (18 / 14) = 14 * 9 / 18 = 7 exactly; in floats 9 / mean is 6.999999999999999, floored to 6
+    ([9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0], 7),
     ([7], 0),              # one GPU: nowhere to replicate to
     ([0, 0, 0], 0),        # no load
 ])
 def test_replica_count_eq2(group_load: list[int], expected: int) -> None:
     assert replica_count(np.array(group_load)) == expected
+    assert replica_count(np.array(group_load, dtype=np.float64)) == expected
+
+
+def test_skew_is_exact_in_the_policy() -> None:
+    # 14 experts on 1 node x 14 GPUs, one per GPU (Vanilla): W = [9, 1 x 9, 0 x 4], rho = 14 * 9 / 18 = 7, so
+    # Eq. 2 wants n = 7 (not 6) and params["skew"] records 7.0. Hot: 9 > 9 * 7 / 8 -> expert 0 alone, copied to
+    # the 7 least-loaded GPUs other than GPU 0: the idle 10-13, then 1, 2, 3 (ties: lowest id).
+    assert skew_ratio(np.array([9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0])) == 7
+    assert skew_ratio(np.zeros(3)) == 0
+    load = LoadMatrix(np.array([[[9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0]]]))
+    plan, _ = make_plan("grace", load, Cluster(num_nodes=1, gpus_per_node=14), Budget(slots_per_gpu=2),
+                        grouping="uniform")
+    assert plan.params["skew"] == [7.0] and plan.params["replicas_wanted"] == [7] and plan.params["replicas"] == [7]
+    assert plan.params["hot_experts"] == [[0]]
+    assert [g for g in range(14) if 0 in plan.gpu_experts[0][g]] == [0, 1, 2, 3, 10, 11, 12, 13]
 
 
 @pytest.mark.parametrize(("loads", "ids", "n", "expected"), [
@@ -273,6 +297,31 @@ def test_spectral_recovers_block_diagonal_affinity(noise: float) -> None:
     assert utilization(a, capped) < utilization(a, block)
 
 
+def test_spectral_is_seeded_and_deterministic() -> None:
+    # same inputs and seed (an integer or the policy's (seed, layer, node)), same labels; a clear block
+    # structure comes out whatever the seed; labels are numbered by smallest expert id
+    a, block = _block_affinity([4, 6, 5], seed=3, noise=0.1)
+    first = spectral_clustering(a, 3, seed=(7, 2, 1))
+    assert np.array_equal(first, spectral_clustering(a, 3, seed=(7, 2, 1)))
+    assert _partition(first) == _partition(block) == _partition(spectral_clustering(a, 3, seed=11))
+    _, firsts = np.unique(first, return_index=True)
+    assert first[np.sort(firsts)].tolist() == [0, 1, 2]
+    # integer counts (as affinity() returns) work as well as floats
+    assert _partition(spectral_clustering(np.round(100 * a).astype(np.int64), 3)) == _partition(block)
+
+
+@pytest.mark.parametrize(("n", "k"), [(3, 2), (128, 16)])
+def test_spectral_is_deterministic_on_degenerate_affinity(n: int, k: int) -> None:
+    # a uniform affinity has one eigenvalue repeated n - 1 times, so any basis of it is an embedding; ARPACK
+    # (scikit-learn's SpectralClustering) restarted from its own saved random state here and split these in
+    # different ways from call to call (and warned "ARPACK has failed" for 128 / 16). Dense eigh does not,
+    # and k-means on duplicate points (an empty cluster) stays silent.
+    a = np.ones((n, n))
+    labels = {tuple(spectral_clustering(a, k).tolist()) for _ in range(30)}
+    assert len(labels) == 1
+    assert len(np.unique(next(iter(labels)))) <= k
+
+
 def test_spectral_edge_cases() -> None:
     a, _ = _block_affinity([2, 2], seed=1)
     assert spectral_clustering(a, 1).tolist() == [0, 0, 0, 0]
@@ -308,6 +357,66 @@ def test_knee_index() -> None:
     assert knee_index([1, 1, 1], [0.2, 0.5, 0.5]) == 1
     assert knee_index([0, 1, 2], [0.5, 0.6, 0.4]) == 1
     assert knee_index([0.5], [0.3]) == 0
+
+
+def _two_topics_and_a_straggler() -> np.ndarray:
+    """16 experts: a core topic 0-9 (pairs 10), expert 10 tied to each core expert by 1, a topic 11-15 (pairs 10).
+
+    Total pairwise affinity: 45 * 10 + 10 * 1 + 10 * 10 = 560. Spectral clustering into 2 gives {0..10} and
+    {11..15} (no affinity between them).
+    """
+    a = np.zeros((16, 16))
+    a[:10, :10] = 10.0
+    a[10, :10] = a[:10, 10] = 1.0
+    a[11:, 11:] = 10.0
+    np.fill_diagonal(a, 0.0)
+    return a
+
+
+# Alg. 2 on the affinity above, 2 groups (E = 8), cap 12, by r (delta = max(1, round(8 r))):
+#   r = 0, 0.1  (delta 1, sizes 7-9):  cluster {0..10} has 11 > 9: peel 10 (score 10), then 0 (score 90, ties:
+#               lowest id) to the other group -> sizes 9, 7; S = 1, U = (36 * 10 + 100 + A[0,10] = 1) / 560 = 461/560
+#   r = 0.2, 0.3 (delta 2, sizes 6-10): peel 10 only -> sizes 10, 6; S = 2, U = (450 + 100) / 560 = 550/560
+#   r >= 0.4    (delta >= 3, up to 11): nothing moves -> sizes 11, 5; S = 3, U = 1
+# Kneedle: chord from (1, 461/560) to (3, 1); at S = 2: (550 - 461) / (560 - 461) - 1/2 = 0.399 > 0, and 0 at
+# both ends -> the knee is the first r with S = 2: r = 0.2, interior on both axes.
+_KNEE_S = [1.0, 1.0, 2.0, 2.0] + [3.0] * 7
+_KNEE_U = [461 / 560] * 2 + [550 / 560] * 2 + [1.0] * 7
+
+
+def test_knee_index_interior_golden() -> None:
+    assert knee_index(_KNEE_S, _KNEE_U) == 2
+    a = _two_topics_and_a_straggler()
+    labels = spectral_clustering(a, 2)
+    assert labels.tolist() == [0] * 11 + [1] * 5
+    groups = [controlled_grouping(a, 2, r, cap=12, labels=labels) for r in RATIO_GRID]
+    assert [size_deviation(g, 2) for g in groups] == _KNEE_S
+    assert [utilization(a, g) for g in groups] == pytest.approx(_KNEE_U)
+
+
+def test_policy_uses_the_knee_golden() -> None:
+    # the case above as one layer on 1 node x 2 GPUs with 12 slots (cap 12 > 11: the cap does not bind): the
+    # policy must record r = 0.2 and group {0..9} | {10..15}. Always taking the largest r would give 11 / 5 and
+    # 1.0; always r = 0 would give 9 / 7 and 0.0.
+    plan = grace_plan(weight=np.ones((1, 16)), affinity=_two_topics_and_a_straggler()[None],
+                      cluster=Cluster(num_nodes=1, gpus_per_node=2), budget=Budget(slots_per_gpu=12),
+                      replication="none")
+    assert plan.params["chosen_ratio"] == [[0.2]]
+    assert set(plan.gpu_experts[0]) == {tuple(range(10)), tuple(range(10, 16))}
+
+
+def test_capped_sizes_record_no_ratio() -> None:
+    # the same case with 8 slots: every r gives sizes 8, 8 (S(r) = 0 throughout), so no knee exists and the
+    # plan records None rather than a misleading 0.0
+    plan = grace_plan(weight=np.ones((1, 16)), affinity=_two_topics_and_a_straggler()[None],
+                      cluster=Cluster(num_nodes=1, gpus_per_node=2), budget=Budget(slots_per_gpu=8),
+                      replication="none")
+    assert plan.params["chosen_ratio"] == [[None]]
+    assert plan.slots().tolist() == [[8, 8]]
+    fixed = grace_plan(weight=np.ones((1, 16)), affinity=_two_topics_and_a_straggler()[None],
+                       cluster=Cluster(num_nodes=1, gpus_per_node=2), budget=Budget(slots_per_gpu=8),
+                       replication="none", ratio=0.5)
+    assert fixed.params["chosen_ratio"] == [[0.5]]  # a given ratio is recorded as given
 
 
 # ----- affinity -------------------------------------------------------------------------------------------
@@ -371,6 +480,7 @@ def test_hierarchical_grouping_cuts_less_affinity_than_uniform(olmoe: LoadMatrix
     for level in ("node", "gpu"):
         assert _node_cut(hier, a, cluster, level) < 0.9 * _node_cut(vanilla, a, cluster, level), level
     assert all(r is None or r in RATIO_GRID for row in hier.params["chosen_ratio"] for r in row)
+    assert any(r is not None for row in hier.params["chosen_ratio"] for r in row)
     assert np.all(np.sum(hier.params["node_experts"], axis=1) == 64)
 
 
@@ -495,6 +605,81 @@ def test_inputs_refused() -> None:
             make_plan("grace", counts_only, cluster, Budget(slots_per_gpu=5), **{"grouping": "uniform", key: value})
     with pytest.raises(InputError, match="has no parameter 'r'"):
         make_plan("grace", counts_only, cluster, Budget(slots_per_gpu=5), r=0.3)
+
+
+def _one_line(info: pytest.ExceptionInfo[InputError]) -> None:
+    assert "\n" not in str(info.value)
+
+
+def test_grace_plan_refuses_bad_weight_and_affinity(olmoe: LoadMatrix) -> None:
+    cluster = Cluster(num_nodes=1, gpus_per_node=2)
+    budget = Budget(slots_per_gpu=5)
+    w = np.ones((1, 8))
+    a = np.ones((1, 8, 8))
+    cases: list[tuple[object, object, str]] = [
+        (np.full((1, 8), np.nan), a, r"weight has 8 NaN, infinite or negative entries .* give finite counts >= 0"),
+        (-w, a, r"weight has 8 NaN, infinite or negative entries \(the first, -1.0, at \[0, 0\]\)"),
+        (np.ones(8), a, r"weight has shape \[8\]; give the planning load \[L, E\]"),
+        (w, np.full((1, 8, 8), np.inf), r"affinity has 64 NaN, infinite or negative entries"),
+        (w, -a, "affinity has 64 NaN, infinite or negative entries"),
+        (w, np.ones((8, 8)), r"affinity has shape \[8, 8\]; give co-activation counts \[L, E, E\] = \[1, 8, 8\]"),
+        (w, np.ones((1, 8, 7)), r"needs an affinity \[L, E, E\] = \[1, 8, 8\] to match weight"),
+        ("x", a, "weight .str. is not a numeric array"),
+    ]
+    for weight, aff, match in cases:
+        with pytest.raises(InputError, match=match) as info:
+            grace_plan(weight=weight, affinity=aff, cluster=cluster, budget=budget)  # type: ignore[arg-type]
+        _one_line(info)
+    with pytest.raises(InputError, match="weight has"):  # Vanilla checks the weight too
+        grace_plan(weight=-w, affinity=None, cluster=cluster, budget=budget, grouping="uniform")
+    with pytest.raises(InputError, match=r"group_load has 1 NaN"):
+        replica_count(np.array([1.0, np.nan]))
+
+
+def test_grouping_functions_refuse_bad_input() -> None:
+    a = _sym(4, {(0, 1): 1.0, (2, 3): 1.0})
+    nan = a.copy()
+    nan[0, 1] = np.nan
+    neg = a.copy()
+    neg[2, 3] = -1.0
+    calls = [
+        (lambda: spectral_clustering(nan, 2), r"affinity has 1 NaN or infinite entries \(the first, nan, at \[0, 1\]\)"),
+        (lambda: spectral_clustering(neg, 2), r"affinity has 1 negative entries \(the first, -1.0, at \[2, 3\]\)"),
+        (lambda: spectral_clustering(np.ones((3, 4)), 2), r"affinity has shape \[3, 4\]; give a square \[n, n\]"),
+        (lambda: spectral_clustering(a, 0), r"num_clusters \(0\) must be an integer >= 1"),
+        (lambda: spectral_clustering(a, 2, seed=-1), r"seed \(-1\) must be a non-negative integer"),
+        (lambda: controlled_grouping(a, 2, 0.5, cap=1), r"cap \(1\) must be an integer of at least ceil\(4 experts / 2 groups\) = 2"),
+        (lambda: controlled_grouping(a, 2, 0.5, cap=2.5), r"cap \(2.5\) must be an integer"),  # type: ignore[arg-type]
+        (lambda: controlled_grouping(a, 2, 0.5, cap=True), r"cap \(True\)"),
+        (lambda: controlled_grouping(a, 2, -0.5), r"ratio \(-0.5\) must be a finite non-negative number"),
+        (lambda: controlled_grouping(a, 2, float("nan")), r"ratio \(nan\)"),
+        (lambda: controlled_grouping(a, 0, 0.5), r"num_groups \(0\) must be an integer >= 1"),
+        (lambda: controlled_grouping(inf_a(a), 2, 0.5), "NaN or infinite"),
+        (lambda: alg2_bounds(8, 0, 0.3), r"num_groups \(0\) must be an integer >= 1"),
+        (lambda: refine_groups(a, np.array([0, 0, 1]), 2, 1, 3), r"labels has shape \[3\] .* \(shape \[4\]\)"),
+        (lambda: refine_groups(a, np.array([0, 0, 1, 2]), 2, 1, 3), r"labels holds ids from 0 to 2; ids must lie in \[0, 2\)"),
+        (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, 3, 3), r"4 experts cannot form 2 groups of num_min \[3, 3\]"),
+        (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, 3, 2), r"num_min \[3, 3\] exceeds num_max \[2, 2\]"),
+        (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, -1, 4), r"num_min \(-1\) must be a non-negative integer"),
+        (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, 1, [3, 3, 3]), r"num_max .* one per group \(2 of them\)"),  # type: ignore[arg-type]
+        (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, 1, 3, "best"), r"assign \('best'\) must be one of"),  # type: ignore[arg-type]
+        (lambda: utilization(a, np.array([0, 1])), r"groups has shape \[2\]"),
+        (lambda: cut_affinity(nan, np.array([0, 0, 1, 1])), "NaN or infinite"),
+        (lambda: size_deviation(np.array([0, 2]), 2), r"groups holds ids from 0 to 2"),
+        (lambda: knee_index([0, 1], [0.5]), r"S has shape \[2\] and U \[1\]"),
+        (lambda: knee_index([], []), "at least one"),
+        (lambda: knee_index([0, np.nan], [0, 1]), "must be finite"),
+    ]
+    for call, match in calls:
+        with pytest.raises(InputError, match=match) as info:
+            call()
+        _one_line(info)
+
+
+def inf_a(a: np.ndarray) -> np.ndarray:
+    out = a.copy()
+    out[1, 0] = np.inf
+    return out
 
 
 def test_budgets_refused() -> None:

@@ -11,7 +11,7 @@ from moebalance.cluster import Cluster
 from moebalance.errors import InputError
 from moebalance.plan import Placement
 from moebalance.routers import ROUTERS
-from moebalance.routers.grace import replica_weights
+from moebalance.routers.grace import replica_weights, weighted_index
 from moebalance.simulate import gpu_loads
 from moebalance.trace import RoutingTrace
 
@@ -108,6 +108,34 @@ def test_locality_draws_by_weight_within_the_node_tier() -> None:
     tr = RoutingTrace(np.zeros((T, 1, 1), int), src, np.zeros(T, int), num_experts=2)
     dest = ROUTERS["locality"].assign_tokens(plan, tr, np.random.default_rng(0))[:, 0, 0]
     assert np.all(dest[src == 0] == 1) and np.all(dest[src == 2] == 2) and np.all(dest[src == 3] == 3)
+
+
+def test_locality_weighs_several_replicas_in_the_node_tier() -> None:
+    # 2 nodes x 3 GPUs; expert 0 on GPUs 1 and 2 (node 0, weights 3 : 1) and on GPU 4 (node 1, weight 4).
+    # Tokens on GPU 0 hold no replica; node 0 has two: they split 3 : 1 = 0.75 / 0.25, never to GPU 4.
+    # (Equal weights within the tier would give 0.5 / 0.5; drawing by all weights would send half to GPU 4.)
+    plan = Placement([[[1], [0], [0], [1], [0], [1]]], 2, Cluster(num_nodes=2, gpus_per_node=3),
+                     weights=[[[1.0], [3.0], [1.0], [1.0], [4.0], [1.0]]])
+    T = 20000
+    tr = RoutingTrace(np.zeros((T, 1, 1), int), np.zeros(T, int), np.zeros(T, int), num_experts=2)
+    dest = ROUTERS["locality"].assign_tokens(plan, tr, np.random.default_rng(2)).ravel()
+    share = np.bincount(dest, minlength=6) / T
+    assert share[1:3] == pytest.approx([0.75, 0.25], abs=0.01) and share[4] == 0 and share[[0, 3, 5]].sum() == 0
+
+
+def test_weighted_index_inverts_the_cumulative_weights() -> None:
+    # weights 1 : 3 : 0 -> cumulative 1, 4, 4: u * 4 in [0, 1) -> 0, in [1, 4) -> 1; column 2 (weight 0) never
+    w = np.array([[1.0, 3.0, 0.0]] * 5)
+    u = np.array([0.0, 0.2, 0.25, 0.5, 0.999])
+    assert weighted_index(w, u).tolist() == [0, 0, 1, 1, 1]
+    # u * total rounding up to the total (u = 1.0 stands for the 2^-53 case) lands on the last column of
+    # positive weight, not on padding or outside the tier: [1, 1, 0] -> 1, [0, 3, 1, 0, 0] -> 2, [0, 0, 2] -> 2
+    assert weighted_index(np.array([[1.0, 1.0, 0.0]]), np.array([1.0])).tolist() == [1]
+    assert weighted_index(np.array([[0.0, 3.0, 1.0, 0.0, 0.0]]), np.array([1.0])).tolist() == [2]
+    assert weighted_index(np.array([[0.0, 0.0, 2.0]]), np.array([1.0])).tolist() == [2]
+    # leading zero weights are skipped at u = 0; batch shapes [..., R] work
+    assert weighted_index(np.array([[0.0, 0.0, 2.0, 1.0]]), np.array([0.0])).tolist() == [2]
+    assert weighted_index(np.ones((2, 3, 4)), np.full((2, 3), 0.6)).tolist() == [[2, 2, 2]] * 2
 
 
 def test_locality_remote_tier_uses_all_weights() -> None:

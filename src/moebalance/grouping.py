@@ -8,7 +8,8 @@ Figure 2a); the diagonal (an expert's own load) is no affinity and is set to 0 e
 
 - :func:`affinity` and :func:`mixed_affinity` (Section 5.4's joint sampling over datasets);
 - :func:`spectral_clustering` -- "fully non-uniform" groups with sizes set by affinity alone (Section 4.1):
-  scikit-learn's ``SpectralClustering`` method (normalised-Laplacian embedding, k-means) in numpy, seeded;
+  scikit-learn's method (normalised-Laplacian embedding by SciPy's ``eigh``, scikit-learn's ``KMeans``),
+  seeded and deterministic;
 - :func:`refine_groups` -- Alg. 2 steps 6-21 on given initial clusters, with per-group size bounds;
 - :func:`alg2_bounds` and :func:`controlled_grouping` -- Alg. 2 whole (``r`` -> bounds -> clusters -> refine);
 - :func:`utilization`, :func:`size_deviation` and :func:`knee_index` -- Eq. 1's ``U(r)``, ``S(r)`` and the knee
@@ -16,16 +17,25 @@ Figure 2a); the diagonal (an expert's own load) is no affinity and is set to 0 e
 
 Readings where the paper is ambiguous (written down as the guide asks):
 
-- **Spectral clustering.** Alg. 2 line 5 calls ``SpectralClustering(A, D)`` (scikit-learn's name, affinity
-  precomputed). We implement scikit-learn's method in numpy, with no new dependency: the embedding is
-  ``D^-1/2 x`` for the ``D`` leading eigenvectors ``x`` of ``D^-1/2 A D^-1/2`` (``spectral_embedding`` with
-  the normalised Laplacian, first vector kept), then k-means (k-means++ seeding, 10 restarts, the best
-  inertia kept). We do not normalise rows to unit length (Ng, Jordan and Weiss): when a layer has more
-  co-activation clusters than groups, a cluster that the leading eigenvectors miss embeds near the origin,
-  and row normalisation would blow that noise up and scatter the cluster over all groups; unnormalised, it
-  stays together. A layer without any co-activation (top-1 routing, no tokens) has no affinity to cluster
-  by: its experts are split in id order. A vanishing ``1e-9 * max(A)`` is added between all pairs so that an
-  expert no token shares with any other still has a defined embedding.
+- **Spectral clustering.** Alg. 2 line 5 calls ``SpectralClustering(A, D)``, scikit-learn's name for
+  ``affinity="precomputed"``. We follow scikit-learn's method with its default ``assign_labels="kmeans"``:
+  the embedding is ``D^-1/2 x`` for the ``D`` leading eigenvectors ``x`` of the normalised affinity
+  ``D^-1/2 A D^-1/2`` (``spectral_embedding`` with the normalised Laplacian, first vector kept, rows not
+  normalised), then scikit-learn's ``KMeans`` (k-means++, 10 restarts, the best inertia kept), seeded. Two
+  departures, both measured: (1) the eigenvectors come from SciPy's dense ``eigh`` (LAPACK ``evr``, the top
+  ``D`` only) rather than ``SpectralClustering``'s ARPACK, which is not deterministic when the affinity has
+  few distinct eigenvalues (it restarts from its own saved random state when the Krylov space closes): with
+  one seed it split a uniform 3 x 3 affinity two ways over 200 calls, and a uniform 128 x 128 one into 16
+  clusters warned "ARPACK has failed" and changed labels between calls; its LOBPCG solver raised
+  convergence warnings on small layers. (2) Labels by k-means, not ``cluster_qr``: ``cluster_qr`` is faster
+  (a 0.5 s instead of 1.4 s plan for the Qwen3-like 2 x 8 case) but cut 0.37-0.41 of the bundled traces'
+  affinity between nodes against k-means' 0.29-0.32, much as row-normalised k-means (Ng, Jordan and Weiss)
+  did (0.36-0.40): when a layer has more co-activation clusters than groups, a cluster that the leading
+  eigenvectors miss embeds near the origin, where row normalisation blows the noise up and scatters it over
+  all groups; unnormalised k-means keeps it together. A layer without any co-activation (top-1 routing, no
+  tokens) has no affinity to cluster by: its experts are split in id order. A vanishing ``1e-9 * max(A)`` is
+  added between all pairs so that the graph is connected and an expert no token shares with any other
+  still has a defined embedding.
 - **Alg. 2 line 8**, "keep top-``num_max`` by ``sum_{j in C_d} A_ij``; push rest to ``Omega``": we *peel*,
   dropping one expert at a time, each time the one with the smallest affinity to the members still kept
   (ties: lowest id), rather than ranking once against the whole of ``C_d``. Both keep the most attached
@@ -58,6 +68,8 @@ Readings where the paper is ambiguous (written down as the guide asks):
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -89,24 +101,21 @@ Assign = Literal["gain", "printed"]
 #: (sizes from 1 to twice the ideal, close to fully non-uniform).
 RATIO_GRID: tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(11))
 
-# k-means restarts (scikit-learn's default n_init for spectral clustering) and iteration cap.
-_N_INIT = 10
-_MAX_ITER = 100
-
 
 def blas_single_thread() -> contextlib.AbstractContextManager[Any]:
-    """A context in which BLAS/LAPACK use one thread (``threadpoolctl``; a no-op where it is not installed).
+    """A context in which BLAS/LAPACK and OpenMP use one thread (``threadpoolctl``; a no-op where it is missing).
 
-    GRACE makes hundreds of small ``eigh`` calls (matrices of 16 to 256 experts). Multi-threaded OpenBLAS
-    spends far more time synchronising its threads than computing on such sizes, and far more still when
-    the cores are shared (``pytest -n 2``, a benchmark alongside): on 2 busy cores a 128 x 128 ``eigh`` took
-    15 ms with two threads and 1.3 ms with one.
+    GRACE makes hundreds of small ``eigh`` and k-means calls (matrices of 16 to 256 experts). Multi-threaded
+    OpenBLAS spends far more time synchronising its threads than computing on such sizes, and far more still
+    when the cores are shared (``pytest -n 2``, a benchmark alongside): on 2 busy cores a 128 x 128 ``eigh``
+    took 15 ms with two threads and 1.3 ms with one, and scikit-learn's k-means (OpenMP) up to 240 ms a call.
+    Only libraries loaded when the context is entered are limited (see ``_import_spectral``).
     """
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - threadpoolctl is a dependency; planning is only slower without it
         return contextlib.nullcontext()
-    return threadpool_limits(limits=1, user_api="blas")
+    return threadpool_limits(limits=1)
 
 
 # ----- affinity ------------------------------------------------------------------------------------------------
@@ -181,46 +190,70 @@ def mixed_affinity(traces: Sequence[RoutingTrace | LoadMatrix], weights: Sequenc
 
 # ----- spectral clustering ---------------------------------------------------------------------------------------
 
-def _symmetric_offdiag(a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a, dtype=np.float64)
-    assert a.ndim == 2 and a.shape[0] == a.shape[1], a.shape
+def _check_affinity(affinity: object, name: str = "affinity") -> np.ndarray:
+    """``float64 [n, n]``: a user's affinity, symmetrised with a zero diagonal; refuses what is no affinity."""
+    try:
+        a = np.asarray(affinity, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError(f"{name} ({type(affinity).__name__}) is not a numeric array; give a square [n, n] "
+                         f"matrix of co-activation counts") from None
+    if a.ndim != 2 or a.shape[0] != a.shape[1]:
+        raise InputError(f"{name} has shape {list(a.shape)}; give a square [n, n] matrix (one layer's "
+                         f"co-activation counts)")
+    _check_values(a, name)
     a = (a + a.T) / 2
     np.fill_diagonal(a, 0.0)
     return a
 
 
-def _kmeans(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Labels ``int64 [n]`` of the best of ``_N_INIT`` k-means runs (k-means++ seeding), all run at once."""
-    n = x.shape[0]
-    R = _N_INIT
-    sq = (x * x).sum(axis=1)
+def _check_values(a: np.ndarray, name: str) -> None:
+    """Refuse NaN, infinite or negative entries of a count-like array ``a`` (named ``name`` in the error)."""
+    bad = ~np.isfinite(a)
+    if bad.any():
+        where = [int(i) for i in np.argwhere(bad)[0]]
+        raise InputError(f"{name} has {int(bad.sum())} NaN or infinite entries (the first, {a[tuple(where)]}, "
+                         f"at {where}); give finite counts")
+    if (a < 0).any():
+        where = [int(i) for i in np.argwhere(a < 0)[0]]
+        raise InputError(f"{name} has {int((a < 0).sum())} negative entries (the first, {a[tuple(where)]}, "
+                         f"at {where}); counts must be >= 0")
 
-    def dist(c: np.ndarray) -> np.ndarray:  # [R, n, k'] squared distances to centres c [R, k', dim]
-        return np.maximum(sq[None, :, None] - 2 * np.einsum("nd,rkd->rnk", x, c) + (c * c).sum(axis=2)[:, None, :], 0)
 
-    centres = np.empty((R, k, x.shape[1]))
-    centres[:, 0] = x[rng.integers(n, size=R)]
-    d2 = dist(centres[:, :1])[:, :, 0]
-    for c in range(1, k):
-        total = d2.sum(axis=1, keepdims=True)
-        p = np.where(total > 0, d2 / np.where(total > 0, total, 1), 1.0 / n)
-        pick = (p.cumsum(axis=1) < rng.random((R, 1))).sum(axis=1).clip(0, n - 1)
-        centres[:, c] = x[pick]
-        d2 = np.minimum(d2, dist(centres[:, c:c + 1])[:, :, 0])
-    labels = np.zeros((R, n), dtype=np.int64)
-    for _ in range(_MAX_ITER):
-        labels = np.argmin(dist(centres), axis=2)
-        onehot = labels[:, :, None] == np.arange(k)[None, None, :]
-        size = onehot.sum(axis=1)
-        new = np.einsum("rnk,nd->rkd", onehot.astype(np.float64), x)
-        new = np.where(size[:, :, None] > 0, new / np.maximum(size, 1)[:, :, None], centres)  # empty: keep
-        if np.allclose(new, centres, rtol=0, atol=1e-12):
-            break
-        centres = new
-    d = dist(centres)
-    labels = np.argmin(d, axis=2)
-    inertia = np.take_along_axis(d, labels[:, :, None], axis=2).sum(axis=(1, 2))
-    return labels[int(np.argmin(inertia))]
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise InputError(f"{name} ({value!r}) must be an integer >= {minimum}")
+    return int(value)
+
+
+def _check_groups(groups: object, n: int | None, num_groups: int | None, name: str = "groups") -> np.ndarray:
+    """``int64 [n]``: one group id in ``[0, num_groups)`` per expert (any ``n`` / no upper bound when None)."""
+    g = np.asarray(groups)
+    size = g.size if n is None else n
+    if g.shape != (size,) or (size > 0 and not np.issubdtype(g.dtype, np.integer)):
+        raise InputError(f"{name} has shape {list(g.shape)} and dtype {g.dtype}; give one integer group id per "
+                         f"expert (shape [{size}])")
+    g = g.astype(np.int64)
+    if size > 0 and (g.min() < 0 or (num_groups is not None and g.max() >= num_groups)):
+        raise InputError(f"{name} holds ids from {int(g.min())} to {int(g.max())}; ids must lie in "
+                         f"[0, {'any' if num_groups is None else num_groups})")
+    return g
+
+
+def _check_bound(name: str, value: object, num_groups: int) -> np.ndarray:
+    """``int64 [D]``: a group-size bound given as one integer or one per group."""
+    v = np.asarray(value)
+    if v.ndim > 1 or (v.ndim == 1 and v.size != num_groups) or v.dtype == bool \
+            or not np.issubdtype(v.dtype, np.integer) or np.any(v < 0):
+        raise InputError(f"{name} ({value!r}) must be a non-negative integer or one per group "
+                         f"({num_groups} of them)")
+    return np.broadcast_to(v.astype(np.int64), (num_groups,))
+
+
+def _check_ratio(ratio: object) -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float | np.integer | np.floating) \
+            or not math.isfinite(ratio) or ratio < 0:
+        raise InputError(f"ratio ({ratio!r}) must be a finite non-negative number (GRACE's r, e.g. 0.3)")
+    return float(ratio)
 
 
 def _canonical(labels: np.ndarray, k: int) -> np.ndarray:
@@ -232,19 +265,50 @@ def _canonical(labels: np.ndarray, k: int) -> np.ndarray:
     return rank[labels]
 
 
+def _random_state(seed: object) -> int:
+    """scikit-learn's ``random_state`` (a 32-bit integer) derived from a seed or a tuple of seeds."""
+    try:
+        return int(np.random.SeedSequence(seed).generate_state(1)[0])  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InputError(f"seed ({seed!r}) must be a non-negative integer or a sequence of them") from None
+
+
 def spectral_clustering(affinity: np.ndarray, num_clusters: int, seed: int | Sequence[int] = 0) -> np.ndarray:
     """``int64 [n]``: cluster of each expert, ``num_clusters`` clusters with sizes set by affinity alone.
 
-    ``affinity [n, n]`` is symmetrised and its diagonal ignored. Clusters are numbered in order of their
-    smallest expert id; a cluster may come out empty (k-means), which Alg. 2 then fills. ``seed`` seeds the
-    k-means restarts (``numpy.random.default_rng(seed)``), so the result is deterministic.
+    ``affinity [n, n]`` (finite, non-negative) is symmetrised and its diagonal ignored. scikit-learn's method
+    (see the module docstring): the embedding ``D^-1/2 x`` of the leading eigenvectors ``x`` of
+    ``D^-1/2 A D^-1/2``, by SciPy's dense ``eigh``, then scikit-learn's ``KMeans`` (10 restarts), with BLAS and
+    OpenMP on one thread. ``seed`` (an integer or a tuple of them) seeds the restarts through
+    ``numpy.random.SeedSequence``; the result is deterministic. Clusters are numbered in order of their
+    smallest expert id, and one may come out empty, which Alg. 2 then fills. Fewer experts than clusters: one
+    expert per cluster; no affinity at all: id order.
 
     Example: a block-diagonal affinity with blocks ``{0, 2}`` and ``{1, 3}`` gives ``[0, 1, 0, 1]``.
     """
-    a = _symmetric_offdiag(affinity)
+    a = _check_affinity(affinity)
+    k = _check_count("num_clusters", num_clusters, 1)
+    random_state = _random_state(seed)
+    _import_spectral()  # before threads are limited, so that the limit reaches SciPy's BLAS and OpenMP too
+    with blas_single_thread():
+        return _spectral_labels(a, k, random_state)
+
+
+def _import_spectral() -> tuple[Any, Any]:
+    """``(scipy.linalg.eigh, sklearn.cluster.KMeans)``, imported on first use (``sklearn.cluster``: about 1 s).
+
+    ``blas_single_thread`` limits the libraries loaded when it is entered: a caller that clusters inside it
+    (the GRACE policy) calls this first, so that SciPy's BLAS and scikit-learn's OpenMP are loaded by then.
+    """
+    from scipy.linalg import eigh
+    from sklearn.cluster import KMeans
+
+    return eigh, KMeans
+
+
+def _spectral_labels(a: np.ndarray, k: int, random_state: int) -> np.ndarray:
+    """:func:`spectral_clustering` on a checked affinity (symmetric, zero diagonal), in the caller's thread limits."""
     n = a.shape[0]
-    k = int(num_clusters)
-    assert k >= 1
     if k >= n:
         return np.arange(n, dtype=np.int64)
     if k == 1:
@@ -252,14 +316,22 @@ def spectral_clustering(affinity: np.ndarray, num_clusters: int, seed: int | Seq
     top = a.max(initial=0.0)
     if top <= 0:  # no co-activation to cluster by: id order
         return (np.arange(n) * k) // n
-    a = a + 1e-9 * top * (1.0 - np.eye(n))
+    a = a / top + 1e-9 * (1.0 - np.eye(n))  # connected, and every expert has some affinity
+    eigh, kmeans = _import_spectral()
     inv = 1.0 / np.sqrt(a.sum(axis=1))
-    m = inv[:, None] * a * inv[None, :]
-    with blas_single_thread():
-        _, vecs = np.linalg.eigh(m)
-    u = vecs[:, -k:] * inv[:, None]  # scikit-learn's spectral_embedding: u = D^-1/2 x
-    u = u / np.abs(u).max()  # scale-free k-means tolerances
-    return _canonical(_kmeans(u, k, np.random.default_rng(seed)), k)
+    _, x = eigh(inv[:, None] * a * inv[None, :], subset_by_index=[n - k, n - 1], driver="evr")
+    u = x * inv[:, None]  # scikit-learn's spectral_embedding: u = D^-1/2 x, rows not normalised
+    with warnings.catch_warnings():  # fewer distinct points than clusters: an empty cluster, which Alg. 2 fills
+        warnings.filterwarnings("ignore", message="Number of distinct clusters")
+        labels = kmeans(n_clusters=k, n_init=10, random_state=random_state).fit(u).labels_
+    return _canonical(np.asarray(labels, dtype=np.int64), k)
+
+
+def _spectral_clustering_in_context(affinity: np.ndarray, num_clusters: int, seed: int | Sequence[int]) -> np.ndarray:
+    """:func:`spectral_clustering` for a caller already in ``blas_single_thread``, entered after
+    :func:`_import_spectral` (entering the context costs about 2 ms, half a 128-expert clustering)."""
+    return _spectral_labels(_check_affinity(affinity), _check_count("num_clusters", num_clusters, 1),
+                            _random_state(seed))
 
 
 # ----- Alg. 2 ------------------------------------------------------------------------------------------------
@@ -270,8 +342,9 @@ def alg2_bounds(num_experts: int, num_groups: int, ratio: float) -> tuple[int, i
     ``E = floor(n / D)``, ``delta = max(1, round(E * r))``, ``num_min = max(1, E - delta)`` (0 when ``n < D``),
     ``num_max = E + delta``. Example: 64 experts, 8 groups, ``r = 0.3``: ``(8, 2, 6, 10)``.
     """
-    e = num_experts // num_groups
-    delta = max(1, round(e * ratio))
+    n = _check_count("num_experts", num_experts, 0)
+    e = n // _check_count("num_groups", num_groups, 1)
+    delta = max(1, round(e * _check_ratio(ratio)))
     num_min = max(1, e - delta) if num_experts >= num_groups else 0
     return e, delta, num_min, e + delta
 
@@ -286,14 +359,20 @@ def refine_groups(affinity: np.ndarray, labels: np.ndarray, num_groups: int, num
 
     Example: see ``tests/test_grace.py::test_alg2_steps_6_to_21_hand_case``, derived line by line.
     """
-    a = _symmetric_offdiag(affinity)
+    a = _check_affinity(affinity)
     n = a.shape[0]
-    labels = np.asarray(labels, dtype=np.int64)
-    D = int(num_groups)
-    hi = np.broadcast_to(np.asarray(num_max, dtype=np.int64), (D,))
-    lo = np.broadcast_to(np.asarray(num_min, dtype=np.int64), (D,))
-    assert labels.shape == (n,) and (n == 0 or 0 <= labels.min() <= labels.max() < D)
-    assert lo.sum() <= n <= hi.sum() and np.all(lo <= hi), (lo.tolist(), hi.tolist(), n)
+    D = _check_count("num_groups", num_groups, 1)
+    labels = _check_groups(labels, n, D, "labels")
+    hi = _check_bound("num_max", num_max, D)
+    lo = _check_bound("num_min", num_min, D)
+    if np.any(lo > hi):
+        raise InputError(f"num_min {lo.tolist()} exceeds num_max {hi.tolist()} for some group; give "
+                         f"num_min <= num_max")
+    if not lo.sum() <= n <= hi.sum():
+        raise InputError(f"{n} experts cannot form {D} groups of num_min {lo.tolist()} to num_max {hi.tolist()}; "
+                         f"give bounds with sum(num_min) ({int(lo.sum())}) <= {n} <= sum(num_max) ({int(hi.sum())})")
+    if assign not in ("gain", "printed"):
+        raise InputError(f"assign ({assign!r}) must be one of: gain, printed")
     group = labels.copy()
     omega: list[int] = []
     for d in range(D):  # lines 6-12: trim clusters above num_max, keeping the most attached experts (peeling)
@@ -360,15 +439,18 @@ def controlled_grouping(affinity: np.ndarray, num_groups: int, ratio: float, see
                         assign: Assign = "gain") -> np.ndarray:
     """Alg. 2: ``int64 [n]`` group of each expert, sizes within ``[E - delta, E + delta]`` (:func:`alg2_bounds`).
 
-    ``cap`` lowers ``num_max`` to what memory allows (the policy's budget; it must be at least
+    ``cap`` lowers ``num_max`` to what memory allows (the policy's budget; an integer of at least
     ``ceil(n / D)``). ``labels`` skips line 5 with given initial clusters (the knee search clusters once and
     refines for every candidate ``r``).
     """
-    a = np.asarray(affinity, dtype=np.float64)
-    n, D = a.shape[0], int(num_groups)
+    a = _check_affinity(affinity)
+    n = a.shape[0]
+    D = _check_count("num_groups", num_groups, 1)
     _, _, lo, hi = alg2_bounds(n, D, ratio)
     if cap is not None:
-        assert cap * D >= n, (cap, D, n)
+        if isinstance(cap, bool) or not isinstance(cap, int | np.integer) or cap * D < n:
+            raise InputError(f"cap ({cap!r}) must be an integer of at least ceil({n} experts / {D} groups) = "
+                             f"{-(-n // D)}, or None for no memory cap")
         hi = min(hi, int(cap))
     if labels is None:
         labels = spectral_clustering(a, D, seed)
@@ -379,19 +461,20 @@ def controlled_grouping(affinity: np.ndarray, num_groups: int, ratio: float, see
 
 def utilization(affinity: np.ndarray, groups: np.ndarray) -> float:
     """Eq. 1's ``U``: the share of all pairwise affinity ``sum_{i<j} A_ij`` that lies within groups (0 if none)."""
-    a = _symmetric_offdiag(affinity)
+    a = _check_affinity(affinity)
+    g = _check_groups(groups, a.shape[0], None)
     total = a.sum()
     if total <= 0:
         return 0.0
-    g = np.asarray(groups)
     return float(a[g[:, None] == g[None, :]].sum() / total)
 
 
 def size_deviation(groups: np.ndarray, num_groups: int) -> float:
     """Eq. 1's ``S``: the root-mean-square deviation of group sizes from the ideal ``n / D`` (real-valued)."""
-    g = np.asarray(groups)
-    sizes = np.bincount(g, minlength=num_groups)
-    return float(np.sqrt(np.mean((sizes - g.size / num_groups) ** 2)))
+    D = _check_count("num_groups", num_groups, 1)
+    g = _check_groups(groups, None, D)
+    sizes = np.bincount(g, minlength=D)
+    return float(np.sqrt(np.mean((sizes - g.size / D) ** 2)))
 
 
 def knee_index(s: Sequence[float], u: Sequence[float]) -> int:
@@ -404,9 +487,16 @@ def knee_index(s: Sequence[float], u: Sequence[float]) -> int:
 
     Example: ``S = [0, 1, 2, 3]``, ``U = [0, .8, .9, 1]`` -> distances ``[0, .47, .23, 0]`` -> index 1.
     """
-    x = np.asarray(s, dtype=np.float64)
-    y = np.asarray(u, dtype=np.float64)
-    assert x.shape == y.shape and x.size >= 1
+    try:
+        x = np.asarray(s, dtype=np.float64)
+        y = np.asarray(u, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError("knee_index needs two equal-length sequences of numbers, S(r) and U(r)") from None
+    if x.ndim != 1 or x.shape != y.shape or x.size == 0:
+        raise InputError(f"S has shape {list(x.shape)} and U {list(y.shape)}; give one (S, U) pair per candidate "
+                         f"r, at least one")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise InputError(f"S {x.tolist()} and U {y.tolist()} must be finite")
     order = np.lexsort((np.arange(x.size), x))
     x0, y0 = x[order[0]], y[order[0]]
     x1, y1 = x[order[-1]], y[order[-1]]
@@ -418,6 +508,6 @@ def knee_index(s: Sequence[float], u: Sequence[float]) -> int:
 
 def cut_affinity(affinity: np.ndarray, groups: np.ndarray) -> float:
     """``sum_{i<j, g_i != g_j} A_ij``: the co-activation split across groups (tokens sent to two places)."""
-    a = _symmetric_offdiag(affinity)
-    g = np.asarray(groups)
+    a = _check_affinity(affinity)
+    g = _check_groups(groups, a.shape[0], None)
     return float(a[g[:, None] != g[None, :]].sum() / 2)

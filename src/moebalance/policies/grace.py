@@ -15,7 +15,8 @@ Per layer:
    ``(S(r), U(r))`` curve of Eq. 1 over :data:`~moebalance.grouping.RATIO_GRID` (``0, 0.1, ..., 1``).
    ``grouping="uniform"`` is the paper's Vanilla (average grouping): contiguous blocks of ``E / G`` experts,
    as the ``contiguous`` policy.
-3. **Replication** (Section 4.2, Eq. 2): ``rho = W_max / mean(W)``, ``n = min(max(1, floor(rho)), G - 1)``;
+3. **Replication** (Section 4.2, Eq. 2): ``rho = W_max / mean(W)`` (exact: ``G * W_max / sum(W)`` in rationals,
+   so that ``rho = 7`` is not floored to 6), ``n = min(max(1, floor(rho)), G - 1)``;
    in the heaviest group (ties: lowest GPU id) the hot experts are replicated onto the ``n`` GPUs with the
    lowest ``W_g`` (excluding the heaviest; ties: lowest id); originals stay. ``replication="fixed"`` is the
    FR baseline of Section 5.3 (RQ2): ``n = 1``, to the least-loaded GPU; ``"none"`` replicates nothing.
@@ -46,8 +47,10 @@ Readings where the paper is ambiguous (Alg. 2 and the knee: see :mod:`moebalance
   optional ``node_ratio`` (beyond the paper; default ``None`` = the paper's fully non-uniform) bounds node
   groups as Alg. 2 bounds GPU groups: ``E / N +- max(1, round(E / N * node_ratio))``. Inside a node, groups go to GPUs largest first, to the GPU with the fewest experts so
   far over earlier layers (ties: lowest id), which keeps per-GPU memory even across layers.
-- **Determinism.** The k-means restarts of layer ``l`` are seeded with ``(seed, l, 0)`` at the node level and
-  ``(seed, l, 1 + node)`` inside a node, so a plan depends only on its inputs.
+- **Determinism.** The k-means restarts of the spectral clustering of layer ``l`` (scikit-learn's ``KMeans``
+  on an embedding from SciPy's dense ``eigh``, see :mod:`moebalance.grouping`) are seeded with
+  ``(seed, l, 0)`` at the node level and ``(seed, l, 1 + node)`` inside a node, and run on one thread, so a
+  plan depends only on its inputs.
 
 Budgets (a budget is a maximum; GRACE uses what it needs within it and records what it could not do):
 
@@ -65,19 +68,29 @@ Budgets (a budget is a maximum; GRACE uses what it needs within it and records w
   fits on that many targets (the hot set is recomputed for the lower ``n``, as Eq. 2's threshold depends on
   it); ``params["replicas_wanted"]`` keeps Eq. 2's ``n`` and ``params["replicas"]`` the ``n`` used.
 
-Other facts recorded in ``params``: ``chosen_ratio [L][N]`` (``None`` where a node needed no GPU-level split),
-``node_experts [L][N]``, ``skew [L]``, ``hot_experts [L]`` (ids, hottest first), ``predicted_gpu_load [L][G]``.
+Other facts recorded in ``params``: ``chosen_ratio [L][N]``, the ``r`` of each node's GPU groups: the given
+``ratio``, else the knee's; ``None`` where no ``r`` was chosen, because the node needed no GPU-level split (one
+GPU per node, or no experts) or because every ``r`` of the grid gave the same group sizes (``S(r)`` constant,
+typically when the slot cap forces equal groups: ``M * S`` slots for ``M * S`` experts), so that no knee
+exists and recording ``0.0`` would claim a choice that was not made (the groups are then those of the
+largest ``U(r)``, ties to the smaller ``r``). Also ``node_experts [L][N]``, ``skew [L]`` (``rho`` of Eq. 2,
+rounded to 4 decimals), ``hot_experts [L]`` (ids, hottest first), ``predicted_gpu_load [L][G]``.
 
 Speed: a Qwen3-30B-A3B-like trace (48 layers x 128 experts, top-8, 32 batches x 512 tokens on 16 ranks, from
-``synthesize``) plans in 1.2-1.3 s for 2 nodes x 8 GPUs and 1.4 s for 4 nodes x 4 GPUs, either budget kind, on
-a 2-core machine with another process busy on one core (knee search included; the affinity takes 0.25 s of
-it); ``grouping="uniform"`` takes 0.02 s. BLAS is held to one thread while planning (see
-:func:`moebalance.grouping.blas_single_thread`): with two threads on those busy cores the same plans took 5-9 s.
+``synthesize``) plans in 1.4-1.5 s for 2 nodes x 8 GPUs and 1.7-1.9 s for 4 nodes x 4 GPUs, either budget kind
+(``slots_per_gpu=10`` or ``replicas_per_gpu=4``; median of 3), on a 2-core machine with other processes
+busy (load about 2.5; knee search included; the affinity takes 0.25 s of it); a DeepSeek-V3-like trace (58 x
+256, top-8, 16 x 512 tokens on 64 ranks) plans in 4.7-4.9 s on 8 nodes x 8 GPUs, 522 clusterings of 4-7 ms
+each, most of it scikit-learn's k-means++ seeding. ``grouping="uniform"`` takes 0.02 s. The first
+hierarchical plan in a process also imports scikit-learn's clustering (about 1.1 s). BLAS and OpenMP are
+held to one thread while planning (see :func:`moebalance.grouping.blas_single_thread`), entered once per
+plan (entering it costs about 2 ms; once per clustering made the 2 x 8 plan about 0.15 s slower).
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any, Literal
 
 import numpy as np
@@ -86,12 +99,13 @@ from moebalance.cluster import Cluster
 from moebalance.errors import BudgetError, InputError
 from moebalance.grouping import (
     RATIO_GRID,
+    _import_spectral,
+    _spectral_clustering_in_context,
     alg2_bounds,
     blas_single_thread,
     knee_index,
     refine_groups,
     size_deviation,
-    spectral_clustering,
     utilization,
 )
 from moebalance.grouping import affinity as trace_affinity
@@ -99,7 +113,7 @@ from moebalance.load import LoadMatrix
 from moebalance.plan import Placement
 from moebalance.policies.budget import Budget
 
-__all__ = ["grace", "grace_plan", "hot_experts", "predict_loads", "replica_count", "replica_shares"]
+__all__ = ["grace", "grace_plan", "hot_experts", "predict_loads", "replica_count", "replica_shares", "skew_ratio"]
 
 Grouping = Literal["hierarchical", "uniform"]
 Replication = Literal["dynamic", "fixed", "none"]
@@ -107,16 +121,46 @@ Replication = Literal["dynamic", "fixed", "none"]
 
 # ----- Section 4.2 and Eq. 2-3 ------------------------------------------------------------------------------
 
+def _check_load(name: str, value: object, ndim: int, shape_text: str) -> np.ndarray:
+    """``float64``: a load-like array of ``ndim`` dimensions with finite, non-negative entries."""
+    try:
+        a = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError(f"{name} ({type(value).__name__}) is not a numeric array; give {shape_text}") from None
+    if a.ndim != ndim:
+        raise InputError(f"{name} has shape {list(a.shape)}; give {shape_text}")
+    bad = ~np.isfinite(a) | (a < 0)
+    if bad.any():
+        where = [int(i) for i in np.argwhere(bad)[0]]
+        raise InputError(f"{name} has {int(bad.sum())} NaN, infinite or negative entries (the first, "
+                         f"{a[tuple(where)]}, at {where}); give finite counts >= 0")
+    return a
+
+
+def skew_ratio(group_load: np.ndarray) -> Fraction:
+    """Eq. 2's ``rho = W_max / mean(W) = G * W_max / sum(W)``, exact (a ``Fraction``; 0 if there is no load).
+
+    Float division can land just below an integer (``9 / (18 / 14)`` is ``6.999999999999999``), which Eq. 2's
+    ``floor`` would then lower by one; loads are converted to fractions exactly, so ``rho`` is too.
+    Example: ``W = [9, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0]``: ``rho = 14 * 9 / 18 = 7``.
+    """
+    w = _check_load("group_load", group_load, 1, "one load per GPU, [G]")
+    total = sum((Fraction(float(v)) for v in w), Fraction(0))
+    if total <= 0:
+        return Fraction(0)
+    return Fraction(float(w.max())) * w.size / total
+
+
 def replica_count(group_load: np.ndarray) -> int:
     """Eq. 2: ``n = min(max(1, floor(W_max / mean(W))), G - 1)`` for the group loads ``W [G]`` (0 if all zero).
 
-    Example: ``W = [10, 2, 2, 2]``: ``rho = 10 / 4 = 2.5``, so ``n = 2``.
+    ``rho`` is computed exactly (:func:`skew_ratio`). Example: ``W = [10, 2, 2, 2]``: ``rho = 10 / 4 = 2.5``,
+    so ``n = 2``.
     """
-    w = np.asarray(group_load, dtype=np.float64)
-    mean = w.mean()
-    if mean <= 0:
+    rho = skew_ratio(group_load)
+    if rho <= 0:
         return 0
-    return int(min(max(1, math.floor(w.max() / mean)), w.size - 1))
+    return int(min(max(1, math.floor(rho)), np.size(group_load) - 1))
 
 
 def hot_experts(expert_load: np.ndarray, experts: np.ndarray, num_replicas: int) -> np.ndarray:
@@ -175,11 +219,14 @@ def _uniform_groups(num_experts: int, num_gpus: int) -> np.ndarray:
 
 def _gpu_groups(a: np.ndarray, num_groups: int, ratio: float | None, cap: int,
                 seed: tuple[int, ...]) -> tuple[np.ndarray, float | None]:
-    """Alg. 2 inside one node: ``(group of each expert, r used)``, ``r`` at the knee when ``ratio`` is None."""
+    """Alg. 2 inside one node: ``(group of each expert, r used)``, ``r`` at the knee when ``ratio`` is None.
+
+    ``r`` is None where none was chosen: one group, no experts, or ``S(r)`` equal for every ``r`` of the grid.
+    """
     n = a.shape[0]
     if num_groups == 1 or n == 0:
         return np.zeros(n, dtype=np.int64), None
-    labels = spectral_clustering(a, num_groups, seed)
+    labels = _spectral_clustering_in_context(a, num_groups, seed)
     rs = (ratio,) if ratio is not None else RATIO_GRID
     cache: dict[tuple[int, int], np.ndarray] = {}
     found: list[np.ndarray] = []
@@ -194,6 +241,8 @@ def _gpu_groups(a: np.ndarray, num_groups: int, ratio: float | None, cap: int,
     s = [size_deviation(g, num_groups) for g in found]
     u = [utilization(a, g) for g in found]
     k = knee_index(s, u)
+    if max(s) == min(s):  # every r gave the same sizes (e.g. the cap forces them): no knee, no r chosen
+        return found[k], None
     return found[k], rs[k]
 
 
@@ -211,7 +260,7 @@ def _hierarchical_layer(a: np.ndarray, cluster: Cluster, cap: np.ndarray, used: 
     if N == 1:
         node = np.zeros(E, dtype=np.int64)
     else:
-        labels = spectral_clustering(a, N, (seed, layer, 0))
+        labels = _spectral_clustering_in_context(a, N, (seed, layer, 0))
         sizes = np.bincount(labels, minlength=N)
         node_of_cluster = np.empty(N, dtype=np.int64)
         node_of_cluster[np.lexsort((np.arange(N), -sizes))] = np.lexsort((np.arange(N), -node_cap))
@@ -261,6 +310,8 @@ def grace_plan(*, weight: np.ndarray, affinity: np.ndarray | None, cluster: Clus
     The policy :func:`grace` calls this with the load's own summed counts and co-activation; call it directly
     to plan with another affinity, e.g. :func:`moebalance.grouping.mixed_affinity` of several datasets.
     """
+    if grouping == "hierarchical":
+        _import_spectral()  # before BLAS is limited, so that the limit reaches SciPy's BLAS too
     with blas_single_thread():
         return _grace_plan(weight, affinity, cluster, budget, grouping, replication, ratio, node_ratio, seed)
 
@@ -274,7 +325,7 @@ def _grace_plan(weight: np.ndarray, affinity: np.ndarray | None, cluster: Cluste
     r_node = _check_ratio("node_ratio", node_ratio, "fully non-uniform node groups")
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
         raise InputError(f"seed ({seed!r}) must be a non-negative integer")
-    w = np.asarray(weight, dtype=np.float64)
+    w = _check_load("weight", weight, 2, "the planning load [L, E] (tokens per layer and expert)")
     L, E = w.shape
     G = cluster.num_gpus
     q = budget.placement_slots(E, G)  # refuses slots_per_gpu < ceil(E / G)
@@ -288,10 +339,13 @@ def _grace_plan(weight: np.ndarray, affinity: np.ndarray | None, cluster: Cluste
         raise BudgetError("replicas_per_gpu (0) leaves no memory for GRACE's replicas; give at least 1, "
                           "or replication='none'")
     if grouping == "hierarchical":
-        if affinity is None or np.shape(affinity) != (L, E, E):
-            raise InputError(f"hierarchical grouping needs an affinity [L, E, E] = {[L, E, E]}, "
-                             f"got {None if affinity is None else list(np.shape(affinity))}")
-        aff = np.asarray(affinity, dtype=np.float64)
+        if affinity is None:
+            raise InputError(f"hierarchical grouping needs an affinity [L, E, E] = {[L, E, E]}, got None "
+                             f"(use grouping='uniform' to plan without one)")
+        aff = _check_load("affinity", affinity, 3, f"co-activation counts [L, E, E] = {[L, E, E]}")
+        if aff.shape != (L, E, E):
+            raise InputError(f"hierarchical grouping needs an affinity [L, E, E] = {[L, E, E]} to match weight "
+                             f"[L, E] = {[L, E]}, got {list(aff.shape)}")
     memory = L * q + R  # replicas_per_gpu: experts per GPU over all layers
 
     # --- grouping (Section 4.1): the GPU of each expert, layer by layer
@@ -315,14 +369,13 @@ def _grace_plan(weight: np.ndarray, affinity: np.ndarray | None, cluster: Cluste
 
     # --- replication (Section 4.2, Eq. 2) and load prediction (Eq. 3)
     predicted = group_load.copy()
-    mean = group_load.mean(axis=1)
-    skew = np.divide(group_load.max(axis=1), mean, out=np.zeros(L), where=mean > 0)
+    skew = [skew_ratio(row) for row in group_load]  # exact, as Eq. 2's floor needs
     wanted = np.zeros(L, dtype=np.int64)
     got = np.zeros(L, dtype=np.int64)
     hot: list[list[int]] = [[] for _ in range(L)]
     targets_of: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * L
     extra_left = R * G
-    layers = list(range(L)) if S is not None else np.lexsort((np.arange(L), -skew)).tolist()
+    layers = list(range(L)) if S is not None else sorted(range(L), key=lambda i: (-skew[i], i))
     for layer in layers:
         W = group_load[layer]
         if not replicate or W.sum() <= 0:

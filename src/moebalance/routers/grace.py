@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from moebalance.plan import Placement
     from moebalance.trace import RoutingTrace
 
-__all__ = ["LOCALITY", "WRR", "replica_weights"]
+__all__ = ["LOCALITY", "WRR", "replica_weights", "weighted_index"]
 
 
 def replica_weights(plan: Placement) -> np.ndarray:
@@ -56,11 +56,27 @@ def replica_weights(plan: Placement) -> np.ndarray:
     return w / w.sum(axis=2, keepdims=True)
 
 
+def weighted_index(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``int64 [...]``: the column of ``weights [..., R]`` (rows with a positive sum) picked by ``u [...]`` in [0, 1].
+
+    The inverse of the cumulative weights: column ``j`` is picked for ``u * total`` in
+    ``[cum_{j-1}, cum_j)``, so with ``u`` uniform it is drawn with probability ``w_j / total``; a zero-weight
+    column is never picked. ``u * total`` can round up to ``total`` (``u`` just below 1, probability about
+    ``2^-53``), which no interval holds: that goes to the last column of positive weight, not to the last column,
+    which may be padding or outside the locality tier. Example: ``weights [1, 3, 0]``: ``u = 0.2`` -> 0,
+    ``u = 0.5`` -> 1, ``u = 1.0`` -> 1.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    R = w.shape[-1]
+    cum = np.cumsum(w, axis=-1)
+    picked = (cum <= np.asarray(u, dtype=np.float64)[..., None] * cum[..., -1:]).sum(axis=-1)
+    last_positive = R - 1 - np.argmax((w > 0)[..., ::-1], axis=-1)
+    return np.minimum(picked, last_positive)
+
+
 def _weighted_choice(weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Index along the last axis drawn with probability proportional to ``weights [..., R]`` (rows > 0)."""
-    cum = np.cumsum(weights, axis=-1)
-    u = rng.random(weights.shape[:-1])[..., None] * cum[..., -1:]
-    return np.minimum((cum <= u).sum(axis=-1), weights.shape[-1] - 1)
+    return weighted_index(weights, rng.random(weights.shape[:-1]))
 
 
 def _wrr_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
