@@ -23,9 +23,9 @@ LINK_PRESETS: dict[str, float] = {
     # NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/
     "nvlink3": 300.0,
     # PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b -> about 63 GB/s per direction, rounded to 64
-    # (PCI-SIG, https://pcisig.com/pci-express-6.0-specification, table of per-generation bandwidths).
+    # (PCI-SIG PCI Express Base Specification 5.0: 32 GT/s per lane, 128b/130b encoding).
     "pcie5": 64.0,
-    # PCIe 4.0 x16: 16 GT/s x 16 lanes -> about 32 GB/s per direction (same PCI-SIG table). GRACE-MoE
+    # PCIe 4.0 x16: 16 GT/s x 16 lanes -> about 32 GB/s per direction (PCI Express Base Spec. 4.0). GRACE-MoE
     # Section 5.1 quotes 63 GB/s per direction for its RTX 4090 servers' PCIe 4.0 x16, which is the
     # PCIe 5.0 figure (or both directions); we keep the specification's number.
     "pcie4": 32.0,
@@ -35,7 +35,7 @@ LINK_PRESETS: dict[str, float] = {
     # (the cluster of CRAFT Section 3.1; https://aws.amazon.com/ec2/instance-types/p4/).
     "efa-p4d": 6.25,
     # RoCE / Ethernet, one 200 Gb/s NIC per GPU: 200 / 8 = 25 GB/s per direction
-    # (e.g. NVIDIA ConnectX-6 Dx 200GbE, https://www.nvidia.com/en-us/networking/ethernet/connectx-6-dx/).
+    # (200GbE, IEEE 802.3bs; e.g. NVIDIA ConnectX-6 Dx adapters).
     "eth200": 25.0,
     # 25 Gb Ethernet, one NIC per server (GRACE-MoE Section 5.1's cluster): 25 / 8 = 3.125 GB/s per
     # direction, to be divided among the GPUs of a node that share it (the time model has per-GPU links).
