@@ -450,13 +450,96 @@ def _demo_traffic(args: argparse.Namespace) -> None:
         "replicas; GRACE uses them for uneven affinity groups and a few replicas of hot experts.",
         "- GRACE co-locates experts that the same tokens pick, cutting inter-node copies at a cost in balance; "
         "its locality router keeps tokens on their own GPU or node when a replica is there.",
-        "- MoETuner balances each layer exactly (ILP 1) and puts experts that pass tokens to each other in "
-        "adjacent layers on the same GPU (ILP 2); its own traffic model is in docs/results/moetuner.md.",
+        "- MoETuner balances each layer's clusters of experts with an integer program (ILP 1, to the requested gap) "
+        "and puts experts that pass tokens to each other in adjacent layers on the same GPU (ILP 2); results in "
+        "its own traffic model are in docs/results/moetuner.md.",
         "- All-to-all time: dispatch + combine over the busiest link (450 GB/s NVLink, 50 GB/s per GPU across "
         "nodes), 2-byte activations of the model's hidden size.",
     ]
     ns.router = "per row"
     _emit_comparison(rows, plans, load, ns, notes)
+
+
+def _model_tokens(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+    """The tokens ``capture`` / ``run`` read: a text file, or a domain's held-out split; and what they are."""
+    from moebalance.model.data import domain_tokens, text_tokens
+
+    budget = None if args.tokens is None else args.offset + args.tokens
+    if args.text is not None:
+        tokens, what = text_tokens(args.text, budget), f"{Path(args.text).name} tokens"
+    else:
+        tokens, what = domain_tokens(args.domain, "heldout", budget), f"held-out {args.domain} tokens"
+    if budget is not None and tokens.size < budget:
+        raise InputError(f"--offset {args.offset} + --tokens {args.tokens} exceeds the {tokens.size} {what} "
+                         "available; give fewer")
+    if args.offset:
+        what += f" from token {args.offset}"
+    return tokens[args.offset:], what
+
+
+def cmd_capture(args: argparse.Namespace) -> None:
+    from moebalance.model.capture import capture, write_capture
+    from moebalance.model.moe_lm import load_checkpoint
+    from moebalance.stats import layer_skew
+
+    dest = _check_out(args.out, ".npz")
+    model = load_checkpoint(args.checkpoint)
+    tokens, what = _model_tokens(args)
+    seq_len = args.seq_len or model.config.max_seq_len
+    with _progress() as progress:
+        task = progress.add_task("capture", total=tokens.size // seq_len * seq_len)
+        cap = capture(model, tokens, num_gpus=args.gpus, batch_tokens=args.batch_tokens, seq_len=seq_len,
+                      hidden_states=args.hidden_states, progress=lambda n: progress.advance(task, n))
+    write_capture(dest, cap)
+    load = cap.load
+    ptm = layer_skew(load.counts).peak_to_mean
+    out.print(f"wrote {dest}: token-level trace of {cap.token_ids.size:,} {what} on {args.gpus} ranks, "
+              f"[B, L, E] = {list(load.counts.shape)}, top-{model.config.top_k}"
+              f"{', with hidden states' if args.hidden_states else ''}; peak/mean expert load per layer "
+              + " ".join(f"{v:.2f}" for v in ptm))
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from moebalance.model.capture import make_layout
+    from moebalance.model.moe_lm import load_checkpoint
+    from moebalance.model.run import LOGIT_TOLERANCE, check_plan, run_model
+
+    plan = read_plan(args.plan)
+    model = load_checkpoint(args.checkpoint)
+    check_plan(plan, model, args.world_size)
+    for w in plan.warnings:
+        err.print(f"warning: {w}")
+    tokens, what = _model_tokens(args)
+    seq_len = model.config.max_seq_len
+    layout = make_layout(tokens.size, seq_len=seq_len, batch_tokens=args.batch_tokens, num_gpus=args.world_size)
+    with _progress() as progress:
+        task = progress.add_task("dense reference", total=layout.num_batches)
+        report = run_model(args.checkpoint, plan, tokens, world_size=args.world_size, router=args.router,
+                           router_seed=args.seed, batch_tokens=args.batch_tokens,
+                           progress=lambda n: progress.advance(task, n))
+    if args.json:
+        sys.stdout.write(dumps(report.as_dict()))
+    else:
+        c = plan.cluster
+        table = Table(title=f"{args.plan}: {plan.policy} on {c.num_nodes}x{c.gpus_per_node} GPUs, {args.router} "
+                            f"router; {report.num_tokens:,} {what} in {report.num_batches} batches",
+                      title_justify="left")
+        for col in ("rank", "tokens", "picks computed", "simulator", "expert s", "intra-node MB", "inter-node MB"):
+            table.add_column(col, justify="right")
+        for r in report.ranks:
+            table.add_row(str(r.rank), f"{r.tokens:,}", f"{r.picks_computed:,}", f"{r.picks_predicted:,}",
+                          f"{r.expert_seconds:.3f}", f"{r.intra_node_bytes / 1e6:.2f}", f"{r.inter_node_bytes / 1e6:.2f}")
+        out.print(table)
+        out.print(f"logits vs the dense single-process model: max abs diff {report.max_abs_logit_diff:.2e} "
+                  f"({'agree' if report.logits_agree else 'DIFFER'}, tolerance {LOGIT_TOLERANCE:g}); "
+                  f"routing differs in {report.routing_mismatches} picks")
+        out.print(f"picks per rank, batch and layer == simulator ({args.router} router's assign_tokens on the "
+                  f"trace the run saw): {'yes' if report.counts_match else 'NO'}; runtime balancedness "
+                  f"{report.balancedness:.4f}; {report.seconds:.1f} s")
+    if not (report.counts_match and report.logits_agree):
+        sys.stderr.write("moebalance: run: the expert-parallel run disagrees with the dense reference or the "
+                         "simulator\n")
+        raise SystemExit(1)
 
 
 # ----- parser --------------------------------------------------------------------------------------------------
@@ -539,6 +622,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="compare every policy on bundled DeepSeek-V3-like data")
     p.add_argument("--out-dir", default="demo-out")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("capture", help="run the bundled MoE LM on text and write its token-level routing trace")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--domain", choices=("code", "prose"), help="the held-out split of a training domain")
+    src.add_argument("--text", help="a text file (read as bytes)")
+    p.add_argument("--tokens", type=_positive, required=True, help="tokens to capture (whole sequences)")
+    p.add_argument("--offset", type=_non_negative, default=0, help="skip this many tokens of the text first")
+    p.add_argument("--gpus", type=_positive, required=True, help="data-parallel ranks the sequences go to")
+    p.add_argument("--batch-tokens", type=_positive, required=True, help="tokens per batch (a multiple of seq len)")
+    p.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: the model's context)")
+    p.add_argument("--hidden-states", action="store_true", help="also store each MoE layer's input (float16)")
+    p.add_argument("--checkpoint", help="model .safetensors (default: the bundled one)")
+    p.add_argument("--out", required=True, help="output .npz")
+    p.set_defaults(func=cmd_capture)
+
+    p = sub.add_parser("run", help="run the MoE LM expert-parallel on local gloo ranks under a plan, and check it")
+    p.add_argument("--world-size", type=_positive, required=True, help="ranks, one per GPU of the plan")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--router", default="uniform", choices=sorted(ROUTERS))
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--domain", choices=("code", "prose"), help="the held-out split of a training domain")
+    src.add_argument("--text", help="a text file (read as bytes)")
+    p.add_argument("--tokens", type=_positive, default=4096, help="tokens to run (whole sequences)")
+    p.add_argument("--offset", type=_non_negative, default=0, help="skip this many tokens of the text first")
+    p.add_argument("--batch-tokens", type=_positive, default=2048, help="tokens per forward step")
+    p.add_argument("--seed", type=_non_negative, default=0, help="router seed")
+    p.add_argument("--checkpoint", help="model .safetensors (default: the bundled one)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_run)
     return parser
 
 

@@ -1,0 +1,60 @@
+"""A small byte-level MoE language model, trained offline, whose routing is real data for moebalance.
+
+Glossary (see also :mod:`moebalance` and :mod:`moebalance.runtime`)
+-------------------------------------------------------------------
+domain
+    A kind of text: ``code`` (the running Python's standard library source) or ``prose`` (the English
+    documentation shipped as ``pydoc_data/topics.py``). Both are present on every CPython, so nothing is
+    downloaded (:mod:`~moebalance.model.data`).
+held-out split
+    Every tenth 4,096-token chunk of a domain: text the model never trained on, used for evaluation, capture
+    and runs.
+MoE layer
+    Every transformer block's FFN: a softmax top-k gate (the runtime's :func:`~moebalance.runtime.topk_gating`)
+    over ``E`` SwiGLU experts stored as :class:`~moebalance.runtime.ExpertWeights`.
+capture
+    A token-level routing trace (DESIGN §2) recorded by running the model on text, sequences spread
+    round-robin over data-parallel ranks (:mod:`~moebalance.model.capture`).
+run
+    The model with every MoE layer executed by :class:`~moebalance.runtime.ExpertParallelMoE` on local gloo
+    ranks under a plan, checked against the dense single-process model and the simulator
+    (:mod:`~moebalance.model.run`).
+
+Modules: :mod:`~moebalance.model.moe_lm` (model, checkpoints), :mod:`~moebalance.model.data` (corpora),
+:mod:`~moebalance.model.train` (``python -m moebalance.model.train``), :mod:`~moebalance.model.capture`,
+:mod:`~moebalance.model.run`. The trained checkpoint ships as ``moebalance/data/moe_lm.safetensors`` with its
+record ``moe_lm.json``; ``docs/results/moe_lm.md`` reports its training and routing.
+"""
+
+from moebalance.model.capture import PRESET, Capture, Layout, capture, make_layout, write_capture
+from moebalance.model.data import DOMAINS, domain_tokens, text_tokens
+from moebalance.model.moe_lm import (
+    ForwardOutput,
+    ModelConfig,
+    MoELM,
+    bundled_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from moebalance.model.run import RankReport, RunReport, run_model
+
+__all__ = [
+    "DOMAINS",
+    "PRESET",
+    "Capture",
+    "ForwardOutput",
+    "Layout",
+    "MoELM",
+    "ModelConfig",
+    "RankReport",
+    "RunReport",
+    "bundled_checkpoint",
+    "capture",
+    "domain_tokens",
+    "load_checkpoint",
+    "make_layout",
+    "run_model",
+    "save_checkpoint",
+    "text_tokens",
+    "write_capture",
+]

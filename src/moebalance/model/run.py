@@ -1,0 +1,280 @@
+"""Run the MoE LM with every MoE layer executed by the expert-parallel runtime under a plan (``moebalance run``).
+
+Legend: ``W`` ranks = the plan's GPUs (rank ``g`` is GPU ``g`` of ``plan.cluster``), ``B`` batches (forward
+steps), ``L`` MoE layers, ``K`` picks per token, ``S`` tokens per sequence, ``V`` vocabulary.
+
+What happens:
+
+1. The tokens are laid out as a capture lays them out (:func:`moebalance.model.capture.make_layout`):
+   batches of sequences, sequence ``j`` of a batch on rank ``j % W``.
+2. ``W`` gloo processes start (:func:`moebalance.runtime.launch`). Each loads the checkpoint, keeps the
+   non-MoE parts whole (replicated: data parallel) and, for every MoE layer, only its plan's experts in an
+   :class:`~moebalance.runtime.ExpertParallelMoE`. Batch ``b`` is forward step ``b`` on every rank: each rank
+   runs its own sequences, and the MoE layers exchange tokens over all-to-all (a rank with no sequence in a
+   batch still takes part with zero tokens).
+3. This process runs the **dense reference**: the same model in one process, every MoE layer by
+   :func:`moebalance.runtime.dense_moe` (every expert on every token), on the same batches.
+4. The report compares the final logits (max abs difference), the routing (picks where the runtime's gate
+   chose differently from the reference's), and each rank's picks computed per ``(batch, layer)`` against the
+   **simulator's prediction**: the token-level trace the run saw (its gate's ``topk_ids``, ``src_gpu`` = rank,
+   ``batch`` = step, tokens rank-major as in a capture) routed by the router's own ``assign_tokens`` on the
+   layer's plan with the runtime's seeding, ``numpy.random.default_rng((router_seed, layer, step))``
+   (:mod:`moebalance.runtime.ep`). They must be equal, integer for integer.
+
+Bytes are the runtime's: float32 hidden states (``D * 4`` bytes a row), dispatch and combine, split by link as
+the plan's cluster maps ranks to nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moebalance.errors import InputError, PlanError
+from moebalance.model.capture import Layout, make_layout
+from moebalance.model.moe_lm import MoELM, load_checkpoint, save_checkpoint
+from moebalance.plan import Placement
+from moebalance.routers import get_router
+from moebalance.runtime import EPConfig, ExpertParallelMoE, dense_moe, launch, layer_placement
+from moebalance.trace import RoutingTrace
+
+__all__ = ["RankReport", "RunReport", "check_plan", "dense_reference", "predicted_loads", "run_model"]
+
+#: Largest max abs logit difference the report calls agreement (float32 sums in a different order).
+LOGIT_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """One rank's account over the whole run.
+
+    Example: rank 1 of 2 on one node that computed 3,900 picks, as predicted, and sent 1 MiB to rank 0:
+    ``RankReport(rank=1, tokens=2048, picks_computed=3900, picks_predicted=3900, ..., intra_node_bytes=...)``.
+    """
+
+    rank: int
+    #: Tokens of this rank's own sequences (data parallel).
+    tokens: int
+    #: Picks its expert slots computed, summed over batches and layers (the simulator's "load").
+    picks_computed: int
+    picks_predicted: int
+    #: Seconds of expert FFN compute (the runtime's clock) and of gathering + routing on the host.
+    expert_seconds: float
+    routing_seconds: float
+    #: Bytes this rank sent over all-to-all (dispatch + combine), to GPUs of its node / of other nodes.
+    intra_node_bytes: int
+    inter_node_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "tokens": self.tokens, "picks_computed": self.picks_computed,
+                "picks_predicted": self.picks_predicted, "expert_seconds": round(self.expert_seconds, 4),
+                "routing_seconds": round(self.routing_seconds, 4), "intra_node_bytes": self.intra_node_bytes,
+                "inter_node_bytes": self.inter_node_bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    """What a run did and how it compares with the dense reference and the simulator."""
+
+    world_size: int
+    policy: str
+    router: str
+    router_seed: int
+    num_tokens: int
+    num_batches: int
+    ranks: tuple[RankReport, ...]
+    #: ``int64 [B, L, W]``: picks each rank computed in each batch and layer, and the simulator's prediction.
+    computed: np.ndarray
+    predicted: np.ndarray
+    #: Max abs difference of the final logits, runtime against dense reference.
+    max_abs_logit_diff: float
+    #: (token, layer, pick) entries where the runtime's gate picked another expert than the reference's.
+    routing_mismatches: int
+    #: Mean over ``(batch, layer)`` of ``mean_g / max_g`` of the picks computed (DESIGN §3 balancedness).
+    balancedness: float
+    seconds: float
+    #: The trace the run saw (token-level, rank-major within a batch).
+    trace: RoutingTrace = field(repr=False)
+
+    @property
+    def counts_match(self) -> bool:
+        return bool(np.array_equal(self.computed, self.predicted))
+
+    @property
+    def logits_agree(self) -> bool:
+        return self.max_abs_logit_diff <= LOGIT_TOLERANCE
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "policy": self.policy, "router": self.router,
+                "router_seed": self.router_seed, "num_tokens": self.num_tokens, "num_batches": self.num_batches,
+                "max_abs_logit_diff": float(f"{self.max_abs_logit_diff:.3g}"), "logit_tolerance": LOGIT_TOLERANCE,
+                "logits_agree": self.logits_agree, "routing_mismatches": self.routing_mismatches,
+                "counts_match_simulator": self.counts_match, "balancedness": round(self.balancedness, 6),
+                "seconds": round(self.seconds, 2), "ranks": [r.as_dict() for r in self.ranks]}
+
+
+def check_plan(plan: Placement, model: MoELM, world_size: int) -> None:
+    """Raise a one-line error if ``plan`` is not for this model or this number of ranks."""
+    c = model.config
+    if (plan.num_layers, plan.num_experts) != (c.num_layers, c.num_experts):
+        raise PlanError(f"the plan has {plan.num_layers} layers x {plan.num_experts} experts but the model has "
+                        f"{c.num_layers} x {c.num_experts}; make the plan from a capture of this model "
+                        "(moebalance capture, then moebalance plan)")
+    if world_size != plan.num_gpus:
+        raise InputError(f"--world-size {world_size} does not match the plan's {plan.num_gpus} GPUs "
+                         f"({plan.cluster.num_nodes} nodes x {plan.cluster.gpus_per_node}); run one rank per GPU")
+
+
+def _batch_inputs(tokens: np.ndarray, layout: Layout) -> list[list[np.ndarray]]:
+    """``[B][W]`` int64 arrays ``[n_r, S]``: each rank's sequences of each batch."""
+    S = layout.seq_len
+    toks = np.asarray(tokens, dtype=np.int64)
+    return [[np.stack([toks[s * S:(s + 1) * S] for s in seqs]) if seqs else np.zeros((0, S), dtype=np.int64)
+             for seqs in per_rank] for per_rank in layout.ranks]
+
+
+@torch.no_grad()
+def dense_reference(model: MoELM, inputs: Sequence[Sequence[np.ndarray]],
+                    progress: Callable[[int], None] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per batch: ``(logits [n, S, V], topk_ids [n * S, L, K])`` of all ranks' sequences, rank-major, with
+    every MoE layer computed by :func:`~moebalance.runtime.dense_moe`."""
+    logits, ids = [], []
+    for per_rank in inputs:
+        idx = torch.as_tensor(np.concatenate(per_rank))
+        picks: list[torch.Tensor] = []
+
+        def dense(layer: int, h: torch.Tensor, picks: list[torch.Tensor] = picks) -> torch.Tensor:
+            gate, experts, config = model.moe_parts(layer)
+            out, g = dense_moe(h, gate, experts, config)
+            picks.append(g.topk_ids)
+            return out
+
+        logits.append(model(idx, moe=dense).logits.numpy())
+        ids.append(torch.stack(picks, dim=1).numpy())
+        if progress is not None:
+            progress(1)
+    return logits, ids
+
+
+def _rank_main(rank: int, world_size: int, checkpoint: str, plan_doc: dict[str, Any], router: str, seed: int,
+               inputs: list[list[np.ndarray]]) -> dict[str, Any]:
+    """One rank: the model with expert-parallel MoE layers over every batch (a module-level function: launched)."""
+    model = load_checkpoint(checkpoint)
+    plan = Placement.from_json_dict(plan_doc)
+    config = EPConfig(router=router, router_seed=seed)
+    layers = []
+    for layer in range(model.config.num_layers):
+        gate, experts, gate_config = model.moe_parts(layer)
+        layers.append(ExpertParallelMoE.from_full(plan, layer, gate, experts, gate_config, config))
+    B, L = len(inputs), model.config.num_layers
+    computed = np.zeros((B, L), dtype=np.int64)
+    sent = {"intra_node": 0, "inter_node": 0}
+    expert_s = routing_s = 0.0
+    logits, ids = [], []
+    with torch.no_grad():
+        for step, per_rank in enumerate(inputs):
+            picks: list[np.ndarray] = []
+
+            def ep(layer: int, h: torch.Tensor, step: int = step, picks: list[np.ndarray] = picks) -> torch.Tensor:
+                nonlocal expert_s, routing_s
+                out = layers[layer](h, step=step)
+                st = out.stats
+                computed[step, layer] = st.tokens_computed
+                by = st.bytes()
+                for kind in sent:
+                    sent[kind] += by[f"dispatch_sent_{kind}"] + by[f"combine_sent_{kind}"]
+                expert_s += st.expert_seconds
+                routing_s += st.routing_seconds
+                picks.append(out.gate.topk_ids.numpy())
+                return out.out
+
+            logits.append(model(torch.as_tensor(per_rank[rank]), moe=ep).logits.numpy())
+            ids.append(np.stack(picks, axis=1))
+    return {"logits": logits, "ids": ids, "computed": computed, "sent": sent, "expert_seconds": expert_s,
+            "routing_seconds": routing_s, "tokens": int(sum(p[rank].size for p in inputs))}
+
+
+def predicted_loads(plan: Placement, trace: RoutingTrace, router: str, seed: int) -> np.ndarray:
+    """``int64 [B, L, W]``: picks per GPU that the router's ``assign_tokens`` gives each batch and layer of
+    ``trace``, with the runtime's seeding (``default_rng((seed, layer, batch))``) on the layer's plan."""
+    B, L, W = trace.num_batches, trace.num_layers, plan.num_gpus
+    r = get_router(router)
+    out = np.zeros((B, L, W), dtype=np.int64)
+    for b in range(B):
+        sel = np.flatnonzero(trace.batch == b)
+        for layer in range(L):
+            sub = RoutingTrace(trace.topk_ids[sel, layer:layer + 1], trace.src_gpu[sel], np.zeros(sel.size, np.int64),
+                               num_experts=trace.num_experts)
+            dest = r.assign_tokens(layer_placement(plan, layer), sub, np.random.default_rng((seed, layer, b)))
+            out[b, layer] = np.bincount(dest.ravel(), minlength=W)
+    return out
+
+
+def run_model(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, *,
+              world_size: int, router: str = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
+              seq_len: int | None = None, timeout: float = 300.0,
+              progress: Callable[[int], None] | None = None) -> RunReport:
+    """Run ``tokens`` through the model on ``world_size`` gloo ranks under ``plan`` and check it (module doc).
+
+    ``model`` is a model, a checkpoint path, or ``None`` for the bundled checkpoint. ``progress(1)`` is called
+    after each batch of the dense reference.
+    """
+    t0 = time.perf_counter()
+    get_router(router)  # an unknown name fails here, in one line, before any process starts
+    with tempfile.TemporaryDirectory(prefix="moebalance-run-") as tmp:
+        if isinstance(model, MoELM):
+            path = str(Path(tmp) / "model.safetensors")
+            save_checkpoint(path, model, dtype=torch.float32)
+            lm = model
+        else:
+            lm = load_checkpoint(model)
+            path = str(lm_path(model))
+        check_plan(plan, lm, world_size)
+        S = lm.config.max_seq_len if seq_len is None else seq_len
+        if S > lm.config.max_seq_len:
+            raise InputError(f"seq_len ({S}) exceeds the model's max_seq_len ({lm.config.max_seq_len})")
+        layout = make_layout(int(np.asarray(tokens).size), seq_len=S, batch_tokens=batch_tokens, num_gpus=world_size)
+        inputs = _batch_inputs(tokens, layout)
+        ref_logits, ref_ids = dense_reference(lm, inputs, progress)
+        outs = launch(_rank_main, world_size, path, plan.to_json_dict(), router, router_seed, inputs,
+                      timeout=timeout)
+    diff = 0.0
+    mismatches = 0
+    run_ids = []
+    for b in range(layout.num_batches):
+        ep_logits = np.concatenate([o["logits"][b] for o in outs])
+        if ep_logits.size:
+            diff = max(diff, float(np.max(np.abs(ep_logits - ref_logits[b]))))
+        ids = np.concatenate([o["ids"][b] for o in outs])
+        mismatches += int(np.sum(ids != ref_ids[b]))
+        run_ids.append(ids)
+    _, src, bat = layout.token_order()
+    trace = RoutingTrace(np.concatenate(run_ids), src, bat, num_experts=plan.num_experts)
+    predicted = predicted_loads(plan, trace, router, router_seed)
+    computed = np.stack([o["computed"] for o in outs], axis=2)
+    loads = computed.astype(np.float64)
+    mx = loads.max(axis=2)
+    bal = float(np.mean(loads.mean(axis=2)[mx > 0] / mx[mx > 0])) if np.any(mx > 0) else float("nan")
+    ranks = tuple(RankReport(rank=g, tokens=o["tokens"], picks_computed=int(o["computed"].sum()),
+                             picks_predicted=int(predicted[:, :, g].sum()), expert_seconds=o["expert_seconds"],
+                             routing_seconds=o["routing_seconds"], intra_node_bytes=o["sent"]["intra_node"],
+                             inter_node_bytes=o["sent"]["inter_node"]) for g, o in enumerate(outs))
+    return RunReport(world_size=world_size, policy=plan.policy, router=get_router(router).name,
+                     router_seed=router_seed, num_tokens=trace.num_tokens, num_batches=layout.num_batches,
+                     ranks=ranks, computed=computed, predicted=predicted, max_abs_logit_diff=diff,
+                     routing_mismatches=mismatches, balancedness=bal, seconds=time.perf_counter() - t0, trace=trace)
+
+
+def lm_path(model: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint file ``model`` names (``None``: the bundled one)."""
+    from moebalance.model.moe_lm import bundled_checkpoint
+
+    return bundled_checkpoint() if model is None else Path(model)
