@@ -5,6 +5,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from conftest import random_replica_layers
 from hypothesis import given
 
 from moebalance.cluster import Cluster
@@ -22,15 +23,9 @@ def weighted_plans(draw: st.DrawFn) -> Placement:
     G = nodes * gpn
     E, L = draw(st.integers(1, 6)), draw(st.integers(1, 3))
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
-    layers, weights = [], []
-    for _ in range(L):
-        gpus: list[list[int]] = [[] for _ in range(G)]
-        for e in range(E):
-            for g in rng.choice(G, size=int(rng.integers(1, G + 1)), replace=False):
-                gpus[int(g)].append(e)
-        layers.append(gpus)
-        # positive weights, so every replica can be drawn
-        weights.append([[float(rng.integers(1, 5)) for _ in g] for g in gpus])
+    layers = random_replica_layers(rng, L, E, G)
+    # positive weights, so every replica can be drawn
+    weights = [[[float(rng.integers(1, 5)) for _ in g] for g in gpus] for gpus in layers]
     return Placement(layers, E, Cluster(num_nodes=nodes, gpus_per_node=gpn), weights=weights)
 
 

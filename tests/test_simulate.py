@@ -5,6 +5,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from conftest import random_replica_layers
 from hypothesis import given
 
 from moebalance.cluster import Cluster
@@ -82,13 +83,7 @@ def plan_and_load(draw: st.DrawFn) -> tuple[Placement, np.ndarray]:
     G = nodes * gpn
     E, L, B = draw(st.integers(1, 9)), draw(st.integers(1, 3)), draw(st.integers(1, 4))
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
-    layers = []
-    for _ in range(L):
-        gpus: list[list[int]] = [[] for _ in range(G)]
-        for e in range(E):
-            for g in rng.choice(G, size=int(rng.integers(1, G + 1)), replace=False):
-                gpus[int(g)].append(e)
-        layers.append(gpus)
+    layers = random_replica_layers(rng, L, E, G)
     counts = rng.integers(0, 50, size=(B, L, E)) * (rng.random((B, L, E)) < 0.8)
     return Placement(layers, E, Cluster(num_nodes=nodes, gpus_per_node=gpn)), counts
 

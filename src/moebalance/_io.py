@@ -11,8 +11,9 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-__all__ = ["atomic_path"]
+__all__ = ["atomic_path", "write_npz"]
 
 
 def _umask() -> int:
@@ -36,3 +37,16 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_npz(path: str | os.PathLike[str], arrays: dict[str, Any]) -> None:
+    """Write ``arrays`` as a compressed ``.npz`` at ``path`` (which must end in ``.npz``), atomically."""
+    import numpy as np
+
+    from moebalance.errors import InputError
+
+    p = Path(path)
+    if p.suffix != ".npz":
+        raise InputError(f"output {str(p)!r} must end in .npz")
+    with atomic_path(p) as tmp, open(tmp, "wb") as fh:
+        np.savez_compressed(fh, **arrays)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moebalance._io import atomic_path
+from moebalance._io import write_npz
 from moebalance.errors import InputError
 from moebalance.trace import RoutingTrace
 
@@ -233,11 +233,7 @@ def _why(exc: BaseException) -> str:
 
 def write_load(path: str | os.PathLike[str], load: LoadMatrix) -> None:
     """Write ``load`` as a compressed ``.npz``, atomically (temporary file, then rename)."""
-    p = Path(path)
-    if p.suffix != ".npz":
-        raise InputError(f"output {str(p)!r} must end in .npz")
-    with atomic_path(p) as tmp, open(tmp, "wb") as fh:
-        np.savez_compressed(fh, **load.to_arrays())  # type: ignore[arg-type]
+    write_npz(path, load.to_arrays())
 
 
 def parse_batch_range(text: str | None, num_batches: int) -> tuple[int, int]:

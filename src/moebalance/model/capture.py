@@ -26,12 +26,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from moebalance._io import atomic_path
+from moebalance._io import write_npz
 from moebalance.errors import InputError
 from moebalance.load import LoadMatrix
 from moebalance.model.moe_lm import MoELM
@@ -144,8 +143,4 @@ def capture(model: MoELM, tokens: np.ndarray, *, num_gpus: int, batch_tokens: in
 
 def write_capture(path: str | os.PathLike[str], cap: Capture) -> None:
     """Write a capture as a compressed ``.npz``, atomically."""
-    p = Path(path)
-    if p.suffix != ".npz":
-        raise InputError(f"output {str(p)!r} must end in .npz")
-    with atomic_path(p) as tmp, open(tmp, "wb") as fh:
-        np.savez_compressed(fh, **cap.arrays())  # type: ignore[arg-type]
+    write_npz(path, cap.arrays())
