@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given, settings
 
 from moebalance.cluster import Cluster
-from moebalance.errors import BudgetError, InputError
+from moebalance.errors import BudgetError, InputError, PlanError
 from moebalance.load import LoadMatrix
 from moebalance.plan import Placement
 from moebalance.policies import Budget, make_plan
 from moebalance.policies.moetuner import (
+    _balance_totals,
     _bottleneck_value,
     _ilp1_lower_bound,
     assign_clusters,
@@ -24,8 +25,10 @@ from moebalance.policies.moetuner import (
     cluster_sizes,
     cluster_traffic,
     cross_layer_traffic,
+    gpu_totals,
     ilp1_objective,
     ilp2_objective,
+    memory_totals,
     processing_load,
     routing_statistics,
 )
@@ -37,10 +40,10 @@ from moebalance.trace import RoutingTrace
 # --------------------------------------------------------------------------------------------------
 
 
-def _brute_ilp1(w: np.ndarray, G: int) -> int:
+def _brute_ilp1(w: np.ndarray, G: int, memory: str = "layer") -> int:
     """min over every clustering with the allowed sizes of ``G * O1 = sum_c |G * T_c - S|`` (an integer)."""
     E = len(w)
-    lo, hi = cluster_sizes(E, G)
+    lo, hi = cluster_sizes(E, G, memory)
     assign = np.array(list(itertools.product(range(G), repeat=E)))  # [G^E, E]
     onehot = assign[:, :, None] == np.arange(G)  # [A, E, G]
     sizes = onehot.sum(axis=1)
@@ -50,16 +53,32 @@ def _brute_ilp1(w: np.ndarray, G: int) -> int:
     return int(dev[ok].min())
 
 
-def _brute_ilp2(C: np.ndarray, cluster: Cluster) -> float:
-    """Eq. 8 minimised over all ``(G!)^L`` per-layer cluster-to-GPU permutations (enumerated by broadcasting)."""
+def _brute_ilp2(C: np.ndarray, cluster: Cluster, sizes: np.ndarray | None = None,
+                totals: tuple[int, int] | None = None) -> float:
+    """Eq. 8 minimised over all ``(G!)^L`` per-layer cluster-to-GPU permutations (enumerated by broadcasting);
+    with ``sizes [L, G]`` and ``totals``, only over those meeting Eq. 13 (inf if none does)."""
     G = cluster.num_gpus
+    L = C.shape[0] + 1
     perms = np.array(list(itertools.permutations(range(G))))  # [P, G]: perms[p][c] is cluster c's GPU
+    P = len(perms)
     inv = 1.0 / cluster.bandwidth_matrix()
     w = inv[perms[:, None, :, None], perms[None, :, None, :]]  # [P, P, G, G]
-    total = np.zeros((1,) * 1)
-    for layer in range(C.shape[0]):
+    total = np.zeros((P,) * L)
+    for layer in range(L - 1):
         pair = (C[layer] * w).max(axis=(2, 3))  # [P (layer l), P (layer l + 1)]
-        total = total[..., None] + pair.reshape((1,) * (total.ndim - 1) + pair.shape) if layer else pair
+        shape = [1] * L
+        shape[layer], shape[layer + 1] = P, P
+        total = total + pair.reshape(shape)
+    if sizes is not None and totals is not None:
+        per_gpu = np.zeros((P,) * L + (G,))
+        for layer in range(L):
+            contrib = np.zeros((P, G))
+            contrib[np.arange(P)[:, None], perms] = sizes[layer]  # GPU perms[p][c] gets cluster c's experts
+            shape = [1] * L + [G]
+            shape[layer] = P
+            per_gpu = per_gpu + contrib.reshape(shape)
+        ok = np.all((per_gpu >= totals[0]) & (per_gpu <= totals[1]), axis=-1)
+        total = np.where(ok, total, np.inf)
     return float(total.min())
 
 
@@ -77,19 +96,19 @@ def test_ilp1_matches_brute_force_fixed_seed() -> None:
         assert round(ilp1_objective(w, clusters, 4) * 4) == _brute_ilp1(w, 4)
 
 
-@settings(max_examples=25)
-@given(st.lists(st.integers(0, 60), min_size=1, max_size=8), st.integers(1, 4))
-def test_ilp1_matches_brute_force(w_list: list[int], G: int) -> None:
+@settings(max_examples=40)
+@given(st.lists(st.integers(0, 60), min_size=1, max_size=8), st.integers(1, 4), st.sampled_from(["layer", "total"]))
+def test_ilp1_matches_brute_force(w_list: list[int], G: int, memory: str) -> None:
     w = np.array(w_list, dtype=np.int64)
     E = len(w)
-    clusters, _ = cluster_experts(w, G, mip_gap=0.0)
-    lo, hi = cluster_sizes(E, G)
+    lo, hi = cluster_sizes(E, G, memory)
+    clusters, _ = cluster_experts(w, G, mip_gap=0.0, sizes=(lo, hi))
     sizes = np.bincount(clusters, minlength=G)
     assert len(sizes) == G and np.all((sizes >= lo) & (sizes <= hi))
     # clusters are numbered by their smallest expert
     firsts = [int(np.flatnonzero(clusters == c)[0]) for c in range(G) if sizes[c]]
     assert firsts == sorted(firsts)
-    assert round(ilp1_objective(w, clusters, G) * G) == _brute_ilp1(w, G)
+    assert round(ilp1_objective(w, clusters, G) * G) == _brute_ilp1(w, G, memory)
 
 
 @settings(max_examples=60)
@@ -98,14 +117,21 @@ def test_ilp1_cut_is_valid(w_list: list[int], G: int, skew: bool) -> None:
     w = np.array(w_list, dtype=np.int64)
     if skew:  # a few hot experts, where the hot-expert bound bites
         w[: max(1, len(w) // 3)] *= 20
-    lo, _ = cluster_sizes(len(w), G)
-    assert _ilp1_lower_bound(w, G, lo) <= _brute_ilp1(w, G)
+    for memory in ("layer", "total"):
+        lo, _ = cluster_sizes(len(w), G, memory)
+        assert _ilp1_lower_bound(w, G, lo) <= _brute_ilp1(w, G, memory)
 
 
 def test_ilp1_sizes() -> None:
     assert cluster_sizes(8, 4) == (2, 2)
-    assert cluster_sizes(10, 4) == (1, 3)  # at most ceil(E / G) so the plan fits ceil(E / G) slots
+    assert cluster_sizes(10, 4) == (2, 3)  # floor to ceil of E / G: ceil(E / G) slots, Eq. 13 within one
     assert cluster_sizes(3, 4) == (0, 1)  # fewer experts than GPUs: Eq. 7 cannot hold
+    assert cluster_sizes(8, 4, "total") == (1, 5)  # Eq. 7 only: every other cluster keeps one expert
+    assert cluster_sizes(8, 4, "total", max_size=3) == (1, 3)  # a slot budget caps it
+    assert cluster_sizes(3, 4, "total") == (0, 3)
+    assert memory_totals(8, 32, 4) == (64, 64) and memory_totals(10, 3, 4) == (7, 8)
+    with pytest.raises(InputError, match=r"memory \('both'\) must be 'layer'"):
+        cluster_sizes(8, 4, "both")
     # loads 4, 1, 1, 4 on two GPUs: {0, 1} and {2, 3} carry 5 tokens each
     clusters, _ = cluster_experts(np.array([4, 1, 1, 4]), 2, mip_gap=0.0)
     assert clusters.tolist() in ([0, 0, 1, 1], [0, 1, 1, 0])
@@ -173,6 +199,66 @@ def test_bottleneck_matching_value(M: int, seed: int, high: int) -> None:
 def test_ilp2_bad_method() -> None:
     with pytest.raises(InputError, match="method"):
         assign_clusters(np.ones((1, 2, 2)), Cluster(num_nodes=1, gpus_per_node=2), method="nope")
+
+
+def _random_sizes(rng: np.random.Generator, L: int, G: int, E: int) -> np.ndarray:
+    """``[L, G]`` non-empty cluster sizes summing to ``E`` in every layer (uneven, as ILP 1 gives with memory="total")."""
+    out = np.ones((L, G), dtype=np.int64)
+    for layer in range(L):
+        np.add.at(out[layer], rng.integers(0, G, size=E - G), 1)
+    return out
+
+
+@pytest.mark.parametrize(("nodes", "gpn"), TOPOLOGIES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ilp2_with_eq13_matches_brute_force(nodes: int, gpn: int, seed: int) -> None:
+    # 8 experts in 4 uneven clusters per layer, 3 layers: Eq. 13 asks 6 experts of every GPU over the layers
+    rng = np.random.default_rng(100 * seed + 10 * nodes + gpn)
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn, inter_node_bandwidth=25.0)
+    C = rng.integers(0, 50, size=(2, 4, 4)).astype(np.float64)
+    sizes = _random_sizes(rng, 3, 4, 8)
+    totals = memory_totals(8, 3, 4)
+    best = _brute_ilp2(C, cluster, sizes, totals)
+    if not np.isfinite(best):
+        with pytest.raises(PlanError, match=r"Eq\. 13 cannot hold"):
+            assign_clusters(C, cluster, mip_gap=0.0, sizes=sizes, totals=totals)
+        return
+    sol = assign_clusters(C, cluster, mip_gap=0.0, sizes=sizes, totals=totals)
+    assert np.all(np.sort(sol.gpu_of_cluster, axis=1) == np.arange(4))
+    assert gpu_totals(sizes, sol.gpu_of_cluster).tolist() == [6, 6, 6, 6]
+    assert sol.objective == pytest.approx(best, rel=1e-9)
+    assert sol.bound <= sol.objective + 1e-9 and sol.gap <= 1e-9
+    # Eq. 13 only removes assignments: the optimum without it is a lower bound, met when it already holds
+    free = _brute_ilp2(C, cluster)
+    assert free <= best + 1e-9
+    assert sol.eq13 in ("held", "enforced")
+    if sol.eq13 == "held":
+        assert free == pytest.approx(best)
+
+
+def test_ilp2_eq13_without_traffic_and_infeasible() -> None:
+    cluster = Cluster(num_nodes=1, gpus_per_node=4)
+    sizes = np.array([[1, 1, 1, 5], [5, 1, 1, 1], [1, 1, 1, 5], [5, 1, 1, 1]])  # 16 experts, 4 per GPU on average
+    sol = assign_clusters(np.zeros((3, 4, 4)), cluster, sizes=sizes, totals=(8, 8))
+    assert gpu_totals(sizes, sol.gpu_of_cluster).tolist() == [8, 8, 8, 8] and sol.eq13 == "enforced"
+    # two layers of sizes 1, 1, 1, 5 cannot give every GPU 4
+    with pytest.raises(PlanError, match=r"Eq\. 13 cannot hold"):
+        assign_clusters(np.ones((1, 4, 4)), cluster, sizes=np.array([[1, 1, 1, 5], [1, 1, 1, 5]]), totals=(4, 4))
+
+
+@settings(max_examples=40)
+@given(st.integers(2, 6), st.integers(2, 5), st.integers(0, 2**31))
+def test_balance_totals_keeps_permutations(L: int, G: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    E = G + int(rng.integers(0, 3 * G))
+    sizes = _random_sizes(rng, L, G, E)
+    start = np.stack([rng.permutation(G) for _ in range(L)])
+    totals = memory_totals(E, L, G)
+    out = _balance_totals(sizes, start, totals)
+    if out is not None:
+        assert np.all(np.sort(out, axis=1) == np.arange(G))
+        tot = gpu_totals(sizes, out)
+        assert tot.min() >= totals[0] and tot.max() <= totals[1]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -266,7 +352,13 @@ def test_policy_on_mixtral(mixtral: LoadMatrix, nodes: int, gpn: int) -> None:
     p = plan.params
     json.dumps(p, allow_nan=False)  # JSON-serialisable, no inf / nan
     assert p["statistics"] == "transitions" and p["ilp2_method"] == "dp" and not p["time_limit_hit"]
-    assert 0 <= p["ilp1_gap"] <= 0.025 and p["ilp2_gap"] == 0.0
+    # ILP 1 stops within 2.5% of a GPU's mean load; the usual relative gap follows from the summed bounds
+    assert 0 <= p["ilp1_gap_vs_mean_load"] <= 0.025 and p["ilp2_gap"] == 0.0 and p["eq13"] == "held"
+    assert p["ilp1_bound"] <= p["ilp1_objective"]
+    assert p["ilp1_gap"] == pytest.approx((p["ilp1_objective"] - p["ilp1_bound"]) / p["ilp1_objective"], abs=1e-8)
+    per_gpu = 8 * 32 // cluster.num_gpus
+    assert p["ilp2_bound"] == p["ilp2_objective"] and p["experts_per_gpu_total"] == [per_gpu, per_gpu]
+    assert not p["ilp1_time_limit_hit"] and not p["ilp2_time_limit_hit"] and p["memory"] == "layer"
     # the recorded objectives are what the scoring helpers measure on the planning data
     P, R = routing_statistics(mixtral)
     gpu = plan.copies.argmax(axis=2)  # [L, E]
@@ -282,6 +374,44 @@ def test_policy_on_mixtral(mixtral: LoadMatrix, nodes: int, gpn: int) -> None:
     # deterministic
     again, _ = make_plan("moetuner", mixtral, cluster, budget)
     assert again.gpu_experts == plan.gpu_experts
+
+
+@pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 2)])
+def test_policy_memory_total(mixtral: LoadMatrix, nodes: int, gpn: int) -> None:
+    # the paper's Eq. 13: clusters of any size, equal experts per GPU over all 32 layers (64 each)
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn)
+    budget = Budget(replicas_per_gpu=0)
+    plan, _ = make_plan("moetuner", mixtral, cluster, budget, memory="total", time_limit=20)
+    p = plan.params
+    json.dumps(p, allow_nan=False)
+    assert plan.extra_replicas == 0 and np.all(plan.replica_counts() == 1)
+    assert plan.slots().sum(axis=0).tolist() == [64, 64, 64, 64] and p["experts_per_gpu_total"] == [64, 64]
+    assert plan.slots().max() > 2, "Eq. 7 alone lets a hot layer keep a cluster of several cold experts"
+    assert p["memory"] == "total" and p["eq13"] in ("held", "enforced")
+    assert p["ilp2_bound"] <= p["ilp2_objective"] + 1e-9
+    # freer clusters balance at least as well as equal ones (ILP 1 optima, each within its gap)
+    layer_plan, _ = make_plan("moetuner", mixtral, cluster, Budget(slots_per_gpu=2))
+    assert p["ilp1_objective"] <= layer_plan.params["ilp1_objective"] * 1.03
+    # a slot budget caps the clusters
+    capped, _ = make_plan("moetuner", mixtral, cluster, Budget(slots_per_gpu=3), memory="total", time_limit=20)
+    assert capped.slots().max() <= 3 and capped.slots().sum(axis=0).tolist() == [64] * 4
+
+
+def test_policy_when_gpus_do_not_divide_experts() -> None:
+    # 10 experts on 4 GPUs over 6 layers: 2 or 3 per GPU and layer, 15 per GPU over the layers (Eq. 13)
+    rng = np.random.default_rng(1)
+    T, L, E = 600, 6, 10
+    weights = 1.0 / np.arange(1, E + 1)  # Zipf-like skew, a different hot expert per layer
+    ids = np.stack([np.stack([(rng.choice(E, size=2, replace=False, p=weights / weights.sum()) + layer) % E
+                              for layer in range(L)]) for _ in range(T)])  # [T, L, 2]
+    tr = RoutingTrace(ids, rng.integers(0, 4, size=T), np.zeros(T, dtype=np.int64), num_experts=E)
+    load = LoadMatrix(tr.counts(), tr)
+    for nodes, gpn in [(1, 4), (2, 2)]:
+        plan, _ = make_plan("moetuner", load, Cluster(num_nodes=nodes, gpus_per_node=gpn), Budget(slots_per_gpu=3))
+        slots = plan.slots()
+        assert slots.min() >= 2 and slots.max() <= 3
+        assert slots.sum(axis=0).tolist() == [15, 15, 15, 15]
+        assert plan.params["experts_per_gpu_total"] == [15, 15]
 
 
 def _cluster_ids(plan: Placement) -> np.ndarray:
@@ -300,6 +430,7 @@ def test_policy_without_trace_falls_back() -> None:
     plan, _ = make_plan("moetuner", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(replicas_per_gpu=0))
     assert plan.params["statistics"] == "load_only" and "no token-level trace" in plan.params["warning"]
     assert plan.params["ilp2_method"] == "skipped" and plan.params["ilp2_objective"] is None
+    assert plan.params["ilp2_gap"] is None and plan.params["ilp2_bound"] is None
     assert plan.extra_replicas == 0
     # layer 0 is split perfectly: 40 tokens, 10 per GPU
     assert sorted(int(load.counts[0, 0, list(g)].sum()) for g in plan.gpu_experts[0]) == [10, 10, 10, 10]
@@ -321,6 +452,7 @@ def test_policy_refuses_small_slot_budget() -> None:
     ({"mip_gap": "0.1"}, r"mip_gap \('0.1'\)"),
     ({"seed": -1}, r"seed \(-1\) must be an integer"),
     ({"seed": 1.5}, r"seed \(1.5\)"),
+    ({"memory": "gpu"}, r"memory \('gpu'\) must be 'layer'"),
 ])
 def test_bad_params(params: dict, needle: str) -> None:
     load = LoadMatrix(np.ones((1, 2, 4), int))
@@ -329,11 +461,27 @@ def test_bad_params(params: dict, needle: str) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_params_that_mean_no_limit_and_numpy_values() -> None:
+    load = LoadMatrix(np.arange(16).reshape(1, 2, 8))
+    cluster = Cluster(num_nodes=1, gpus_per_node=2)
+    plan, _ = make_plan("moetuner", load, cluster, Budget(slots_per_gpu=4), time_limit=math.inf,
+                        seed=np.int64(3), mip_gap=np.float64(0.0))
+    assert plan.params["time_limit"] is None and plan.params["seed"] == 3 and plan.params["mip_gap"] == 0.0
+    json.dumps(plan.params, allow_nan=False)
+
+
+def test_replicas_auto_is_refused() -> None:
+    load = LoadMatrix(np.ones((1, 2, 8), int))
+    with pytest.raises(BudgetError, match="cannot choose replicas_per_gpu itself"):
+        make_plan("moetuner", load, Cluster(num_nodes=1, gpus_per_node=4), Budget(replicas_per_gpu="auto"))
+
+
 def test_time_limit_keeps_the_best_solution() -> None:
     rng = np.random.default_rng(0)
     load = LoadMatrix(rng.integers(0, 3000, size=(1, 2, 64)))
     plan, _ = make_plan("moetuner", load, Cluster(num_nodes=1, gpus_per_node=8), Budget(slots_per_gpu=8),
                         time_limit=1e-4)
     assert plan.params["time_limit_hit"] is True and "time limit" in plan.params["note"]
+    assert plan.params["ilp1_time_limit_hit"] is True
     assert np.all(plan.slots() == 8)
     json.dumps(plan.params, allow_nan=False)

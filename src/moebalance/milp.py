@@ -41,7 +41,8 @@ class MilpResult:
     objective: float
     #: Proven lower bound on the optimum (minimisation).
     bound: float
-    #: ``"optimal"`` (within the requested gap) or ``"time_limit"``.
+    #: ``"optimal"`` (within the requested gap), ``"time_limit"`` (stopped; ``x`` is the best point found),
+    #: ``"infeasible"`` (proven: no point) or ``"no_solution"`` (stopped before finding a point; ``x`` is NaN).
     status: str
     #: Wall-clock seconds of the solve.
     seconds: float
@@ -56,7 +57,7 @@ class MilpResult:
 
     @property
     def time_limit_hit(self) -> bool:
-        return self.status == "time_limit"
+        return self.status in ("time_limit", "no_solution")
 
 
 class Milp:
@@ -158,10 +159,14 @@ class Milp:
             kind = "optimal"
         elif status == highspy.HighsModelStatus.kTimeLimit:
             kind = "time_limit"
-        else:  # every model we build is feasible and bounded; anything else is a bug
+        elif status == highspy.HighsModelStatus.kInfeasible:
+            return MilpResult(x=np.full(n, np.nan), objective=math.inf, bound=math.inf, status="infeasible",
+                              seconds=seconds)
+        else:  # every other model we build is bounded; anything else is a bug
             raise AssertionError(f"HiGHS ended with status {h.modelStatusToString(status)}")
-        if info.primal_solution_status != highspy.kSolutionStatusFeasible:
-            raise AssertionError("HiGHS stopped without a feasible solution; give a warm start")
+        if info.primal_solution_status != highspy.kSolutionStatusFeasible:  # stopped before finding a point
+            return MilpResult(x=np.full(n, np.nan), objective=math.inf, bound=float(info.mip_dual_bound),
+                              status="no_solution", seconds=seconds)
         x = np.asarray(h.getSolution().col_value, dtype=np.float64)
         x = np.where(integer, np.round(x), x)
         objective = float(info.objective_function_value)

@@ -120,7 +120,7 @@ from typing import Any
 import numpy as np
 
 from moebalance.cluster import Cluster
-from moebalance.errors import InputError
+from moebalance.errors import InputError, PlanError
 from moebalance.load import LoadMatrix
 from moebalance.milp import Milp, MilpResult
 from moebalance.plan import Placement
@@ -169,13 +169,44 @@ def routing_statistics(load: LoadMatrix) -> tuple[np.ndarray, np.ndarray | None]
 # ILP 1 (Eq. 1-7): load-balanced expert clustering, one layer at a time
 # --------------------------------------------------------------------------------------------------
 
-def cluster_sizes(num_experts: int, num_gpus: int) -> tuple[int, int]:
-    """``(lo, hi)`` experts per cluster: ``E / G`` each when ``G`` divides ``E``; else 1 to ``ceil(E / G)``
-    (0 to 1 when ``E < G``, where Eq. 7 cannot hold)."""
+def cluster_sizes(num_experts: int, num_gpus: int, memory: str = "layer",
+                  max_size: int | None = None) -> tuple[int, int]:
+    """``(lo, hi)`` experts per cluster (one cluster per GPU and layer).
+
+    ``memory="layer"``: ``floor(E / G)`` to ``ceil(E / G)`` (``E / G`` each when ``G`` divides ``E``; 0 to 1 when
+    ``E < G``, where Eq. 7 cannot hold): the memory of equal-slot EP engines, ``ceil(E / G)`` slots per GPU
+    and layer, and Eq. 13 over layers within one expert (ILP 2 rotates the larger clusters).
+    ``memory="total"`` (the paper's Eq. 7 and 13): any non-empty cluster, 1 to ``E - G + 1`` (0 to ``E``
+    when ``E < G``), equal memory being asked only of a GPU's sum over layers. ``max_size`` (a slot budget)
+    caps ``hi``.
+    """
     E, G = num_experts, num_gpus
-    if E % G == 0:
-        return E // G, E // G
-    return (1 if E >= G else 0), math.ceil(E / G)
+    if memory == "layer":
+        lo, hi = E // G, -(-E // G)
+    elif memory == "total":
+        lo, hi = (1, E - G + 1) if E >= G else (0, E)
+    else:
+        raise InputError(f"memory ({memory!r}) must be 'layer' (equal experts per GPU in every layer) or "
+                         "'total' (the paper's Eq. 13: equal experts per GPU summed over layers)")
+    if max_size is not None:
+        hi = max(min(hi, max_size), lo)
+    return lo, hi
+
+
+def memory_totals(num_experts: int, num_layers: int, num_gpus: int) -> tuple[int, int]:
+    """Eq. 13's range for a GPU's experts summed over layers: ``E * L / G`` when ``G`` divides ``E * L``,
+    else ``floor`` to ``ceil`` of it (the closest to equal that integers allow)."""
+    n = num_experts * num_layers
+    return n // num_gpus, -(-n // num_gpus)
+
+
+def gpu_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray) -> np.ndarray:
+    """``int64 [G]``: experts each GPU holds over all layers (the left side of Eq. 13).
+
+    ``sizes int [L, G]`` experts in cluster ``c`` of layer ``l``; ``gpu_of_cluster int [L, G]``.
+    """
+    G = sizes.shape[1]
+    return np.bincount(gpu_of_cluster.ravel(), weights=sizes.ravel(), minlength=G).round().astype(np.int64)
 
 
 def ilp1_objective(weight: np.ndarray, cluster_of_expert: np.ndarray, num_gpus: int) -> float:
@@ -299,17 +330,20 @@ def ilp1_gap(result: MilpResult, layer_load: float) -> float:
 
 
 def cluster_experts(weight: np.ndarray, num_gpus: int, *, time_limit: float | None = None,
-                    mip_gap: float = DEFAULT_MIP_GAP, seed: int = 0,
-                    start: np.ndarray | None = None) -> tuple[np.ndarray, MilpResult | None]:
+                    mip_gap: float = DEFAULT_MIP_GAP, seed: int = 0, start: np.ndarray | None = None,
+                    sizes: tuple[int, int] | None = None) -> tuple[np.ndarray, MilpResult | None]:
     """ILP 1 (Eq. 1-7) for one layer: ``int64 [E]`` cluster of each expert, and the solve (``None`` if trivial).
 
-    ``weight int64 [E]`` is the layer's ``P[:, l]``. Clusters are numbered by their smallest expert id.
+    ``weight int64 [E]`` is the layer's ``P[:, l]``. Clusters are numbered by their smallest expert id and
+    hold ``sizes = (lo, hi)`` experts each (default :func:`cluster_sizes` with ``memory="layer"``).
     The solve is warm-started from ``start [E]`` (a feasible clustering) or else from a greedy split
     improved by local search. It stops at :func:`ilp1_gap` ``<= mip_gap`` or at ``time_limit``.
     Example: loads ``[4, 1, 1, 4]`` on 2 GPUs give clusters ``[0, 0, 1, 1]`` (5 tokens each, ``O1 = 0``).
     """
     E, G = int(weight.shape[0]), int(num_gpus)
-    lo, hi = cluster_sizes(E, G)
+    lo, hi = cluster_sizes(E, G) if sizes is None else sizes
+    if not lo * G <= E <= hi * G:
+        raise InputError(f"{E} experts do not fit {G} clusters of {lo} to {hi} experts")
     start = _balanced_start(weight, G, lo, hi) if start is None else _canonical(np.asarray(start), G)
     if G == 1 or hi == 1:  # one cluster, or one expert per cluster: nothing to choose up to relabelling
         return start, None
@@ -392,11 +426,16 @@ class Ilp2Solution:
     gpu_of_cluster: np.ndarray
     #: ``O2`` of Eq. 8, tokens / (GB/s).
     objective: float
-    #: Proven relative gap (0 for the exact DP).
+    #: Proven relative gap ``(objective - bound) / objective`` (0 for the exact DP).
     gap: float
-    #: ``"dp"``, ``"milp"`` or ``"trivial"``.
+    #: ``"dp"``, ``"milp"``, ``"trivial"`` (no traffic between GPUs to weigh) or ``"swaps"`` (no traffic;
+    #: Eq. 13 met by :func:`_balance_totals`).
     method: str
     time_limit_hit: bool = False
+    #: Proven lower bound on ``objective``.
+    bound: float = 0.0
+    #: Eq. 13: ``"not asked"``, ``"held"`` (the optimum without it meets it) or ``"enforced"`` (a MILP with it).
+    eq13: str = "not asked"
 
 
 def _link_weights(cluster: Cluster) -> tuple[float, float, bool]:
@@ -548,22 +587,103 @@ def _greedy_assignment(C: np.ndarray, cluster: Cluster) -> np.ndarray:
     return _realise(C, layouts, N)
 
 
-def _solve_milp(C: np.ndarray, cluster: Cluster, *, time_limit: float | None, mip_gap: float,
-                seed: int) -> tuple[np.ndarray, MilpResult]:
-    """ILP 2 as one MILP over all layers (the matching reformulation of :func:`assign_clusters`)."""
+def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple[int, int],
+                    traffic: np.ndarray | None = None, cluster: Cluster | None = None,
+                    max_swaps: int = 100_000) -> np.ndarray | None:
+    """A GPU assignment meeting Eq. 13 (``totals[0] <= gpu_totals <= totals[1]``) found by swapping two
+    clusters of one layer between two GPUs, from ``gpu_of_cluster int [L, G]``; ``None`` if it gets stuck.
+
+    Every swap lowers ``sum_g (total_g - mean)^2``: swapping sizes ``s_a`` on GPU ``a`` and ``s_b`` on ``b``
+    (``d = s_a - s_b``) changes it by ``2 d (d - (total_a - total_b))``, so the search ends. Among such swaps
+    it takes the one that raises Eq. 8 least when ``traffic [L-1, G, G]`` and ``cluster`` are given, else
+    the one that lowers the spread most. A heuristic: it repairs ILP 2's optimum without Eq. 13 (whose value
+    bounds the optimum with it, so the repair's gap is known) and warm-starts the Eq. 13 MILP.
+    """
+    L, G = sizes.shape
+    gpu = gpu_of_cluster.copy()
+    rows = np.arange(L)[:, None]
+    swap = np.tile(np.arange(G), (G, G, 1))  # swap[a, b, g]: GPU g with a and b exchanged
+    ga, gb = np.meshgrid(np.arange(G), np.arange(G), indexing="ij")
+    swap[ga, gb, ga], swap[ga, gb, gb] = gb, ga
+    inv = None if cluster is None else _inverse_bandwidth(cluster)
+
+    def pair_cost(layer: int, first: np.ndarray, second: np.ndarray) -> np.ndarray:
+        assert traffic is not None and inv is not None
+        return (traffic[layer] * inv[first[..., :, None], second[..., None, :]]).max(axis=(-2, -1))
+
+    for _ in range(max_swaps):
+        tot = gpu_totals(sizes, gpu)
+        if tot.min() >= totals[0] and tot.max() <= totals[1]:
+            return gpu
+        on = np.empty((L, G), dtype=np.int64)  # on[l, g]: size of the cluster GPU g holds in layer l
+        on[rows, gpu] = sizes
+        d = on[:, :, None] - on[:, None, :]  # [L, G(a), G(b)]
+        change = (d * (d - (tot[:, None] - tot[None, :])[None])).astype(np.float64)
+        if change.min() >= 0:
+            return None
+        if traffic is None or not np.any(traffic > 0):
+            layer, g1, g2 = np.unravel_index(int(np.argmin(change)), change.shape)
+        else:
+            cost = np.zeros((L, G, G))
+            for layer in range(L):
+                if not np.any(change[layer] < 0):
+                    continue
+                moved = swap[:, :, gpu[layer]]  # [G(a), G(b), G(c)]: layer's GPUs after swapping a and b
+                if layer > 0:
+                    cost[layer] += pair_cost(layer - 1, gpu[layer - 1], moved) - pair_cost(
+                        layer - 1, gpu[layer - 1], gpu[layer])
+                if layer < L - 1:
+                    cost[layer] += pair_cost(layer, moved, gpu[layer + 1]) - pair_cost(layer, gpu[layer], gpu[layer + 1])
+            cost = np.where(change < 0, cost, np.inf)
+            best = np.flatnonzero(cost.ravel() <= cost.min() + 1e-12 * max(1.0, abs(cost.min())))
+            layer, g1, g2 = np.unravel_index(int(best[np.argmin(change.ravel()[best])]), change.shape)
+        c1, c2 = int(np.flatnonzero(gpu[layer] == g1)[0]), int(np.flatnonzero(gpu[layer] == g2)[0])
+        gpu[layer, c1], gpu[layer, c2] = g2, g1
+    return None
+
+
+#: HiGHS takes about this many seconds per non-zero to load a model (measured: 2-core machine, highspy 1.15);
+#: ILP 2's MILP is not built when loading it alone would take more than the time left.
+_SECONDS_PER_NONZERO = 3e-7
+
+
+def _milp_nonzeros(L: int, G: int, N: int, use_nodes: bool, chained: bool) -> int:
+    """Rough count of ILP 2's MILP non-zeros (the rows dominate: ``(L - 1) G^2 N`` products of node variables)."""
+    per_pair = G * G * (3 + (6 * N + 3 if use_nodes else 0) + (6 if chained else 0))
+    return (L - 1) * per_pair
+
+
+def _solve_milp(C: np.ndarray, cluster: Cluster, *, time_limit: float | None, mip_gap: float, seed: int,
+                sizes: np.ndarray | None = None, totals: tuple[int, int] | None = None,
+                start: np.ndarray | None = None) -> tuple[np.ndarray, MilpResult]:
+    """ILP 2 as one MILP over all layers (the matching reformulation of :func:`assign_clusters`).
+
+    With ``sizes int [L, G]`` and ``totals`` the program also has Eq. 13: the experts of the GPU that holds
+    cluster ``c`` of layer ``l``, summed over layers ``0..l``, are carried along the matching chain,
+    ``s[l + 1, c2] = sizes[l + 1, c2] + s[l, c1]`` where ``a[l, c1, c2] = 1`` (big-M rows, ``M`` the range
+    ``s`` can span), and ``totals[0] <= s[L - 1, c] <= totals[1]``. ``start int [L, G]`` is a feasible GPU
+    assignment to warm-start from (default: the greedy one, when it meets Eq. 13).
+    """
     L, G = C.shape[0] + 1, cluster.num_gpus
     N, M = cluster.num_nodes, cluster.gpus_per_node
     w_n, w_x, use_nodes = _link_weights(cluster)
     scale = max(w_n, w_x)  # solve in units of the slowest link, report in tokens / (GB/s)
     w_n, w_x = w_n / scale, w_x / scale
+    chained = sizes is not None and totals is not None
+    if start is None:
+        start = _greedy_assignment(C, cluster)
+    if chained:
+        assert sizes is not None and totals is not None
+        tot = gpu_totals(sizes, start)
+        if tot.min() < totals[0] or tot.max() > totals[1]:
+            start = _balance_totals(sizes, start, totals)
     m = Milp()
     a = m.add_vars((L - 1, G, G))  # a[l, c1, c2]: c1 (layer l) and c2 (layer l + 1) share a GPU
     t = m.add_vars(L - 1, ub=np.inf, cost=1.0, integer=False)  # t_l: the tail of layer pair l (Eq. 8's max)
     m.add_rows(a, 1.0, lower=1.0, upper=1.0)  # Eq. 14-15: a GPU holds one cluster per layer, so a is a
     m.add_rows(a.transpose(0, 2, 1), 1.0, lower=1.0, upper=1.0)  # perfect matching between layers
     ls = np.broadcast_to(np.arange(L - 1)[:, None, None], a.shape)
-    start = _greedy_assignment(C, cluster)
-    same_gpu = start[:-1, :, None] == start[1:, None, :]  # [L-1, G, G]
+    parts: dict[str, np.ndarray] = {}
     if use_nodes:
         Y = m.add_vars((L, G, N))  # Y[l, c, n]: cluster c of layer l is on node n
         m.add_rows(Y, 1.0, lower=1.0, upper=1.0)
@@ -586,29 +706,53 @@ def _solve_milp(C: np.ndarray, cluster: Cluster, *, time_limit: float | None, mi
         val = np.concatenate([np.ones_like(C)[..., None], (C * w_n)[..., None],
                               np.broadcast_to((C * (w_x - w_n))[..., None], b.shape)], axis=3)
         m.add_rows(idx, val, lower=C * w_x)
-        # warm start: the greedy point, nodes relabelled so that cluster 0 of layer 0 is on node 0
-        node = start // M
-        node = (node - node[0, 0]) % N
-        y0 = (node[..., None] == np.arange(N)).astype(np.float64)  # [L, G, N]
-        b0 = y0[:-1, :, None, :] * y0[1:, None, :, :]
-        same_node = b0.sum(axis=3) > 0
-        t0 = (C * np.where(same_gpu, 0.0, np.where(same_node, w_n, w_x))).max(axis=(1, 2))
-        x0 = np.zeros(m.num_vars)
-        x0[a] = same_gpu
-        x0[t] = t0
-        x0[Y] = y0
-        x0[b] = b0
+        parts["Y"], parts["b"] = Y, b
     else:
         w = w_x if N > 1 else w_n
         m.add_rows(np.stack([t[ls], a], axis=-1), np.stack([np.ones_like(C), C * w], axis=-1), lower=C * w)
-        x0 = np.zeros(m.num_vars)
-        x0[a] = same_gpu
-        x0[t] = (C * np.where(same_gpu, 0.0, w)).max(axis=(1, 2))
+    if chained:
+        assert sizes is not None and totals is not None
+        sz = sizes.astype(np.float64)
+        # bounds on the running total s[l, c]: what the layers so far can add, and what Eq. 13 leaves room for
+        lo = np.cumsum(sz.min(axis=1))
+        hi = np.cumsum(sz.max(axis=1))
+        rest_min = np.concatenate([np.cumsum(sz.min(axis=1)[::-1])[::-1][1:], [0.0]])
+        rest_max = np.concatenate([np.cumsum(sz.max(axis=1)[::-1])[::-1][1:], [0.0]])
+        lo = np.maximum(lo, totals[0] - rest_max)
+        hi = np.minimum(hi, totals[1] - rest_min)
+        if np.any(lo > hi):
+            raise PlanError(f"Eq. 13 cannot hold: the clusters hold {int(sz.sum())} experts, which cannot give "
+                            f"every GPU {totals[0]} to {totals[1]}; use memory='layer'")
+        lo_l = np.broadcast_to(lo[:, None], (L, G)).copy()
+        hi_l = np.broadcast_to(hi[:, None], (L, G)).copy()
+        lo_l[0] = hi_l[0] = sz[0]
+        s_var = m.add_vars((L, G), lb=lo_l, ub=hi_l, integer=False)
+        big = (hi[1:] - lo[:-1])[:, None, None] - sz[1:, None, :] + 1.0  # [L-1, 1, G]: s' - s - size <= big
+        small = (hi[:-1] - lo[1:])[:, None, None] + sz[1:, None, :] + 1.0  # s + size - s' <= small
+        nxt = np.broadcast_to(s_var[1:, None, :], a.shape)
+        prv = np.broadcast_to(s_var[:-1, :, None], a.shape)
+        big_b = np.broadcast_to(big, a.shape)
+        small_b = np.broadcast_to(small, a.shape)
+        size_b = np.broadcast_to(sz[1:, None, :], a.shape)
+        # s' - s + big * a <= size + big, and s' - s - small * a >= size - small
+        m.add_rows(np.stack([nxt, prv, a], axis=-1),
+                   np.stack([np.ones(a.shape), -np.ones(a.shape), big_b], axis=-1), upper=size_b + big_b)
+        m.add_rows(np.stack([nxt, prv, a], axis=-1),
+                   np.stack([np.ones(a.shape), -np.ones(a.shape), -small_b], axis=-1), lower=size_b - small_b)
+        parts["s"] = s_var
+    x0 = None if start is None else _milp_start(C, cluster, start, m.num_vars, a, t, parts, sizes, w_n, w_x)
     result = m.solve(time_limit=time_limit, mip_gap=mip_gap, seed=seed, start=x0)
+    if result.status == "infeasible":
+        raise PlanError("Eq. 13 cannot hold for these clusters: no GPU assignment gives every GPU "
+                        f"{totals[0] if totals else '?'} to {totals[1] if totals else '?'} experts over all layers; "
+                        "use memory='layer'")
+    if result.status == "no_solution":
+        raise PlanError("the time limit ran out before ILP 2 (with Eq. 13) found a feasible GPU assignment; "
+                        "raise time_limit or use memory='layer'")
     partner = np.argmax(result.x[a].round(), axis=1)  # [L-1, G]: the layer-l cluster each c2 shares a GPU with
     gpu = np.empty((L, G), dtype=np.int64)
     if use_nodes:
-        node0 = np.argmax(result.x[Y[0]].round(), axis=1)
+        node0 = np.argmax(result.x[parts["Y"][0]].round(), axis=1)
         gpu[0, np.lexsort((np.arange(G), node0))] = np.arange(G)  # clusters of layer 0 by node, then id
     else:
         gpu[0] = np.arange(G)
@@ -617,7 +761,38 @@ def _solve_milp(C: np.ndarray, cluster: Cluster, *, time_limit: float | None, mi
     assert np.all(np.sort(gpu, axis=1) == np.arange(G))
     assert math.isclose(ilp2_objective(C, gpu, cluster), result.objective * scale, rel_tol=1e-6,
                         abs_tol=1e-9 * max(1.0, float(C.max()) * scale))
-    return gpu, result
+    if chained:
+        assert sizes is not None and totals is not None
+        tot = gpu_totals(sizes, gpu)
+        assert tot.min() >= totals[0] and tot.max() <= totals[1], tot
+    return gpu, dataclasses.replace(result, objective=result.objective * scale, bound=result.bound * scale)
+
+
+def _milp_start(C: np.ndarray, cluster: Cluster, gpu: np.ndarray, num_vars: int, a: np.ndarray, t: np.ndarray,
+                parts: dict[str, np.ndarray], sizes: np.ndarray | None, w_n: float, w_x: float) -> np.ndarray:
+    """The MILP's variables at the GPU assignment ``gpu int [L, G]`` (a warm start)."""
+    M, N = cluster.gpus_per_node, cluster.num_nodes
+    same_gpu = gpu[:-1, :, None] == gpu[1:, None, :]  # [L-1, G, G]
+    x0 = np.zeros(num_vars)
+    x0[a] = same_gpu
+    if "Y" in parts:
+        node = gpu // M
+        node = (node - node[0, 0]) % N  # relabel nodes so that cluster 0 of layer 0 is on node 0
+        y0 = (node[..., None] == np.arange(N)).astype(np.float64)  # [L, G, N]
+        b0 = y0[:-1, :, None, :] * y0[1:, None, :, :]
+        same_node = b0.sum(axis=3) > 0
+        x0[t] = (C * np.where(same_gpu, 0.0, np.where(same_node, w_n, w_x))).max(axis=(1, 2))
+        x0[parts["Y"]] = y0
+        x0[parts["b"]] = b0
+    else:
+        x0[t] = (C * np.where(same_gpu, 0.0, w_x if N > 1 else w_n)).max(axis=(1, 2))
+    if "s" in parts:
+        assert sizes is not None
+        on = np.empty_like(sizes)
+        on[np.arange(gpu.shape[0])[:, None], gpu] = sizes  # on[l, g]: size of the cluster on GPU g
+        running = np.cumsum(on, axis=0)  # [L, G] per GPU
+        x0[parts["s"]] = np.take_along_axis(running, gpu, axis=1)
+    return x0
 
 
 def _ilp2_method(cluster: Cluster) -> str:
@@ -628,46 +803,124 @@ def _ilp2_method(cluster: Cluster) -> str:
 
 
 def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float | None = None,
-                    mip_gap: float = DEFAULT_MIP_GAP, seed: int = 0, method: str = "auto") -> Ilp2Solution:
+                    mip_gap: float = DEFAULT_MIP_GAP, seed: int = 0, method: str = "auto",
+                    sizes: np.ndarray | None = None, totals: tuple[int, int] | None = None) -> Ilp2Solution:
     """ILP 2 (Eq. 8-15): the GPU of every cluster in every layer (:class:`Ilp2Solution`).
 
     ``traffic float [L-1, G, G]`` is ``C`` of Eq. 9 (:func:`cluster_traffic`). ``method``: ``"dp"`` (exact
     dynamic programming over node layouts), ``"milp"`` (HiGHS on the matching reformulation), or
     ``"auto"``: the DP when a layer has at most :data:`MAX_DP_LAYOUTS` node layouts, else the MILP.
     Both solve the module docstring's program; the DP exactly, the MILP to ``mip_gap`` or ``time_limit``.
+
+    Eq. 13: with ``sizes int [L, G]`` (experts of each cluster) and ``totals = (lo, hi)``, every GPU must hold
+    ``lo`` to ``hi`` experts over all layers. The program is first solved without it; if that optimum meets
+    it, it is optimal with it too; else the MILP is solved with Eq. 13 (:func:`_solve_milp`), the first
+    optimum being a proven lower bound. Raises :class:`PlanError` if Eq. 13 cannot hold.
     """
     L, G = traffic.shape[0] + 1, cluster.num_gpus
     C = np.asarray(traffic, dtype=np.float64)
+    if method not in ("auto", "dp", "milp"):
+        raise InputError(f"method ({method!r}) must be 'auto', 'dp' or 'milp'")
+    if (sizes is None) != (totals is None):
+        raise InputError("give both sizes and totals for Eq. 13, or neither")
+    t0 = time.perf_counter()
+
+    def left() -> float | None:
+        return None if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.0)
+
+    _, _, two_level = _link_weights(cluster)
+    use_nodes = two_level
+    N = cluster.num_nodes if two_level else 1
+    hit = False
     if G == 1 or L == 1 or not np.any(C > 0):
         gpu = np.tile(np.arange(G, dtype=np.int64), (L, 1))
-        return Ilp2Solution(gpu, ilp2_objective(C, gpu, cluster), 0.0, "trivial")
-    _, _, two_level = _link_weights(cluster)
-    layouts = _num_layouts(cluster.num_nodes, cluster.gpus_per_node) if two_level else 1
-    if method == "auto":
-        method = _ilp2_method(cluster)
-    if method == "dp":
-        if layouts > 16 * MAX_DP_LAYOUTS:
-            raise InputError(f"{layouts} node layouts are too many for the exact DP; use method='milp'")
-        gpu = _solve_dp(C, cluster)
-        return Ilp2Solution(gpu, ilp2_objective(C, gpu, cluster), 0.0, "dp")
-    if method != "milp":
-        raise InputError(f"method ({method!r}) must be 'auto', 'dp' or 'milp'")
-    gpu, result = _solve_milp(C, cluster, time_limit=time_limit, mip_gap=mip_gap, seed=seed)
-    return Ilp2Solution(gpu, ilp2_objective(C, gpu, cluster), result.gap, "milp", result.time_limit_hit)
+        kind, gap, bound = "trivial", 0.0, ilp2_objective(C, gpu, cluster)
+    else:
+        layouts = _num_layouts(cluster.num_nodes, cluster.gpus_per_node) if two_level else 1
+        kind = _ilp2_method(cluster) if method == "auto" else method
+        if kind == "dp":
+            if layouts > 16 * MAX_DP_LAYOUTS:
+                raise InputError(f"{layouts} node layouts are too many for the exact DP; use method='milp'")
+            gpu = _solve_dp(C, cluster)
+            gap, bound = 0.0, ilp2_objective(C, gpu, cluster)
+        else:
+            limit = left()
+            nnz = _milp_nonzeros(L, G, N, use_nodes, chained=False)
+            if limit is not None and (limit < MIN_SOLVE_SECONDS or nnz * _SECONDS_PER_NONZERO > limit):
+                gpu, gap, bound, hit = _greedy_assignment(C, cluster), 1.0, 0.0, True  # no time to build it
+            else:
+                gpu, res = _solve_milp(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed)
+                gap, bound, hit = res.gap, res.bound, res.time_limit_hit
+    objective = ilp2_objective(C, gpu, cluster)
+    if sizes is None or totals is None:
+        return Ilp2Solution(gpu, objective, gap, kind, hit, bound)
+    tot = gpu_totals(sizes, gpu)
+    if tot.min() >= totals[0] and tot.max() <= totals[1]:
+        return Ilp2Solution(gpu, objective, gap, kind, hit, bound, "held")
+    if L == 1 or G == 1:
+        raise PlanError(f"Eq. 13 cannot hold: one layer's clusters hold {sorted(tot.tolist())} experts but every GPU "
+                        f"needs {totals[0]} to {totals[1]}; use memory='layer'")
+    if not np.any(C > 0):  # every assignment costs 0: any that meets Eq. 13 is optimal
+        balanced = _balance_totals(sizes, gpu, totals)
+        if balanced is not None:
+            return Ilp2Solution(balanced, 0.0, 0.0, "swaps", hit, 0.0, "enforced")
+        kind = "milp"
+    exact_bound = bound if not hit else 0.0  # the optimum without Eq. 13 bounds the one with it
+    repaired = _balance_totals(sizes, gpu, totals, C, cluster)
+    if repaired is not None:
+        obj = ilp2_objective(C, repaired, cluster)
+        if _rel_gap(obj, exact_bound) <= mip_gap:  # proven within the gap by the bound: no MILP needed
+            return Ilp2Solution(repaired, obj, _rel_gap(obj, exact_bound), f"{kind}+swaps", hit, exact_bound,
+                                "enforced")
+    limit = left()
+    nnz = _milp_nonzeros(L, G, N, use_nodes, chained=True)
+    if limit is not None and (limit < MIN_SOLVE_SECONDS or nnz * _SECONDS_PER_NONZERO > limit):
+        if repaired is None:
+            raise PlanError("the time limit ran out before ILP 2 with Eq. 13 could be solved, and no quick GPU "
+                            "assignment meets Eq. 13; raise time_limit or use memory='layer'")
+        obj = ilp2_objective(C, repaired, cluster)
+        return Ilp2Solution(repaired, obj, _rel_gap(obj, exact_bound), f"{kind}+swaps", True, exact_bound,
+                            "enforced")
+    gpu2, res = _solve_milp(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed, sizes=sizes, totals=totals,
+                            start=gpu if repaired is None else repaired)
+    obj = ilp2_objective(C, gpu2, cluster)
+    bound2 = max(res.bound, exact_bound)
+    return Ilp2Solution(gpu2, obj, _rel_gap(obj, bound2), "milp", hit or res.time_limit_hit, bound2, "enforced")
+
+
+def _rel_gap(objective: float, bound: float) -> float:
+    """``(objective - bound) / objective`` in ``[0, 1]`` (0 when they meet)."""
+    diff = objective - bound
+    if diff <= 1e-9 * max(1.0, abs(objective)):
+        return 0.0
+    return min(diff / objective, 1.0) if objective > 0 else 0.0
 
 
 # --------------------------------------------------------------------------------------------------
 # The policy
 # --------------------------------------------------------------------------------------------------
 
-def _check_params(time_limit: float | None, mip_gap: float, seed: int) -> None:
+def _check_params(time_limit: Any, mip_gap: Any, seed: Any, memory: Any) -> tuple[float | None, float, int]:
+    """Validated ``(time_limit, mip_gap, seed)``: ``inf`` or ``None`` is no limit; numpy scalars are accepted."""
+    if isinstance(time_limit, np.generic):
+        time_limit = time_limit.item()
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, int | float)
-                                   or not math.isfinite(time_limit) or time_limit <= 0):
+                                   or math.isnan(time_limit) or time_limit <= 0):
         raise InputError(f"time_limit ({time_limit!r}) must be a positive number of seconds, or None for no limit")
+    if time_limit is not None and math.isinf(time_limit):
+        time_limit = None
+    if isinstance(mip_gap, np.generic):
+        mip_gap = mip_gap.item()
     if isinstance(mip_gap, bool) or not isinstance(mip_gap, int | float) or not 0.0 <= mip_gap < 1.0:
         raise InputError(f"mip_gap ({mip_gap!r}) must be a relative gap in [0, 1), e.g. 0.025 (the paper's)")
+    if isinstance(seed, np.integer):
+        seed = int(seed)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
         raise InputError(f"seed ({seed!r}) must be an integer in [0, 2**31)")
+    if memory not in ("layer", "total"):
+        raise InputError(f"memory ({memory!r}) must be 'layer' (equal experts per GPU in every layer) or "
+                         "'total' (the paper's Eq. 13: equal experts per GPU summed over layers)")
+    return (None if time_limit is None else float(time_limit)), float(mip_gap), seed
 
 
 def _json_float(x: float) -> float | None:
@@ -675,22 +928,30 @@ def _json_float(x: float) -> float | None:
 
 
 def moetuner(*, load: LoadMatrix, cluster: Cluster, budget: Budget, time_limit: float | None = DEFAULT_TIME_LIMIT,
-             mip_gap: float = DEFAULT_MIP_GAP, seed: int = 0) -> Placement:
+             mip_gap: float = DEFAULT_MIP_GAP, seed: int = 0, memory: str = "layer") -> Placement:
     """MoETuner placement: ILP 1 per layer, then ILP 2 over all layers (see the module docstring).
 
-    ``time_limit``: total seconds for all solves (None: no limit); ``mip_gap``: relative gap each solve
-    stops at; ``seed``: HiGHS's random seed. No replicas: a ``replicas_per_gpu`` budget is met with 0.
+    ``time_limit``: total seconds for all solves (None or inf: no limit); ``mip_gap``: relative gap each
+    solve stops at; ``seed``: HiGHS's random seed; ``memory``: ``"layer"`` (equal experts per GPU in every
+    layer, what EP engines run) or ``"total"`` (the paper's Eq. 13 only: clusters of any size, equal
+    experts per GPU summed over layers). No replicas: a ``replicas_per_gpu`` budget is met with 0.
     """
-    _check_params(time_limit, mip_gap, seed)
+    time_limit, mip_gap, seed = _check_params(time_limit, mip_gap, seed, memory)
     E, L, G = load.num_experts, load.num_layers, cluster.num_gpus
+    if budget.replicas_per_gpu is not None:
+        budget.fixed_replicas("moetuner")  # "auto" is for policies that choose R; moetuner uses none
     budget.placement_slots(E, G)
+    # with one layer, Eq. 13 is the per-layer balance: "total" is "layer"
+    lo, hi = cluster_sizes(E, G, memory if L > 1 else "layer", budget.slots_per_gpu)
+    totals = memory_totals(E, L, G)
     # MoETuner's traffic model follows tokens from expert to expert; the trace's src_gpu is not used
     P, R = routing_statistics(load)
     ilp2_exact = R is None or _ilp2_method(cluster) == "dp"
     t0 = time.perf_counter()
-    deadline = None if time_limit is None else t0 + float(time_limit)
-    # ILP 1's share of the budget: all of it when ILP 2 is solved by the DP (well under a second), else half
-    ilp1_deadline = None if time_limit is None else t0 + float(time_limit) * (1.0 if ilp2_exact else 0.5)
+    deadline = None if time_limit is None else t0 + time_limit
+    # ILP 1's share of the budget: most of it when ILP 2 is solved by the DP (well under a second), else half
+    ilp1_part = (0.9 if ilp2_exact else 0.5)
+    ilp1_deadline = None if time_limit is None else t0 + time_limit * ilp1_part
 
     def left(until: float | None, parts: int) -> float | None:
         return None if until is None else max(until - time.perf_counter(), 0.0) / parts
@@ -699,55 +960,68 @@ def moetuner(*, load: LoadMatrix, cluster: Cluster, budget: Budget, time_limit: 
     # share again, warm-started, sharing what the easy layers left
     cluster_of = np.empty((L, E), dtype=np.int64)
     results: list[MilpResult | None] = []
-    share = None if time_limit is None else float(time_limit) * (1.0 if ilp2_exact else 0.5) / (2 * L)
+    share = None if time_limit is None else time_limit * ilp1_part / (2 * L)
     for layer in range(L):
         limit = None if share is None else min(share, left(ilp1_deadline, L - layer) or 0.0)
-        cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=limit, mip_gap=mip_gap, seed=seed)
+        cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=limit, mip_gap=mip_gap, seed=seed,
+                                                 sizes=(lo, hi))
         results.append(res)
     again = [layer for layer, res in enumerate(results) if res is not None and res.time_limit_hit]
     for i, layer in enumerate(again):
         first = results[layer]
         assert first is not None
         cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=left(ilp1_deadline, len(again) - i),
-                                                 mip_gap=mip_gap, seed=seed, start=cluster_of[layer])
+                                                 mip_gap=mip_gap, seed=seed, start=cluster_of[layer], sizes=(lo, hi))
         assert res is not None
         # a stopped solve proves at least the better of its two bounds
         results[layer] = dataclasses.replace(res, bound=max(res.bound, first.bound))
-    o1 = float(sum(ilp1_objective(P[:, layer], cluster_of[layer], G) for layer in range(L)))
-    gap1 = max((ilp1_gap(res, float(P[:, layer].sum())) for layer, res in enumerate(results) if res is not None),
-               default=0.0)
-    hit = any(res is not None and res.time_limit_hit for res in results)
+    o1_layers = np.array([ilp1_objective(P[:, layer], cluster_of[layer], G) for layer in range(L)])
+    # the solves work in G * tokens; a trivial layer (nothing to choose) is its own bound
+    b1_layers = np.array([o1_layers[layer] if res is None else min(res.bound / G, o1_layers[layer])
+                          for layer, res in enumerate(results)])
+    o1, b1 = float(o1_layers.sum()), float(b1_layers.sum())
+    gap1_mean = max((ilp1_gap(res, float(P[:, layer].sum())) for layer, res in enumerate(results)
+                     if res is not None), default=0.0)
+    hit1 = any(res is not None and res.time_limit_hit for res in results)
     t1 = time.perf_counter()
 
-    # ILP 2 over all layers
-    params: dict[str, Any] = {**budget.as_params(), "time_limit": time_limit, "mip_gap": mip_gap, "seed": seed}
+    # ILP 2 over all layers, with Eq. 13 wherever cluster sizes differ
+    sizes = np.stack([np.bincount(row, minlength=G) for row in cluster_of])  # [L, G]
+    params: dict[str, Any] = {**budget.as_params(), "time_limit": time_limit, "mip_gap": mip_gap, "seed": seed,
+                              "memory": memory}
+    C = np.zeros((L - 1, G, G)) if R is None else cluster_traffic(R, cluster_of, G)
+    limit = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+    sol = assign_clusters(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed, sizes=sizes, totals=totals)
+    gpu_of_cluster = sol.gpu_of_cluster
     if R is None:
-        gpu_of_cluster = np.tile(np.arange(G, dtype=np.int64), (L, 1))
         params["statistics"] = "load_only"
-        params["warning"] = ("no token-level trace: ILP 2 (Eq. 8-15) needs cross-layer transitions, so it was "
-                             "skipped and cluster c went to GPU c; give a trace with topk_ids for the full policy")
-        o2: float | None = None
-        gap2, method2 = 0.0, "skipped"
+        params["warning"] = ("no token-level trace: ILP 2 (Eq. 8-15) needs cross-layer transitions, so only "
+                             "Eq. 13 placed the clusters; give a trace with topk_ids for the full policy")
+        method2, o2, gap2, b2 = "skipped", None, None, None
     else:
-        C = cluster_traffic(R, cluster_of, G)
-        limit = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
-        sol = assign_clusters(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed)
         params["statistics"] = "transitions"
-        gpu_of_cluster, o2, gap2, method2 = sol.gpu_of_cluster, sol.objective, sol.gap, sol.method
-        hit |= sol.time_limit_hit
+        method2, o2, gap2, b2 = sol.method, _json_float(sol.objective), _json_float(sol.gap), _json_float(sol.bound)
     t2 = time.perf_counter()
+    tot = gpu_totals(sizes, gpu_of_cluster)
     params.update({
         "solver": "highs",
         "ilp1_objective": _json_float(o1),
-        "ilp1_gap": _json_float(gap1),
+        "ilp1_bound": _json_float(b1),
+        "ilp1_gap": _json_float(_rel_gap(o1, b1)),
+        "ilp1_gap_vs_mean_load": _json_float(gap1_mean),
         "ilp1_seconds": round(t1 - t0, 3),
+        "ilp1_time_limit_hit": bool(hit1),
         "ilp2_method": method2,
-        "ilp2_objective": None if o2 is None else _json_float(o2),
-        "ilp2_gap": _json_float(gap2),
+        "ilp2_objective": o2,
+        "ilp2_bound": b2,
+        "ilp2_gap": gap2,
         "ilp2_seconds": round(t2 - t1, 3),
-        "time_limit_hit": bool(hit),
+        "ilp2_time_limit_hit": bool(sol.time_limit_hit),
+        "eq13": sol.eq13 if sol.eq13 != "not asked" else "held",
+        "experts_per_gpu_total": [int(tot.min()), int(tot.max())],
+        "time_limit_hit": bool(hit1 or sol.time_limit_hit),
     })
-    if hit:
+    if hit1 or sol.time_limit_hit:
         params["note"] = ("a time limit stopped a solve: the best solution found is used, and the gaps above "
                           "are what was proven")
     gpu_of_expert = np.take_along_axis(gpu_of_cluster, cluster_of, axis=1)
