@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_replay.py
 	$(PY) bench/bench_craft.py
 	$(PY) bench/craft_acceptance.py
+	$(PY) bench/bench_runtime.py
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache

@@ -19,19 +19,26 @@ What we solve, exactly (where the paper is ambiguous, the choice is written down
 - **ILP 1**, one MILP per layer: Eq. 1 is a sum of per-layer terms and no constraint links layers, so
   solving layers apart is exact. Variables ``x[c, e]`` (Eq. 2); Eq. 1-6 with ``|.|`` linearised by
   ``d_c >= +-(G * T_c - S)`` (integers: ``d_c / G = |T_c - T_mean|``); what the printed program leaves
-  implicit, every expert in exactly one cluster; Eq. 7 (no empty cluster) whenever ``E >= G``. The memory
-  side of Eq. 13 is made per layer so the plan runs on equal-slot EP engines and fits ``slots_per_gpu``:
-  each cluster has exactly ``E / G`` experts when ``G`` divides ``E``, else 1 to ``ceil(E / G)``
-  (:func:`cluster_sizes`). The paper's Eq. 13 only equalises a GPU's experts summed over layers, so its
-  Figure 10 has a hot expert alone on a GPU in one layer; Megatron-LM's or vLLM's EP cannot run that.
+  implicit, every expert in exactly one cluster; Eq. 7 (no empty cluster) whenever ``E >= G``.
+  **Memory (Eq. 13)**, parameter ``memory``. The paper asks only that every GPU hold ``E * L / G`` experts
+  summed over layers (Eq. 13, in ILP 2), so a cluster may have any size (its Figure 10 has a hot expert
+  alone on a GPU in one layer). That is ``memory="total"``: ILP 1 with clusters of 1 to ``E - G + 1``
+  experts (capped by ``slots_per_gpu``), then Eq. 13 in ILP 2. Megatron-LM's, vLLM's and SGLang's EP need
+  the same experts on every GPU in every layer, so the default is ``memory="layer"``: clusters of
+  ``floor(E / G)`` to ``ceil(E / G)`` experts (:func:`cluster_sizes`), ``E / G`` each when ``G`` divides
+  ``E``; Eq. 13 then holds by itself when ``G | E``, and ILP 2 rotates the larger clusters otherwise.
+  When ``G`` does not divide ``E * L`` Eq. 13 cannot hold exactly: each GPU gets ``floor`` to ``ceil`` of
+  ``E * L / G`` (:func:`memory_totals`). With one layer the two modes are the same program.
   Three additions change no optimum: clusters are ordered by their smallest expert id
   (``x[c, e] <= sum_{e' < e} x[c - 1, e']``, removing the ``G!`` relabellings); a valid cut
   ``sum_c d_c >= LB`` (:func:`_ilp1_lower_bound`: integrality of ``T_c`` and the hottest experts), which
   proves most layers optimal at the root; and a warm start (greedy, then swap/move local search).
   **Gap.** The relative gap of Gurobi and HiGHS, ``(O1 - bound) / O1``, cannot close when the optimum is
-  a near-perfect split (``O1`` of a few tokens, bound 0; the common case with many experts), so ILP 1
-  stops at ``(O1 - bound) / max(O1, T_mean) <= mip_gap`` (:func:`ilp1_gap`): the usual relative gap in
-  skewed layers, and "within ``mip_gap`` of a GPU's mean load" in balanced ones.
+  a near-perfect split (``O1`` of a few tokens, bound 0; the common case with many experts), so each layer's
+  solve stops at ``(O1 - bound) / max(O1, T_mean) <= mip_gap`` (:func:`ilp1_gap`): the usual relative gap
+  in skewed layers, and "within ``mip_gap`` of a GPU's mean load" in balanced ones. Params report the
+  worst layer's value of that (``ilp1_gap_vs_mean_load``) and the usual relative gap of the whole ILP 1,
+  ``ilp1_gap = (sum_l O1 - sum_l bound) / sum_l O1`` (``ilp1_bound`` is the summed proven bound).
 - **ILP 2**, over all layers (Eq. 8 chains layer ``l`` to ``l + 1``). Eq. 8 as printed puts the ``max``
   around the whole double sum, where it does nothing; the text ("the maximum communication cost across
   all GPU pairs") makes it a max over GPU pairs of ``C[l, c1, c2] / B[g1, g2]`` for ``c1`` on ``g1`` in
@@ -62,44 +69,43 @@ What we solve, exactly (where the paper is ambiguous, the choice is written down
   Any matching-and-layout solution is realised by GPU permutations (lay out layer 0, then give each
   cluster of layer ``l + 1`` its matched cluster's GPU) and every GPU assignment yields one with the same
   cost, so both optima equal the paper's ILP 2 optimum; the tests check this against brute force over all
-  ``(G!)^L`` assignments. Eq. 13 holds by construction (equal cluster sizes when ``G | E``).
+  ``(G!)^L`` assignments.
+
+  **Eq. 13 in ILP 2.** The program above is first solved without Eq. 13. Its optimum bounds the one with
+  Eq. 13 from below; if it meets Eq. 13 (always, when every cluster has the same size) it is optimal
+  (``"eq13": "held"``). Else a repair swaps two clusters of one layer between two GPUs, each swap
+  lowering the spread of GPU totals and, among those, raising Eq. 8 least (:func:`_balance_totals`); if
+  the result is within ``mip_gap`` of the bound it is kept (``ilp2_method`` ``"dp+swaps"``). Otherwise
+  the MILP is solved with Eq. 13, warm-started from the repair: a GPU's total is carried along the
+  matching chain, ``s[l + 1, c2] = size[l + 1, c2] + s[l, c1]`` where ``a[l, c1, c2] = 1`` (big-M rows
+  with ``M`` the range ``s`` can span at that layer), and Eq. 13 bounds ``s[L - 1, c]``. The tests check
+  both paths against brute force over the ``(G!)^L`` assignments that meet Eq. 13. If no assignment
+  meets it (``memory="total"`` can give one layer sizes that no rotation balances), the policy says so
+  (:class:`PlanError`) and names ``memory="layer"``.
 - **Joint solve.** One program for ILP 1 and 2 would let ILP 2 choose among equally balanced partitions,
   but ``C`` multiplies the ``x`` of two layers (cubic), and the paper solves them in sequence; so do we.
-- **Without a token-level trace** there are no transitions: ILP 1 runs as above and ILP 2, whose
-  objective is then 0 for every assignment, is skipped (cluster ``c`` on GPU ``c``); params say
-  ``"statistics": "load_only"`` and carry a ``"warning"``.
+- **Without a token-level trace** there are no transitions: ILP 1 runs as above and ILP 2's objective
+  is 0 for every assignment, so only Eq. 13 places the clusters (cluster ``c`` on GPU ``c`` when it holds);
+  params say ``"statistics": "load_only"`` and carry a ``"warning"``.
 - **Solver and budget** (:mod:`moebalance.milp`): HiGHS via ``highspy``, one thread, ``random_seed =
   seed``, ``mip_gap`` 0.025 by default (Section 5.1's tolerance, used with Gurobi). ``time_limit`` is the
-  policy's total wall-clock budget in seconds (default 60): ILP 1 gets all of it when ILP 2 goes to the DP,
-  else half; each layer first gets an equal share, then the layers that hit their share are solved
-  again, warm-started, with what the others left; the ILP 2 MILP gets the rest. A stopped solve keeps its
-  best solution and ``"time_limit_hit": true`` is recorded; only then may the plan depend on the
-  machine's speed. Params record ``ilp1_objective`` (``O1`` in tokens, summed over layers),
-  ``ilp2_objective`` (``O2`` in tokens / (GB/s)), the worst proven gap of each ILP, ``ilp2_method`` and
-  the seconds spent.
+  policy's total wall-clock budget in seconds (default 60; ``None`` or ``inf``: no limit): ILP 1 gets 90%
+  of it when ILP 2 goes to the DP, else half; each layer first gets an equal share, then the layers that hit
+  their share are solved again, warm-started, with what the others left; ILP 2 gets the rest. A MILP is
+  not even built when building it would take longer than the time left (:data:`_SECONDS_PER_NONZERO`).
+  A stopped solve keeps its best solution and ``"time_limit_hit": true`` is recorded, with
+  ``ilp1_time_limit_hit`` and ``ilp2_time_limit_hit`` saying which; only then may the plan depend on the
+  machine's speed. Params record ``ilp1_objective`` (``O1`` in tokens, summed over layers) with its bound
+  and gaps, ``ilp2_objective`` (``O2`` in tokens / (GB/s)) with its proven ``ilp2_bound`` and
+  ``ilp2_gap``, ``ilp2_method``, ``eq13`` and ``experts_per_gpu_total`` (the least and most experts a GPU
+  holds over all layers), and the seconds spent.
 
-Measured on the 2-core development machine (highspy 1.15.1, defaults, synthetic token-level traces of
-8 batches x 1024 tokens, ``synthesize(..., seed=0)``):
-
-=============================  ======  ===========  ========  =======  ========  =========  ===========
-model, GPUs                    total   ILP 1        ILP 1     ILP 2    ILP 2     ILP 2      time limit
-                               (s)     (s)          gap       method   (s)       gap        hit
-=============================  ======  ===========  ========  =======  ========  =========  ===========
-Mixtral 8x7B, 1 node x 4       0.47    0.42         0.021     dp       0.02      0          no
-Mixtral 8x7B, 2 nodes x 4      0.33    0.00         0         dp       0.31      0          no
-OLMoE (E = 64, L = 16), 1 x 4  0.49    0.26         0.0005    dp       0.01      0          no
-OLMoE, 1 node x 8              0.68    0.60         0.007     dp       0.04      0          no
-OLMoE, 2 nodes x 4             0.95    0.59         0.007     dp       0.16      0          no
-OLMoE, 1 node x 16             60.2    60.0         0.053     dp       0.14      0          yes (ILP 1)
-OLMoE, 2 nodes x 8             60.2    30.0         0.053     milp     30.0      0.50       yes
-OLMoE, 4 nodes x 4             60.3    30.0         0.053     milp     30.0      0.99       yes
-=============================  ======  ===========  ========  =======  ========  =========  ===========
-
-DeepSeek-V3 (256 experts, 58 layers, 8 nodes x 8, load only): 60.1 s, ILP 1 gap 0.037, limit hit.
-So the paper's setting and 64 experts on up to 8 GPUs are solved to the requested gap in about a second.
-At 16 GPUs (4 experts per GPU) one near-balanced ILP 1 layer stays 5% of a GPU's mean load from its
-proven bound, and ILP 2's MILP (12,870 or 63 million node layouts, beyond the DP) ends at the limit with
-a weak bound: the plan is the best found, and its params say so.
+Solve times and proven gaps for Mixtral-8x7B-like (8 experts, 32 layers) and OLMoE-like (64 experts, 16
+layers) traces on 4 to 16 GPUs, in both memory modes, are measured by ``bench/moetuner_acceptance.py``
+(docs/results/moetuner.md): the Mixtral cases and 64 experts on up to 8 GPUs solve to the requested gap in
+about a second; at 16 GPUs (4 experts per GPU) a near-balanced ILP 1 layer stays a few percent of a GPU's
+mean load from its proven bound, and ILP 2's MILP (12,870 or 63 million node layouts, beyond the DP) ends
+at the limit with a weak bound: the plan is the best found, and its params say so.
 
 Solver choice (ILP 1, same model and warm start, one thread): HiGHS 7.9 s vs OR-Tools CP-SAT 19.0 s for
 OLMoE's 16 layers on 8 GPUs; 0.43 s vs 0.16 s for Mixtral's 32 layers on 4 GPUs; 37.1 s vs 36.8 s on 16
@@ -625,15 +631,14 @@ def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple
             layer, g1, g2 = np.unravel_index(int(np.argmin(change)), change.shape)
         else:
             cost = np.zeros((L, G, G))
-            for layer in range(L):
-                if not np.any(change[layer] < 0):
+            for ly in range(L):
+                if not np.any(change[ly] < 0):
                     continue
-                moved = swap[:, :, gpu[layer]]  # [G(a), G(b), G(c)]: layer's GPUs after swapping a and b
-                if layer > 0:
-                    cost[layer] += pair_cost(layer - 1, gpu[layer - 1], moved) - pair_cost(
-                        layer - 1, gpu[layer - 1], gpu[layer])
-                if layer < L - 1:
-                    cost[layer] += pair_cost(layer, moved, gpu[layer + 1]) - pair_cost(layer, gpu[layer], gpu[layer + 1])
+                moved = swap[:, :, gpu[ly]]  # [G(a), G(b), G(c)]: the layer's GPUs after swapping a and b
+                if ly > 0:
+                    cost[ly] += pair_cost(ly - 1, gpu[ly - 1], moved) - pair_cost(ly - 1, gpu[ly - 1], gpu[ly])
+                if ly < L - 1:
+                    cost[ly] += pair_cost(ly, moved, gpu[ly + 1]) - pair_cost(ly, gpu[ly], gpu[ly + 1])
             cost = np.where(change < 0, cost, np.inf)
             best = np.flatnonzero(cost.ravel() <= cost.min() + 1e-12 * max(1.0, abs(cost.min())))
             layer, g1, g2 = np.unravel_index(int(best[np.argmin(change.ravel()[best])]), change.shape)
@@ -642,9 +647,10 @@ def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple
     return None
 
 
-#: HiGHS takes about this many seconds per non-zero to load a model (measured: 2-core machine, highspy 1.15);
-#: ILP 2's MILP is not built when loading it alone would take more than the time left.
-_SECONDS_PER_NONZERO = 3e-7
+#: Seconds per (estimated) non-zero to build ILP 2's MILP and hand it to HiGHS: 0.6-1.3 microseconds measured
+#: on the 2-core machine (highspy 1.15; 2 x 8, 4 x 4 and 8 x 8 GPUs). The MILP is not built when that alone
+#: would take longer than the time left; the best assignment at hand is kept and the limit reported as hit.
+_SECONDS_PER_NONZERO = 1.5e-6
 
 
 def _milp_nonzeros(L: int, G: int, N: int, use_nodes: bool, chained: bool) -> int:
