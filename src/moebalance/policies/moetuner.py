@@ -661,14 +661,16 @@ def _milp_nonzeros(L: int, G: int, N: int, use_nodes: bool, chained: bool) -> in
 
 def _solve_milp(C: np.ndarray, cluster: Cluster, *, time_limit: float | None, mip_gap: float, seed: int,
                 sizes: np.ndarray | None = None, totals: tuple[int, int] | None = None,
-                start: np.ndarray | None = None) -> tuple[np.ndarray, MilpResult]:
+                start: np.ndarray | None = None, lower_bound: float = 0.0) -> tuple[np.ndarray, MilpResult]:
     """ILP 2 as one MILP over all layers (the matching reformulation of :func:`assign_clusters`).
 
     With ``sizes int [L, G]`` and ``totals`` the program also has Eq. 13: the experts of the GPU that holds
     cluster ``c`` of layer ``l``, summed over layers ``0..l``, are carried along the matching chain,
     ``s[l + 1, c2] = sizes[l + 1, c2] + s[l, c1]`` where ``a[l, c1, c2] = 1`` (big-M rows, ``M`` the range
     ``s`` can span), and ``totals[0] <= s[L - 1, c] <= totals[1]``. ``start int [L, G]`` is a feasible GPU
-    assignment to warm-start from (default: the greedy one, when it meets Eq. 13).
+    assignment to warm-start from (default: the greedy one, when it meets Eq. 13). ``lower_bound`` (in
+    tokens / (GB/s)), a proven bound such as the optimum without Eq. 13, enters as the cut ``sum_l t_l >=
+    lower_bound`` so that HiGHS stops as soon as its incumbent is within the gap of it.
     """
     L, G = C.shape[0] + 1, cluster.num_gpus
     N, M = cluster.num_nodes, cluster.gpus_per_node
@@ -689,6 +691,8 @@ def _solve_milp(C: np.ndarray, cluster: Cluster, *, time_limit: float | None, mi
     m.add_rows(a, 1.0, lower=1.0, upper=1.0)  # Eq. 14-15: a GPU holds one cluster per layer, so a is a
     m.add_rows(a.transpose(0, 2, 1), 1.0, lower=1.0, upper=1.0)  # perfect matching between layers
     ls = np.broadcast_to(np.arange(L - 1)[:, None, None], a.shape)
+    if lower_bound > 0:
+        m.add_rows(t[None, :], 1.0, lower=lower_bound / scale * (1.0 - 1e-9))
     parts: dict[str, np.ndarray] = {}
     if use_nodes:
         Y = m.add_vars((L, G, N))  # Y[l, c, n]: cluster c of layer l is on node n
@@ -871,7 +875,7 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
         if balanced is not None:
             return Ilp2Solution(balanced, 0.0, 0.0, "swaps", hit, 0.0, "enforced")
         kind = "milp"
-    exact_bound = bound if not hit else 0.0  # the optimum without Eq. 13 bounds the one with it
+    exact_bound = bound  # the optimum without Eq. 13, or a proven bound on it, bounds the one with it
     repaired = _balance_totals(sizes, gpu, totals, C, cluster)
     if repaired is not None:
         obj = ilp2_objective(C, repaired, cluster)
@@ -888,7 +892,7 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
         return Ilp2Solution(repaired, obj, _rel_gap(obj, exact_bound), f"{kind}+swaps", True, exact_bound,
                             "enforced")
     gpu2, res = _solve_milp(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed, sizes=sizes, totals=totals,
-                            start=gpu if repaired is None else repaired)
+                            start=gpu if repaired is None else repaired, lower_bound=exact_bound)
     obj = ilp2_objective(C, gpu2, cluster)
     bound2 = max(res.bound, exact_bound)
     return Ilp2Solution(gpu2, obj, _rel_gap(obj, bound2), "milp", hit or res.time_limit_hit, bound2, "enforced")
