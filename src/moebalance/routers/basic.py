@@ -53,16 +53,25 @@ def _uniform_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generato
 
 
 def _replica_index_round_robin(trace: RoutingTrace, layer: int, reps: np.ndarray) -> np.ndarray:
-    """``int64 [T, K]``: the occurrence number of each (token, pick) among its (batch, expert), mod ``r``."""
+    """``int64 [T, K]``: the occurrence number of each (token, pick) among its (batch, expert), mod ``r``.
+
+    Only picks of experts with two or more replicas are numbered (the others are 0 mod 1): an expert's
+    picks are all in that subset or all out of it, so the numbers are the same as over all picks.
+    """
     ids = trace.topk_ids[:, layer, :]
-    key = (trace.batch[:, None] * trace.num_experts + ids).ravel()
+    out = np.zeros(ids.shape, dtype=np.int64)
+    multi = reps[ids] > 1
+    if not multi.any():
+        return out
+    key = (trace.batch[:, None] * trace.num_experts + ids)[multi]  # row-major (token, pick) order
     order = np.argsort(key, kind="stable")
     sorted_key = key[order]
     is_start = np.concatenate(([True], sorted_key[1:] != sorted_key[:-1]))
     start_pos = np.maximum.accumulate(np.where(is_start, np.arange(key.size), 0))
     occurrence = np.empty(key.size, dtype=np.int64)
     occurrence[order] = np.arange(key.size) - start_pos
-    return occurrence.reshape(ids.shape) % reps[ids]
+    out[multi] = occurrence % reps[ids[multi]]
+    return out
 
 
 def tokens_to_gpus(plan: Placement, trace: RoutingTrace,

@@ -66,17 +66,8 @@ def weighted_index(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
     which may be padding or outside the locality tier. Example: ``weights [1, 3, 0]``: ``u = 0.2`` -> 0,
     ``u = 0.5`` -> 1, ``u = 1.0`` -> 1.
     """
-    w = np.asarray(weights, dtype=np.float64)
-    R = w.shape[-1]
-    cum = np.cumsum(w, axis=-1)
-    picked = (cum <= np.asarray(u, dtype=np.float64)[..., None] * cum[..., -1:]).sum(axis=-1)
-    last_positive = R - 1 - np.argmax((w > 0)[..., ::-1], axis=-1)
-    return np.minimum(picked, last_positive)
-
-
-def _weighted_choice(weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Index along the last axis drawn with probability proportional to ``weights [..., R]`` (rows > 0)."""
-    return weighted_index(weights, rng.random(weights.shape[:-1]))
+    cum, last_positive = _draw_table(np.asarray(weights, dtype=np.float64))
+    return _draw(cum, last_positive, np.asarray(u, dtype=np.float64))
 
 
 def _wrr_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -108,9 +99,25 @@ def _wrr_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -
     return out
 
 
+def _draw_table(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For :func:`_draw`: the cumulative weights ``[..., R]`` and each row's last positive column ``[...]``.
+
+    Computed once per (GPU,) expert instead of once per token; the same numbers as :func:`weighted_index`.
+    """
+    R = weights.shape[-1]
+    return np.cumsum(weights, axis=-1), R - 1 - np.argmax((weights > 0)[..., ::-1], axis=-1)
+
+
+def _draw(cum: np.ndarray, last_positive: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """:func:`weighted_index` of the rows whose :func:`_draw_table` is ``cum, last_positive``, picked by ``u``."""
+    picked = (cum <= u[..., None] * cum[..., -1:]).sum(axis=-1)
+    return np.minimum(picked, last_positive)
+
+
 def _wrr_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
-    prob = replica_weights(plan)
-    return tokens_to_gpus(plan, trace, lambda layer, ids, r: _weighted_choice(prob[layer, ids], rng))
+    cum, last_positive = _draw_table(replica_weights(plan))  # [L, E, R], [L, E]
+    return tokens_to_gpus(plan, trace, lambda layer, ids, r: _draw(cum[layer, ids], last_positive[layer, ids],
+                                                                    rng.random(ids.shape)))
 
 
 def _locality_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -121,23 +128,25 @@ def _locality_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generat
 def _locality_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
     gpn = plan.cluster.gpus_per_node
     prob = replica_weights(plan)
-    src = trace.src_gpu[:, None, None]
-
     replica_gpus = plan.replica_gpus()
+    src = trace.src_gpu[:, None]  # [T, 1]
+    here = np.arange(plan.num_gpus)[:, None, None]  # the token's GPU, [G, 1, 1]
 
     def pick(layer: int, ids: np.ndarray, reps: np.ndarray) -> np.ndarray:
-        gpus = replica_gpus[layer, ids]  # [T, K, R]
+        # the choice depends on the token only through (its GPU, its expert): tables [G, E, R] first
+        gpus = replica_gpus[layer][None]  # [1, E, R]
         valid = gpus >= 0
-        same_gpu = gpus == src
-        same_node = valid & (gpus // gpn == src // gpn)
-        w = prob[layer, ids]
+        same_gpu = gpus == here
+        same_node = valid & (gpus // gpn == here // gpn)
+        w = prob[layer][None]
         tier = np.where(same_node.any(axis=-1, keepdims=True), same_node, valid)
         tw = np.where(tier, w, 0.0)
         # a tier whose weights are all zero falls back to equal weights within the tier
         tw = np.where(tw.sum(axis=-1, keepdims=True) > 0, tw, tier.astype(np.float64))
-        choice = _weighted_choice(tw, rng)
-        own = same_gpu.any(axis=-1)
-        return np.where(own, np.argmax(same_gpu, axis=-1), choice)
+        cum, last_positive = _draw_table(tw)
+        choice = _draw(cum[src, ids], last_positive[src, ids], rng.random(ids.shape))
+        own = same_gpu.any(axis=-1)[src, ids]
+        return np.where(own, np.argmax(same_gpu, axis=-1)[src, ids], choice)
 
     return tokens_to_gpus(plan, trace, pick)
 

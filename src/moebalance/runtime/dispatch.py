@@ -113,29 +113,27 @@ def build_dispatch(dest_TK: np.ndarray, ids_TK: np.ndarray, weights_TK: np.ndarr
     ``slot_of_E [E]`` this rank's slot for each expert (``-1`` where it holds none).
     """
     G = len(tokens_per_rank)
-    T, K = dest_TK.shape
+    T = dest_TK.shape[0]
     offsets = np.concatenate(([0], np.cumsum(tokens_per_rank))).astype(np.int64)
     assert offsets[-1] == T, (offsets, T)
     src_T = np.repeat(np.arange(G, dtype=np.int64), tokens_per_rank)
     lo, hi = int(offsets[rank]), int(offsets[rank + 1])
 
-    # distinct (token, destination) copies, sorted by token then destination
-    valid = dest_TK >= 0
-    tok_of_pick = np.broadcast_to(np.arange(T, dtype=np.int64)[:, None], (T, K))[valid]
-    copies = np.unique(tok_of_pick * G + dest_TK[valid])
-    copy_tok, copy_dst = copies // G, copies % G
-    copy_src = src_T[copy_tok]
-
-    mine = (copy_src == rank) & (copy_dst != rank)
-    by_dest = np.lexsort((copy_tok[mine], copy_dst[mine]))
-    send_token = copy_tok[mine][by_dest] - lo
-    send_counts = np.bincount(copy_dst[mine], minlength=G)
-    incoming = (copy_dst == rank) & (copy_src != rank)
-    recv_tok = copy_tok[incoming]  # ascending token = by source rank, then token
-    recv_counts = np.bincount(copy_src[incoming], minlength=G)
-    local_token = copy_tok[(copy_dst == rank) & (copy_src == rank)] - lo
-
+    # a token goes once to each distinct GPU serving any of its picks: no sort needed, boolean tables suffice
     here = dest_TK == rank
+    here_T = here.any(axis=1)
+    local_token = np.flatnonzero(here_T[lo:hi])
+    here_T[lo:hi] = False
+    recv_tok = np.flatnonzero(here_T)  # ascending token = by source rank, then token
+    recv_counts = np.bincount(src_T[recv_tok], minlength=G)
+    own = dest_TK[lo:hi]
+    tok, k = np.nonzero(own >= 0)
+    need_GT = np.zeros((G, hi - lo), dtype=bool)  # this rank's token t has a pick served on GPU g
+    need_GT[own[tok, k], tok] = True
+    need_GT[rank] = False  # served here: not sent
+    send_dst, send_token = np.nonzero(need_GT)  # by destination rank, then token
+    send_counts = np.bincount(send_dst, minlength=G)
+
     pick_tok, pick_k = np.nonzero(here)
     pick_slot = slot_of_E[ids_TK[pick_tok, pick_k]]
     assert np.all(pick_slot >= 0), "a pick was routed to a rank that holds no copy of its expert"
