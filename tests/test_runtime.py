@@ -26,6 +26,7 @@ from moebalance.runtime import (
     ExpertParallelMoE,
     ExpertWeights,
     GateConfig,
+    all_gather_v,
     build_dispatch,
     dense_moe,
     exchange_counts,
@@ -132,6 +133,7 @@ def _cases(world_size: int) -> list[dict[str, Any]]:
         variants: list[tuple[str, dict[str, Any]]] = [
             ("p2p", {"impl": "p2p"}), ("gelu", {"activation": "gelu"}),
             ("drop", {"capacity": 0.5, "overflow": "drop"}), ("spill", {"capacity": 0.5, "overflow": "spill"}),
+            ("fixed", {"max_tokens": max(TOKENS[world_size])}),  # one fixed-size routing gather, no count round
         ]
         for label, extra in variants:
             for local_first in (False, True):
@@ -171,7 +173,7 @@ def _run_cases(rank: int, world_size: int, cases: list[dict[str, Any]], pairs: l
         full = ExpertWeights(*(t.to(device) for t in _experts(case.get("activation", "swiglu")).tensors()))
         gcfg = GateConfig(top_k=K, capacity_factor=case.get("capacity"), overflow=case.get("overflow", "drop"))
         cfg = EPConfig(router=case["router"], router_seed=SEED, local_first=case["local_first"],
-                       a2a_impl=case.get("impl", "auto"))
+                       a2a_impl=case.get("impl", "auto"), max_tokens_per_rank=case.get("max_tokens"))
         layer = ExpertParallelMoE.from_full(plan, LAYER, gate.to(device), full, gcfg, cfg, group=group)
         res = layer(x, step=0)
         s = res.stats
@@ -195,7 +197,15 @@ def _run_cases(rank: int, world_size: int, cases: list[dict[str, Any]], pairs: l
                       "transfers": report.transfers, "out": layer(x, step=0).out.numpy()}
     counts = {impl: exchange_counts(torch.arange(world_size) + 10 * rank, group, impl).tolist()
               for impl in ("native", "p2p")}
-    return {"cases": results, "moves": moves, "counts": counts}
+    # a fixed-size gather with one rank over the bound: every rank raises (none is left in a collective)
+    over = []
+    for bound in (2, 3):
+        try:
+            all_gather_v(torch.arange(rank + 2, dtype=torch.float64), group, max_rows=bound)
+            over.append("")
+        except MoebalanceError as exc:
+            over.append(str(exc))
+    return {"cases": results, "moves": moves, "counts": counts, "over": over}
 
 
 @functools.cache
@@ -283,7 +293,7 @@ def test_expert_parallel_equals_dense_and_simulator(world_size: int, key: tuple[
 
 
 VARIANT_IDS = [(ws, (n, g, lf, v)) for ws, cls in CLUSTERS.items() for n, g in cls for lf in (False, True)
-               for v in ("p2p", "gelu", "drop", "spill")]
+               for v in ("p2p", "gelu", "drop", "spill", "fixed")]
 
 
 @pytest.mark.parametrize(("world_size", "key"), VARIANT_IDS,
@@ -301,7 +311,7 @@ def test_variants_equal_dense(world_size: int, key: tuple[Any, ...]) -> None:
     assert sum(r["dropped"] for r in ranks) == gate.num_dropped
     if variant == "drop":
         assert gate.num_dropped > 0  # capacity 0.5 must bite
-    if variant == "p2p" and isinstance(_plans(nodes, gpn).get("eplb"), Placement):
+    if variant in ("p2p", "fixed") and isinstance(_plans(nodes, gpn).get("eplb"), Placement):
         plain, _ = _case(world_size, (nodes, gpn, "eplb", "random", local_first, "plain"))
         assert all(np.array_equal(a["out"], b["out"]) for a, b in zip(plain, ranks, strict=True))  # same bits
 
@@ -335,6 +345,14 @@ def test_rearrange_moves_exactly_the_new_copies(world_size: int, pair: tuple[Any
     ref, _ = dense_moe(x, gate, _experts(), GateConfig(top_k=K), group_sizes=TOKENS[world_size])
     out = np.concatenate([m["out"] for m in moves])
     torch.testing.assert_close(torch.from_numpy(out), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", sorted(CLUSTERS))
+def test_fixed_size_gather_over_the_bound_raises_on_every_rank(world_size: int) -> None:
+    # rank r sends r + 2 rows: with a bound of 2 rank 1 is over it, and with 3 rank 2 (when there is one)
+    for r in _run()[world_size]:
+        assert r["over"][0] == "rank 1 has 3 tokens but max_tokens_per_rank is 2; raise it or send fewer tokens per forward"
+        assert (r["over"][1] != "") == (world_size > 2)
 
 
 @pytest.mark.parametrize("world_size", sorted(CLUSTERS))

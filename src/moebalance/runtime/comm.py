@@ -138,12 +138,33 @@ def all_to_all_v(x_N: torch.Tensor, send_counts: Sequence[int], recv_counts: Seq
     return pending
 
 
-def all_gather_v(x_N: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-    """Every rank's ``x [N_r, ...]`` (row counts may differ), as a list indexed by rank."""
+def all_gather_v(x_N: torch.Tensor, group: Any = None, max_rows: int | None = None) -> list[torch.Tensor]:
+    """Every rank's ``x [N_r, ...]`` (row counts may differ), as a list indexed by rank.
+
+    Without ``max_rows`` it takes two collectives: the row counts, then the rows padded to the largest.
+    With ``max_rows`` (every rank must pass the same; ``N_r <= max_rows``) it takes one: a fixed
+    ``[max_rows + 1, ...]`` buffer whose first entry carries the row count, as engines with a fixed
+    per-rank token budget do (e.g. CUDA graphs, DeepEP's low-latency mode). Counts ride in ``x``'s dtype, so
+    an integer or float64 ``x`` carries any count; float32 exactly up to 2**24 rows.
+    """
     device = x_N.device
     staged = _staged(group, device)
     src = (x_N.cpu() if staged else x_N).contiguous()
     G = dist.get_world_size(group)
+    if max_rows is not None:
+        rows = src.shape[0]
+        padded = torch.zeros((max_rows + 1, *src.shape[1:]), dtype=src.dtype, device=src.device)
+        # a rank over the budget still takes part (no rank may leave a collective), sending -N: all then raise
+        padded.view(max_rows + 1, -1)[0, 0] = rows if rows <= max_rows else -rows
+        padded[1: min(rows, max_rows) + 1] = src[:max_rows]
+        bufs = [torch.empty_like(padded) for _ in range(G)]
+        dist.all_gather(bufs, padded, group=group)
+        counts = [int(b.view(max_rows + 1, -1)[0, 0].item()) for b in bufs]
+        over = [(r, -c) for r, c in enumerate(counts) if c < 0]
+        if over:
+            raise InputError(f"rank {over[0][0]} has {over[0][1]} tokens but max_tokens_per_rank is {max_rows}; "
+                             "raise it or send fewer tokens per forward")
+        return [b[1:c + 1].to(device) for b, c in zip(bufs, counts, strict=True)]
     n = torch.tensor([src.shape[0]], dtype=torch.int64, device=src.device)
     sizes = [torch.empty_like(n) for _ in range(G)]
     dist.all_gather(sizes, n, group=group)

@@ -174,8 +174,11 @@ class Dispatcher:
     def rank(self) -> int:
         return 0
 
-    def gather_routing(self, routing_TX: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``[T_r, X]`` routing rows, by rank."""
+    def gather_routing(self, routing_TX: torch.Tensor, max_rows: int | None = None) -> list[torch.Tensor]:
+        """Every rank's ``[T_r, X]`` routing rows, by rank (``max_rows``: a fixed per-rank bound, one collective)."""
+        if max_rows is not None and routing_TX.shape[0] > max_rows:
+            raise InputError(f"rank 0 has {routing_TX.shape[0]} tokens but max_tokens_per_rank is {max_rows}; "
+                             "raise it or send fewer tokens per forward")
         return [routing_TX]
 
     def dispatch(self, x_TH: torch.Tensor, meta: DispatchMeta, *, async_op: bool = False) -> Pending:
@@ -211,8 +214,8 @@ class AllToAllDispatcher(Dispatcher):
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
-    def gather_routing(self, routing_TX: torch.Tensor) -> list[torch.Tensor]:
-        return all_gather_v(routing_TX, self.group)
+    def gather_routing(self, routing_TX: torch.Tensor, max_rows: int | None = None) -> list[torch.Tensor]:
+        return all_gather_v(routing_TX, self.group, max_rows)
 
     def dispatch(self, x_TH: torch.Tensor, meta: DispatchMeta, *, async_op: bool = False) -> Pending:
         rows = x_TH.index_select(0, meta.send_token)

@@ -63,11 +63,17 @@ class EPConfig:
     dispatcher: str = "all_to_all"
     #: All-to-all implementation: ``auto``, ``native`` or ``p2p`` (see :mod:`moebalance.runtime.comm`).
     a2a_impl: A2AImpl = "auto"
+    #: A bound on any rank's tokens per forward, the same on every rank: the routing is then gathered in one
+    #: collective of fixed size instead of two (counts, then rows); ``None``: no bound, two collectives.
+    max_tokens_per_rank: int | None = None
 
     def __post_init__(self) -> None:
         get_router(self.router)  # raises on an unknown name, listing the valid ones
         if isinstance(self.router_seed, bool) or not isinstance(self.router_seed, int) or self.router_seed < 0:
             raise InputError(f"router_seed ({self.router_seed!r}) must be a non-negative integer")
+        m = self.max_tokens_per_rank
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise InputError(f"max_tokens_per_rank ({m!r}) must be a non-negative integer, or None for no bound")
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +269,7 @@ class ExpertParallelMoE:
         t0 = time.perf_counter()
         encoded = torch.where(gate.kept, gate.topk_ids, -1 - gate.topk_ids).double()
         routing = torch.cat([encoded, gate.topk_weights.double()], dim=1)
-        parts = [p.cpu().numpy() for p in self.dispatcher.gather_routing(routing)]
+        parts = [p.cpu().numpy() for p in self.dispatcher.gather_routing(routing, self.config.max_tokens_per_rank)]
         tokens_per_rank = [p.shape[0] for p in parts]
         allr = np.concatenate(parts) if parts else np.zeros((0, 2 * self.gate_config.top_k))
         K = self.gate_config.top_k
