@@ -12,7 +12,7 @@ experts, softmax top-2, tokens drawn so that the gate's routing is Zipf-skewed (
     It reuses the runtime's dispatcher, compute and merge, so its rows meet the same matmuls and its output
     is checked to be bit-identical to the replica-aware layer's.
 (b) **replica-aware dispatch** (:class:`moebalance.runtime.ExpertParallelMoE`) on the *same* plan with each
-    router: every rank all-gathers the ``[T_r, 2K]`` routing and runs the router and
+    router: every rank all-gathers the ``[T_r, 2K]`` float32 routing and runs the router and
     :func:`~moebalance.runtime.build_dispatch` on the whole batch. Plan, tokens, rows sent and compute are
     identical to (a), so the difference is the routing and dispatch bookkeeping: the overhead.
 (c) separately, a plan **with** replicas (EPLB, 2 extra slots per rank, planned on other tokens of the same
@@ -65,6 +65,8 @@ WORLD = 4
 NODES, GPUS_PER_NODE = 2, 2  # 2 x 2, so that the locality router has a node tier
 TOP_K = 2
 ROUTER_NAMES = sorted(ROUTERS)
+#: The contiguous plan with ``EPConfig(max_tokens_per_rank=T_r)``: one fixed-size routing gather.
+FIXED = "contiguous-fixed"
 PLAIN_STAGES = ("gate", "static map + row metadata (host)", "count all-to-all", "dispatch all-to-all",
                 "expert compute", "combine all-to-all", "merge")
 AWARE_STAGES = ("gate", "all-gather routing", "router (host)", "build_dispatch (host)", "dispatch all-to-all",
@@ -84,10 +86,13 @@ NOTES = """
   run to run. Most of the cost is the all-gather of the routing (two collectives: the sizes, then the
   `[T_r, 2K]` rows) against plain's single count all-to-all; the router and `build_dispatch` on the
   whole batch take a few ms.
-- Where the layer is latency-bound (the last setting: 256 tokens per rank, a layer of a few tens of ms) the
-  fixed cost of that extra collective round dominates and the overhead is far above 5%: replica-aware
+- Where the layer is latency-bound (the last setting: 256 tokens per rank, a layer of about 20 ms) the
+  fixed cost of the extra collective round dominates and the overhead is far above 5%: replica-aware
   dispatch, as built (every rank routes the whole batch after an all-gather), pays off on batches of
-  thousands of tokens per rank, not on tiny ones.
+  thousands of tokens per rank, not on tiny ones. `EPConfig(max_tokens_per_rank=N)`, for engines that
+  bound the tokens per rank anyway (CUDA graphs, DeepEP's low-latency mode), gathers the routing in one
+  fixed-size collective instead of two (sizes, then rows): the row "routing gathered in one collective"
+  shows what that saves (on the small setting about half of the overhead).
 - With replicas (EPLB) the picks per rank become nearly equal, but on 2 shared cores the total CPU work,
   not the slowest rank, bounds the layer time, so the measured gain (a few per cent) understates what
   separate GPUs would see: the picks-per-rank columns show the balance itself (the hot rank's 9,150 or
@@ -190,8 +195,9 @@ def staged_forward(layer: ExpertParallelMoE, x_TH: torch.Tensor, step: int,
     gate = topk_gating(x_TH @ layer.gate_HE, layer.gate_config, selection_bias_E=layer.selection_bias_E)
     clock.mark("gate")
     K = layer.gate_config.top_k
-    encoded = torch.where(gate.kept, gate.topk_ids, -1 - gate.topk_ids).double()
-    parts = [p.numpy() for p in layer.dispatcher.gather_routing(torch.cat([encoded, gate.topk_weights.double()], 1))]
+    encoded = torch.where(gate.kept, gate.topk_ids, -1 - gate.topk_ids).float()
+    routing = torch.cat([encoded, gate.topk_weights.float()], 1)
+    parts = [p.numpy() for p in layer.dispatcher.gather_routing(routing, layer.config.max_tokens_per_rank)]
     tokens_per_rank = [p.shape[0] for p in parts]
     allr = np.concatenate(parts)
     clock.mark("all-gather routing")
@@ -240,13 +246,16 @@ def _worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     plans = {name: Placement.from_json_dict(doc) for name, doc in spec["plans"].items()}
     layers = {(p, r): ExpertParallelMoE.from_full(plans[p], 0, gate, full, gcfg, EPConfig(router=r))
               for p in plans for r in ROUTER_NAMES}
+    # the routing gathered in one fixed-size collective (every rank has Tr tokens: the bound is known)
+    layers[(FIXED, "uniform")] = ExpertParallelMoE.from_full(
+        plans["contiguous"], 0, gate, full, gcfg, EPConfig(router="uniform", max_tokens_per_rank=Tr))
     plain = PlainEP(layers[("contiguous", "uniform")])
 
     # correctness first: the baseline and the staged mirror compute exactly what the layer computes
     ref = plain.forward(x)
     for (p, r), layer in layers.items():
         res = layer.forward(x, step=0)
-        if p == "contiguous" and not torch.equal(res.out, ref):
+        if p in ("contiguous", FIXED) and not torch.equal(res.out, ref):
             raise AssertionError(f"plain EP and the replica-aware layer ({r}) differ on the same plan")
         if not torch.equal(staged_forward(layer, x, 0, {}), res.out):
             raise AssertionError(f"the staged mirror of the layer ({p}, {r}) differs from the layer")
@@ -380,6 +389,12 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             lines.append(f"| replica-aware | {r} | {_ms(float(np.median(t)))} | {diff * 1e3:+.1f} ms | "
                          f"{100 * diff / base:+.1f}% | {book * 1e3:+.1f} ms | {100 * book / base:+.1f}% | "
                          f"{loads[f'contiguous/{r}']} |")
+        t = layer[f"{FIXED}/uniform"]
+        diff = float(np.median(t - layer["plain"]))
+        book = sum(st[f"{FIXED}/uniform"][s] for s in AWARE_STAGES[1:4]) - plain_only
+        lines.append(f"| replica-aware, routing gathered in one collective (`max_tokens_per_rank`) | uniform | "
+                     f"{_ms(float(np.median(t)))} | {diff * 1e3:+.1f} ms | {100 * diff / base:+.1f}% | "
+                     f"{book * 1e3:+.1f} ms | {100 * book / base:+.1f}% | {loads[f'{FIXED}/uniform']} |")
         lines += [
             "",
             "*End to end*: median over iterations of the difference to plain in the same iteration. *Bookkeeping "
@@ -409,9 +424,10 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             "a column does not add up to the layer time.",
             "",
         ]
-        shown = ["plain", *(f"contiguous/{r}" for r in ROUTER_NAMES), "eplb/locality"]
+        shown = ["plain", *(f"contiguous/{r}" for r in ROUTER_NAMES), f"{FIXED}/uniform", "eplb/locality"]
         stage_names = list(dict.fromkeys([*PLAIN_STAGES[:2], *AWARE_STAGES[1:4], *PLAIN_STAGES[2:]]))
-        lines.append("| stage | " + " | ".join(s.replace("contiguous/", "").replace("/", " ") for s in shown) + " |")
+        heads = [s.replace(f"{FIXED}/", "one-collective gather, ").replace("contiguous/", "").replace("/", " ") for s in shown]
+        lines.append("| stage | " + " | ".join(heads) + " |")
         lines.append("|---|" + "---|" * len(shown))
         for st in stage_names:
             cells = [_ms(res["stages"][n][st]) if st in res["stages"][n] else "-" for n in shown]

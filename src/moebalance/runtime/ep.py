@@ -72,8 +72,8 @@ class EPConfig:
         if isinstance(self.router_seed, bool) or not isinstance(self.router_seed, int) or self.router_seed < 0:
             raise InputError(f"router_seed ({self.router_seed!r}) must be a non-negative integer")
         m = self.max_tokens_per_rank
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
-            raise InputError(f"max_tokens_per_rank ({m!r}) must be a non-negative integer, or None for no bound")
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < 2**24):
+            raise InputError(f"max_tokens_per_rank ({m!r}) must be an integer in [0, 2**24), or None for no bound")
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +267,9 @@ class ExpertParallelMoE:
         gate = topk_gating(x_TH @ self.gate_HE, self.gate_config, selection_bias_E=self.selection_bias_E)
 
         t0 = time.perf_counter()
-        encoded = torch.where(gate.kept, gate.topk_ids, -1 - gate.topk_ids).double()
-        routing = torch.cat([encoded, gate.topk_weights.double()], dim=1)
+        # float32 carries the ids exactly (below 2**24) and the weights as the experts use them (float32)
+        encoded = torch.where(gate.kept, gate.topk_ids, -1 - gate.topk_ids).float()
+        routing = torch.cat([encoded, gate.topk_weights.float()], dim=1)
         parts = [p.cpu().numpy() for p in self.dispatcher.gather_routing(routing, self.config.max_tokens_per_rank)]
         tokens_per_rank = [p.shape[0] for p in parts]
         allr = np.concatenate(parts) if parts else np.zeros((0, 2 * self.gate_config.top_k))
