@@ -14,12 +14,14 @@ from hypothesis import given, settings
 from moebalance.cluster import Cluster
 from moebalance.errors import BudgetError, InputError, PlanError
 from moebalance.load import LoadMatrix
+from moebalance.milp import Milp, MilpResult
 from moebalance.plan import Placement
 from moebalance.policies import Budget, make_plan
 from moebalance.policies.moetuner import (
     _balance_totals,
     _bottleneck_value,
     _ilp1_lower_bound,
+    _solve_milp,
     assign_clusters,
     cluster_experts,
     cluster_sizes,
@@ -485,3 +487,139 @@ def test_time_limit_keeps_the_best_solution() -> None:
     assert plan.params["ilp1_time_limit_hit"] is True
     assert np.all(plan.slots() == 8)
     json.dumps(plan.params, allow_nan=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# review: Eq. 13 against brute force, bounds and gaps, repair, random policies
+# --------------------------------------------------------------------------------------------------
+
+EQ13_TOPOLOGIES = [(1, 2), (2, 1), (1, 3), (3, 1), (1, 4), (2, 2), (4, 1)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(EQ13_TOPOLOGIES), st.integers(2, 3), st.integers(0, 2**31), st.sampled_from([5, 50]))
+def test_ilp2_with_eq13_matches_brute_force_random(topology: tuple[int, int], L: int, seed: int, high: int) -> None:
+    nodes, gpn = topology
+    G = nodes * gpn
+    rng = np.random.default_rng(seed)
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn, inter_node_bandwidth=25.0)
+    E = G + int(rng.integers(0, 2 * G))
+    C = rng.integers(0, high, size=(L - 1, G, G)).astype(np.float64)
+    sizes = _random_sizes(rng, L, G, E)
+    totals = memory_totals(E, L, G)
+    best = _brute_ilp2(C, cluster, sizes, totals)
+    if not np.isfinite(best):
+        with pytest.raises(PlanError, match=r"Eq\. 13 cannot hold.*memory='layer'") as info:
+            assign_clusters(C, cluster, mip_gap=0.0, sizes=sizes, totals=totals)
+        assert "\n" not in str(info.value)
+        return
+    # the whole path (optimum without Eq. 13, repair, MILP) and the Eq. 13 MILP alone both reach the optimum
+    sol = assign_clusters(C, cluster, mip_gap=0.0, sizes=sizes, totals=totals)
+    tot = gpu_totals(sizes, sol.gpu_of_cluster)
+    assert tot.min() >= totals[0] and tot.max() <= totals[1]
+    assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert sol.objective == pytest.approx(ilp2_objective(C, sol.gpu_of_cluster, cluster), rel=1e-12, abs=1e-12)
+    assert 0.0 <= sol.bound <= sol.objective + 1e-9 and 0.0 <= sol.gap <= 1e-9
+    gpu, res = _solve_milp(C, cluster, time_limit=None, mip_gap=0.0, seed=0, sizes=sizes, totals=totals)
+    assert np.all(np.sort(gpu, axis=1) == np.arange(G))
+    assert ilp2_objective(C, gpu, cluster) == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert res.bound <= best + 1e-9
+
+
+def test_ilp2_bound_of_a_stopped_milp_is_clamped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # HiGHS stopped before its root LP reports a dual bound of -inf: the bound is 0 (t >= 0), the gap 1
+    import importlib
+
+    mt = importlib.import_module("moebalance.policies.moetuner")  # the package's attribute is the function
+    cluster = Cluster(num_nodes=2, gpus_per_node=2)
+    C = np.random.default_rng(0).integers(1, 9, size=(2, 4, 4)).astype(np.float64)
+
+    def stopped(C_: np.ndarray, cluster_: Cluster, **_: object) -> tuple[np.ndarray, MilpResult]:
+        gpu = np.tile(np.arange(4), (3, 1))
+        return gpu, MilpResult(x=np.zeros(0), objective=ilp2_objective(C_, gpu, cluster_), bound=-math.inf,
+                               status="time_limit", seconds=0.0)
+
+    monkeypatch.setattr(mt, "_solve_milp", stopped)
+    sol = assign_clusters(C, cluster, method="milp")
+    assert sol.bound == 0.0 and sol.gap == 1.0 and sol.time_limit_hit
+
+
+def test_milp_result_gap_and_violation() -> None:
+    # no point found: the gap is inf, not nan
+    assert MilpResult(x=np.full(2, np.nan), objective=math.inf, bound=0.0, status="no_solution", seconds=0.0).gap == math.inf
+    m = Milp()
+    x = m.add_vars(2)
+    y = m.add_vars(1, ub=5.0, integer=False)
+    m.add_rows(np.array([x[0], x[1], y[0]]), np.array([1.0, 1.0, -1.0]), upper=0.0)  # x0 + x1 <= y
+    assert m.violation(np.array([1.0, 1.0, 2.0])) == 0.0
+    assert m.violation(np.array([1.0, 1.0, 1.5])) == pytest.approx(0.5)  # a row
+    assert m.violation(np.array([0.5, 0.0, 1.0])) == pytest.approx(0.5)  # integrality
+    assert m.violation(np.array([0.0, 0.0, 6.0])) == pytest.approx(1.0)  # a bound
+    with pytest.raises(AssertionError, match="warm start"):
+        m.solve(time_limit=None, mip_gap=0.0, seed=0, start=np.array([1.0, 1.0, 1.0]))
+
+
+def test_balance_totals_escapes_a_local_minimum() -> None:
+    # no single swap lowers the spread of the totals [9, 11, 9, 11] here, yet an assignment with 10 each exists
+    sizes = np.array([[2, 2, 3, 3], [3, 4, 1, 2], [2, 2, 3, 3], [4, 2, 2, 2]])
+    start = np.array([[1, 3, 2, 0], [3, 1, 0, 2], [2, 3, 0, 1], [3, 2, 1, 0]])
+    out = _balance_totals(sizes, start, (10, 10))
+    assert out is not None and gpu_totals(sizes, out).tolist() == [10, 10, 10, 10]
+    assert np.all(np.sort(out, axis=1) == np.arange(4))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 4), st.integers(1, 3), st.integers(2, 9), st.integers(0, 2**31),
+       st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 3), (2, 2), (2, 3), (3, 2), (4, 1)]),
+       st.sampled_from(["layer", "total"]), st.booleans(), st.sampled_from([None, 1e-4]))
+def test_policy_properties(L: int, K: int, E: int, seed: int, topology: tuple[int, int], memory: str,
+                           with_trace: bool, time_limit: float | None) -> None:
+    rng = np.random.default_rng(seed)
+    nodes, gpn = topology
+    G = nodes * gpn
+    K = min(K, E)
+    T = 30
+    p = rng.dirichlet(np.full(E, 0.3), size=L)  # a skewed router per layer
+    ids = np.stack([np.stack([rng.choice(E, size=K, replace=False, p=p[layer]) for layer in range(L)])
+                    for _ in range(T)])
+    trace = RoutingTrace(ids, rng.integers(0, G, size=T), np.zeros(T, dtype=np.int64), num_experts=E)
+    counts = trace.counts()
+    if L > 1 and rng.random() < 0.2:  # an all-zero layer
+        counts = counts.copy()
+        counts[:, 0] = 0
+        with_trace = False
+    load = LoadMatrix(counts, trace) if with_trace else LoadMatrix(counts)
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn, inter_node_bandwidth=25.0)
+    slots = -(-E // G) + int(rng.integers(0, 3))
+    budget = Budget(slots_per_gpu=slots) if rng.random() < 0.5 else Budget(replicas_per_gpu=0)
+    try:
+        plan, _ = make_plan("moetuner", load, cluster, budget, memory=memory, time_limit=time_limit or math.inf)
+    except PlanError as err:  # Eq. 13 cannot hold for ILP 1's clusters (memory="total" only)
+        assert memory == "total" and "memory='layer'" in str(err) and "\n" not in str(err)
+        return
+    par = plan.params
+    json.dumps(par, allow_nan=False)
+    budget.check(plan)
+    assert np.all(plan.replica_counts() == 1)
+    lo, hi = memory_totals(E, L, G)
+    tot = plan.slots().sum(axis=0)
+    assert lo <= tot.min() and tot.max() <= hi and par["experts_per_gpu_total"] == [int(tot.min()), int(tot.max())]
+    if memory == "layer":
+        assert plan.slots().min() >= E // G and plan.slots().max() <= -(-E // G)
+    for key in ("ilp1_gap", "ilp1_gap_vs_mean_load", "ilp2_gap"):
+        assert par[key] is None or 0.0 <= par[key] <= 1.0, key
+    assert 0.0 <= par["ilp1_bound"] <= par["ilp1_objective"] + 1e-9
+    P, R = routing_statistics(load)
+    gpu = plan.copies.argmax(axis=2)
+    o1 = sum(ilp1_objective(P[:, layer], gpu[layer], G) for layer in range(L))
+    assert par["ilp1_objective"] == pytest.approx(o1, abs=1e-6)
+    if R is None:
+        assert par["ilp2_objective"] is None and par["statistics"] == "load_only"
+    else:
+        assert par["ilp2_bound"] is not None and par["ilp2_objective"] is not None
+        assert 0.0 <= par["ilp2_bound"] <= par["ilp2_objective"] + 1e-9
+        traffic = cross_layer_traffic(plan, load.trace)  # type: ignore[arg-type]
+        assert par["ilp2_objective"] == pytest.approx(traffic.cost_tail().sum(), rel=1e-6, abs=1e-9)
+    assert par["time_limit_hit"] == (par["ilp1_time_limit_hit"] or par["ilp2_time_limit_hit"])
+    if par["time_limit_hit"]:
+        assert "time limit" in par["note"]

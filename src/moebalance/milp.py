@@ -41,15 +41,18 @@ class MilpResult:
     objective: float
     #: Proven lower bound on the optimum (minimisation).
     bound: float
-    #: ``"optimal"`` (within the requested gap), ``"time_limit"`` (stopped; ``x`` is the best point found),
-    #: ``"infeasible"`` (proven: no point) or ``"no_solution"`` (stopped before finding a point; ``x`` is NaN).
+    #: ``"optimal"`` (within the requested gap), ``"time_limit"`` (stopped; ``x`` is the best point found, the
+    #: warm start if HiGHS found none), ``"infeasible"`` (proven: no point) or ``"no_solution"`` (stopped before
+    #: finding a point and no warm start given; ``x`` is NaN, ``objective`` inf).
     status: str
     #: Wall-clock seconds of the solve.
     seconds: float
 
     @property
     def gap(self) -> float:
-        """Proven relative gap ``(objective - bound) / |objective|``: 0 when they meet, inf with no bound."""
+        """Proven relative gap ``(objective - bound) / |objective|``: 0 when they meet, inf with no bound or no point."""
+        if not math.isfinite(self.objective):
+            return math.inf
         diff = self.objective - self.bound
         if diff <= 1e-9 * max(1.0, abs(self.objective)):
             return 0.0
@@ -115,13 +118,35 @@ class Milp:
         hi = np.broadcast_to(np.asarray(upper, dtype=np.float64), index.shape[:-1]).reshape(R)
         self._rows.append((index2, val2, lo, hi))
 
+    def violation(self, x: np.ndarray) -> float:
+        """The largest amount by which ``x [n]`` breaks a variable bound, a row or integrality (0 if feasible)."""
+        x = np.asarray(x, dtype=np.float64)
+        if x.shape != (self.num_vars,) or not np.all(np.isfinite(x)):
+            return math.inf
+        worst = 0.0
+        if self.num_vars:
+            lb, ub = np.concatenate(self._lb), np.concatenate(self._ub)
+            integer = np.concatenate(self._integer)
+            worst = max(float(np.max(lb - x)), float(np.max(x - ub)),
+                        float(np.max(np.abs(x - np.round(x)) * integer)), 0.0)
+        for index, val, lo, hi in self._rows:
+            act = (val * x[index]).sum(axis=1)
+            if len(act):
+                worst = max(worst, float(np.max(lo - act)), float(np.max(act - hi)))
+        return worst
+
     def solve(self, *, time_limit: float | None, mip_gap: float, seed: int, abs_gap: float = 0.0,
               start: np.ndarray | None = None) -> MilpResult:
         """Minimise with HiGHS (one thread, ``seed``); ``start [n]`` is an optional feasible warm start.
 
         The solve stops once the incumbent is proven within ``mip_gap`` (relative) or ``abs_gap`` (absolute,
-        in objective units) of the optimum, or at ``time_limit`` seconds.
+        in objective units) of the optimum, or at ``time_limit`` seconds. A time limit that stops HiGHS before
+        it has taken up the warm start returns the start (status ``"time_limit"``), never a worse answer.
         """
+        if start is not None:  # HiGHS silently drops an infeasible start: a caller's bug, caught here
+            start = np.asarray(start, dtype=np.float64)
+            bad = self.violation(start)
+            assert bad <= 1e-6, f"the warm start breaks a bound or row by {bad}"
         import highspy
 
         t0 = time.perf_counter()
@@ -164,6 +189,10 @@ class Milp:
                               seconds=seconds)
         else:  # every other model we build is bounded; anything else is a bug
             raise AssertionError(f"HiGHS ended with status {h.modelStatusToString(status)}")
+        if info.primal_solution_status != highspy.kSolutionStatusFeasible and start is not None:
+            objective = float(np.concatenate(self._cost) @ start)  # stopped before taking up the start: keep it
+            return MilpResult(x=start.copy(), objective=objective, bound=min(float(info.mip_dual_bound), objective),
+                              status="time_limit", seconds=seconds)
         if info.primal_solution_status != highspy.kSolutionStatusFeasible:  # stopped before finding a point
             return MilpResult(x=np.full(n, np.nan), objective=math.inf, bound=float(info.mip_dual_bound),
                               status="no_solution", seconds=seconds)

@@ -74,8 +74,9 @@ What we solve, exactly (where the paper is ambiguous, the choice is written down
   **Eq. 13 in ILP 2.** The program above is first solved without Eq. 13. Its optimum bounds the one with
   Eq. 13 from below; if it meets Eq. 13 (always, when every cluster has the same size) it is optimal
   (``"eq13": "held"``). Else a repair swaps two clusters of one layer between two GPUs, each swap
-  lowering the spread of GPU totals and, among those, raising Eq. 8 least (:func:`_balance_totals`); if
-  the result is within ``mip_gap`` of the bound it is kept (``ilp2_method`` ``"dp+swaps"``). Otherwise
+  lowering the spread of GPU totals and, among those, raising Eq. 8 least (:func:`_balance_totals`; for
+  half the time left, then by spread alone; stuck, it exchanges two GPUs' clusters in a subset of layers
+  or kicks with a seeded random swap); if the result is within ``mip_gap`` of the bound it is kept (``ilp2_method`` ``"dp+swaps"``). Otherwise
   the MILP is solved with Eq. 13, warm-started from the repair: a GPU's total is carried along the
   matching chain, ``s[l + 1, c2] = size[l + 1, c2] + s[l, c1]`` where ``a[l, c1, c2] = 1`` (big-M rows
   with ``M`` the range ``s`` can span at that layer), and Eq. 13 bounds ``s[L - 1, c]``. The tests check
@@ -595,15 +596,19 @@ def _greedy_assignment(C: np.ndarray, cluster: Cluster) -> np.ndarray:
 
 def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple[int, int],
                     traffic: np.ndarray | None = None, cluster: Cluster | None = None,
-                    max_swaps: int = 100_000) -> np.ndarray | None:
+                    max_swaps: int = 100_000, max_kicks: int = 200,
+                    deadline: float | None = None) -> np.ndarray | None:
     """A GPU assignment meeting Eq. 13 (``totals[0] <= gpu_totals <= totals[1]``) found by swapping two
     clusters of one layer between two GPUs, from ``gpu_of_cluster int [L, G]``; ``None`` if it gets stuck.
 
     Every swap lowers ``sum_g (total_g - mean)^2``: swapping sizes ``s_a`` on GPU ``a`` and ``s_b`` on ``b``
-    (``d = s_a - s_b``) changes it by ``2 d (d - (total_a - total_b))``, so the search ends. Among such swaps
-    it takes the one that raises Eq. 8 least when ``traffic [L-1, G, G]`` and ``cluster`` are given, else
-    the one that lowers the spread most. A heuristic: it repairs ILP 2's optimum without Eq. 13 (whose value
-    bounds the optimum with it, so the repair's gap is known) and warm-starts the Eq. 13 MILP.
+    (``d = s_a - s_b``) changes it by ``2 d (d - (total_a - total_b))``, so each descent ends. Among such swaps
+    it takes the one that raises Eq. 8 least when ``traffic [L-1, G, G]`` and ``cluster`` are given (until
+    ``deadline``, a :func:`time.perf_counter` value: that costs ``O(L G^4)`` per swap), else the one that
+    lowers the spread most. Where no single swap lowers it, two GPUs exchange their clusters in a subset of
+    layers (:func:`_pair_subset_swap`); where that fails too, a seeded random swap (at most ``max_kicks``)
+    restarts the descent. A heuristic: it repairs ILP 2's optimum without Eq. 13 (whose value bounds the
+    optimum with it, so the repair's gap is known) and warm-starts the Eq. 13 MILP.
     """
     L, G = sizes.shape
     gpu = gpu_of_cluster.copy()
@@ -612,6 +617,8 @@ def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple
     ga, gb = np.meshgrid(np.arange(G), np.arange(G), indexing="ij")
     swap[ga, gb, ga], swap[ga, gb, gb] = gb, ga
     inv = None if cluster is None else _inverse_bandwidth(cluster)
+    rng = np.random.default_rng(0)
+    kicks = max_kicks
 
     def pair_cost(layer: int, first: np.ndarray, second: np.ndarray) -> np.ndarray:
         assert traffic is not None and inv is not None
@@ -625,9 +632,20 @@ def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple
         on[rows, gpu] = sizes
         d = on[:, :, None] - on[:, None, :]  # [L, G(a), G(b)]
         change = (d * (d - (tot[:, None] - tot[None, :])[None])).astype(np.float64)
-        if change.min() >= 0:
-            return None
-        if traffic is None or not np.any(traffic > 0):
+        if change.min() >= 0:  # no single swap helps: exchange two GPUs' clusters in a subset of layers
+            exchange = _pair_subset_swap(on, tot, totals)
+            if exchange is None:  # a local minimum: a seeded random swap, then descend again
+                if kicks == 0:
+                    return None
+                kicks -= 1
+                ka, kb = rng.choice(G, size=2, replace=False)
+                exchange = [int(rng.integers(L))], int(ka), int(kb)
+            ex_layers, ex_a, ex_b = exchange
+            for ly in ex_layers:
+                ca, cb = int(np.flatnonzero(gpu[ly] == ex_a)[0]), int(np.flatnonzero(gpu[ly] == ex_b)[0])
+                gpu[ly, ca], gpu[ly, cb] = ex_b, ex_a
+            continue
+        if traffic is None or not np.any(traffic > 0) or (deadline is not None and time.perf_counter() > deadline):
             layer, g1, g2 = np.unravel_index(int(np.argmin(change)), change.shape)
         else:
             cost = np.zeros((L, G, G))
@@ -645,6 +663,50 @@ def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple
         c1, c2 = int(np.flatnonzero(gpu[layer] == g1)[0]), int(np.flatnonzero(gpu[layer] == g2)[0])
         gpu[layer, c1], gpu[layer, c2] = g2, g1
     return None
+
+
+def _pair_subset_swap(on: np.ndarray, tot: np.ndarray, totals: tuple[int, int]) -> tuple[list[int], int, int] | None:
+    """Layers in which to exchange the clusters of GPUs ``a`` and ``b`` so that ``sum_g (total_g - mean)^2``
+    falls the most, for a GPU ``a`` or ``b`` outside ``totals``; ``None`` if no such exchange lowers it.
+
+    ``on int [L, G]`` experts on GPU ``g`` in layer ``l``, ``tot int [G]`` their sums. Moving ``D = sum over
+    the chosen layers of on[l, a] - on[l, b]`` from ``a`` to ``b`` changes the sum by ``2 D (D - (tot_a -
+    tot_b))``, negative iff ``0 < D < tot_a - tot_b``; the reachable ``D`` are a subset sum (a DP over layers).
+    """
+    L, G = on.shape
+    out_of_range = (tot < totals[0]) | (tot > totals[1])
+    best: tuple[int, list[int], int, int] | None = None  # (change, layers, a, b)
+    for a in range(G):
+        for b in range(G):
+            gap = int(tot[a] - tot[b])
+            if gap < 2 or not (out_of_range[a] or out_of_range[b]):
+                continue
+            d = on[:, a] - on[:, b]  # [L]
+            span = int(np.abs(d).sum())
+            reach = np.zeros((L + 1, 2 * span + 1), dtype=bool)  # reach[l, span + D]: D from layers < l
+            reach[0, span] = True
+            for layer in range(L):
+                reach[layer + 1] = reach[layer]
+                if d[layer] > 0:
+                    reach[layer + 1, d[layer]:] |= reach[layer, :-d[layer]]
+                elif d[layer] < 0:
+                    reach[layer + 1, :d[layer]] |= reach[layer, -d[layer]:]
+            sums = np.arange(-span, span + 1)
+            ok = reach[L] & (sums > 0) & (sums < gap)
+            if not ok.any():
+                continue
+            D = int(sums[ok][np.argmin(np.abs(2 * sums[ok] - gap))])  # the largest fall: D nearest gap / 2
+            change = D * (D - gap)
+            if best is not None and change >= best[0]:
+                continue
+            layers, rest = [], D
+            for layer in range(L - 1, -1, -1):  # walk back: take a layer only if the sum needs it
+                if not reach[layer, span + rest]:
+                    layers.append(layer)
+                    rest -= int(d[layer])
+            assert rest == 0
+            best = (change, layers, a, b)
+    return None if best is None else (best[1], best[2], best[3])
 
 
 #: Seconds per (estimated) non-zero to build ILP 2's MILP and hand it to HiGHS: 0.6-1.3 microseconds measured
@@ -730,7 +792,7 @@ def _solve_milp(C: np.ndarray, cluster: Cluster, *, time_limit: float | None, mi
         rest_max = np.concatenate([np.cumsum(sz.max(axis=1)[::-1])[::-1][1:], [0.0]])
         lo = np.maximum(lo, totals[0] - rest_max)
         hi = np.minimum(hi, totals[1] - rest_min)
-        if np.any(lo > hi):
+        if np.any(lo > hi) or np.any(sz[0] < lo[0]) or np.any(sz[0] > hi[0]):  # s[0] = sz[0] must fit too
             raise PlanError(f"Eq. 13 cannot hold: the clusters hold {int(sz.sum())} experts, which cannot give "
                             f"every GPU {totals[0]} to {totals[1]}; use memory='layer'")
         lo_l = np.broadcast_to(lo[:, None], (L, G)).copy()
@@ -775,7 +837,8 @@ def _solve_milp(C: np.ndarray, cluster: Cluster, *, time_limit: float | None, mi
         assert sizes is not None and totals is not None
         tot = gpu_totals(sizes, gpu)
         assert tot.min() >= totals[0] and tot.max() <= totals[1], tot
-    return gpu, dataclasses.replace(result, objective=result.objective * scale, bound=result.bound * scale)
+    # t >= 0: a solve stopped before its root LP reports a bound of -inf, 0 is proven all the same
+    return gpu, dataclasses.replace(result, objective=result.objective * scale, bound=max(result.bound, 0.0) * scale)
 
 
 def _milp_start(C: np.ndarray, cluster: Cluster, gpu: np.ndarray, num_vars: int, a: np.ndarray, t: np.ndarray,
@@ -844,7 +907,7 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
     hit = False
     if G == 1 or L == 1 or not np.any(C > 0):
         gpu = np.tile(np.arange(G, dtype=np.int64), (L, 1))
-        kind, gap, bound = "trivial", 0.0, ilp2_objective(C, gpu, cluster)
+        kind, bound = "trivial", ilp2_objective(C, gpu, cluster)
     else:
         layouts = _num_layouts(cluster.num_nodes, cluster.gpus_per_node) if two_level else 1
         kind = _ilp2_method(cluster) if method == "auto" else method
@@ -852,16 +915,17 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
             if layouts > 16 * MAX_DP_LAYOUTS:
                 raise InputError(f"{layouts} node layouts are too many for the exact DP; use method='milp'")
             gpu = _solve_dp(C, cluster)
-            gap, bound = 0.0, ilp2_objective(C, gpu, cluster)
+            bound = ilp2_objective(C, gpu, cluster)
         else:
             limit = left()
             nnz = _milp_nonzeros(L, G, N, use_nodes, chained=False)
             if limit is not None and (limit < MIN_SOLVE_SECONDS or nnz * _SECONDS_PER_NONZERO > limit):
-                gpu, gap, bound, hit = _greedy_assignment(C, cluster), 1.0, 0.0, True  # no time to build it
+                gpu, bound, hit = _greedy_assignment(C, cluster), 0.0, True  # no time to build it
             else:
                 gpu, res = _solve_milp(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed)
-                gap, bound, hit = res.gap, res.bound, res.time_limit_hit
+                bound, hit = max(res.bound, 0.0), res.time_limit_hit  # HiGHS stopped before its root LP: -inf
     objective = ilp2_objective(C, gpu, cluster)
+    gap = _rel_gap(objective, bound)
     if sizes is None or totals is None:
         return Ilp2Solution(gpu, objective, gap, kind, hit, bound)
     tot = gpu_totals(sizes, gpu)
@@ -876,7 +940,9 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
             return Ilp2Solution(balanced, 0.0, 0.0, "swaps", hit, 0.0, "enforced")
         kind = "milp"
     exact_bound = bound  # the optimum without Eq. 13, or a proven bound on it, bounds the one with it
-    repaired = _balance_totals(sizes, gpu, totals, C, cluster)
+    limit = left()
+    repaired = _balance_totals(sizes, gpu, totals, C, cluster,
+                               deadline=None if limit is None else time.perf_counter() + limit / 2)
     if repaired is not None:
         obj = ilp2_objective(C, repaired, cluster)
         if _rel_gap(obj, exact_bound) <= mip_gap:  # proven within the gap by the bound: no MILP needed
