@@ -81,8 +81,11 @@ What we solve, exactly (where the paper is ambiguous, the choice is written down
   matching chain, ``s[l + 1, c2] = size[l + 1, c2] + s[l, c1]`` where ``a[l, c1, c2] = 1`` (big-M rows
   with ``M`` the range ``s`` can span at that layer), and Eq. 13 bounds ``s[L - 1, c]``. The tests check
   both paths against brute force over the ``(G!)^L`` assignments that meet Eq. 13. If no assignment
-  meets it (``memory="total"`` can give one layer sizes that no rotation balances), the policy says so
-  (:class:`PlanError`) and names ``memory="layer"``.
+  meets it (``memory="total"``: ILP 1 ignores Eq. 13, and can give, say, every layer one GPU with a lone
+  hot expert and the others five experts each, which no rotation balances over two layers), ILP 1 is solved
+  again with the cluster sizes narrowed towards ``E / G`` (both ends halfway each time) until one does; the
+  last step, ``floor`` to ``ceil`` of ``E / G``, always admits one (:func:`_lpt_totals`). Params record the
+  sizes used (``cluster_sizes``) and, if narrowed, an ``eq13_note``. The paper does not say what to do here.
 - **Joint solve.** One program for ILP 1 and 2 would let ILP 2 choose among equally balanced partitions,
   but ``C`` multiplies the ``x`` of two layers (cubic), and the paper solves them in sequence; so do we.
 - **Without a token-level trace** there are no transitions: ILP 1 runs as above and ILP 2's objective
@@ -936,6 +939,8 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
                         f"needs {totals[0]} to {totals[1]}; use memory='layer'")
     if not np.any(C > 0):  # every assignment costs 0: any that meets Eq. 13 is optimal
         balanced = _balance_totals(sizes, gpu, totals)
+        if balanced is None:
+            balanced = _balance_totals(sizes, _lpt_totals(sizes), totals)
         if balanced is not None:
             return Ilp2Solution(balanced, 0.0, 0.0, "swaps", hit, 0.0, "enforced")
         kind = "milp"
@@ -943,6 +948,8 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
     limit = left()
     repaired = _balance_totals(sizes, gpu, totals, C, cluster,
                                deadline=None if limit is None else time.perf_counter() + limit / 2)
+    if repaired is None:  # start again from the most balanced greedy layout (no traffic weighed)
+        repaired = _balance_totals(sizes, _lpt_totals(sizes), totals)
     if repaired is not None:
         obj = ilp2_objective(C, repaired, cluster)
         if _rel_gap(obj, exact_bound) <= mip_gap:  # proven within the gap by the bound: no MILP needed
@@ -962,6 +969,23 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
     obj = ilp2_objective(C, gpu2, cluster)
     bound2 = max(res.bound, exact_bound)
     return Ilp2Solution(gpu2, obj, _rel_gap(obj, bound2), "milp", hit or res.time_limit_hit, bound2, "enforced")
+
+
+def _lpt_totals(sizes: np.ndarray) -> np.ndarray:
+    """``int64 [L, G]``: layer by layer, the largest cluster to the GPU with the fewest experts so far.
+
+    When every cluster has ``floor(E / G)`` or ``ceil(E / G)`` experts (``memory="layer"``) the totals then
+    stay within one expert of each other after every layer, so Eq. 13 holds: the fallback that always works.
+    """
+    L, G = sizes.shape
+    gpu = np.empty((L, G), dtype=np.int64)
+    tot = np.zeros(G, dtype=np.int64)
+    for layer in range(L):
+        by_size = np.argsort(-sizes[layer], kind="stable")
+        by_total = np.lexsort((np.arange(G), tot))  # fewest experts first, ties by GPU id
+        gpu[layer, by_size] = by_total
+        tot[by_total] += sizes[layer, by_size]
+    return gpu
 
 
 def _rel_gap(objective: float, bound: float) -> float:
@@ -1032,25 +1056,51 @@ def moetuner(*, load: LoadMatrix, cluster: Cluster, budget: Budget, time_limit: 
     def left(until: float | None, parts: int) -> float | None:
         return None if until is None else max(until - time.perf_counter(), 0.0) / parts
 
-    # ILP 1, layer by layer: a first pass with an equal share per layer, then the layers that hit their
-    # share again, warm-started, sharing what the easy layers left
-    cluster_of = np.empty((L, E), dtype=np.int64)
-    results: list[MilpResult | None] = []
-    share = None if time_limit is None else time_limit * ilp1_part / (2 * L)
-    for layer in range(L):
-        limit = None if share is None else min(share, left(ilp1_deadline, L - layer) or 0.0)
-        cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=limit, mip_gap=mip_gap, seed=seed,
-                                                 sizes=(lo, hi))
-        results.append(res)
-    again = [layer for layer, res in enumerate(results) if res is not None and res.time_limit_hit]
-    for i, layer in enumerate(again):
-        first = results[layer]
-        assert first is not None
-        cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=left(ilp1_deadline, len(again) - i),
-                                                 mip_gap=mip_gap, seed=seed, start=cluster_of[layer], sizes=(lo, hi))
-        assert res is not None
-        # a stopped solve proves at least the better of its two bounds
-        results[layer] = dataclasses.replace(res, bound=max(res.bound, first.bound))
+    def solve_ilp1(lo: int, hi: int) -> tuple[np.ndarray, list[MilpResult | None]]:
+        """ILP 1, layer by layer: a first pass with an equal share per layer, then the layers that hit their
+        share again, warm-started, sharing what the easy layers left."""
+        cluster_of = np.empty((L, E), dtype=np.int64)
+        results: list[MilpResult | None] = []
+        share = None if time_limit is None else time_limit * ilp1_part / (2 * L)
+        for layer in range(L):
+            limit = None if share is None else min(share, left(ilp1_deadline, L - layer) or 0.0)
+            cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=limit, mip_gap=mip_gap, seed=seed,
+                                                     sizes=(lo, hi))
+            results.append(res)
+        again = [layer for layer, res in enumerate(results) if res is not None and res.time_limit_hit]
+        for i, layer in enumerate(again):
+            first = results[layer]
+            assert first is not None
+            cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=left(ilp1_deadline, len(again) - i),
+                                                     mip_gap=mip_gap, seed=seed, start=cluster_of[layer],
+                                                     sizes=(lo, hi))
+            assert res is not None
+            # a stopped solve proves at least the better of its two bounds
+            results[layer] = dataclasses.replace(res, bound=max(res.bound, first.bound))
+        return cluster_of, results
+
+    params: dict[str, Any] = {**budget.as_params(), "time_limit": time_limit, "mip_gap": mip_gap, "seed": seed,
+                              "memory": memory}
+    layer_lo, layer_hi = cluster_sizes(E, G, "layer")
+    tightened: list[str] = []
+    while True:
+        cluster_of, results = solve_ilp1(lo, hi)
+        t1 = time.perf_counter()
+        # ILP 2 over all layers, with Eq. 13 wherever cluster sizes differ
+        sizes = np.stack([np.bincount(row, minlength=G) for row in cluster_of])  # [L, G]
+        C = np.zeros((L - 1, G, G)) if R is None else cluster_traffic(R, cluster_of, G)
+        limit = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
+        try:
+            sol = assign_clusters(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed, sizes=sizes, totals=totals)
+            break
+        except PlanError:
+            # memory="total": ILP 1 ignores Eq. 13, so its cluster sizes may admit no balanced assignment (or
+            # none found in time). Narrow the sizes towards E / G and solve again; the last step, floor to
+            # ceil of E / G, always admits one (rotations), so the loop ends.
+            if (lo, hi) == (layer_lo, layer_hi):
+                raise
+            tightened.append(f"{lo} to {hi}")
+            lo, hi = min(layer_lo, (lo + layer_lo + 1) // 2), max(layer_hi, (hi + layer_hi) // 2)
     o1_layers = np.array([ilp1_objective(P[:, layer], cluster_of[layer], G) for layer in range(L)])
     # the solves work in G * tokens; a trivial layer (nothing to choose) is its own bound
     b1_layers = np.array([o1_layers[layer] if res is None else min(res.bound / G, o1_layers[layer])
@@ -1059,15 +1109,10 @@ def moetuner(*, load: LoadMatrix, cluster: Cluster, budget: Budget, time_limit: 
     gap1_mean = max((ilp1_gap(res, float(P[:, layer].sum())) for layer, res in enumerate(results)
                      if res is not None), default=0.0)
     hit1 = any(res is not None and res.time_limit_hit for res in results)
-    t1 = time.perf_counter()
-
-    # ILP 2 over all layers, with Eq. 13 wherever cluster sizes differ
-    sizes = np.stack([np.bincount(row, minlength=G) for row in cluster_of])  # [L, G]
-    params: dict[str, Any] = {**budget.as_params(), "time_limit": time_limit, "mip_gap": mip_gap, "seed": seed,
-                              "memory": memory}
-    C = np.zeros((L - 1, G, G)) if R is None else cluster_traffic(R, cluster_of, G)
-    limit = None if deadline is None else max(deadline - time.perf_counter(), 0.0)
-    sol = assign_clusters(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed, sizes=sizes, totals=totals)
+    params["cluster_sizes"] = [lo, hi]
+    if tightened:
+        params["eq13_note"] = (f"no GPU assignment met Eq. 13 with clusters of {', then '.join(tightened)} experts, "
+                               f"so ILP 1 was solved again with clusters of {lo} to {hi}")
     gpu_of_cluster = sol.gpu_of_cluster
     if R is None:
         params["statistics"] = "load_only"
