@@ -132,13 +132,15 @@ def main() -> None:
 
     names = list(per_layer)
     layers = ["| layer | " + " | ".join(f"tail: {n}" for n in names) + " | "
-              + " | ".join(f"a2a tail to next: {n}" for n in names) + " |",
-              "|---" * (1 + 2 * len(names)) + "|"]
+              + " | ".join(f"a2a tail to next: {n}" for n in names) + " | "
+              + " | ".join(f"a2a mean to next: {n}" for n in names) + " |",
+              "|---" * (1 + 3 * len(names)) + "|"]
     L = len(per_layer["contiguous"]["proc_tail"])
     for layer in range(L):
         a2a = [f"{per_layer[n]['a2a_tail'][layer]:.1f}" if layer < L - 1 else "" for n in names]
+        a2a_mean = [f"{per_layer[n]['a2a_mean'][layer]:.1f}" if layer < L - 1 else "" for n in names]
         layers.append(f"| {layer} | " + " | ".join(f"{per_layer[n]['proc_tail'][layer]:.1f}" for n in names)
-                      + " | " + " | ".join(a2a) + " |")
+                      + " | " + " | ".join(a2a) + " | " + " | ".join(a2a_mean) + " |")
     mean_tok = float(per_layer["contiguous"]["proc_mean"].mean())
 
     text = "\n".join([

@@ -294,6 +294,35 @@ def _golden_load() -> LoadMatrix:
     return _trace(moves)
 
 
+@pytest.mark.parametrize(("nodes", "gpn"), [(1, 4), (2, 2)])
+@pytest.mark.parametrize("memory", ["layer", "total"])
+def test_policy_equals_brute_force_on_the_issue_instance(nodes: int, gpn: int, memory: str) -> None:
+    # the issue's small instance: 8 experts, 4 GPUs, 4 layers, top-2. With mip_gap = 0, ILP 1 is the best of
+    # all clusterings of every layer, and ILP 2 the best of all (4!)^4 = 331,776 GPU assignments of them
+    rng = np.random.default_rng(nodes)
+    T, L, E = 200, 4, 8
+    p = rng.dirichlet(np.full(E, 0.5), size=L)
+    ids = np.stack([np.stack([rng.choice(E, size=2, replace=False, p=p[layer]) for layer in range(L)])
+                    for _ in range(T)])
+    trace = RoutingTrace(ids, rng.integers(0, 4, size=T), np.zeros(T, dtype=np.int64), num_experts=E)
+    load = LoadMatrix(trace.counts(), trace)
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn)
+    budget = Budget(slots_per_gpu=2) if memory == "layer" else Budget(replicas_per_gpu=0)
+    plan, _ = make_plan("moetuner", load, cluster, budget, mip_gap=0.0, time_limit=None, memory=memory)
+    assert "eq13_note" not in plan.params  # these sizes admit Eq. 13: the brute forces below are the program
+    P, R = routing_statistics(load)
+    gpu = plan.copies.argmax(axis=2)  # [L, E]
+    for layer in range(L):
+        assert round(ilp1_objective(P[:, layer], gpu[layer], 4) * 4) == _brute_ilp1(P[:, layer], 4, memory)
+    assert R is not None
+    clusters = _cluster_ids(plan)
+    C = cluster_traffic(R, clusters, 4)
+    sizes = np.stack([np.bincount(row, minlength=4) for row in clusters])
+    assert plan.params["ilp2_objective"] == pytest.approx(
+        _brute_ilp2(C, cluster, sizes, memory_totals(E, L, 4)), rel=1e-9)
+    assert plan.params["ilp2_gap"] == 0.0 and plan.slots().sum(axis=0).tolist() == [8] * 4
+
+
 def test_golden_dependent_experts_share_a_gpu() -> None:
     load = _golden_load()
     totals = load.total()
