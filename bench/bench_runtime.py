@@ -81,10 +81,10 @@ NOTES = """
   The *bookkeeping stages* column is steadier: the host stages are small, and only the two small
   collectives (all-gather of the routing against plain's count all-to-all) carry wait time.
 - Where the layer does real work (the first two settings: several hundred ms per forward), the
-  bookkeeping stages cost 1-5% of layer time for every router. The end-to-end differences scatter more
-  (a few per cent, the noise floor about 1-2%) and can land just above 5% for one router or another from
-  run to run. Most of the cost is the all-gather of the routing (two collectives: the sizes, then the
-  `[T_r, 2K]` rows) against plain's single count all-to-all; the router and `build_dispatch` on the
+  bookkeeping stages cost 0.5-5% of layer time for every router. The end-to-end differences scatter more
+  (a few per cent, the noise floor about 1-2%) and land above 5% for one router or another in some runs
+  (up to 8% on the second setting). Most of the cost is the all-gather of the routing (two collectives: the sizes, then the
+  `[T_r, 2K]` float32 rows) against plain's single count all-to-all; the router and `build_dispatch` on the
   whole batch take a few ms.
 - Where the layer is latency-bound (the last setting: 256 tokens per rank, a layer of about 20 ms) the
   fixed cost of the extra collective round dominates and the overhead is far above 5%: replica-aware
