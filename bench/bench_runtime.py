@@ -382,19 +382,16 @@ def report(results: list[dict[str, Any]], command: str) -> str:
         ]
         st = res["stages"]
         plain_only = st["plain"]["static map + row metadata (host)"] + st["plain"]["count all-to-all"]
-        for r in ROUTER_NAMES:
-            t = layer[f"contiguous/{r}"]
+        rows = [("replica-aware", f"contiguous/{r}", r) for r in ROUTER_NAMES]
+        rows.append(("replica-aware, routing gathered in one collective (`max_tokens_per_rank`)", f"{FIXED}/uniform",
+                     "uniform"))
+        for label, key, r in rows:
+            t = layer[key]
             diff = float(np.median(t - layer["plain"]))
-            book = sum(st[f"contiguous/{r}"][s] for s in AWARE_STAGES[1:4]) - plain_only
-            lines.append(f"| replica-aware | {r} | {_ms(float(np.median(t)))} | {diff * 1e3:+.1f} ms | "
+            book = sum(st[key][s] for s in AWARE_STAGES[1:4]) - plain_only
+            lines.append(f"| {label} | {r} | {_ms(float(np.median(t)))} | {diff * 1e3:+.1f} ms | "
                          f"{100 * diff / base:+.1f}% | {book * 1e3:+.1f} ms | {100 * book / base:+.1f}% | "
-                         f"{loads[f'contiguous/{r}']} |")
-        t = layer[f"{FIXED}/uniform"]
-        diff = float(np.median(t - layer["plain"]))
-        book = sum(st[f"{FIXED}/uniform"][s] for s in AWARE_STAGES[1:4]) - plain_only
-        lines.append(f"| replica-aware, routing gathered in one collective (`max_tokens_per_rank`) | uniform | "
-                     f"{_ms(float(np.median(t)))} | {diff * 1e3:+.1f} ms | {100 * diff / base:+.1f}% | "
-                     f"{book * 1e3:+.1f} ms | {100 * book / base:+.1f}% | {loads[f'{FIXED}/uniform']} |")
+                         f"{loads[key]} |")
         lines += [
             "",
             "*End to end*: median over iterations of the difference to plain in the same iteration. *Bookkeeping "

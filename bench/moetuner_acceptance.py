@@ -194,8 +194,8 @@ def main() -> None:
         "MoETuner's paper (Section 5.3) reports on Mixtral-8x7B, single node: tail token-processing -36% and "
         "all-to-all tail -36%. Here the directions reproduce. With equal experts per GPU in every layer (what EP "
         "engines run) the token-processing tail falls less than the paper's; the paper's own memory constraint "
-        "(Eq. 13 over layers, `memory=total`) lets a hot expert share its GPU with fewer others and closes most "
-        "of that difference. How much balancing gains depends on how skewed each layer is and how its hot experts "
+        "(Eq. 13 over layers, `memory=total`) lets a hot expert share its GPU with fewer others and closes part "
+        "of that difference (-20% against -13% on one node). How much balancing gains depends on how skewed each layer is and how its hot experts "
         "happen to fall into contiguous pairs, which differ between our synthetic trace and the paper's measured one.",
         "",
         "- Mixtral on 2 x 4 GPUs has one expert per GPU, so every placement processes the same tokens per GPU; "
