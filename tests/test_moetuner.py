@@ -660,7 +660,7 @@ def test_policy_properties(L: int, K: int, E: int, seed: int, topology: tuple[in
     lo_size, hi_size = par["cluster_sizes"]
     assert lo_size <= plan.slots().min() and plan.slots().max() <= hi_size
     if "eq13_note" in par:
-        assert memory == "total" and "no GPU assignment met Eq. 13" in par["eq13_note"]
+        assert memory == "total" and "no GPU assignment meeting Eq. 13 was found" in par["eq13_note"]
     json.dumps(par, allow_nan=False)
     budget.check(plan)
     assert np.all(plan.replica_counts() == 1)
