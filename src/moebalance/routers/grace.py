@@ -129,6 +129,7 @@ def _locality_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Genera
     gpn = plan.cluster.gpus_per_node
     prob = replica_weights(plan)
     replica_gpus = plan.replica_gpus()
+    trace.check_gpus(plan.num_gpus)  # the tables below are indexed by the token's GPU
     src = trace.src_gpu[:, None]  # [T, 1]
     here = np.arange(plan.num_gpus)[:, None, None]  # the token's GPU, [G, 1, 1]
 

@@ -152,6 +152,12 @@ def all_gather_v(x_N: torch.Tensor, group: Any = None, max_rows: int | None = No
     src = (x_N.cpu() if staged else x_N).contiguous()
     G = dist.get_world_size(group)
     if max_rows is not None:
+        # every rank checks the same (dtype, max_rows), so all raise together: none is left in a collective
+        exact = (2 / torch.finfo(src.dtype).eps if src.dtype.is_floating_point
+                 else 1 if src.dtype == torch.bool else torch.iinfo(src.dtype).max)
+        if max_rows > exact:
+            raise InputError(f"max_rows ({max_rows}) is more than {src.dtype} holds exactly ({int(exact)}); "
+                             "send float64 or int64 rows, or lower the bound")
         rows = src.shape[0]
         padded = torch.zeros((max_rows + 1, *src.shape[1:]), dtype=src.dtype, device=src.device)
         # a rank over the budget still takes part (no rank may leave a collective), sending -N: all then raise

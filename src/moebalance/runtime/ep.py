@@ -215,6 +215,9 @@ class ExpertParallelMoE:
         self.rank = self.dispatcher.rank
         if gate_HE.shape[1] != plan.num_experts:
             raise InputError(f"the gate has {gate_HE.shape[1]} experts but the plan {plan.num_experts}")
+        if plan.num_experts > 2**24:
+            raise InputError(f"the plan has {plan.num_experts} experts; the routing is gathered as float32, exact "
+                             "for expert ids below 2**24, so use at most 2**24 experts per layer")
         self._step = 0
         self.set_plan(plan, experts)
 
