@@ -81,12 +81,12 @@ NOTES = """
   The *bookkeeping stages* column is steadier: the host stages are small, and only the two small
   collectives (all-gather of the routing against plain's count all-to-all) carry wait time.
 - Where the layer does real work (the first two settings: several hundred ms per forward), the
-  bookkeeping stages cost 0.5-5% of layer time for every router. The end-to-end differences scatter more
-  (a few per cent, the noise floor about 1-2%) and land above 5% for one router or another in some runs
+  bookkeeping stages cost about 0.5-1% (first setting) and 5% (second) of layer time for every router. The
+  end-to-end differences scatter more (a few per cent, the noise floor up to 2%) and land above 5% for one router or another in some runs
   (up to 8% on the second setting). Most of the cost is the all-gather of the routing (two collectives: the sizes, then the
   `[T_r, 2K]` float32 rows) against plain's single count all-to-all; the router and `build_dispatch` on the
   whole batch take a few ms.
-- Where the layer is latency-bound (the last setting: 256 tokens per rank, a layer of about 20 ms) the
+- Where the layer is latency-bound (the last setting: 256 tokens per rank, a layer of under 20 ms) the
   fixed cost of the extra collective round dominates and the overhead is far above 5%: replica-aware
   dispatch, as built (every rank routes the whole batch after an all-gather), pays off on batches of
   thousands of tokens per rank, not on tiny ones. `EPConfig(max_tokens_per_rank=N)`, for engines that
@@ -94,8 +94,8 @@ NOTES = """
   fixed-size collective instead of two (sizes, then rows): the row "routing gathered in one collective"
   shows what that saves (on the small setting about half of the overhead).
 - With replicas (EPLB) the picks per rank become nearly equal, but on 2 shared cores the total CPU work,
-  not the slowest rank, bounds the layer time, so the measured gain (a few per cent) understates what
-  separate GPUs would see: the picks-per-rank columns show the balance itself (the hot rank's 9,150 or
+  not the slowest rank alone, bounds the layer time, so the measured gain (13-21% on the first two settings
+  in the run reported here) understates what separate GPUs would see: the picks-per-rank columns show the balance itself (the hot rank's 9,150 or
   14,935 picks become about 4,100 or 8,200).
 
 Sped up for this benchmark, outputs unchanged (checked against the previous code on thousands of random
