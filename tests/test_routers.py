@@ -69,6 +69,14 @@ def test_locality_refuses_bare_counts() -> None:
         gpu_loads(plan, np.ones((1, 1, 2), int), "locality")
 
 
+def test_locality_refuses_a_token_on_a_gpu_the_plan_lacks() -> None:
+    # locality indexes its tables by the token's GPU (the others ignore it; evaluate checks every trace)
+    plan = Placement([[[0], [0, 1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    trace = RoutingTrace(np.array([[[0]], [[1]]]), np.array([0, 5]), np.zeros(2, int), num_experts=2)
+    with pytest.raises(InputError, match=r"src_gpu holds rank 5 but the cluster has 2 GPUs"):
+        ROUTERS["locality"].assign_tokens(plan, trace, np.random.default_rng(0))
+
+
 def test_replica_weights_follow_the_plan() -> None:
     # expert 0 on GPUs 0, 1, 2 with weights 2 : 1 : 1; expert 1 twice on GPU 1 (weights 1 and 3, shared equally)
     plan = Placement([[[0], [0, 1, 1], [0]]], 2, Cluster(num_nodes=1, gpus_per_node=3),

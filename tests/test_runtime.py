@@ -205,6 +205,11 @@ def _run_cases(rank: int, world_size: int, cases: list[dict[str, Any]], pairs: l
             over.append("")
         except MoebalanceError as exc:
             over.append(str(exc))
+    try:  # bfloat16 counts exactly only up to 256: a larger bound is refused on every rank alike
+        all_gather_v(torch.zeros(3, 2, dtype=torch.bfloat16), group, max_rows=300)
+        over.append("")
+    except MoebalanceError as exc:
+        over.append(str(exc))
     return {"cases": results, "moves": moves, "counts": counts, "over": over}
 
 
@@ -353,6 +358,7 @@ def test_fixed_size_gather_over_the_bound_raises_on_every_rank(world_size: int) 
     for r in _run()[world_size]:
         assert r["over"][0] == "rank 1 has 3 tokens but max_tokens_per_rank is 2; raise it or send fewer tokens per forward"
         assert (r["over"][1] != "") == (world_size > 2)
+        assert r["over"][2].startswith("max_rows (300) is more than torch.bfloat16 holds exactly (256)")
 
 
 @pytest.mark.parametrize("world_size", sorted(CLUSTERS))
