@@ -96,7 +96,8 @@ What we solve, exactly (where the paper is ambiguous, the choice is written down
   seed``, ``mip_gap`` 0.025 by default (Section 5.1's tolerance, used with Gurobi). ``time_limit`` is the
   policy's total wall-clock budget in seconds (default 60; ``None`` or ``inf``: no limit): ILP 1 gets 90%
   of it when ILP 2 goes to the DP, else half; each layer first gets an equal share, then the layers that hit
-  their share are solved again, warm-started, with what the others left; ILP 2 gets the rest. A MILP is
+  their share are solved again, warm-started, with what the others left; ILP 2 gets the rest (a second
+  ``memory="total"`` round, after narrowing, splits the time then left the same way). A MILP is
   not even built when building it would take longer than the time left (:data:`_SECONDS_PER_NONZERO`).
   A stopped solve keeps its best solution and ``"time_limit_hit": true`` is recorded, with
   ``ilp1_time_limit_hit`` and ``ilp2_time_limit_hit`` saying which; only then may the plan depend on the
@@ -1052,7 +1053,6 @@ def moetuner(*, load: LoadMatrix, cluster: Cluster, budget: Budget, time_limit: 
     deadline = None if time_limit is None else t0 + time_limit
     # ILP 1's share of the budget: most of it when ILP 2 is solved by the DP (well under a second), else half
     ilp1_part = (0.9 if ilp2_exact else 0.5)
-    ilp1_deadline = None if time_limit is None else t0 + time_limit * ilp1_part
 
     def left(until: float | None, parts: int) -> float | None:
         return None if until is None else max(until - time.perf_counter(), 0.0) / parts
@@ -1062,7 +1062,11 @@ def moetuner(*, load: LoadMatrix, cluster: Cluster, budget: Budget, time_limit: 
         share again, warm-started, sharing what the easy layers left."""
         cluster_of = np.empty((L, E), dtype=np.int64)
         results: list[MilpResult | None] = []
-        share = None if time_limit is None else time_limit * ilp1_part / (2 * L)
+        # each round (memory="total" may need several) takes ILP 1's part of the time still left
+        now = time.perf_counter()
+        budget1 = None if deadline is None else max(deadline - now, 0.0) * ilp1_part
+        ilp1_deadline = None if budget1 is None else now + budget1
+        share = None if budget1 is None else budget1 / (2 * L)
         for layer in range(L):
             limit = None if share is None else min(share, left(ilp1_deadline, L - layer) or 0.0)
             cluster_of[layer], res = cluster_experts(P[:, layer], G, time_limit=limit, mip_gap=mip_gap, seed=seed,
