@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_replay.py
 	$(PY) bench/bench_craft.py
 	$(PY) bench/craft_acceptance.py
+	$(PY) bench/moetuner_acceptance.py
+	$(PY) bench/grace_ablation.py
 	$(PY) bench/bench_runtime.py
 
 clean:
