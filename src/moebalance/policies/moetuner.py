@@ -217,8 +217,21 @@ def gpu_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray) -> np.ndarray:
 
     ``sizes int [L, G]`` experts in cluster ``c`` of layer ``l``; ``gpu_of_cluster int [L, G]``.
     """
-    G = sizes.shape[1]
-    return np.bincount(gpu_of_cluster.ravel(), weights=sizes.ravel(), minlength=G).round().astype(np.int64)
+    return _sizes_on_gpus(sizes, gpu_of_cluster).sum(axis=0)
+
+
+def _sizes_on_gpus(sizes: np.ndarray, gpu_of_cluster: np.ndarray) -> np.ndarray:
+    """``int64 [L, G]``: experts GPU ``g`` holds in layer ``l`` (``sizes`` reindexed from clusters to GPUs)."""
+    on = np.empty(sizes.shape, dtype=np.int64)
+    on[np.arange(sizes.shape[0])[:, None], gpu_of_cluster] = sizes
+    return on
+
+
+def _swap_gpus(gpu_of_cluster: np.ndarray, layer: int, a: int, b: int) -> None:
+    """In place: the clusters on GPUs ``a`` and ``b`` in ``layer`` trade places."""
+    row = gpu_of_cluster[layer]
+    on_a, on_b = row == a, row == b
+    row[on_a], row[on_b] = b, a
 
 
 def ilp1_objective(weight: np.ndarray, cluster_of_expert: np.ndarray, num_gpus: int) -> float:
@@ -440,8 +453,8 @@ class Ilp2Solution:
     objective: float
     #: Proven relative gap ``(objective - bound) / objective`` (0 for the exact DP).
     gap: float
-    #: ``"dp"``, ``"milp"``, ``"trivial"`` (no traffic between GPUs to weigh) or ``"swaps"`` (no traffic;
-    #: Eq. 13 met by :func:`_balance_totals`).
+    #: ``"dp"``, ``"milp"`` or ``"trivial"`` (no traffic between GPUs to weigh); ``"<that>+swaps"`` when
+    #: :func:`_balance_totals` then met Eq. 13 within the gap.
     method: str
     time_limit_hit: bool = False
     #: Proven lower bound on ``objective``.
@@ -617,7 +630,6 @@ def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple
     """
     L, G = sizes.shape
     gpu = gpu_of_cluster.copy()
-    rows = np.arange(L)[:, None]
     swap = np.tile(np.arange(G), (G, G, 1))  # swap[a, b, g]: GPU g with a and b exchanged
     ga, gb = np.meshgrid(np.arange(G), np.arange(G), indexing="ij")
     swap[ga, gb, ga], swap[ga, gb, gb] = gb, ga
@@ -633,8 +645,7 @@ def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple
         tot = gpu_totals(sizes, gpu)
         if tot.min() >= totals[0] and tot.max() <= totals[1]:
             return gpu
-        on = np.empty((L, G), dtype=np.int64)  # on[l, g]: size of the cluster GPU g holds in layer l
-        on[rows, gpu] = sizes
+        on = _sizes_on_gpus(sizes, gpu)  # [L, G]
         d = on[:, :, None] - on[:, None, :]  # [L, G(a), G(b)]
         change = (d * (d - (tot[:, None] - tot[None, :])[None])).astype(np.float64)
         if change.min() >= 0:  # no single swap helps: exchange two GPUs' clusters in a subset of layers
@@ -647,8 +658,7 @@ def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple
                 exchange = [int(rng.integers(L))], int(ka), int(kb)
             ex_layers, ex_a, ex_b = exchange
             for ly in ex_layers:
-                ca, cb = int(np.flatnonzero(gpu[ly] == ex_a)[0]), int(np.flatnonzero(gpu[ly] == ex_b)[0])
-                gpu[ly, ca], gpu[ly, cb] = ex_b, ex_a
+                _swap_gpus(gpu, ly, ex_a, ex_b)
             continue
         if traffic is None or not np.any(traffic > 0) or (deadline is not None and time.perf_counter() > deadline):
             layer, g1, g2 = np.unravel_index(int(np.argmin(change)), change.shape)
@@ -665,8 +675,7 @@ def _balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple
             cost = np.where(change < 0, cost, np.inf)
             best = np.flatnonzero(cost.ravel() <= cost.min() + 1e-12 * max(1.0, abs(cost.min())))
             layer, g1, g2 = np.unravel_index(int(best[np.argmin(change.ravel()[best])]), change.shape)
-        c1, c2 = int(np.flatnonzero(gpu[layer] == g1)[0]), int(np.flatnonzero(gpu[layer] == g2)[0])
-        gpu[layer, c1], gpu[layer, c2] = g2, g1
+        _swap_gpus(gpu, int(layer), int(g1), int(g2))
     return None
 
 
@@ -714,8 +723,9 @@ def _pair_subset_swap(on: np.ndarray, tot: np.ndarray, totals: tuple[int, int]) 
     return None if best is None else (best[1], best[2], best[3])
 
 
-#: Seconds per (estimated) non-zero to build ILP 2's MILP and hand it to HiGHS: 0.6-1.3 microseconds measured
-#: on the 2-core machine (highspy 1.15; 2 x 8, 4 x 4 and 8 x 8 GPUs). The MILP is not built when that alone
+#: Seconds per (estimated) non-zero to build ILP 2's MILP and hand it to HiGHS: 0.6-1.3 microseconds on the
+#: 2-core machine (highspy 1.15), timing ``_solve_milp(C, cluster, time_limit=0.001, ...)`` on random ``C`` for
+#: 2 x 8 and 4 x 4 GPUs (16 layers) and 8 x 8 (8 layers), divided by :func:`_milp_nonzeros`. The MILP is not built when that alone
 #: would take longer than the time left; the best assignment at hand is kept and the limit reported as hit.
 _SECONDS_PER_NONZERO = 1.5e-6
 
@@ -866,9 +876,7 @@ def _milp_start(C: np.ndarray, cluster: Cluster, gpu: np.ndarray, num_vars: int,
         x0[t] = (C * np.where(same_gpu, 0.0, w_x if N > 1 else w_n)).max(axis=(1, 2))
     if "s" in parts:
         assert sizes is not None
-        on = np.empty_like(sizes)
-        on[np.arange(gpu.shape[0])[:, None], gpu] = sizes  # on[l, g]: size of the cluster on GPU g
-        running = np.cumsum(on, axis=0)  # [L, G] per GPU
+        running = np.cumsum(_sizes_on_gpus(sizes, gpu), axis=0)  # [L, G]: a GPU's experts in layers 0..l
         x0[parts["s"]] = np.take_along_axis(running, gpu, axis=1)
     return x0
 
@@ -907,8 +915,13 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
         return None if time_limit is None else max(time_limit - (time.perf_counter() - t0), 0.0)
 
     _, _, two_level = _link_weights(cluster)
-    use_nodes = two_level
     N = cluster.num_nodes if two_level else 1
+
+    def no_time_for_milp(chained: bool) -> bool:
+        limit = left()
+        nnz = _milp_nonzeros(L, G, N, two_level, chained)
+        return limit is not None and (limit < MIN_SOLVE_SECONDS or nnz * _SECONDS_PER_NONZERO > limit)
+
     hit = False
     if G == 1 or L == 1 or not np.any(C > 0):
         gpu = np.tile(np.arange(G, dtype=np.int64), (L, 1))
@@ -922,13 +935,11 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
             gpu = _solve_dp(C, cluster)
             bound = ilp2_objective(C, gpu, cluster)
         else:
-            limit = left()
-            nnz = _milp_nonzeros(L, G, N, use_nodes, chained=False)
-            if limit is not None and (limit < MIN_SOLVE_SECONDS or nnz * _SECONDS_PER_NONZERO > limit):
-                gpu, bound, hit = _greedy_assignment(C, cluster), 0.0, True  # no time to build it
+            if no_time_for_milp(chained=False):
+                gpu, bound, hit = _greedy_assignment(C, cluster), 0.0, True
             else:
-                gpu, res = _solve_milp(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed)
-                bound, hit = max(res.bound, 0.0), res.time_limit_hit  # HiGHS stopped before its root LP: -inf
+                gpu, res = _solve_milp(C, cluster, time_limit=left(), mip_gap=mip_gap, seed=seed)
+                bound, hit = res.bound, res.time_limit_hit
     objective = ilp2_objective(C, gpu, cluster)
     gap = _rel_gap(objective, bound)
     if sizes is None or totals is None:
@@ -939,13 +950,7 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
     if L == 1 or G == 1:
         raise PlanError(f"Eq. 13 cannot hold: one layer's clusters hold {sorted(tot.tolist())} experts but every GPU "
                         f"needs {totals[0]} to {totals[1]}; use memory='layer'")
-    if not np.any(C > 0):  # every assignment costs 0: any that meets Eq. 13 is optimal
-        balanced = _balance_totals(sizes, gpu, totals)
-        if balanced is None:
-            balanced = _balance_totals(sizes, _lpt_totals(sizes), totals)
-        if balanced is not None:
-            return Ilp2Solution(balanced, 0.0, 0.0, "swaps", hit, 0.0, "enforced")
-        kind = "milp"
+    # (without traffic every assignment costs 0, so the first repair that meets Eq. 13 is optimal below)
     exact_bound = bound  # the optimum without Eq. 13, or a proven bound on it, bounds the one with it
     limit = left()
     repaired = _balance_totals(sizes, gpu, totals, C, cluster,
@@ -957,17 +962,15 @@ def assign_clusters(traffic: np.ndarray, cluster: Cluster, *, time_limit: float 
         if _rel_gap(obj, exact_bound) <= mip_gap:  # proven within the gap by the bound: no MILP needed
             return Ilp2Solution(repaired, obj, _rel_gap(obj, exact_bound), f"{kind}+swaps", hit, exact_bound,
                                 "enforced")
-    limit = left()
-    nnz = _milp_nonzeros(L, G, N, use_nodes, chained=True)
-    if limit is not None and (limit < MIN_SOLVE_SECONDS or nnz * _SECONDS_PER_NONZERO > limit):
+    if no_time_for_milp(chained=True):
         if repaired is None:
             raise PlanError("the time limit ran out before ILP 2 with Eq. 13 could be solved, and no quick GPU "
                             "assignment meets Eq. 13; raise time_limit or use memory='layer'")
         obj = ilp2_objective(C, repaired, cluster)
         return Ilp2Solution(repaired, obj, _rel_gap(obj, exact_bound), f"{kind}+swaps", True, exact_bound,
                             "enforced")
-    gpu2, res = _solve_milp(C, cluster, time_limit=limit, mip_gap=mip_gap, seed=seed, sizes=sizes, totals=totals,
-                            start=gpu if repaired is None else repaired, lower_bound=exact_bound)
+    gpu2, res = _solve_milp(C, cluster, time_limit=left(), mip_gap=mip_gap, seed=seed, sizes=sizes, totals=totals,
+                            start=repaired, lower_bound=exact_bound)
     obj = ilp2_objective(C, gpu2, cluster)
     bound2 = max(res.bound, exact_bound)
     return Ilp2Solution(gpu2, obj, _rel_gap(obj, bound2), "milp", hit or res.time_limit_hit, bound2, "enforced")
@@ -1147,7 +1150,7 @@ def moetuner(*, load: LoadMatrix, cluster: Cluster, budget: Budget, time_limit: 
         "ilp2_gap": gap2,
         "ilp2_seconds": round(ilp2_seconds + t2 - t1, 3),
         "ilp2_time_limit_hit": bool(sol.time_limit_hit),
-        "eq13": sol.eq13 if sol.eq13 != "not asked" else "held",
+        "eq13": sol.eq13,
         "experts_per_gpu_total": [int(tot.min()), int(tot.max())],
         "time_limit_hit": bool(hit1 or sol.time_limit_hit),
     })

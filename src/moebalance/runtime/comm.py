@@ -138,6 +138,12 @@ def all_to_all_v(x_N: torch.Tensor, send_counts: Sequence[int], recv_counts: Seq
     return pending
 
 
+def over_budget(rank: int, rows: int, max_rows: int) -> InputError:
+    """The error for a rank with more rows than a fixed-size gather's ``max_rows``."""
+    return InputError(f"rank {rank} has {rows} tokens but max_tokens_per_rank is {max_rows}; "
+                      "raise it or send fewer tokens per forward")
+
+
 def all_gather_v(x_N: torch.Tensor, group: Any = None, max_rows: int | None = None) -> list[torch.Tensor]:
     """Every rank's ``x [N_r, ...]`` (row counts may differ), as a list indexed by rank.
 
@@ -168,8 +174,7 @@ def all_gather_v(x_N: torch.Tensor, group: Any = None, max_rows: int | None = No
         counts = [int(b.view(max_rows + 1, -1)[0, 0].item()) for b in bufs]
         over = [(r, -c) for r, c in enumerate(counts) if c < 0]
         if over:
-            raise InputError(f"rank {over[0][0]} has {over[0][1]} tokens but max_tokens_per_rank is {max_rows}; "
-                             "raise it or send fewer tokens per forward")
+            raise over_budget(*over[0], max_rows)
         return [b[1:c + 1].to(device) for b, c in zip(bufs, counts, strict=True)]
     n = torch.tensor([src.shape[0]], dtype=torch.int64, device=src.device)
     sizes = [torch.empty_like(n) for _ in range(G)]

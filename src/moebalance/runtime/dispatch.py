@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from moebalance.errors import InputError
-from moebalance.runtime.comm import A2AImpl, Pending, all_gather_v, all_to_all_v, resolve_impl
+from moebalance.runtime.comm import A2AImpl, Pending, all_gather_v, all_to_all_v, over_budget, resolve_impl
 
 __all__ = ["DISPATCHERS", "AllToAllDispatcher", "DispatchMeta", "Dispatcher", "ExpertWork", "LocalDispatcher",
            "build_dispatch", "make_dispatcher"]
@@ -177,8 +177,7 @@ class Dispatcher:
     def gather_routing(self, routing_TX: torch.Tensor, max_rows: int | None = None) -> list[torch.Tensor]:
         """Every rank's ``[T_r, X]`` routing rows, by rank (``max_rows``: a fixed per-rank bound, one collective)."""
         if max_rows is not None and routing_TX.shape[0] > max_rows:
-            raise InputError(f"rank 0 has {routing_TX.shape[0]} tokens but max_tokens_per_rank is {max_rows}; "
-                             "raise it or send fewer tokens per forward")
+            raise over_budget(0, routing_TX.shape[0], max_rows)
         return [routing_TX]
 
     def dispatch(self, x_TH: torch.Tensor, meta: DispatchMeta, *, async_op: bool = False) -> Pending:
