@@ -4,15 +4,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench lock clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every tested version (transitive ones included): installs are reproducible and a new
+# release of a dependency never turns CI red by surprise. The package itself declares ranges for users.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# CPU torch pinned for dev and CI (the package itself declares a range). The +cpu build comes from a local
 	# wheel where the machine has one, else from PyTorch's CPU index: never a multi-GB CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null || \
 	  $(PY) -m pip install --quiet --disable-pip-version-check --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,5 +38,20 @@ bench: $(STAMP)
 	$(PY) bench/grace_ablation.py
 	$(PY) bench/bench_runtime.py
 
+# Refresh constraints.txt on purpose: the newest releases within pyproject's ranges, in a scratch venv; the lint
+# and the tests must pass with them before the file is replaced (then `make test` reinstalls .venv from it).
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null || \
+	  $(LOCK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+	$(LOCK_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --upgrade -e ".[dev]"
+	{ sed -n '1,2p' constraints.txt; $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | grep -v -E '^(torch==|#|-e )'; } > constraints.txt.new
+	$(LOCK_VENV)/bin/ruff check src tests bench tools && $(LOCK_VENV)/bin/mypy && $(LOCK_VENV)/bin/pytest -n 2 tests
+	mv constraints.txt.new constraints.txt
+	rm -rf $(LOCK_VENV)
+	@git diff --stat constraints.txt || true
+
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LOCK_VENV) demo-out .pytest_cache .mypy_cache .ruff_cache

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Milp", "MilpResult"]
+__all__ = ["ABS_GAP", "Milp", "MilpResult"]
+
+#: The absolute gap (objective units) at which HiGHS stops whatever relative gap was asked: its documented
+#: default ``mip_abs_gap``, which the driver never lowers. A solve asked for ``mip_gap = 0`` is therefore proven
+#: optimal only to within ``ABS_GAP``: its objective and bound may differ by that much (highspy 1.16 stops at
+#: such a difference where 1.15 happened to close it), and so may its objective and the true optimum.
+ABS_GAP = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +161,7 @@ class Milp:
         h.setOptionValue("threads", 1)
         h.setOptionValue("random_seed", int(seed))
         h.setOptionValue("mip_rel_gap", float(mip_gap))
-        h.setOptionValue("mip_abs_gap", max(float(abs_gap), 1e-6))
+        h.setOptionValue("mip_abs_gap", max(float(abs_gap), ABS_GAP))
         if time_limit is not None:
             h.setOptionValue("time_limit", max(float(time_limit), 1e-3))
         n = self.num_vars
