@@ -46,8 +46,8 @@ def machine() -> str:
 def fold_ranks(load, num_gpus: int):  # type: ignore[no-untyped-def]
     """The same tokens with data-parallel ranks merged contiguously onto ``num_gpus`` GPUs (rank ``s`` goes to
     GPU ``s * num_gpus // ranks``), for a bundled trace recorded on more ranks than the cluster has GPUs."""
-    from moebalance.load import LoadMatrix
-    from moebalance.trace import RoutingTrace
+    from moebalance.core.load import LoadMatrix
+    from moebalance.core.trace import RoutingTrace
 
     tr = load.trace
     assert tr is not None

@@ -12,9 +12,9 @@ import time
 
 from _common import ROOT, machine, median_seconds
 
-from moebalance.cluster import Cluster
+from moebalance.core.cluster import Cluster
 from moebalance.policies.craft import allocate_replicas, benefit_table
-from moebalance.synth import synthesize
+from moebalance.workloads.synth import synthesize
 
 
 def main() -> None:

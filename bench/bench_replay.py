@@ -1,6 +1,6 @@
 """Replay speed: 3000 batches x 58 layers x 256 experts on 64 GPUs (DeepSeek-R1 on 8 x 8, CRAFT's setting).
 
-Target (issue 2): the full uniform-router replay and scoring (`moebalance.simulate.evaluate`) under 2 s.
+Target (issue 2): the full uniform-router replay and scoring (`moebalance.routing.simulate.evaluate`) under 2 s.
 Prints a table and writes docs/results/bench_replay.md. Run: .venv/bin/python bench/bench_replay.py
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 from _common import ROOT, machine, median_seconds
 
-from moebalance.cluster import Cluster
-from moebalance.load import LoadMatrix
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix
 from moebalance.policies import Budget, make_plan
-from moebalance.simulate import evaluate, gpu_loads
+from moebalance.routing.simulate import evaluate, gpu_loads
 
 
 def main() -> None:

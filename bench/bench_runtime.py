@@ -39,11 +39,12 @@ import torch
 import torch.distributed as dist
 from _common import ROOT, machine
 
-from moebalance.cluster import Cluster
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
 from moebalance.policies import Budget, make_plan
-from moebalance.routers import ROUTERS
+from moebalance.routing import ROUTERS
 from moebalance.runtime import (
     DispatchMeta,
     EPConfig,
@@ -59,7 +60,6 @@ from moebalance.runtime import (
     topk_gating,
 )
 from moebalance.runtime.dispatch import ExpertWork
-from moebalance.trace import RoutingTrace
 
 WORLD = 4
 NODES, GPUS_PER_NODE = 2, 2  # 2 x 2, so that the locality router has a node tier

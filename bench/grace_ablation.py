@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 from _common import ROOT, fold_ranks, machine
 
-from moebalance.cluster import LINK_PRESETS, Cluster
-from moebalance.load import LoadMatrix, read_load
+from moebalance.core.cluster import LINK_PRESETS, Cluster
+from moebalance.core.load import LoadMatrix, read_load
 from moebalance.policies import Budget, make_plan
-from moebalance.simulate import Score, Traffic, evaluate
-from moebalance.synth import get_preset, synthesize
+from moebalance.routing.simulate import Score, Traffic, evaluate
+from moebalance.workloads.synth import get_preset, synthesize
 
 MODELS = ("olmoe-1b-7b", "qwen3-30b-a3b")
 CLUSTERS = ((2, 2), (2, 4))
@@ -164,7 +164,7 @@ def main() -> None:
         "Bundled token-level traces (64 batches x 256 tokens, 8 ranks); planned on the first 32 batches, scored "
         "on the last 32. PCIe 4.0 inside a node, 25 Gb Ethernet per node (GRACE Section 5.1); copies counted once "
         "per destination GPU per token (GRACE, DeepEP), dispatch direction; all-to-all time is dispatch + "
-        f"combine over the busiest link (docs in `moebalance.simulate`). Machine: {machine()}.",
+        f"combine over the busiest link (docs in `moebalance.routing.simulate`). Machine: {machine()}.",
         "Reproduce: `.venv/bin/python bench/grace_ablation.py`.",
         "",
         *_fmt(rows),

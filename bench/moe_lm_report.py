@@ -7,14 +7,14 @@ import sys
 
 import numpy as np
 
-from moebalance.cluster import Cluster
+from moebalance.core.cluster import Cluster
 from moebalance.model.capture import capture, write_capture
 from moebalance.model.data import domain_tokens
 from moebalance.model.moe_lm import load_checkpoint
 from moebalance.model.run import run_model
 from moebalance.policies import Budget, make_plan
-from moebalance.simulate import evaluate
-from moebalance.stats import layer_skew
+from moebalance.routing.simulate import evaluate
+from moebalance.workloads.stats import layer_skew
 
 
 def main():

@@ -2,9 +2,9 @@
 
 Written from the algorithm's description (DeepSeek EPLB, https://github.com/deepseek-ai/EPLB), not
 copied. It keeps the computational shape of DeepSeek's reference: torch tensors, a torch sort per
-packing call, and Python loops over rows and items. Tests compare ``moebalance.eplb`` against it, and
+packing call, and Python loops over rows and items. Tests compare ``moebalance.algorithms.eplb`` against it, and
 ``bench/bench_eplb.py`` times it as the baseline. It checks its arguments with ``assert`` only, as the
-original does; the user-facing validation lives in ``moebalance.eplb``.
+original does; the user-facing validation lives in ``moebalance.algorithms.eplb``.
 
 Shapes: ``L`` layers, ``E`` logical experts, ``P`` physical slots (``num_replicas``).
 """

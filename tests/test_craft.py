@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from moebalance.cluster import Cluster
-from moebalance.errors import BudgetError
-from moebalance.load import LoadMatrix
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError
+from moebalance.core.load import LoadMatrix
 from moebalance.policies import Budget, make_plan
 from moebalance.policies.craft import (
     BenefitTable,
@@ -22,7 +22,7 @@ from moebalance.policies.craft import (
     replica_ladder,
     replicate,
 )
-from moebalance.simulate import evaluate
+from moebalance.routing.simulate import evaluate
 
 
 def test_replica_ladder() -> None:
@@ -185,7 +185,7 @@ def test_auto_replication_factor_is_recorded() -> None:
 
 
 def test_sweep_progress_counts_every_step_and_points_use_actual_replicas() -> None:
-    from moebalance.sweep import sweep, sweep_steps
+    from moebalance.app.sweep import sweep, sweep_steps
 
     load = _skewed_load(B=6)
     cluster = Cluster(num_nodes=2, gpus_per_node=2)

@@ -15,8 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moebalance import eplb
-from moebalance.errors import BudgetError, InputError, MoebalanceError
+from moebalance.algorithms import eplb
+from moebalance.core.errors import BudgetError, InputError, MoebalanceError
 
 
 def _load_reference() -> ModuleType:
@@ -462,3 +462,10 @@ def test_kernel_validation() -> None:
         eplb.replicate_experts(np.ones((1, 3)), 2)
     with pytest.raises(InputError, match="non-negative"):
         eplb.replicate_experts(-np.ones((1, 3)), 4)
+
+
+def test_public_name_is_the_algorithm() -> None:
+    # the drop-in's documented import path
+    import moebalance.eplb as public
+
+    assert public.rebalance_experts is eplb.rebalance_experts and public.eplb_plan is eplb.eplb_plan

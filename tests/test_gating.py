@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 
-from moebalance.errors import InputError
+from moebalance.core.errors import InputError
 from moebalance.runtime.gating import GateConfig, expert_capacity, topk_gating
 
 

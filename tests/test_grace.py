@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from moebalance.cluster import Cluster
-from moebalance.errors import BudgetError, InputError
-from moebalance.grouping import (
+from moebalance.algorithms.grace.grouping import (
     RATIO_GRID,
     affinity,
     alg2_bounds,
@@ -29,8 +27,11 @@ from moebalance.grouping import (
     spectral_clustering,
     utilization,
 )
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError, InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
 from moebalance.policies import Budget, make_plan
 from moebalance.policies.grace import (
     grace_plan,
@@ -40,8 +41,7 @@ from moebalance.policies.grace import (
     replica_shares,
     skew_ratio,
 )
-from moebalance.synth import synthesize
-from moebalance.trace import RoutingTrace
+from moebalance.workloads.synth import synthesize
 
 
 def _partition(labels: np.ndarray) -> set[frozenset[int]]:

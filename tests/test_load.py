@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moebalance.errors import InputError
-from moebalance.load import LoadMatrix, check_counts, parse_batch_range, read_load, write_load
-from moebalance.trace import RoutingTrace
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix, check_counts, parse_batch_range, read_load, write_load
+from moebalance.core.trace import RoutingTrace
 
 
 def small_trace() -> RoutingTrace:
@@ -180,8 +180,8 @@ def test_bundled_traces_load_and_match_their_recipes() -> None:
     import importlib.util
     from pathlib import Path
 
-    from moebalance.load import bundled_names, read_load
-    from moebalance.synth import get_preset, synthesize
+    from moebalance.core.load import bundled_names, read_load
+    from moebalance.workloads.synth import get_preset, synthesize
 
     spec = importlib.util.spec_from_file_location("make_bundled_data", Path(__file__).parents[1] / "tools" / "make_bundled_data.py")
     assert spec is not None and spec.loader is not None

@@ -17,19 +17,19 @@ import numpy as np
 import pytest
 import torch
 
-from moebalance.cli import main
-from moebalance.cluster import Cluster
-from moebalance.load import LoadMatrix, read_load
+from moebalance.app.cli import main
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix, read_load
+from moebalance.core.plan import Placement, write_plan
 from moebalance.model.capture import PRESET, capture, make_layout, write_capture
 from moebalance.model.data import CHUNK, DOMAINS, domain_tokens
 from moebalance.model.moe_lm import BOS, EOS, ModelConfig, MoELM, bundled_checkpoint, load_checkpoint
 from moebalance.model.run import dense_reference, run_model
 from moebalance.model.train import TrainConfig, bits_per_byte, train
 from moebalance.model.train import main as train_main
-from moebalance.plan import Placement, write_plan
 from moebalance.policies import Budget, make_plan
 from moebalance.runtime import topk_gating
-from moebalance.stats import layer_skew
+from moebalance.workloads.stats import layer_skew
 
 RUN_TOKENS, RUN_BATCH = 1024, 512  # 8 sequences of 128 in 2 forward steps
 

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from moebalance.cluster import Cluster
-from moebalance.errors import BudgetError, InputError, PlanError
-from moebalance.load import LoadMatrix
-from moebalance.milp import ABS_GAP, Milp, MilpResult
-from moebalance.plan import Placement
+from moebalance.algorithms.milp import ABS_GAP, Milp, MilpResult
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError, InputError, PlanError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
 from moebalance.policies import Budget, make_plan
 from moebalance.policies.moetuner import (
     _balance_totals,
@@ -37,8 +38,7 @@ from moebalance.policies.moetuner import (
     processing_load,
     routing_statistics,
 )
-from moebalance.synth import synthesize
-from moebalance.trace import RoutingTrace
+from moebalance.workloads.synth import synthesize
 
 # --------------------------------------------------------------------------------------------------
 # brute force

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from moebalance.cluster import Cluster
-from moebalance.errors import PlanError
-from moebalance.plan import Placement, read_plan, write_plan
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import PlanError
+from moebalance.core.plan import Placement, read_plan, write_plan
 
 C12 = Cluster(num_nodes=1, gpus_per_node=2)
 
@@ -107,7 +107,7 @@ def test_plan_file_round_trip(tmp_path) -> None:
     path = tmp_path / "p.json"
     write_plan(path, p)
     doc = json.loads(path.read_text())
-    assert doc["format"] == "moebalance.plan" and doc["version"] == 1
+    assert doc["format"] == "moebalance.core.plan" and doc["version"] == 1
     assert doc["cluster"] == {"num_nodes": 1, "gpus_per_node": 2}
     assert doc["num_layers"] == 2 and doc["num_experts"] == 4
     q = read_plan(path)

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from moebalance.cluster import Cluster
-from moebalance.errors import BudgetError, InputError
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError, InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
 from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, get_policy, make_plan
-from moebalance.simulate import evaluate, gpu_loads
-from moebalance.trace import RoutingTrace
+from moebalance.routing.simulate import evaluate, gpu_loads
 
 #: Policies of our own never put two copies of an expert on one GPU (the faithful eplb may).
 NO_DUPLICATES = {"contiguous", "greedy", "craft", "grace"}

@@ -8,13 +8,13 @@ import pytest
 from conftest import random_replica_layers
 from hypothesis import given
 
-from moebalance.cluster import Cluster
-from moebalance.errors import InputError
-from moebalance.plan import Placement
-from moebalance.routers import ROUTERS
-from moebalance.routers.grace import replica_weights, weighted_index
-from moebalance.simulate import gpu_loads
-from moebalance.trace import RoutingTrace
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
+from moebalance.routing import ROUTERS
+from moebalance.routing.grace import replica_weights, weighted_index
+from moebalance.routing.simulate import gpu_loads
 
 
 @st.composite

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from moebalance.cluster import Cluster
-from moebalance.errors import MoebalanceError, PlanError
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import MoebalanceError, PlanError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
 from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, make_plan
-from moebalance.routers import ROUTERS
+from moebalance.routing import ROUTERS
+from moebalance.routing.simulate import gpu_loads, traffic
 from moebalance.runtime import (
     DISPATCHERS,
     EPConfig,
@@ -36,8 +38,6 @@ from moebalance.runtime import (
     rearrange,
     slot_table,
 )
-from moebalance.simulate import gpu_loads, traffic
-from moebalance.trace import RoutingTrace
 
 E, H, FFN, K, L, LAYER, SEED = 8, 16, 24, 2, 2, 1, 7
 CLUSTERS = {2: [(1, 2), (2, 1)], 4: [(2, 2), (1, 4)]}

@@ -8,13 +8,13 @@ import pytest
 from conftest import random_replica_layers
 from hypothesis import given
 
-from moebalance.cluster import Cluster
-from moebalance.errors import InputError, PlanError
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
-from moebalance.routers import ROUTERS
-from moebalance.simulate import evaluate, gpu_loads, layer_metrics
-from moebalance.trace import RoutingTrace
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError, PlanError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
+from moebalance.routing import ROUTERS
+from moebalance.routing.simulate import evaluate, gpu_loads, layer_metrics
 
 
 def test_uniform_replay_by_hand() -> None:
@@ -137,7 +137,7 @@ def test_random_router_is_unbiased() -> None:
 
 
 def test_a2a_seconds_hand_computed() -> None:
-    from moebalance.simulate import a2a_seconds
+    from moebalance.routing.simulate import a2a_seconds
 
     # 2 nodes x 2 GPUs, 100 GB/s inside a node, 10 GB/s across; 1000-byte copies.
     # GPU 0 sends 50 copies to GPU 1 (intra) and 20 to GPU 2 (inter); GPU 3 sends 30 to GPU 2 (intra).

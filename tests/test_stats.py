@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from moebalance.errors import InputError
-from moebalance.stats import (
+from moebalance.core.errors import InputError
+from moebalance.workloads.stats import (
     HIGH_SKEW_PEAK_TO_MEAN,
     LayerSkew,
     coactivation_strength,

@@ -14,9 +14,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moebalance.errors import InputError
-from moebalance.stats import coactivation_strength, layer_skew, locality, transition_strength
-from moebalance.synth import PRESETS, ModelPreset, RoutingProfile, get_preset, routing_profile, synthesize
+from moebalance.core.errors import InputError
+from moebalance.workloads.stats import coactivation_strength, layer_skew, locality, transition_strength
+from moebalance.workloads.synth import (
+    PRESETS,
+    ModelPreset,
+    RoutingProfile,
+    get_preset,
+    routing_profile,
+    synthesize,
+)
 
 # ----- presets -----------------------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moebalance.cli import main
+from moebalance.app.cli import main
 
 GOLDEN = Path(__file__).parent / "data" / "tour.json"
 RECORD = os.environ.get("MOEBALANCE_RECORD_TOUR") == "1"

@@ -1,6 +1,6 @@
-"""Regenerate the traces bundled in ``src/moebalance/data`` (``--load bundled:NAME``), bit for bit.
+"""Regenerate the traces bundled in ``src/moebalance/workloads/data`` (``--load bundled:NAME``), bit for bit.
 
-Every bundled trace is synthetic (``moebalance.synth``, docs/synth.md) and fully determined by the recipe
+Every bundled trace is synthetic (``moebalance.workloads.synth``, docs/synth.md) and fully determined by the recipe
 below; arrays are stored in the narrowest integer type that holds them, so the files stay small.
 Run: .venv/bin/python tools/make_bundled_data.py [NAME ...]
 """
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moebalance.synth import get_preset, synthesize
+from moebalance.workloads.synth import get_preset, synthesize
 
-DATA = Path(__file__).resolve().parents[1] / "src" / "moebalance" / "data"
+DATA = Path(__file__).resolve().parents[1] / "src" / "moebalance" / "workloads" / "data"
 
 #: name -> (preset, batches, tokens per batch, data-parallel ranks, token level)
 RECIPES: dict[str, tuple[str, int, int, int, bool]] = {

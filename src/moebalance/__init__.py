@@ -20,7 +20,7 @@ router
     The run-time rule that picks, for each token and chosen expert, which replica serves it.
 """
 
-from moebalance.errors import BudgetError, InputError, MoebalanceError, PlanError
+from moebalance.core.errors import BudgetError, InputError, MoebalanceError, PlanError
 
 __version__ = "0.1.0"
 

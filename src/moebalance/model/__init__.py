@@ -22,7 +22,7 @@ run
 
 Modules: :mod:`~moebalance.model.moe_lm` (model, checkpoints), :mod:`~moebalance.model.data` (corpora),
 :mod:`~moebalance.model.train` (``python -m moebalance.model.train``), :mod:`~moebalance.model.capture`,
-:mod:`~moebalance.model.run`. The trained checkpoint ships as ``moebalance/data/moe_lm.safetensors`` with its
+:mod:`~moebalance.model.run`. The trained checkpoint ships as ``moebalance/model/weights/moe_lm.safetensors`` with its
 record ``moe_lm.json``; ``docs/results/moe_lm.md`` reports its training and routing.
 """
 

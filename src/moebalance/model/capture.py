@@ -18,7 +18,7 @@ from position 0: sequences do not see each other.
 The file holds ``counts [B, L, E]``, ``topk_ids [N, L, K]``, ``src_gpu [N]``, ``batch [N]``,
 ``preset`` = ``"moebalance-moe-lm"``, plus ``token_ids [N]`` (``uint16``, the tokens themselves) and, with
 ``hidden_states=True``, ``hidden_states [N, L, D]`` (``float16``: each MoE layer's input, the gate's input).
-:func:`moebalance.load.read_load` reads it (it ignores the extra keys).
+:func:`moebalance.core.load.read_load` reads it (it ignores the extra keys).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moebalance._io import write_npz
-from moebalance.errors import InputError
-from moebalance.load import LoadMatrix
+from moebalance.core.errors import InputError
+from moebalance.core.io import write_npz
+from moebalance.core.load import LoadMatrix
+from moebalance.core.trace import RoutingTrace
 from moebalance.model.moe_lm import MoELM
-from moebalance.trace import RoutingTrace
 
 __all__ = ["PRESET", "Capture", "Layout", "capture", "make_layout", "write_capture"]
 

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moebalance._io import atomic_path
-from moebalance.errors import InputError
+from moebalance.core.errors import InputError
+from moebalance.core.io import atomic_path
 from moebalance.runtime.experts import ExpertWeights, expert_ffn
 from moebalance.runtime.gating import GateConfig, GateOutput, topk_gating
 
@@ -280,10 +280,10 @@ BUNDLED_CHECKPOINT = "moe_lm.safetensors"
 
 
 def bundled_checkpoint() -> Path:
-    """Path of the bundled checkpoint (``moebalance/data/moe_lm.safetensors``)."""
+    """Path of the bundled checkpoint (``moebalance/model/weights/moe_lm.safetensors``)."""
     from importlib import resources
 
-    return Path(str(resources.files("moebalance") / "data" / BUNDLED_CHECKPOINT))
+    return Path(str(resources.files("moebalance.model") / "weights" / BUNDLED_CHECKPOINT))
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: MoELM, dtype: torch.dtype = torch.float16) -> None:

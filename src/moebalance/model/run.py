@@ -38,13 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from moebalance.errors import InputError, PlanError
+from moebalance.core.errors import InputError, PlanError
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
 from moebalance.model.capture import Layout, make_layout
 from moebalance.model.moe_lm import MoELM, load_checkpoint, save_checkpoint
-from moebalance.plan import Placement
-from moebalance.routers import get_router
+from moebalance.routing import get_router
 from moebalance.runtime import EPConfig, ExpertParallelMoE, dense_moe, launch, layer_placement
-from moebalance.trace import RoutingTrace
 
 __all__ = ["RankReport", "RunReport", "check_plan", "dense_reference", "predicted_loads", "run_model"]
 

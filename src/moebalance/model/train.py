@@ -1,6 +1,6 @@
 """Train the small MoE language model on the two offline domains (CPU, a few minutes).
 
-``python -m moebalance.model.train --out src/moebalance/data/moe_lm.safetensors`` reproduces the bundled
+``python -m moebalance.model.train --out src/moebalance/model/weights/moe_lm.safetensors`` reproduces the bundled
 checkpoint: it writes the weights (float16 safetensors) and, next to them, ``moe_lm.json`` with the model
 config, the training command and settings, the data provenance, the seed, the loss curve and the final bits
 per byte. With ``--plot`` it also draws the loss curve.
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moebalance.errors import InputError, MoebalanceError
+from moebalance.core.errors import InputError, MoebalanceError
 from moebalance.model.data import DOMAINS, domain_tokens, provenance
 from moebalance.model.moe_lm import ModelConfig, MoELM, load_checkpoint, save_checkpoint
 
@@ -227,7 +227,7 @@ def plot_loss(record: dict[str, Any], path: str | os.PathLike[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moebalance.report import _save_png
+    from moebalance.app.report import _save_png
 
     curve = record["loss_curve"]
     fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from moebalance.report import atomic_write_text, dumps
+    from moebalance.app.report import atomic_write_text, dumps
 
     err = Console(stderr=True, highlight=False)
     threads_before = torch.get_num_threads()

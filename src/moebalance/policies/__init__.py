@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from moebalance.cluster import Cluster
-from moebalance.errors import InputError
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
-from moebalance.policies.budget import Budget
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
 from moebalance.policies.contiguous import contiguous
 from moebalance.policies.craft import craft
 from moebalance.policies.eplb import eplb

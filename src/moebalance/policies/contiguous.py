@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebalance.cluster import Cluster
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
-from moebalance.policies.budget import Budget
-from moebalance.policies.common import placement_from_assignment
+from moebalance.algorithms.packing import placement_from_assignment
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
 
 __all__ = ["contiguous"]
 

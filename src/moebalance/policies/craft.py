@@ -43,12 +43,12 @@ from typing import Literal
 
 import numpy as np
 
-from moebalance.cluster import Cluster
-from moebalance.errors import BudgetError
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
-from moebalance.policies.budget import Budget
-from moebalance.policies.common import greedy_pack, placement_from_assignment, repair_duplicates
+from moebalance.algorithms.packing import greedy_pack, placement_from_assignment, repair_duplicates
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
 
 __all__ = [
     "BenefitTable",
@@ -160,7 +160,7 @@ def _shares(gpu_of_slot: np.ndarray, expert_of_slot: np.ndarray, num_experts: in
 
 def _mean_balancedness(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
     """``float64 [L]``: balancedness (mean / max GPU load) per layer, averaged over batches with load."""
-    from moebalance.routers.basic import apply_shares
+    from moebalance.routing.basic import apply_shares
 
     loads = apply_shares(counts, shares)
     peak = loads.max(axis=2)

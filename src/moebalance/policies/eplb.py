@@ -1,6 +1,6 @@
 """``eplb``: DeepSeek's Expert Parallelism Load Balancer as a policy.
 
-Wraps the faithful :func:`moebalance.eplb.rebalance_experts` (hierarchical when ``num_nodes`` divides
+Wraps the faithful :func:`moebalance.algorithms.eplb.rebalance_experts` (hierarchical when ``num_nodes`` divides
 ``num_groups``, else global) on the load summed over the planning batches, with the same number of slots on
 every GPU in every layer (``Budget.uniform_slots``). ``num_groups`` defaults to the model preset's expert
 groups (DeepSeek-V3: 8) when the load names a preset, else 1 (global policy on more than one node).
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from moebalance.cluster import Cluster
-from moebalance.eplb import eplb_plan
-from moebalance.errors import BudgetError
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
-from moebalance.policies.budget import Budget
-from moebalance.policies.common import repair_duplicates
+from moebalance.algorithms.eplb import eplb_plan
+from moebalance.algorithms.packing import repair_duplicates
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
 
 __all__ = ["eplb"]
 
@@ -30,7 +30,7 @@ __all__ = ["eplb"]
 def _preset_groups(load: LoadMatrix) -> int:
     if load.preset is None:
         return 1
-    from moebalance.synth import PRESETS
+    from moebalance.workloads.synth import PRESETS
 
     preset = PRESETS.get(load.preset)
     return 1 if preset is None else preset.num_groups

@@ -7,12 +7,12 @@ paper's ``n_gpu``), ``q = ceil(E / G)`` slots of a uniform placement, ``W_g`` th
 Per layer:
 
 1. **Affinity** (Section 4, Fig. 2a): ``A[i, j]`` tokens that picked both ``i`` and ``j`` (off the diagonal),
-   from the load's token-level trace (:func:`moebalance.grouping.affinity`). :func:`grace_plan` takes any
-   affinity, e.g. :func:`moebalance.grouping.mixed_affinity` over several datasets (Section 5.4).
+   from the load's token-level trace (:func:`moebalance.algorithms.grace.grouping.affinity`). :func:`grace_plan` takes any
+   affinity, e.g. :func:`moebalance.algorithms.grace.grouping.mixed_affinity` over several datasets (Section 5.4).
 2. **Hierarchical grouping** (Section 4.1): spectral clustering of the layer's experts into ``N`` node groups,
    *fully non-uniform* (sizes set by affinity alone), then inside each node Alg. 2's *controlled non-uniform*
    grouping into ``M`` GPU groups with ratio ``r``: the given ``ratio``, or per (layer, node) the knee of the
-   ``(S(r), U(r))`` curve of Eq. 1 over :data:`~moebalance.grouping.RATIO_GRID` (``0, 0.1, ..., 1``).
+   ``(S(r), U(r))`` curve of Eq. 1 over :data:`~moebalance.algorithms.grace.grouping.RATIO_GRID` (``0, 0.1, ..., 1``).
    ``grouping="uniform"`` is the paper's Vanilla (average grouping): contiguous blocks of ``E / G`` experts,
    as the ``contiguous`` policy.
 3. **Replication** (Section 4.2, Eq. 2): ``rho = W_max / mean(W)`` (exact: ``G * W_max / sum(W)`` in rationals,
@@ -24,7 +24,7 @@ Per layer:
    routing share is proportional to ``1 / W'_g`` of the GPU holding it, normalised per expert; the plan's
    ``weights`` hold them and ``params["predicted_gpu_load"]`` the ``W'_g``.
 
-Readings where the paper is ambiguous (Alg. 2 and the knee: see :mod:`moebalance.grouping`):
+Readings where the paper is ambiguous (Alg. 2 and the knee: see :mod:`moebalance.algorithms.grace.grouping`):
 
 - **Hot experts.** "experts are ranked by individual load, and those whose cumulative load exceeds
   ``W_max * n / (1 + n)`` are identified as hot": taken literally, the experts *after* the crossing would be
@@ -48,7 +48,7 @@ Readings where the paper is ambiguous (Alg. 2 and the knee: see :mod:`moebalance
   groups as Alg. 2 bounds GPU groups: ``E / N +- max(1, round(E / N * node_ratio))``. Inside a node, groups go to GPUs largest first, to the GPU with the fewest experts so
   far over earlier layers (ties: lowest id), which keeps per-GPU memory even across layers.
 - **Determinism.** The k-means restarts of the spectral clustering of layer ``l`` (scikit-learn's ``KMeans``
-  on an embedding from SciPy's dense ``eigh``, see :mod:`moebalance.grouping`) are seeded with
+  on an embedding from SciPy's dense ``eigh``, see :mod:`moebalance.algorithms.grace.grouping`) are seeded with
   ``(seed, l, 0)`` at the node level and ``(seed, l, 1 + node)`` inside a node, and run on one thread, so a
   plan depends only on its inputs.
 
@@ -83,7 +83,7 @@ busy (load about 2.5; knee search included; the affinity takes 0.25 s of it); a 
 256, top-8, 16 x 512 tokens on 64 ranks) plans in 4.7-4.9 s on 8 nodes x 8 GPUs, 522 clusterings of 4-7 ms
 each, most of it scikit-learn's k-means++ seeding. ``grouping="uniform"`` takes 0.02 s. The first
 hierarchical plan in a process also imports scikit-learn's clustering (about 1.1 s). BLAS and OpenMP are
-held to one thread while planning (see :func:`moebalance.grouping.blas_single_thread`), entered once per
+held to one thread while planning (see :func:`moebalance.algorithms.grace.grouping.blas_single_thread`), entered once per
 plan (entering it costs about 2 ms; once per clustering made the 2 x 8 plan about 0.15 s slower).
 """
 
@@ -95,9 +95,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from moebalance.cluster import Cluster
-from moebalance.errors import BudgetError, InputError
-from moebalance.grouping import (
+from moebalance.algorithms.grace.grouping import (
     RATIO_GRID,
     _import_spectral,
     _spectral_clustering_in_context,
@@ -108,10 +106,12 @@ from moebalance.grouping import (
     size_deviation,
     utilization,
 )
-from moebalance.grouping import affinity as trace_affinity
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
-from moebalance.policies.budget import Budget
+from moebalance.algorithms.grace.grouping import affinity as trace_affinity
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError, InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
 
 __all__ = ["grace", "grace_plan", "hot_experts", "predict_loads", "replica_count", "replica_shares", "skew_ratio"]
 
@@ -308,7 +308,7 @@ def grace_plan(*, weight: np.ndarray, affinity: np.ndarray | None, cluster: Clus
     """GRACE on a planning load ``weight [L, E]`` and an affinity ``[L, E, E]`` (None for ``grouping="uniform"``).
 
     The policy :func:`grace` calls this with the load's own summed counts and co-activation; call it directly
-    to plan with another affinity, e.g. :func:`moebalance.grouping.mixed_affinity` of several datasets.
+    to plan with another affinity, e.g. :func:`moebalance.algorithms.grace.grouping.mixed_affinity` of several datasets.
     """
     if grouping == "hierarchical":
         _import_spectral()  # before BLAS is limited, so that the limit reaches SciPy's BLAS too

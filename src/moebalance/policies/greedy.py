@@ -13,11 +13,11 @@ import math
 
 import numpy as np
 
-from moebalance.cluster import Cluster
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
-from moebalance.policies.budget import Budget
-from moebalance.policies.common import greedy_pack, placement_from_assignment
+from moebalance.algorithms.packing import greedy_pack, placement_from_assignment
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
 
 __all__ = ["greedy"]
 

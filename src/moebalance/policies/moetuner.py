@@ -92,7 +92,7 @@ What we solve, exactly (where the paper is ambiguous, the choice is written down
 - **Without a token-level trace** there are no transitions: ILP 1 runs as above and ILP 2's objective
   is 0 for every assignment, so only Eq. 13 places the clusters (cluster ``c`` on GPU ``c`` when it holds);
   params say ``"statistics": "load_only"`` and carry a ``"warning"``.
-- **Solver and budget** (:mod:`moebalance.milp`): HiGHS via ``highspy``, one thread, ``random_seed =
+- **Solver and budget** (:mod:`moebalance.algorithms.milp`): HiGHS via ``highspy``, one thread, ``random_seed =
   seed``, ``mip_gap`` 0.025 by default (Section 5.1's tolerance, used with Gurobi). ``time_limit`` is the
   policy's total wall-clock budget in seconds (default 60; ``None`` or ``inf``: no limit): ILP 1 gets 90%
   of it when ILP 2 goes to the DP, else half; each layer first gets an equal share, then the layers that hit
@@ -131,14 +131,14 @@ from typing import Any
 
 import numpy as np
 
-from moebalance.cluster import Cluster
-from moebalance.errors import InputError, PlanError
-from moebalance.load import LoadMatrix
-from moebalance.milp import Milp, MilpResult
-from moebalance.plan import Placement
-from moebalance.policies.budget import Budget
-from moebalance.policies.common import placement_from_assignment
-from moebalance.simulate import CrossLayerTraffic, cross_layer_traffic, processing_load
+from moebalance.algorithms.milp import Milp, MilpResult
+from moebalance.algorithms.packing import placement_from_assignment
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError, PlanError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.routing.simulate import CrossLayerTraffic, cross_layer_traffic, processing_load
 
 __all__ = [
     "CrossLayerTraffic",

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from moebalance.errors import InputError
+from moebalance.core.errors import InputError
 
 __all__ = ["A2AImpl", "Pending", "all_gather_v", "all_to_all_v", "exchange_counts", "p2p_exchange", "resolve_impl"]
 

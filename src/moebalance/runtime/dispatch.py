@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moebalance.errors import InputError
+from moebalance.core.errors import InputError
 from moebalance.runtime.comm import A2AImpl, Pending, all_gather_v, all_to_all_v, over_budget, resolve_impl
 
 __all__ = ["DISPATCHERS", "AllToAllDispatcher", "DispatchMeta", "Dispatcher", "ExpertWork", "LocalDispatcher",

@@ -34,14 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from moebalance.errors import InputError, PlanError
-from moebalance.plan import Placement
-from moebalance.routers import Router, get_router
+from moebalance.core.errors import InputError, PlanError
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
+from moebalance.routing import Router, get_router
 from moebalance.runtime.comm import A2AImpl
 from moebalance.runtime.dispatch import DispatchMeta, ExpertWork, build_dispatch, make_dispatcher
 from moebalance.runtime.experts import ExpertWeights, expert_ffn
 from moebalance.runtime.gating import GateConfig, GateOutput, topk_gating
-from moebalance.trace import RoutingTrace
 
 __all__ = ["EPConfig", "EPStats", "ExpertParallelMoE", "MoEOutput", "layer_placement", "route_picks", "slot_table"]
 
@@ -54,7 +54,7 @@ class EPConfig:
     there, and computes them while the remote rows are in flight.
     """
 
-    #: A name in :data:`moebalance.routers.ROUTERS` or a :class:`~moebalance.routers.Router`.
+    #: A name in :data:`moebalance.routing.ROUTERS` or a :class:`~moebalance.routing.Router`.
     router: str | Router = "uniform"
     router_seed: int = 0
     #: Libra's two-stage execution: compute local picks while the dispatch is in flight.

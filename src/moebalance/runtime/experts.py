@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from moebalance.errors import InputError
+from moebalance.core.errors import InputError
 from moebalance.runtime.gating import GateConfig, GateOutput, topk_gating
 
 __all__ = ["Activation", "ExpertWeights", "dense_moe", "expert_ffn", "random_experts"]

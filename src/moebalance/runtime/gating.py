@@ -51,7 +51,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from moebalance.errors import InputError
+from moebalance.core.errors import InputError
 
 __all__ = ["GateConfig", "GateOutput", "Overflow", "ScoreFn", "apply_capacity", "expert_capacity", "topk_gating"]
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moebalance.errors import PlanError
-from moebalance.plan import Placement
+from moebalance.core.errors import PlanError
+from moebalance.core.plan import Placement
 from moebalance.runtime.comm import p2p_exchange
 from moebalance.runtime.experts import ExpertWeights
 

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from moebalance.errors import BudgetError
-from moebalance.plan import Placement
+from moebalance.core.errors import BudgetError
+from moebalance.core.plan import Placement
 
 __all__ = ["Budget"]
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moebalance.routers.base import Router
+from moebalance.routing.base import Router
 
 if TYPE_CHECKING:
-    from moebalance.plan import Placement
-    from moebalance.trace import RoutingTrace
+    from moebalance.core.plan import Placement
+    from moebalance.core.trace import RoutingTrace
 
 __all__ = ["RANDOM", "UNIFORM", "apply_shares", "share_matrix", "tokens_to_gpus"]
 

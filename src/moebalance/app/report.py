@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from moebalance._io import atomic_path
-from moebalance.simulate import Score
+from moebalance.core.io import atomic_path
+from moebalance.routing.simulate import Score
 
 __all__ = ["ComparisonRow", "atomic_write_text", "comparison_markdown", "comparison_table", "plot_per_layer",
            "score_table"]
@@ -151,7 +151,7 @@ def dumps(obj: Any) -> str:
 
 
 def sweep_markdown(points: Sequence[Any], title: str) -> str:
-    """Markdown table of sweep points (``moebalance.sweep.SweepPoint``)."""
+    """Markdown table of sweep points (``moebalance.app.sweep.SweepPoint``)."""
     lines = [f"# {title}", "", "| policy | R (extra slots per GPU) | extra replicas | balancedness | imbalance ratio | gain over placement only |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {p.policy} | {p.replicas_per_gpu} | {p.extra_replicas} | {p.balancedness:.4f} | "

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebalance.errors import InputError
+from moebalance.core.errors import InputError
 
 __all__ = ["LINK_PRESETS", "Cluster"]
 

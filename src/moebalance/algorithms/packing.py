@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from moebalance.cluster import Cluster
-from moebalance.plan import Placement
+from moebalance.core.cluster import Cluster
+from moebalance.core.plan import Placement
 
 __all__ = ["greedy_pack", "placement_from_assignment", "repair_duplicates"]
 

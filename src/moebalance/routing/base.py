@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from moebalance.plan import Placement
-    from moebalance.trace import RoutingTrace
+    from moebalance.core.plan import Placement
+    from moebalance.core.trace import RoutingTrace
 
 __all__ = ["Router"]
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moebalance._io import write_npz
-from moebalance.errors import InputError
-from moebalance.trace import RoutingTrace
+from moebalance.core.errors import InputError
+from moebalance.core.io import write_npz
+from moebalance.core.trace import RoutingTrace
 
 __all__ = ["BUNDLED_PREFIX", "LoadMatrix", "bundled_names", "check_counts", "parse_batch_range", "read_bundled",
            "read_load", "write_load"]
@@ -183,7 +183,7 @@ def bundled_names() -> list[str]:
     from importlib import resources
 
     return sorted(f.name.removesuffix(".npz").replace("_", "-")
-                  for f in (resources.files("moebalance") / "data").iterdir() if f.name.endswith(".npz"))
+                  for f in (resources.files("moebalance.workloads") / "data").iterdir() if f.name.endswith(".npz"))
 
 
 def read_bundled(name: str) -> LoadMatrix:
@@ -192,7 +192,7 @@ def read_bundled(name: str) -> LoadMatrix:
 
     if name not in bundled_names():
         raise InputError(f"no bundled trace {name!r}; bundled: {', '.join(bundled_names())}")
-    with resources.as_file(resources.files("moebalance") / "data" / (name.replace("-", "_") + ".npz")) as p:
+    with resources.as_file(resources.files("moebalance.workloads") / "data" / (name.replace("-", "_") + ".npz")) as p:
         return read_load(p)
 
 

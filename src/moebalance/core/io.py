@@ -43,7 +43,7 @@ def write_npz(path: str | os.PathLike[str], arrays: dict[str, Any]) -> None:
     """Write ``arrays`` as a compressed ``.npz`` at ``path`` (which must end in ``.npz``), atomically."""
     import numpy as np
 
-    from moebalance.errors import InputError
+    from moebalance.core.errors import InputError
 
     p = Path(path)
     if p.suffix != ".npz":

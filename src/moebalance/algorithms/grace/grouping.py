@@ -75,9 +75,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from moebalance.errors import InputError
-from moebalance.load import LoadMatrix
-from moebalance.trace import RoutingTrace
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.trace import RoutingTrace
 
 __all__ = [
     "RATIO_GRID",

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moebalance.errors import InputError
-from moebalance.routers.base import Router
-from moebalance.routers.basic import apply_shares, tokens_to_gpus
+from moebalance.core.errors import InputError
+from moebalance.routing.base import Router
+from moebalance.routing.basic import apply_shares, tokens_to_gpus
 
 if TYPE_CHECKING:
-    from moebalance.plan import Placement
-    from moebalance.trace import RoutingTrace
+    from moebalance.core.plan import Placement
+    from moebalance.core.trace import RoutingTrace
 
 __all__ = ["LOCALITY", "WRR", "replica_weights", "weighted_index"]
 

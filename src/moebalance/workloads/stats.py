@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebalance.errors import InputError
+from moebalance.core.errors import InputError
 
 __all__ = ["HIGH_SKEW_PEAK_TO_MEAN", "LayerSkew", "coactivation_strength", "layer_skew", "locality",
            "transition_strength"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moebalance.errors import InputError
+from moebalance.core.errors import InputError
 
 __all__ = ["RoutingTrace"]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from moebalance.cluster import Cluster
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
+from moebalance.app.report import ComparisonRow
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
 from moebalance.policies import Budget, make_plan
-from moebalance.report import ComparisonRow
-from moebalance.simulate import evaluate
+from moebalance.routing.simulate import evaluate
 
 __all__ = ["compare_policies"]
 

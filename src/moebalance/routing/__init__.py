@@ -12,10 +12,10 @@ Routers are looked up by name in :data:`ROUTERS`; callers may also pass a :class
 
 from __future__ import annotations
 
-from moebalance.errors import InputError
-from moebalance.routers.base import Router
-from moebalance.routers.basic import RANDOM, UNIFORM
-from moebalance.routers.grace import LOCALITY, WRR
+from moebalance.core.errors import InputError
+from moebalance.routing.base import Router
+from moebalance.routing.basic import RANDOM, UNIFORM
+from moebalance.routing.grace import LOCALITY, WRR
 
 __all__ = ["DOCUMENTED_ROUTERS", "ROUTERS", "Router", "get_router"]
 

@@ -44,12 +44,12 @@ from typing import Any
 
 import numpy as np
 
-from moebalance.cluster import Cluster
-from moebalance.errors import InputError, PlanError
-from moebalance.load import LoadMatrix
-from moebalance.plan import Placement
-from moebalance.routers import Router, get_router
-from moebalance.trace import RoutingTrace
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError, PlanError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
+from moebalance.routing import Router, get_router
 
 __all__ = ["CrossLayerTraffic", "Score", "Traffic", "a2a_seconds", "cross_layer_traffic", "evaluate", "gpu_loads",
            "layer_metrics", "processing_load", "traffic"]

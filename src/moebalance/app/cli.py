@@ -21,12 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moebalance.cluster import LINK_PRESETS, Cluster
-from moebalance.errors import InputError, MoebalanceError
-from moebalance.load import LoadMatrix, parse_batch_range, read_load, write_load
-from moebalance.plan import read_plan, write_plan
-from moebalance.policies import POLICIES, Budget, make_plan
-from moebalance.report import (
+from moebalance.app.report import (
     ComparisonRow,
     atomic_write_text,
     comparison_markdown,
@@ -35,8 +30,13 @@ from moebalance.report import (
     plot_per_layer,
     score_table,
 )
-from moebalance.routers import ROUTERS
-from moebalance.simulate import evaluate
+from moebalance.core.cluster import LINK_PRESETS, Cluster
+from moebalance.core.errors import InputError, MoebalanceError
+from moebalance.core.load import LoadMatrix, parse_batch_range, read_load, write_load
+from moebalance.core.plan import read_plan, write_plan
+from moebalance.policies import POLICIES, Budget, make_plan
+from moebalance.routing import ROUTERS
+from moebalance.routing.simulate import evaluate
 
 __all__ = ["main"]
 
@@ -142,7 +142,7 @@ def _add_links(p: argparse.ArgumentParser) -> None:
 
 def _bytes_per_copy(load: LoadMatrix, hidden_size: int | None, dtype_bytes: int) -> int | None:
     if hidden_size is None and load.preset is not None:
-        from moebalance.synth import PRESETS
+        from moebalance.workloads.synth import PRESETS
 
         preset = PRESETS.get(load.preset)
         hidden_size = None if preset is None else preset.hidden_size
@@ -161,7 +161,7 @@ def _check_out(path: str, suffix: str) -> Path:
 # ----- commands ------------------------------------------------------------------------------------------------
 
 def cmd_synth(args: argparse.Namespace) -> None:
-    from moebalance.synth import get_preset, synthesize
+    from moebalance.workloads.synth import get_preset, synthesize
 
     dest = _check_out(args.out, ".npz")
     preset = get_preset(args.preset)
@@ -246,7 +246,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 def _run_compare(load: LoadMatrix, policies: list[str], args: argparse.Namespace,
                  per_policy: dict[str, dict[str, Any]]) -> tuple[list[ComparisonRow], dict[str, Any]]:
-    from moebalance.compare import compare_policies
+    from moebalance.app.compare import compare_policies
 
     with _progress() as progress:
         task = progress.add_task("plan + score", total=len(policies))
@@ -290,8 +290,8 @@ def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], load: Loa
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
-    from moebalance.report import plot_sweep, sweep_markdown, sweep_table
-    from moebalance.sweep import sweep, sweep_steps
+    from moebalance.app.report import plot_sweep, sweep_markdown, sweep_table
+    from moebalance.app.sweep import sweep, sweep_steps
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     try:
@@ -328,7 +328,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> None:
-    from moebalance.stats import layer_skew
+    from moebalance.workloads.stats import layer_skew
 
     load = read_load(args.load)
     skew = layer_skew(load.counts)
@@ -361,7 +361,7 @@ def _stats_table(load: LoadMatrix, skew: Any) -> Table:
 def _print_trace_stats(load: LoadMatrix) -> None:
     if load.trace is None:
         return
-    from moebalance import stats
+    from moebalance.workloads import stats
 
     tr = load.trace
     if tr.num_tokens == 0:
@@ -378,10 +378,10 @@ def _print_trace_stats(load: LoadMatrix) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
-    data = resources.files("moebalance") / "data" / BUNDLED_DATA
+    data = resources.files("moebalance.workloads") / "data" / BUNDLED_DATA
     with resources.as_file(data) as path:
         load = read_load(path)
-    from moebalance.stats import layer_skew
+    from moebalance.workloads.stats import layer_skew
 
     skew = layer_skew(load.counts)
     out.rule("[bold]moebalance demo[/]")
@@ -480,7 +480,7 @@ def _model_tokens(args: argparse.Namespace) -> tuple[np.ndarray, str]:
 def cmd_capture(args: argparse.Namespace) -> None:
     from moebalance.model.capture import capture, write_capture
     from moebalance.model.moe_lm import load_checkpoint
-    from moebalance.stats import layer_skew
+    from moebalance.workloads.stats import layer_skew
 
     dest = _check_out(args.out, ".npz")
     model = load_checkpoint(args.checkpoint)

@@ -1,0 +1,1 @@
+"""The application: the command-line tool, comparisons of policies, budget sweeps and reports."""

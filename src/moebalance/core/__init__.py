@@ -1,0 +1,2 @@
+"""The data model: a cluster, loads and token-level traces, placement plans, budgets, errors and atomic file
+writing. Everything else in the package is built on these types; they import nothing from the rest."""
