@@ -90,7 +90,7 @@ def counts_of(topk_ids: np.ndarray, batch: np.ndarray, num_batches: int) -> np.n
 def contiguous_doc(num_layers: int = L, num_experts: int = E) -> dict[str, Any]:
     """A valid plan document: GPU g hosts a block of consecutive experts in every layer."""
     per = num_experts // G
-    return {"format": "moebalance.core.plan", "version": 1, "policy": "custom", "params": {},
+    return {"format": "moebalance.plan", "version": 1, "policy": "custom", "params": {},
             "cluster": {"num_nodes": NODES, "gpus_per_node": GPN}, "num_layers": num_layers,
             "num_experts": num_experts,
             "placement": [[list(range(g * per, (g + 1) * per)) for g in range(G)] for _ in range(num_layers)]}
@@ -792,7 +792,7 @@ def test_plan_policies_and_budgets(policy: str, budget: list[str], trace_file: P
         assert plan.extra_replicas == 0
     assert plan.params["planned_on_batches"] == f"0:{B}"
     doc = json.loads(dest.read_text())
-    assert doc["format"] == "moebalance.core.plan" and doc["version"] == 1
+    assert doc["format"] == "moebalance.plan" and doc["version"] == 1
 
 
 def test_plan_on_batch_range(trace_file: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1000,7 +1000,7 @@ def test_compare_in_sample_on_one_batch(inp: Path, capsys: pytest.CaptureFixture
 
 def test_console_script(tmp_path: Path, inp: Path, outdir: Path, trace_file: Path) -> None:
     script = Path(sys.executable).parent / "moebalance"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "moebalance.app.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "moebalance"]
     ok = subprocess.run([*cmd, "plan", "--load", str(trace_file), "--policy", "greedy", *CLUSTER,
                          "--slots-per-gpu", "4", "--out", str(outdir / "plan.json")],
                         capture_output=True, text=True, timeout=120)

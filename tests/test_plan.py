@@ -107,7 +107,7 @@ def test_plan_file_round_trip(tmp_path) -> None:
     path = tmp_path / "p.json"
     write_plan(path, p)
     doc = json.loads(path.read_text())
-    assert doc["format"] == "moebalance.core.plan" and doc["version"] == 1
+    assert doc["format"] == "moebalance.plan" and doc["version"] == 1
     assert doc["cluster"] == {"num_nodes": 1, "gpus_per_node": 2}
     assert doc["num_layers"] == 2 and doc["num_experts"] == 4
     q = read_plan(path)

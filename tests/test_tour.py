@@ -56,6 +56,7 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 def _plan(path: Path) -> dict[str, Any]:
     doc = json.loads(path.read_text())
+    assert doc["format"] == "moebalance.plan" and doc["version"] == 1  # the plan file's contract
     return _strip({k: doc[k] for k in ("policy", "params", "cluster", "placement", "weights") if k in doc})
 
 

@@ -10,7 +10,7 @@ are allowed but reported as a warning: DeepSeek's reference EPLB produces them (
 
 Plan file (DESIGN §2, contract)::
 
-    {"format": "moebalance.core.plan", "version": 1, "policy": "eplb", "params": {...},
+    {"format": "moebalance.plan", "version": 1, "policy": "eplb", "params": {...},
      "cluster": {"num_nodes": 8, "gpus_per_node": 8}, "num_layers": 58, "num_experts": 256,
      "placement": [[[0, 17, 33], [5, 2], ...], ...], "weights": [...]}   # weights optional
 
@@ -37,7 +37,7 @@ from moebalance.core.io import atomic_path
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "EplbTensors", "Placement", "read_plan", "write_plan"]
 
-PLAN_FORMAT = "moebalance.core.plan"
+PLAN_FORMAT = "moebalance.plan"
 PLAN_VERSION = 1
 
 
