@@ -15,7 +15,7 @@ from moebalance.core.errors import BudgetError, InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
-from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, get_policy, make_plan
+from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, get_policy, make_plan, plan_with
 from moebalance.routing.simulate import evaluate, gpu_loads
 
 #: Policies of our own never put two copies of an expert on one GPU (the faithful eplb may).
@@ -135,15 +135,16 @@ def test_craft_variants_conform(how: dict, params: dict, case: tuple[LoadMatrix,
 
 def _check_conforms(name: str, load: LoadMatrix, cluster: Cluster, budget: Budget, params: dict) -> None:
     try:
-        plan, _ = make_plan(name, load, cluster, budget, **params)
+        result = plan_with(name, load, cluster, budget, **params)
     except BudgetError:
         # a policy may refuse a budget it cannot meet, but only then
         assert _may_refuse(name, load, cluster, budget)
         return
+    plan = result.placement
     # shape, every expert placed (Placement validates), budget respected
     assert (plan.num_layers, plan.num_experts, plan.num_gpus) == (load.num_layers, load.num_experts, cluster.num_gpus)
     assert np.all(plan.replica_counts() >= 1)
-    budget.check(plan)
+    budget.check(plan, chosen_replicas_per_gpu=result.diagnostics.chosen_replicas_per_gpu)
     if name in NO_DUPLICATES:
         assert plan.warnings == () and plan.copies.max() == 1
     if plan.weights is not None:  # a static weighted router's shares: each expert's sum to 1

@@ -1,9 +1,25 @@
-"""Memory budgets for plans (DESIGN §4).
+"""Memory budgets for plans, and the one rule that turns a budget into what policies consume.
 
-A budget is either ``slots_per_gpu`` ``S`` (every GPU hosts at most ``S`` experts in every layer, EPLB-style)
-or ``replicas_per_gpu`` ``R`` (CRAFT: ``R * G`` extra replicas in all, spread over layers as the policy
-likes; a GPU then holds at most ``L * ceil(E / G) + R`` expert slots over all layers). A budget is a
-maximum: a policy may use less, never more, and never changes it silently.
+Legend: ``L`` layers, ``E`` experts per layer, ``G`` GPUs, ``q = ceil(E / G)`` the slots a GPU needs without
+replicas, ``S`` slots per GPU per layer, ``R`` extra replicas per GPU over all layers.
+
+A :class:`Budget` is what the user gives: either ``slots_per_gpu`` ``S`` (every GPU hosts at most ``S``
+experts in every layer, EPLB-style) or ``replicas_per_gpu`` ``R`` (CRAFT: ``R * G`` extra replicas in all,
+spread over layers as the policy likes; a GPU then holds at most ``L * q + R`` expert slots over all layers).
+A budget is a maximum: a policy may use less, never more.
+
+:func:`resolve_budget` turns a budget, for one model shape and cluster, into a :class:`Capacity`: the per-layer
+cap, the replicas a policy may spend, the per-GPU total. Policies read a capacity, never a budget. Each
+policy asks for the form it plans in, and the capacity converts between the two kinds with a note that the
+plan records (``docs/design.md``, "Budgets"):
+
+- ``S`` slots per GPU is the memory of ``R = L * (S - E / G)`` extra replicas per GPU (rounded down when
+  ``G`` does not divide ``L * (S * G - E)``): :meth:`Capacity.replicas` for policies that spread replicas over
+  layers (CRAFT). The plan is then checked against that ``R``; a layer may hold more than ``S`` on a GPU.
+- ``R`` extra replicas per GPU fit ``S = floor((L * E + R * G) / (L * G))`` equal slots in every layer
+  (at most ``E``): :meth:`Capacity.uniform_slots` for policies with the same slots everywhere (EPLB).
+
+So any mix of policies can be compared under one budget.
 """
 
 from __future__ import annotations
@@ -15,7 +31,7 @@ from typing import Literal
 from moebalance.core.errors import BudgetError
 from moebalance.core.plan import Placement
 
-__all__ = ["Budget"]
+__all__ = ["Budget", "Capacity", "resolve_budget", "slots_to_replicas"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -40,83 +56,139 @@ class Budget:
         if r is not None and r != "auto" and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             raise BudgetError(f"replicas_per_gpu ({r!r}) must be a non-negative integer or 'auto'")
 
-    def fixed_replicas(self, policy: str) -> int:
-        """``R`` as a number; ``auto`` is only for policies that choose it themselves."""
-        if self.replicas_per_gpu == "auto":
-            raise BudgetError(f"policy {policy!r} cannot choose replicas_per_gpu itself; give a number (craft can: auto)")
-        assert isinstance(self.replicas_per_gpu, int)
-        return self.replicas_per_gpu
-
     def describe(self) -> str:
         if self.slots_per_gpu is not None:
             return f"slots_per_gpu={self.slots_per_gpu}"
         return f"replicas_per_gpu={self.replicas_per_gpu}"
 
     def as_params(self) -> dict[str, int | str]:
+        """The budget as the user gave it, for a plan's params."""
         if self.slots_per_gpu is not None:
             return {"slots_per_gpu": self.slots_per_gpu}
-        assert self.replicas_per_gpu is not None
-        return {"replicas_per_gpu": self.replicas_per_gpu}
+        return {"replicas_per_gpu": self.replicas_per_gpu}  # type: ignore[dict-item]
 
-    def placement_slots(self, num_experts: int, num_gpus: int) -> int:
-        """Slots per GPU of a placement without replicas: ``ceil(E / G)``, if the budget allows it."""
-        need = math.ceil(num_experts / num_gpus)
-        if self.slots_per_gpu is not None and self.slots_per_gpu < need:
-            raise BudgetError(
-                f"slots_per_gpu ({self.slots_per_gpu}) cannot hold {num_experts} experts on {num_gpus} GPUs; "
-                f"it must be at least {need}"
-            )
-        return need
+    def check(self, plan: Placement, *, chosen_replicas_per_gpu: int | None = None) -> None:
+        """Raise :class:`BudgetError` if ``plan`` uses more memory than this budget allows (see
+        :meth:`Capacity.check`)."""
+        resolve_budget(self, plan.num_experts, plan.num_gpus, plan.num_layers).check(
+            plan, chosen_replicas_per_gpu=chosen_replicas_per_gpu)
 
-    def uniform_slots(self, num_experts: int, num_gpus: int, num_layers: int) -> int:
-        """Slots per GPU in every layer for an equal-slot policy (EPLB).
 
-        With ``replicas_per_gpu R`` each layer gets ``floor(R / L)`` extra slots per GPU, the most a uniform
-        per-layer replication fits in ``R * G`` extra replicas (CRAFT Section 2.3: EPLB's minimum uniform
-        replication costs ``L`` replicas per GPU).
+def slots_to_replicas(slots_per_gpu: int, num_experts: int, num_gpus: int, num_layers: int) -> int:
+    """``R = L * (S - E / G)``, rounded down: the extra replicas per GPU that ``S`` equal slots cost.
+
+    Example: DeepSeek-V3 (58 layers x 256 experts) on 64 GPUs with ``S = 5``: ``R = 58 * (5 - 4) = 58``.
+    """
+    return (num_layers * (slots_per_gpu * num_gpus - num_experts)) // num_gpus
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What a budget allows for ``L`` layers of ``E`` experts on ``G`` GPUs; made by :func:`resolve_budget`.
+
+    Example: ``resolve_budget(Budget(slots_per_gpu=5), 256, 64, 58)`` has ``placement_slots == 4``,
+    ``layer_slots == 5``, ``uniform_slots() == 5`` and ``replicas("craft") == 58`` with a note.
+    """
+
+    budget: Budget
+    num_experts: int
+    num_gpus: int
+    num_layers: int
+    #: ``q = ceil(E / G)``: slots per GPU of a placement without replicas (always within the budget).
+    placement_slots: int
+    #: ``S``: the most experts a GPU may host in one layer, or None (a replicas budget caps only totals).
+    layer_slots: int | None
+    #: A note on how the budget was converted for the policy, or None (stored in the plan's params).
+    note: str | None = None
+
+    @property
+    def auto(self) -> bool:
+        """True for ``replicas_per_gpu="auto"``: the policy chooses ``R`` (CRAFT Step 2)."""
+        return self.budget.replicas_per_gpu == "auto"
+
+    def replicas(self, policy: str, *, auto_ok: bool = False) -> tuple[int | None, Capacity]:
+        """``R`` for a policy that spreads replicas over layers, and the capacity to check its plan against.
+
+        A slots budget converts to ``R = L * (S - E / G)`` with a note. ``auto`` gives ``None`` where the policy
+        chooses (``auto_ok``), else a :class:`BudgetError`.
         """
-        need = self.placement_slots(num_experts, num_gpus)
-        if self.slots_per_gpu is not None:
-            return self.slots_per_gpu
-        R = self.fixed_replicas("eplb")
-        # the most equal slots S with L * (S * G - E) <= R * G extra replicas; beyond E slots a GPU would
-        # hold some expert twice, so a larger R is not spent (a budget is a maximum)
-        slots = min((num_layers * num_experts + R * num_gpus) // (num_layers * num_gpus), num_experts)
-        if slots < need:
-            extra = num_layers * (need * num_gpus - num_experts)
-            raise BudgetError(
-                f"equal slots per GPU put {num_experts} experts into {need * num_gpus} slots per layer, "
-                f"{extra} extra replicas in all, but replicas_per_gpu {R} allows "
-                f"{R * num_gpus}; raise it to at least {math.ceil(extra / num_gpus)}"
-            )
-        return slots
+        R = self.budget.replicas_per_gpu
+        if R == "auto":
+            if not auto_ok:
+                raise BudgetError(f"policy {policy!r} cannot choose replicas_per_gpu itself; give a number "
+                                  "(craft can: auto)")
+            return None, self
+        if R is not None:
+            return int(R), self
+        S = self.budget.slots_per_gpu
+        assert S is not None  # exactly one of the two, by Budget
+        R = slots_to_replicas(S, self.num_experts, self.num_gpus, self.num_layers)
+        note = (f"slots_per_gpu {S} read as replicas_per_gpu {R} = L * (S - E / G) for {policy}: the same "
+                f"replica memory per GPU, spread over layers, so one layer may hold more than {S} on a GPU")
+        converted = Capacity(Budget(replicas_per_gpu=R), self.num_experts, self.num_gpus, self.num_layers,
+                             self.placement_slots, None, note)
+        return R, converted
 
-    def check(self, plan: Placement) -> None:
-        """Raise :class:`BudgetError` if ``plan`` uses more memory than this budget allows."""
-        if self.slots_per_gpu is not None:
-            if plan.max_slots_per_gpu > self.slots_per_gpu:
-                raise BudgetError(
-                    f"plan {plan.policy!r} puts {plan.max_slots_per_gpu} experts on one GPU in one layer "
-                    f"but slots_per_gpu is {self.slots_per_gpu}"
-                )
+    def uniform_slots(self, policy: str) -> tuple[int, Capacity]:
+        """Equal slots per GPU in every layer (EPLB), and the capacity to check the plan against.
+
+        With ``replicas_per_gpu R`` each layer gets the most equal slots that ``R * G`` extra replicas pay for
+        (never beyond ``E``: a GPU would hold some expert twice), with a note when that is more than ``q``.
+        """
+        if self.layer_slots is not None:
+            return self.layer_slots, self
+        R, _ = self.replicas(policy)
+        assert R is not None
+        L, E, G, q = self.num_layers, self.num_experts, self.num_gpus, self.placement_slots
+        slots = min((L * E + R * G) // (L * G), E)
+        if slots < q:
+            extra = L * (q * G - E)
+            raise BudgetError(
+                f"equal slots per GPU put {E} experts into {q * G} slots per layer, {extra} extra replicas in all, "
+                f"but replicas_per_gpu {R} allows {R * G}; raise it to at least {math.ceil(extra / G)}")
+        return slots, self
+
+    def check(self, plan: Placement, *, chosen_replicas_per_gpu: int | None = None) -> None:
+        """Raise :class:`BudgetError` if ``plan`` uses more memory than this capacity allows.
+
+        ``chosen_replicas_per_gpu`` is the ``R`` a policy chose under an ``auto`` budget.
+        """
+        S = self.budget.slots_per_gpu
+        if S is not None:
+            if plan.max_slots_per_gpu > S:
+                raise BudgetError(f"plan {plan.policy!r} puts {plan.max_slots_per_gpu} experts on one GPU in one "
+                                  f"layer but slots_per_gpu is {S}")
             return
-        R = self.replicas_per_gpu
-        if R == "auto":  # the policy chose R and must say which
-            if "chosen_replicas_per_gpu" not in plan.params:
-                self.fixed_replicas(plan.policy)
-            R = int(plan.params["chosen_replicas_per_gpu"])
+        R = self.budget.replicas_per_gpu
+        if R == "auto":
+            if chosen_replicas_per_gpu is None:
+                raise BudgetError(f"policy {plan.policy!r} cannot choose replicas_per_gpu itself; give a number "
+                                  "(craft can: auto)")
+            R = chosen_replicas_per_gpu
         assert isinstance(R, int)
         G = plan.num_gpus
         if plan.extra_replicas > R * G:
-            raise BudgetError(
-                f"plan {plan.policy!r} uses {plan.extra_replicas} extra replicas but replicas_per_gpu "
-                f"{R} allows {R * G}"
-            )
+            raise BudgetError(f"plan {plan.policy!r} uses {plan.extra_replicas} extra replicas but replicas_per_gpu "
+                              f"{R} allows {R * G}")
         # per-GPU memory: at most what equal slots of ceil(E / G) per layer take, plus R
         per_gpu = int(plan.slots().sum(axis=0).max())
         limit = plan.num_layers * math.ceil(plan.num_experts / G) + R
         if per_gpu > limit:
-            raise BudgetError(
-                f"plan {plan.policy!r} puts {per_gpu} experts on one GPU over all layers but "
-                f"replicas_per_gpu {R} allows {limit}"
-            )
+            raise BudgetError(f"plan {plan.policy!r} puts {per_gpu} experts on one GPU over all layers but "
+                              f"replicas_per_gpu {R} allows {limit}")
+
+
+def resolve_budget(budget: Budget, num_experts: int, num_gpus: int, num_layers: int) -> Capacity:
+    """The :class:`Capacity` of ``budget`` for ``L`` layers of ``E`` experts on ``G`` GPUs.
+
+    Refuses a slots budget below ``q = ceil(E / G)``: no plan could place every expert.
+    """
+    if not isinstance(budget, Budget):
+        raise BudgetError(f"budget must be a Budget(slots_per_gpu=S) or Budget(replicas_per_gpu=R), not "
+                          f"{type(budget).__name__}")
+    q = math.ceil(num_experts / num_gpus)
+    S = budget.slots_per_gpu
+    if S is not None and S < q:
+        raise BudgetError(f"slots_per_gpu ({S}) cannot hold {num_experts} experts on {num_gpus} GPUs; "
+                          f"it must be at least {q}")
+    return Capacity(budget, num_experts, num_gpus, num_layers, q, S)

@@ -178,6 +178,15 @@ class Placement:
                 raise PlanError(f"weights[{li}] give expert {e} a total share of 0; a weighted router could not route it")
         return tuple(out)
 
+    def with_params(self, params: Mapping[str, Any], policy: str | None = None) -> Placement:
+        """The same plan with other ``params`` (and ``policy``), without validating the placement again."""
+        out = object.__new__(type(self))
+        for name in ("gpu_experts", "num_experts", "cluster", "weights", "copies", "warnings"):
+            object.__setattr__(out, name, getattr(self, name))
+        object.__setattr__(out, "params", dict(params))
+        object.__setattr__(out, "policy", self.policy if policy is None else policy)
+        return out
+
     # ----- shape facts -------------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
@@ -278,6 +287,9 @@ class Placement:
         cl = doc["cluster"]
         if not isinstance(cl, dict) or "num_nodes" not in cl or "gpus_per_node" not in cl:
             raise PlanError(f"{source}: 'cluster' must be {{\"num_nodes\": N, \"gpus_per_node\": M}}")
+        unknown = sorted(set(cl) - {"num_nodes", "gpus_per_node"})
+        if unknown:
+            raise PlanError(f"{source}: 'cluster' has unknown keys {unknown}; it holds only num_nodes and gpus_per_node")
         try:
             cluster = Cluster(num_nodes=cl["num_nodes"], gpus_per_node=cl["gpus_per_node"])
         except InputError as exc:

@@ -1,39 +1,54 @@
-"""Placement policies: plain functions ``(*, load, cluster, budget, **params) -> Placement`` in a registry.
+"""Placement policies, registered by name: thin adapters from a load, a cluster and a budget to the paper
+algorithms in :mod:`moebalance.algorithms`.
 
-Callers pass a registered name or any callable with that signature (STYLE 3). Names are a contract
-(DESIGN §4); an import-time check keeps the registry within the documented names.
+Each policy has a frozen config dataclass (its ``--set`` options) and returns typed diagnostics
+(:mod:`moebalance.policies.base`). Callers pass a registered name or any callable
+``(*, load, cluster, budget, **params) -> Placement``. The names are part of the command-line contract
+(``docs/design.md``, "Policies"); an import-time check keeps the registry within them.
 """
 
 from __future__ import annotations
 
-import inspect
-import time
 from collections.abc import Callable
 from typing import Any
 
-from moebalance.core.budget import Budget
+from moebalance.core.budget import Budget, Capacity, resolve_budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
-from moebalance.policies.contiguous import contiguous
+from moebalance.policies.base import PlanResult, Policy, PolicyConfig, run_policy
+from moebalance.policies.contiguous import CONTIGUOUS
 from moebalance.policies.craft import craft
-from moebalance.policies.eplb import eplb
+from moebalance.policies.eplb import EPLB
 from moebalance.policies.grace import grace
-from moebalance.policies.greedy import greedy
+from moebalance.policies.greedy import GREEDY
 from moebalance.policies.moetuner import moetuner
 
-__all__ = ["DOCUMENTED_POLICIES", "POLICIES", "Budget", "PolicyFn", "get_policy", "make_plan"]
+__all__ = [
+    "DOCUMENTED_POLICIES",
+    "POLICIES",
+    "Budget",
+    "Capacity",
+    "PlanResult",
+    "Policy",
+    "PolicyConfig",
+    "PolicyFn",
+    "get_policy",
+    "make_plan",
+    "plan_with",
+    "resolve_budget",
+]
 
 PolicyFn = Callable[..., Placement]
 
-#: Policy names documented in DESIGN §4 (contract).
+#: Policy names of the command-line contract.
 DOCUMENTED_POLICIES = ("contiguous", "greedy", "eplb", "craft", "grace", "moetuner", "libra")
 
-POLICIES: dict[str, PolicyFn] = {
-    "contiguous": contiguous,
-    "greedy": greedy,
-    "eplb": eplb,
+POLICIES: dict[str, Policy[Any] | PolicyFn] = {
+    "contiguous": CONTIGUOUS,
+    "greedy": GREEDY,
+    "eplb": EPLB,
     "craft": craft,
     "grace": grace,
     "moetuner": moetuner,
@@ -44,36 +59,28 @@ if _unknown:
     raise RuntimeError(f"policies {sorted(_unknown)} are registered but not documented in DOCUMENTED_POLICIES")
 
 
-def get_policy(policy: str | PolicyFn) -> tuple[str, PolicyFn]:
-    """``(name, function)`` for a registered name or a callable."""
+def get_policy(policy: str | Policy[Any] | PolicyFn) -> tuple[str, Policy[Any] | PolicyFn]:
+    """``(name, policy)`` for a registered name, a :class:`Policy` or a callable."""
+    if isinstance(policy, Policy):
+        return policy.name, policy
     if callable(policy):
         return getattr(policy, "__name__", "custom"), policy
     try:
         return policy, POLICIES[policy]
-    except KeyError:
+    except (KeyError, TypeError):
         raise InputError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}") from None
 
 
-def _check_params(name: str, fn: PolicyFn, params: dict[str, Any]) -> None:
-    sig = inspect.signature(fn)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        return
-    allowed = [p for p in sig.parameters if p not in ("load", "cluster", "budget")]
-    for key in params:
-        if key not in allowed:
-            hint = f"its parameters: {', '.join(allowed)}" if allowed else "it takes none"
-            raise InputError(f"policy {name!r} has no parameter {key!r}; {hint}")
+def plan_with(policy: str | Policy[Any] | PolicyFn, load: LoadMatrix, cluster: Cluster, budget: Budget,
+              **params: Any) -> PlanResult:
+    """Run ``policy`` with ``params`` (its config's fields) under ``budget``: the plan, its config, typed
+    diagnostics, the capacity it was checked against, and the seconds it took."""
+    _, fn = get_policy(policy)
+    return run_policy(fn, load, cluster, budget, params)
 
 
-def make_plan(policy: str | PolicyFn, load: LoadMatrix, cluster: Cluster, budget: Budget,
+def make_plan(policy: str | Policy[Any] | PolicyFn, load: LoadMatrix, cluster: Cluster, budget: Budget,
               **params: Any) -> tuple[Placement, float]:
     """Run ``policy`` and check its plan against the budget; returns ``(plan, seconds)``."""
-    name, fn = get_policy(policy)
-    _check_params(name, fn, params)
-    t0 = time.perf_counter()
-    plan = fn(load=load, cluster=cluster, budget=budget, **params)
-    seconds = time.perf_counter() - t0
-    if (plan.num_layers, plan.num_experts, plan.num_gpus) != (load.num_layers, load.num_experts, cluster.num_gpus):
-        raise AssertionError(f"policy {name!r} returned a plan of the wrong shape")
-    budget.check(plan)
-    return plan, seconds
+    result = plan_with(policy, load, cluster, budget, **params)
+    return result.placement, result.seconds

@@ -10,21 +10,23 @@ from __future__ import annotations
 import numpy as np
 
 from moebalance.algorithms.packing import placement_from_assignment
-from moebalance.core.budget import Budget
+from moebalance.core.budget import Capacity
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
-from moebalance.core.plan import Placement
+from moebalance.policies.base import NoConfig, Planned, Policy
 
-__all__ = ["contiguous"]
+__all__ = ["CONTIGUOUS", "contiguous"]
 
 
-def contiguous(*, load: LoadMatrix, cluster: Cluster, budget: Budget) -> Placement:
+def contiguous(load: LoadMatrix, cluster: Cluster, capacity: Capacity, config: NoConfig) -> Planned:
     """Blocks of consecutive experts per GPU, the same in every layer."""
     E, L, G = load.num_experts, load.num_layers, cluster.num_gpus
-    budget.placement_slots(E, G)
     q, m = divmod(E, G)
     sizes = np.where(np.arange(G) < m, q + 1, q)
     gpu = np.repeat(np.arange(G), sizes)  # [E]
     experts = np.arange(E)
-    return placement_from_assignment(np.tile(gpu, (L, 1)), np.tile(experts, (L, 1)), cluster, E, "contiguous",
-                                     budget.as_params())
+    return Planned(placement_from_assignment(np.tile(gpu, (L, 1)), np.tile(experts, (L, 1)), cluster, E,
+                                             "contiguous", {}))
+
+
+CONTIGUOUS = Policy("contiguous", NoConfig, contiguous)

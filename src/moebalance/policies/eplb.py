@@ -2,7 +2,7 @@
 
 Wraps the faithful :func:`moebalance.algorithms.eplb.rebalance_experts` (hierarchical when ``num_nodes`` divides
 ``num_groups``, else global) on the load summed over the planning batches, with the same number of slots on
-every GPU in every layer (``Budget.uniform_slots``). ``num_groups`` defaults to the model preset's expert
+every GPU in every layer (:meth:`~moebalance.core.budget.Capacity.uniform_slots`). ``num_groups`` defaults to the model preset's expert
 groups (DeepSeek-V3: 8) when the load names a preset, else 1 (global policy on more than one node).
 
 Like the reference, the default may put two copies of one expert on one GPU (DeepSeek EPLB issue 22); the
@@ -14,20 +14,59 @@ load lowest. A surplus copy with no legal swap partner is left in place (the war
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from moebalance.algorithms.eplb import eplb_plan
 from moebalance.algorithms.packing import repair_duplicates
-from moebalance.core.budget import Budget
+from moebalance.core.budget import Capacity
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.policies.base import Diagnostics, Planned, Policy, PolicyConfig, check_int
 
-__all__ = ["eplb"]
+__all__ = ["EPLB", "EplbConfig", "EplbDiagnostics", "eplb"]
 
 
-def _preset_groups(load: LoadMatrix) -> int:
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EplbConfig(PolicyConfig):
+    """``num_groups``: expert groups for the hierarchical policy (None: the load's model's, else 1).
+    ``avoid_duplicates``: repair same-GPU copies after the reference has run."""
+
+    num_groups: int | None = None
+    avoid_duplicates: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_groups is not None:
+            object.__setattr__(self, "num_groups", check_int("num_groups", self.num_groups, minimum=1,
+                                                             error=BudgetError))
+        if not isinstance(self.avoid_duplicates, bool):
+            raise BudgetError(f"avoid_duplicates ({self.avoid_duplicates!r}) must be true or false")
+
+    def as_params(self) -> dict[str, object]:
+        return {}  # the diagnostics record the groups used; avoid_duplicates only when set
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EplbDiagnostics(Diagnostics):
+    """The groups used, the policy EPLB ran (``"hierarchical"`` when the node count divides the groups, else
+    ``"global"``), the equal slots per GPU, and the same-GPU copies swapped away (with ``avoid_duplicates``)."""
+
+    num_groups: int
+    mode: str
+    slots_per_gpu: int
+    duplicate_swaps: int | None = None
+
+    def as_params(self) -> dict[str, object]:
+        out: dict[str, object] = {"num_groups": self.num_groups, "mode": self.mode, "slots_per_gpu": self.slots_per_gpu}
+        if self.duplicate_swaps is not None:
+            out.update(avoid_duplicates=True, duplicate_swaps=self.duplicate_swaps)
+        return out
+
+
+def _model_groups(load: LoadMatrix) -> int:
     if load.preset is None:
         return 1
     from moebalance.workloads.synth import PRESETS
@@ -36,26 +75,22 @@ def _preset_groups(load: LoadMatrix) -> int:
     return 1 if preset is None else preset.num_groups
 
 
-def eplb(*, load: LoadMatrix, cluster: Cluster, budget: Budget, num_groups: int | None = None,
-         avoid_duplicates: bool = False) -> Placement:
+def eplb(load: LoadMatrix, cluster: Cluster, capacity: Capacity, config: EplbConfig) -> Planned:
     """DeepSeek EPLB with ``slots_per_gpu * G`` physical experts per layer."""
-    E, L, G = load.num_experts, load.num_layers, cluster.num_gpus
-    slots = budget.uniform_slots(E, G, L)
-    groups = _preset_groups(load) if num_groups is None else num_groups
-    if isinstance(groups, bool) or not isinstance(groups, int | np.integer) or groups < 1:
-        raise BudgetError(f"num_groups ({groups!r}) must be a positive integer")
+    E, G = load.num_experts, cluster.num_gpus
+    slots, used = capacity.uniform_slots("eplb")
+    groups = _model_groups(load) if config.num_groups is None else config.num_groups
     weight = load.total()
-    result = eplb_plan(weight, num_replicas=slots * G, num_groups=groups, num_nodes=cluster.num_nodes,
-                       num_gpus=G)
+    result = eplb_plan(weight, num_replicas=slots * G, num_groups=groups, num_nodes=cluster.num_nodes, num_gpus=G)
     phy2log = result.physical_to_logical
-    swaps = 0
-    if not isinstance(avoid_duplicates, bool):
-        raise BudgetError(f"avoid_duplicates ({avoid_duplicates!r}) must be true or false")
-    if avoid_duplicates:
+    swaps = None
+    if config.avoid_duplicates:
         slot_gpu = np.broadcast_to(np.arange(phy2log.shape[1]) // slots, phy2log.shape)
         phy2log, swaps = repair_duplicates(slot_gpu, phy2log, weight, cluster.gpus_per_node)
     mode = "hierarchical" if groups % cluster.num_nodes == 0 else "global"
-    params = {**budget.as_params(), "num_groups": groups, "mode": mode, "slots_per_gpu": slots}
-    if avoid_duplicates:
-        params.update(avoid_duplicates=True, duplicate_swaps=swaps)
-    return Placement.from_eplb(phy2log, cluster, num_experts=E, policy="eplb", params=params)
+    plan = Placement.from_eplb(phy2log, cluster, num_experts=E, policy="eplb")
+    return Planned(plan, EplbDiagnostics(num_groups=groups, mode=mode, slots_per_gpu=slots, duplicate_swaps=swaps),
+                   used)
+
+
+EPLB = Policy("eplb", EplbConfig, eplb)

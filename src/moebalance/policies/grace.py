@@ -107,7 +107,7 @@ from moebalance.algorithms.grace.grouping import (
     utilization,
 )
 from moebalance.algorithms.grace.grouping import affinity as trace_affinity
-from moebalance.core.budget import Budget
+from moebalance.core.budget import Budget, resolve_budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError, InputError
 from moebalance.core.load import LoadMatrix
@@ -328,9 +328,10 @@ def _grace_plan(weight: np.ndarray, affinity: np.ndarray | None, cluster: Cluste
     w = _check_load("weight", weight, 2, "the planning load [L, E] (tokens per layer and expert)")
     L, E = w.shape
     G = cluster.num_gpus
-    q = budget.placement_slots(E, G)  # refuses slots_per_gpu < ceil(E / G)
+    capacity = resolve_budget(budget, E, G, L)  # refuses slots_per_gpu < ceil(E / G)
+    q = capacity.placement_slots
     S = budget.slots_per_gpu
-    R = budget.fixed_replicas("grace") if S is None else 0
+    R = int(capacity.replicas("grace")[0] or 0) if S is None else 0
     replicate = replication != "none" and G > 1
     if replicate and S is not None and S * G == E:
         raise BudgetError(f"slots_per_gpu ({S}) fills all {G} GPUs with the {E} experts and leaves no slot for "

@@ -9,24 +9,24 @@ and the lower GPU id, so the plan is deterministic.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from moebalance.algorithms.packing import greedy_pack, placement_from_assignment
-from moebalance.core.budget import Budget
+from moebalance.core.budget import Capacity
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
-from moebalance.core.plan import Placement
+from moebalance.policies.base import NoConfig, Planned, Policy
 
-__all__ = ["greedy"]
+__all__ = ["GREEDY", "greedy"]
 
 
-def greedy(*, load: LoadMatrix, cluster: Cluster, budget: Budget) -> Placement:
+def greedy(load: LoadMatrix, cluster: Cluster, capacity: Capacity, config: NoConfig) -> Planned:
     """Heaviest expert to the least-loaded GPU with a free slot, per layer."""
     E, L, G = load.num_experts, load.num_layers, cluster.num_gpus
-    budget.placement_slots(E, G)
     weight = load.total().astype(np.float64)
-    capacity = np.full((L, G), math.ceil(E / G), dtype=np.int64)
-    gpu = greedy_pack(weight, capacity)
-    return placement_from_assignment(gpu, np.tile(np.arange(E), (L, 1)), cluster, E, "greedy", budget.as_params())
+    room = np.full((L, G), capacity.placement_slots, dtype=np.int64)
+    gpu = greedy_pack(weight, room)
+    return Planned(placement_from_assignment(gpu, np.tile(np.arange(E), (L, 1)), cluster, E, "greedy", {}))
+
+
+GREEDY = Policy("greedy", NoConfig, greedy)

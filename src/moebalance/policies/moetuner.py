@@ -133,7 +133,7 @@ import numpy as np
 
 from moebalance.algorithms.milp import Milp, MilpResult
 from moebalance.algorithms.packing import placement_from_assignment
-from moebalance.core.budget import Budget
+from moebalance.core.budget import Budget, resolve_budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.load import LoadMatrix
@@ -1043,9 +1043,9 @@ def moetuner(*, load: LoadMatrix, cluster: Cluster, budget: Budget, time_limit: 
     """
     time_limit, mip_gap, seed = _check_params(time_limit, mip_gap, seed, memory)
     E, L, G = load.num_experts, load.num_layers, cluster.num_gpus
+    capacity = resolve_budget(budget, E, G, L)  # refuses slots_per_gpu < ceil(E / G)
     if budget.replicas_per_gpu is not None:
-        budget.fixed_replicas("moetuner")  # "auto" is for policies that choose R; moetuner uses none
-    budget.placement_slots(E, G)
+        capacity.replicas("moetuner")  # "auto" is for policies that choose R; moetuner uses none
     # with one layer, Eq. 13 is the per-layer balance: "total" is "layer"
     lo, hi = cluster_sizes(E, G, memory if L > 1 else "layer", budget.slots_per_gpu)
     totals = memory_totals(E, L, G)

@@ -1,0 +1,199 @@
+"""What every policy is: a frozen config, a planning function over a :class:`Capacity`, typed diagnostics.
+
+A policy is registered as a :class:`Policy`: its name, its config class and a function
+``plan(load, cluster, capacity, config) -> Planned`` (the placement, typed diagnostics, and the capacity the
+plan must meet when the policy converted the budget, e.g. slots to replicas). :func:`make_plan` builds the config
+once from keyword parameters (``--set key=value`` on the command line), resolves the budget once
+(:func:`moebalance.core.budget.resolve_budget`), runs the policy, checks the plan's shape and memory, and
+stores the budget, the config and the diagnostics in the plan's ``params`` (the plan file's JSON).
+
+Callers may also pass any callable ``(*, load, cluster, budget, **params) -> Placement``: it is run as given
+and its plan checked the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from moebalance.core.budget import Budget, Capacity, resolve_budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError, PlanError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+
+__all__ = [
+    "Diagnostics",
+    "NoConfig",
+    "NoDiagnostics",
+    "PlanResult",
+    "Planned",
+    "Policy",
+    "PolicyConfig",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "run_policy",
+]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class PolicyConfig:
+    """Base of every policy's options: frozen, keyword-only, validated in ``__post_init__``."""
+
+    @classmethod
+    def from_params(cls, policy: str, params: Mapping[str, Any]) -> PolicyConfig:
+        """The config from ``params`` (e.g. parsed ``--set`` values); an unknown key names the known ones."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in params:
+            if key not in names:
+                hint = f"its parameters: {', '.join(names)}" if names else "it takes none"
+                raise InputError(f"policy {policy!r} has no parameter {key!r}; {hint}")
+        return cls(**params)
+
+    def as_params(self) -> dict[str, Any]:
+        """The options as JSON values, for the plan's params."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class NoConfig(PolicyConfig):
+    """A policy without options."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Diagnostics:
+    """Base of what a policy reports about its plan (objectives, choices, notes); stored in the plan's params."""
+
+    def as_params(self) -> dict[str, Any]:
+        """The diagnostics as JSON values."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @property
+    def chosen_replicas_per_gpu(self) -> int | None:
+        """The ``R`` the policy chose under an ``auto`` budget (CRAFT Step 2); None for the rest."""
+        return None
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class NoDiagnostics(Diagnostics):
+    """A policy that reports nothing beyond its plan."""
+
+
+C = TypeVar("C", bound=PolicyConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What a policy's planning function returns."""
+
+    placement: Placement
+    diagnostics: Diagnostics = NoDiagnostics()
+    #: The capacity the plan must meet: None for the one given, else the policy's conversion of it
+    #: (:meth:`Capacity.replicas`, :meth:`Capacity.uniform_slots`), whose note the plan records.
+    capacity: Capacity | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Policy(Generic[C]):
+    """A registered policy."""
+
+    name: str
+    config: type[C]
+    plan: Callable[[LoadMatrix, Cluster, Capacity, C], Planned]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    """A plan and how it was made."""
+
+    placement: Placement
+    config: PolicyConfig | None
+    diagnostics: Diagnostics
+    capacity: Capacity
+    #: Wall-clock seconds of the policy itself.
+    seconds: float
+
+
+def _check_shape(name: str, plan: object, load: LoadMatrix, cluster: Cluster) -> Placement:
+    if not isinstance(plan, Placement):
+        raise PlanError(f"policy {name!r} returned {type(plan).__name__}, not a Placement")
+    want = (load.num_layers, load.num_experts, cluster.num_gpus)
+    got = (plan.num_layers, plan.num_experts, plan.num_gpus)
+    if got != want:
+        raise PlanError(f"policy {name!r} returned a plan of [layers, experts, GPUs] = {list(got)} for a load and "
+                        f"cluster of {list(want)}")
+    return plan
+
+
+def _check_keywords(name: str, fn: Callable[..., Placement], params: Mapping[str, Any]) -> None:
+    """A plain callable takes the keywords its signature names (any, with ``**kwargs``)."""
+    sig = inspect.signature(fn)
+    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
+        return
+    allowed = [p for p in sig.parameters if p not in ("load", "cluster", "budget")]
+    for key in params:
+        if key not in allowed:
+            hint = f"its parameters: {', '.join(allowed)}" if allowed else "it takes none"
+            raise InputError(f"policy {name!r} has no parameter {key!r}; {hint}")
+
+
+def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix, cluster: Cluster, budget: Budget,
+               params: Mapping[str, Any]) -> PlanResult:
+    """Run a registered policy (config from ``params``) or a plain callable (``params`` passed as keywords)."""
+    capacity = resolve_budget(budget, load.num_experts, cluster.num_gpus, load.num_layers)
+    if not isinstance(policy, Policy):
+        name = getattr(policy, "__name__", "custom")
+        _check_keywords(name, policy, params)
+        t0 = time.perf_counter()
+        plan = policy(load=load, cluster=cluster, budget=budget, **params)
+        seconds = time.perf_counter() - t0
+        plan = _check_shape(name, plan, load, cluster)
+        capacity.check(plan, chosen_replicas_per_gpu=plan.params.get("chosen_replicas_per_gpu"))
+        return PlanResult(plan, None, NoDiagnostics(), capacity, seconds)
+    config = policy.config.from_params(policy.name, params)
+    t0 = time.perf_counter()
+    out = policy.plan(load, cluster, capacity, config)
+    seconds = time.perf_counter() - t0
+    plan = _check_shape(policy.name, out.placement, load, cluster)
+    diagnostics = out.diagnostics
+    used = capacity if out.capacity is None else out.capacity
+    used.check(plan, chosen_replicas_per_gpu=diagnostics.chosen_replicas_per_gpu)
+    params_out = {**budget.as_params(), **config.as_params(), **diagnostics.as_params(), **dict(plan.params)}
+    if used.note is not None:
+        params_out["budget_note"] = used.note
+    return PlanResult(plan.with_params(params_out, policy=policy.name), config, diagnostics, used, seconds)
+
+
+# ----- validators for configs' __post_init__ ------------------------------------------------------------------
+
+def check_choice(name: str, value: object, choices: tuple[str, ...], error: type[Exception] = InputError) -> None:
+    """``value`` must be one of ``choices`` (also refuses non-strings from ``--set``)."""
+    if not isinstance(value, str) or value not in choices:
+        raise error(f"{name} ({value!r}) must be {' or '.join(repr(c) for c in choices)}")
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None, error: type[Exception] = InputError) -> int:
+    """``value`` as an ``int`` (numpy integers accepted), at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or (minimum is not None and value < minimum):
+        what = "an integer" if minimum is None else ("a non-negative integer" if minimum == 0 else
+                                                     f"an integer >= {minimum}")
+        raise error(f"{name} ({value!r}) must be {what}")
+    return int(value)
+
+
+def check_number(name: str, value: object, *, lower: float, upper: float, upper_open: bool = False,
+                 error: type[Exception] = InputError) -> float:
+    """``value`` as a finite ``float`` in ``[lower, upper]`` (``[lower, upper)`` with ``upper_open``)."""
+    ok = not isinstance(value, bool) and isinstance(value, int | float | np.integer | np.floating)
+    v = float(value) if ok else math.nan  # type: ignore[arg-type]
+    if not ok or not math.isfinite(v) or v < lower or v > upper or (upper_open and v == upper):
+        raise error(f"{name} ({value!r}) must be a number in [{lower:g}, {upper:g}{')' if upper_open else ']'}")
+    return v
