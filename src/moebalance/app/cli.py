@@ -12,13 +12,10 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from moebalance.app.report import (
@@ -40,11 +37,10 @@ from moebalance.routing.simulate import evaluate
 
 __all__ = ["main"]
 
-BUNDLED_DATA = "deepseek_v3_8x8.npz"
-
-# Wide enough for the comparison table when stdout is a file or a pipe (rich would assume 80 columns).
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+from moebalance.app import lm_commands
+from moebalance.app.console import check_out as _check_out
+from moebalance.app.console import err, out
+from moebalance.app.console import progress as _progress
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,11 +49,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         sys.stderr.write(f"moebalance: error: {message} (see: {self.prog} --help)\n")
         raise SystemExit(2)
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=err, transient=True, disable=not err.is_terminal)
 
 
 def _non_negative(text: str) -> int:
@@ -149,15 +140,6 @@ def _bytes_per_copy(load: LoadMatrix, hidden_size: int | None, dtype_bytes: int)
     return None if hidden_size is None else hidden_size * dtype_bytes
 
 
-def _check_out(path: str, suffix: str) -> Path:
-    p = Path(path)
-    if p.suffix != suffix:
-        raise InputError(f"output {path!r} must end in {suffix}")
-    if p.exists() and p.is_dir():
-        raise InputError(f"output {path!r} is a folder; give a file name ending in {suffix}")
-    return p
-
-
 # ----- commands ------------------------------------------------------------------------------------------------
 
 def cmd_synth(args: argparse.Namespace) -> None:
@@ -220,6 +202,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
+    from moebalance.app.compare import Scenario
+
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise InputError("--policies is empty; give names like contiguous,greedy,eplb")
@@ -240,53 +224,52 @@ def cmd_compare(args: argparse.Namespace) -> None:
         else:
             for p in policies:
                 per_policy[p][key] = value
-    rows, plans = _run_compare(load, policies, args, per_policy)
-    _emit_comparison(rows, plans, load, args)
+    budget = _budget(args)
+    scenarios = [Scenario(p, budget, per_policy[p], args.router) for p in policies]
+    rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed)
+    title = _title(load, Path(args.load).name, _cluster(args), budget, args.train_frac, args.router)
+    _emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)
 
 
-def _run_compare(load: LoadMatrix, policies: list[str], args: argparse.Namespace,
-                 per_policy: dict[str, dict[str, Any]]) -> tuple[list[ComparisonRow], dict[str, Any]]:
-    from moebalance.app.compare import compare_policies
+def _run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Any], train_frac: float,
+                   seed: int) -> tuple[dict[str, ComparisonRow], dict[str, Any]]:
+    from moebalance.app.compare import run_comparison
 
     with _progress() as progress:
-        task = progress.add_task("plan + score", total=len(policies))
-        return compare_policies(load, policies, _cluster(args), _budget(args), train_frac=args.train_frac,
-                                router=args.router, seed=args.seed, params=per_policy,
-                                bytes_per_copy=_bytes_per_copy(load, None, 2),
-                                on_done=lambda _: progress.advance(task))
+        task = progress.add_task("plan + score", total=len(scenarios))
+        return run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
+                              bytes_per_copy=_bytes_per_copy(load, None, 2), on_done=lambda _: progress.advance(task))
 
 
-def _title(load: LoadMatrix, args: argparse.Namespace) -> str:
-    train, test = load.split(args.train_frac)
-    what = load.preset or Path(args.load).name
-    return (f"{what}: {load.num_layers} layers x {load.num_experts} experts on {args.nodes}x{args.gpus_per_node} GPUs, "
-            f"{_budget(args).describe()}, planned on {train.num_batches} batches, scored on "
-            f"{test.num_batches}{' held-out' if args.train_frac < 1 else ''} ({args.router} router)")
+def _title(load: LoadMatrix, source: str, cluster: Cluster, budget: Budget, train_frac: float, router: str) -> str:
+    train, test = load.split(train_frac)
+    return (f"{load.preset or source}: {load.num_layers} layers x {load.num_experts} experts on "
+            f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, {budget.describe()}, planned on {train.num_batches} "
+            f"batches, scored on {test.num_batches}{' held-out' if train_frac < 1 else ''} ({router} router)")
 
 
-def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], load: LoadMatrix,
-                     args: argparse.Namespace, notes: Sequence[str] = ()) -> None:
-    title = _title(load, args)
+def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], title: str, out_dir: str | None,
+                     as_json: bool, notes: Sequence[str] = ()) -> None:
     doc = {"title": title, "rows": [r.as_dict() for r in rows]}
     for r in rows:
         for w in r.warnings:
             err.print(f"warning: {r.policy}: {w}")
-    if args.out_dir:
-        d = Path(args.out_dir)
+    if out_dir:
+        d = Path(out_dir)
         atomic_write_text(d / "comparison.md", comparison_markdown(
             rows, title, [*notes, "", "![per-layer balancedness](per_layer_balancedness.png)"]))
         atomic_write_text(d / "comparison.json", dumps(doc))
         plot_per_layer(rows, d / "per_layer_balancedness.png", title)
         for name, plan in plans.items():
             write_plan(d / f"plan-{name}.json", plan)
-    if args.json:
+    if as_json:
         sys.stdout.write(dumps(doc))
     else:
         out.print(comparison_table(rows, title))
         for note in notes:
             out.print(note)
-        if args.out_dir:
-            out.print(f"wrote {args.out_dir}/comparison.md, comparison.json, per_layer_balancedness.png and plans")
+        if out_dir:
+            out.print(f"wrote {out_dir}/comparison.md, comparison.json, per_layer_balancedness.png and plans")
 
 
 def cmd_sweep(args: argparse.Namespace) -> None:
@@ -377,172 +360,26 @@ def _print_trace_stats(load: LoadMatrix) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    t0 = time.perf_counter()
-    data = resources.files("moebalance.workloads") / "data" / BUNDLED_DATA
-    with resources.as_file(data) as path:
-        load = read_load(path)
-    from moebalance.workloads.stats import layer_skew
+    from moebalance.app.demo import DEMO, intro
 
-    skew = layer_skew(load.counts)
-    out.rule("[bold]moebalance demo[/]")
-    out.print(f"Bundled data: {load.preset} routing, {load.num_batches} batches x {load.num_layers} layers x "
-              f"{load.num_experts} experts (synthetic, calibrated to CRAFT/MoETuner observations; docs/synth.md).")
-    out.print(f"Skew: peak/mean expert load ranges {np.min(skew.peak_to_mean):.1f}x to "
-              f"{np.max(skew.peak_to_mean):.1f}x; {int(np.sum(skew.high_skew))} of {load.num_layers} layers "
-              "are high-skew (> 10x).")
-    ns = argparse.Namespace(load=BUNDLED_DATA, nodes=8, gpus_per_node=8, slots_per_gpu=5, replicas_per_gpu=None,
-                            train_frac=0.5, router="uniform", seed=0, json=False, out_dir=args.out_dir)
-    # craft takes a replicas budget (below); grace and moetuner work from token-level statistics
-    # (co-activation, cross-layer transitions), shown in part 2
-    slot_policies = [p for p in POLICIES if p not in ("craft", "grace", "moetuner")]
-    rows, plans = _run_compare(load, slot_policies, ns, {p: {} for p in slot_policies})
-    # DeepSeek-V3 has 8 expert groups, so on 8 nodes EPLB runs its hierarchical policy; show the global too
-    extra, extra_plans = _run_compare(load, ["eplb"], ns, {"eplb": {"num_groups": 1}})
-    rows.append(dataclasses.replace(extra[0], policy="eplb (global)"))
-    plans["eplb-global"] = extra_plans["eplb"]
-    if "craft" in POLICIES:  # CRAFT with R = 8 extra slots per GPU: 1/7 of EPLB's 58 per GPU (one per layer)
-        craft_ns = argparse.Namespace(**{**vars(ns), "slots_per_gpu": None, "replicas_per_gpu": 8})
-        craft_rows, craft_plans = _run_compare(load, ["craft"], craft_ns, {"craft": {}})
-        rows.append(dataclasses.replace(craft_rows[0], policy="craft (R=8)"))
-        plans["craft"] = craft_plans["craft"]
-    random_rows, _ = _run_compare(load, ["eplb"], argparse.Namespace(**{**vars(ns), "router": "random"}),
-                                  {"eplb": {"num_groups": 1}})
-    notes = [
-        "- EPLB's hierarchical policy packs one expert group per node (DeepSeek-V3 has 8 groups, here 8 nodes), "
-        "so node loads follow group loads; its global policy ignores groups.",
-        f"- EPLB (global) under vLLM/SGLang-style random replica choice: balancedness "
-        f"{random_rows[0].score.balancedness:.4f} (equal split: {extra[0].score.balancedness:.4f}).",
-        "- craft (R=8) has a budget of 8 extra expert slots per GPU over all layers, 1/7 of EPLB's 58 here.",
-        "- Gap to bound: how far the straggler is above max(total / G, max_e load_e / replicas_e).",
-    ]
-    _emit_comparison(rows, plans, load, ns, notes)
-    if "grace" in POLICIES:
-        _demo_traffic(args)
+    t0 = time.perf_counter()
+    for heading, comparison, folder in DEMO:
+        load = read_load(comparison.load)
+        out.rule(f"[bold]{heading}[/]")
+        for line in intro(comparison, load):
+            out.print(line)
+        rows, plans = _run_scenarios(load, comparison.cluster, comparison.scenarios, comparison.train_frac,
+                                     comparison.seed)
+        shown = [rows[sc.name] for sc in comparison.scenarios if sc.shown]
+        routers = {sc.router for sc in comparison.scenarios if sc.shown}
+        budgets = [sc.budget for sc in comparison.scenarios]
+        title = _title(load, comparison.load, comparison.cluster, budgets[0], comparison.train_frac,
+                       routers.pop() if len(routers) == 1 else "per row")
+        out_dir = None if args.out_dir is None else str(Path(args.out_dir) / folder)
+        _emit_comparison(shown, plans, title, out_dir, False, comparison.notes(rows))
     out.print(f"Done in {time.perf_counter() - t0:.1f} s. Try: moebalance stats --load <file>, "
               "moebalance synth --help, moebalance compare --help.")
 
-
-def _demo_traffic(args: argparse.Namespace) -> None:
-    """Part 2 of the demo: traffic against balance on a token-level trace (GRACE-MoE Section 5.3)."""
-    name = "bundled:olmoe-1b-7b-tokens"
-    load = read_load(name)
-    out.rule("[bold]part 2: all-to-all traffic (token-level trace)[/]")
-    out.print(f"Bundled data: {load.preset} token-level routing, {load.trace.num_tokens if load.trace else 0:,} "
-              f"tokens on 8 ranks, {load.num_layers} layers x {load.num_experts} experts, top-8; 2 nodes x 4 GPUs.")
-    ns = argparse.Namespace(load=name, nodes=2, gpus_per_node=4, slots_per_gpu=10, replicas_per_gpu=None,
-                            train_frac=0.5, router="uniform", seed=0, json=False,
-                            out_dir=None if args.out_dir is None else str(Path(args.out_dir) / "traffic"))
-    rows: list[ComparisonRow] = []
-    plans: dict[str, Any] = {}
-    for label, policy, params, router in (
-            ("contiguous", "contiguous", {}, "uniform"),
-            ("moetuner", "moetuner", {}, "uniform"),
-            ("eplb (random router)", "eplb", {"num_groups": 1}, "random"),
-            ("grace, no replicas", "grace", {"replication": "none"}, "uniform"),
-            ("grace (wrr router)", "grace", {}, "wrr"),
-            ("grace (locality router)", "grace", {}, "locality")):
-        got, got_plans = _run_compare(load, [policy], argparse.Namespace(**{**vars(ns), "router": router}),
-                                      {policy: params})
-        rows.append(dataclasses.replace(got[0], policy=label))
-        plans[label.split(" (")[0].replace(", ", "-").replace(" ", "-")] = got_plans[policy]
-    notes = [
-        "- All plans get 10 expert slots per GPU per layer (64 experts on 8 GPUs need 8): EPLB fills them with "
-        "replicas; GRACE uses them for uneven affinity groups and a few replicas of hot experts.",
-        "- GRACE co-locates experts that the same tokens pick, cutting inter-node copies at a cost in balance; "
-        "its locality router keeps tokens on their own GPU or node when a replica is there.",
-        "- MoETuner balances each layer's clusters of experts with an integer program (ILP 1, to the requested gap) "
-        "and puts experts that pass tokens to each other in adjacent layers on the same GPU (ILP 2); results in "
-        "its own traffic model are in docs/results/moetuner.md.",
-        "- All-to-all time: dispatch + combine over the busiest link (450 GB/s NVLink, 50 GB/s per GPU across "
-        "nodes), 2-byte activations of the model's hidden size.",
-    ]
-    ns.router = "per row"
-    _emit_comparison(rows, plans, load, ns, notes)
-
-
-def _model_tokens(args: argparse.Namespace) -> tuple[np.ndarray, str]:
-    """The tokens ``capture`` / ``run`` read: a text file, or a domain's held-out split; and what they are."""
-    from moebalance.model.data import domain_tokens, text_tokens
-
-    budget = None if args.tokens is None else args.offset + args.tokens
-    if args.text is not None:
-        tokens, what = text_tokens(args.text, budget), f"{Path(args.text).name} tokens"
-    else:
-        tokens, what = domain_tokens(args.domain, "heldout", budget), f"held-out {args.domain} tokens"
-    if budget is not None and tokens.size < budget:
-        raise InputError(f"--offset {args.offset} + --tokens {args.tokens} exceeds the {tokens.size} {what} "
-                         "available; give fewer")
-    if args.offset:
-        what += f" from token {args.offset}"
-    return tokens[args.offset:], what
-
-
-def cmd_capture(args: argparse.Namespace) -> None:
-    from moebalance.model.capture import capture, write_capture
-    from moebalance.model.moe_lm import load_checkpoint
-    from moebalance.workloads.stats import layer_skew
-
-    dest = _check_out(args.out, ".npz")
-    model = load_checkpoint(args.checkpoint)
-    tokens, what = _model_tokens(args)
-    seq_len = args.seq_len or model.config.max_seq_len
-    with _progress() as progress:
-        task = progress.add_task("capture", total=tokens.size // seq_len * seq_len)
-        cap = capture(model, tokens, num_gpus=args.gpus, batch_tokens=args.batch_tokens, seq_len=seq_len,
-                      hidden_states=args.hidden_states, progress=lambda n: progress.advance(task, n))
-    write_capture(dest, cap)
-    load = cap.load
-    ptm = layer_skew(load.counts).peak_to_mean
-    out.print(f"wrote {dest}: token-level trace of {cap.token_ids.size:,} {what} on {args.gpus} ranks, "
-              f"[B, L, E] = {list(load.counts.shape)}, top-{model.config.top_k}"
-              f"{', with hidden states' if args.hidden_states else ''}; peak/mean expert load per layer "
-              + " ".join(f"{v:.2f}" for v in ptm))
-
-
-def cmd_run(args: argparse.Namespace) -> None:
-    from moebalance.model.capture import make_layout
-    from moebalance.model.moe_lm import load_checkpoint
-    from moebalance.model.run import LOGIT_TOLERANCE, check_plan, run_model
-
-    plan = read_plan(args.plan)
-    model = load_checkpoint(args.checkpoint)
-    check_plan(plan, model, args.world_size)
-    for w in plan.warnings:
-        err.print(f"warning: {w}")
-    tokens, what = _model_tokens(args)
-    seq_len = model.config.max_seq_len
-    layout = make_layout(tokens.size, seq_len=seq_len, batch_tokens=args.batch_tokens, num_gpus=args.world_size)
-    with _progress() as progress:
-        task = progress.add_task("dense reference", total=layout.num_batches)
-        report = run_model(args.checkpoint, plan, tokens, world_size=args.world_size, router=args.router,
-                           router_seed=args.seed, batch_tokens=args.batch_tokens,
-                           progress=lambda n: progress.advance(task, n))
-    if args.json:
-        sys.stdout.write(dumps(report.as_dict()))
-    else:
-        c = plan.cluster
-        table = Table(title=f"{args.plan}: {plan.policy} on {c.num_nodes}x{c.gpus_per_node} GPUs, {args.router} "
-                            f"router; {report.num_tokens:,} {what} in {report.num_batches} batches",
-                      title_justify="left")
-        for col in ("rank", "tokens", "picks computed", "simulator", "expert s", "intra-node MB", "inter-node MB"):
-            table.add_column(col, justify="right")
-        for r in report.ranks:
-            table.add_row(str(r.rank), f"{r.tokens:,}", f"{r.picks_computed:,}", f"{r.picks_predicted:,}",
-                          f"{r.expert_seconds:.3f}", f"{r.intra_node_bytes / 1e6:.2f}", f"{r.inter_node_bytes / 1e6:.2f}")
-        out.print(table)
-        out.print(f"logits vs the dense single-process model: max abs diff {report.max_abs_logit_diff:.2e} "
-                  f"({'agree' if report.logits_agree else 'DIFFER'}, tolerance {LOGIT_TOLERANCE:g}); "
-                  f"routing differs in {report.routing_mismatches} picks")
-        out.print(f"picks per rank, batch and layer == simulator ({args.router} router's assign_tokens on the "
-                  f"trace the run saw): {'yes' if report.counts_match else 'NO'}; runtime balancedness "
-                  f"{report.balancedness:.4f}; {report.seconds:.1f} s")
-    if not (report.counts_match and report.logits_agree):
-        sys.stderr.write("moebalance: run: the expert-parallel run disagrees with the dense reference or the "
-                         "simulator\n")
-        raise SystemExit(1)
-
-
-# ----- parser --------------------------------------------------------------------------------------------------
 
 def _add_cluster(p: argparse.ArgumentParser, budget_required: bool = True) -> None:
     p.add_argument("--nodes", type=int, required=True, help="number of nodes N")
@@ -635,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-states", action="store_true", help="also store each MoE layer's input (float16)")
     p.add_argument("--checkpoint", help="model .safetensors (default: the bundled one)")
     p.add_argument("--out", required=True, help="output .npz")
-    p.set_defaults(func=cmd_capture)
+    p.set_defaults(func=lm_commands.cmd_capture)
 
     p = sub.add_parser("run", help="run the MoE LM expert-parallel on local gloo ranks under a plan, and check it")
     p.add_argument("--world-size", type=_positive, required=True, help="ranks, one per GPU of the plan")
@@ -650,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0, help="router seed")
     p.add_argument("--checkpoint", help="model .safetensors (default: the bundled one)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=lm_commands.cmd_run)
     return parser
 
 

@@ -1,37 +1,90 @@
-"""Compare policies on one trace: plan on the first batches, score on the held-out rest (CRAFT 5.1)."""
+"""Compare plans on one load: each scenario plans on the first batches and is scored on the held-out rest
+(CRAFT Section 5.1's protocol).
+
+A :class:`Scenario` is one row of a comparison: a label, a policy with its parameters, a budget and a router.
+A :class:`Comparison` is a load, a cluster and its scenarios; ``moebalance compare`` builds one from its
+arguments, and the demo is a list of them (:mod:`moebalance.app.demo`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from moebalance.app.report import ComparisonRow
+from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
-from moebalance.policies import Budget, make_plan
+from moebalance.policies import make_plan
 from moebalance.routing.simulate import evaluate
 
-__all__ = ["compare_policies"]
+__all__ = ["Comparison", "Scenario", "compare_policies", "run_comparison"]
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One row: ``policy`` with ``params`` under ``budget``, scored with ``router``.
+
+    ``label`` names the row (default: the policy); ``plan_name`` the plan file ``plan-<name>.json`` (default: the
+    label); ``shown=False`` keeps the row out of the table, for numbers a note quotes.
+    """
+
+    policy: str
+    budget: Budget
+    params: Mapping[str, Any] = field(default_factory=dict)
+    router: str = "uniform"
+    label: str | None = None
+    plan_name: str | None = None
+    shown: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.label or self.policy
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """Scenarios on one load and cluster, planned on ``train_frac`` of the batches."""
+
+    load: str
+    cluster: Cluster
+    scenarios: tuple[Scenario, ...]
+    train_frac: float = 0.5
+    seed: int = 0
+    #: Notes printed under the table; each may quote rows by label (``rows[label].score.balancedness``).
+    notes: Callable[[Mapping[str, ComparisonRow]], list[str]] = lambda rows: []
+
+
+def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], *, train_frac: float = 0.5,
+                   seed: int = 0, bytes_per_copy: int | None = None,
+                   on_done: Callable[[str], None] | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
+    """Plan and score every scenario; rows by label (in order) and plans by plan name."""
+    train, test = load.split(train_frac)
+    rows: dict[str, ComparisonRow] = {}
+    plans: dict[str, Placement] = {}
+    for sc in scenarios:
+        plan, seconds = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
+        score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy)
+        rows[sc.name] = ComparisonRow(sc.name, score, seconds, plan.warnings)
+        if sc.shown:
+            plans[sc.plan_name or sc.name] = plan
+        if on_done is not None:
+            on_done(sc.name)
+    return rows, plans
 
 
 def compare_policies(load: LoadMatrix, policies: Sequence[str], cluster: Cluster, budget: Budget, *,
                      train_frac: float = 0.5, router: str = "uniform", seed: int = 0,
                      params: Mapping[str, Mapping[str, Any]] | None = None, bytes_per_copy: int | None = None,
                      on_done: Callable[[str], None] | None = None) -> tuple[list[ComparisonRow], dict[str, Placement]]:
-    """Plan each policy on the planning batches and score it on the held-out batches.
+    """Each policy under one budget and router; ``params[policy]`` holds its parameters.
 
-    ``params[policy]`` holds extra keyword parameters for that policy. ``on_done(policy)`` is called after
-    each policy (for a progress bar). Returns the rows, in the given order, and the plans by policy.
+    Returns the rows, in the given order, and the plans by policy.
     """
-    train, test = load.split(train_frac)
-    rows: list[ComparisonRow] = []
-    plans: dict[str, Placement] = {}
-    for name in policies:
-        plan, seconds = make_plan(name, train, cluster, budget, **dict((params or {}).get(name, {})))
-        score = evaluate(plan, test, router, seed=seed, bytes_per_copy=bytes_per_copy)
-        rows.append(ComparisonRow(name, score, seconds, plan.warnings))
-        plans[name] = plan
-        if on_done is not None:
-            on_done(name)
-    return rows, plans
+    scenarios = [Scenario(name, budget, dict((params or {}).get(name, {})), router) for name in policies]
+    rows, plans = run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
+                                 bytes_per_copy=bytes_per_copy, on_done=on_done)
+    return list(rows.values()), plans
+

@@ -1,0 +1,104 @@
+"""``moebalance capture`` and ``moebalance run``: the bundled MoE language model on real text."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.table import Table
+
+from moebalance.app.console import check_out as _check_out
+from moebalance.app.console import err, out
+from moebalance.app.console import progress as _progress
+from moebalance.app.report import dumps
+from moebalance.core.errors import InputError
+from moebalance.core.plan import read_plan
+
+__all__ = ["cmd_capture", "cmd_run"]
+
+
+def _model_tokens(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+    """The tokens ``capture`` / ``run`` read: a text file, or a domain's held-out split; and what they are."""
+    from moebalance.model.data import domain_tokens, text_tokens
+
+    budget = None if args.tokens is None else args.offset + args.tokens
+    if args.text is not None:
+        tokens, what = text_tokens(args.text, budget), f"{Path(args.text).name} tokens"
+    else:
+        tokens, what = domain_tokens(args.domain, "heldout", budget), f"held-out {args.domain} tokens"
+    if budget is not None and tokens.size < budget:
+        raise InputError(f"--offset {args.offset} + --tokens {args.tokens} exceeds the {tokens.size} {what} "
+                         "available; give fewer")
+    if args.offset:
+        what += f" from token {args.offset}"
+    return tokens[args.offset:], what
+
+
+def cmd_capture(args: argparse.Namespace) -> None:
+    from moebalance.model.capture import capture, write_capture
+    from moebalance.model.moe_lm import load_checkpoint
+    from moebalance.workloads.stats import layer_skew
+
+    dest = _check_out(args.out, ".npz")
+    model = load_checkpoint(args.checkpoint)
+    tokens, what = _model_tokens(args)
+    seq_len = args.seq_len or model.config.max_seq_len
+    with _progress() as progress:
+        task = progress.add_task("capture", total=tokens.size // seq_len * seq_len)
+        cap = capture(model, tokens, num_gpus=args.gpus, batch_tokens=args.batch_tokens, seq_len=seq_len,
+                      hidden_states=args.hidden_states, progress=lambda n: progress.advance(task, n))
+    write_capture(dest, cap)
+    load = cap.load
+    ptm = layer_skew(load.counts).peak_to_mean
+    out.print(f"wrote {dest}: token-level trace of {cap.token_ids.size:,} {what} on {args.gpus} ranks, "
+              f"[B, L, E] = {list(load.counts.shape)}, top-{model.config.top_k}"
+              f"{', with hidden states' if args.hidden_states else ''}; peak/mean expert load per layer "
+              + " ".join(f"{v:.2f}" for v in ptm))
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    from moebalance.model.capture import make_layout
+    from moebalance.model.moe_lm import load_checkpoint
+    from moebalance.model.run import LOGIT_TOLERANCE, check_plan, run_model
+
+    plan = read_plan(args.plan)
+    model = load_checkpoint(args.checkpoint)
+    check_plan(plan, model, args.world_size)
+    for w in plan.warnings:
+        err.print(f"warning: {w}")
+    tokens, what = _model_tokens(args)
+    seq_len = model.config.max_seq_len
+    layout = make_layout(tokens.size, seq_len=seq_len, batch_tokens=args.batch_tokens, num_gpus=args.world_size)
+    with _progress() as progress:
+        task = progress.add_task("dense reference", total=layout.num_batches)
+        report = run_model(args.checkpoint, plan, tokens, world_size=args.world_size, router=args.router,
+                           router_seed=args.seed, batch_tokens=args.batch_tokens,
+                           progress=lambda n: progress.advance(task, n))
+    if args.json:
+        sys.stdout.write(dumps(report.as_dict()))
+    else:
+        c = plan.cluster
+        table = Table(title=f"{args.plan}: {plan.policy} on {c.num_nodes}x{c.gpus_per_node} GPUs, {args.router} "
+                            f"router; {report.num_tokens:,} {what} in {report.num_batches} batches",
+                      title_justify="left")
+        for col in ("rank", "tokens", "picks computed", "simulator", "expert s", "intra-node MB", "inter-node MB"):
+            table.add_column(col, justify="right")
+        for r in report.ranks:
+            table.add_row(str(r.rank), f"{r.tokens:,}", f"{r.picks_computed:,}", f"{r.picks_predicted:,}",
+                          f"{r.expert_seconds:.3f}", f"{r.intra_node_bytes / 1e6:.2f}", f"{r.inter_node_bytes / 1e6:.2f}")
+        out.print(table)
+        out.print(f"logits vs the dense single-process model: max abs diff {report.max_abs_logit_diff:.2e} "
+                  f"({'agree' if report.logits_agree else 'DIFFER'}, tolerance {LOGIT_TOLERANCE:g}); "
+                  f"routing differs in {report.routing_mismatches} picks")
+        out.print(f"picks per rank, batch and layer == simulator ({args.router} router's assign_tokens on the "
+                  f"trace the run saw): {'yes' if report.counts_match else 'NO'}; runtime balancedness "
+                  f"{report.balancedness:.4f}; {report.seconds:.1f} s")
+    if not (report.counts_match and report.logits_agree):
+        sys.stderr.write("moebalance: run: the expert-parallel run disagrees with the dense reference or the "
+                         "simulator\n")
+        raise SystemExit(1)
+
+
+# ----- parser --------------------------------------------------------------------------------------------------
