@@ -1,4 +1,4 @@
-"""Top-k gating and capacity (reference page 002): golden cases, page 002's own reference, properties."""
+"""Top-k gating and capacity: golden cases, a loop reference written here, properties."""
 
 from __future__ import annotations
 
@@ -14,14 +14,22 @@ from moebalance.core.errors import InputError
 from moebalance.runtime.gating import GateConfig, expert_capacity, topk_gating
 
 
-def _route_topk_page002(logits: np.ndarray, k: int, renormalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Page 002's ``route_topk``, verbatim in substance: full softmax, stable top-k, optional renormalise."""
-    x = logits - logits.max(axis=1, keepdims=True)
-    gates = np.exp(x) / np.exp(x).sum(axis=1, keepdims=True)
-    ids = np.argsort(-gates, axis=1, kind="stable")[:, :k]
-    w = np.take_along_axis(gates, ids, axis=1)
-    if renormalize:
-        w = w / w.sum(axis=1, keepdims=True)
+def _topk_by_definition(logits: np.ndarray, k: int, renormalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The definition, token by token: softmax over every expert, then ``k`` rounds of taking the largest
+    remaining gate (the lowest index among equal ones), then the kept gates divided by their sum."""
+    T, E = logits.shape
+    ids = np.zeros((T, k), dtype=np.int64)
+    w = np.zeros((T, k))
+    for t in range(T):
+        e = np.exp(logits[t] - logits[t].max())
+        gates = e / e.sum()
+        left = list(range(E))
+        for j in range(k):
+            best = max(left, key=lambda i: (gates[i], -i))
+            ids[t, j], w[t, j] = best, gates[best]
+            left.remove(best)
+        if renormalize:
+            w[t] /= w[t].sum()
     return ids, w
 
 
@@ -38,9 +46,9 @@ def logit_cases(draw: st.DrawFn) -> tuple[np.ndarray, int]:
 
 
 @given(case=logit_cases(), renormalize=st.booleans())
-def test_matches_page_002_route_topk(case: tuple[np.ndarray, int], renormalize: bool) -> None:
+def test_matches_the_definition(case: tuple[np.ndarray, int], renormalize: bool) -> None:
     logits, k = case
-    ref_ids, ref_w = _route_topk_page002(logits.astype(np.float64), k, renormalize)
+    ref_ids, ref_w = _topk_by_definition(logits.astype(np.float64), k, renormalize)
     out = topk_gating(torch.from_numpy(logits), GateConfig(top_k=k, renormalize=renormalize))
     assert np.array_equal(out.topk_ids.numpy(), ref_ids)  # equal logits tie exactly in both precisions
     np.testing.assert_allclose(out.topk_weights.numpy(), ref_w, rtol=1e-5, atol=1e-6)
@@ -48,7 +56,7 @@ def test_matches_page_002_route_topk(case: tuple[np.ndarray, int], renormalize: 
 
 def test_ties_go_to_the_lowest_index() -> None:
     out = topk_gating(torch.zeros(3, 6), GateConfig(top_k=3))
-    assert out.topk_ids.tolist() == [[0, 1, 2]] * 3  # page 002: all-equal logits pick the k lowest indices
+    assert out.topk_ids.tolist() == [[0, 1, 2]] * 3  # docs/papers/routing.md: all-equal logits pick the k lowest indices
     assert torch.allclose(out.topk_weights, torch.full((3, 3), 1 / 3))
     # a tie below the top: logits [1, 0, 1, 0] -> experts 0 and 2 tie first, then 1 and 3
     out = topk_gating(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), GateConfig(top_k=3))
@@ -91,16 +99,16 @@ def test_sigmoid_scores_and_selection_bias() -> None:
 
 
 def test_capacity_formula() -> None:
-    assert expert_capacity(1024, 2, 8, 1.25) == 320  # page 002's example: 1.25 * 1024 * 2 / 8
+    assert expert_capacity(1024, 2, 8, 1.25) == 320  # the classic example: 1.25 * 1024 * 2 / 8
     assert expert_capacity(1024, 2, 8, 1.0) == 256
     assert expert_capacity(1024, 1, 4, 1.5) == 384
     assert expert_capacity(10, 1, 11, 1.1) == 1  # 1.1 * 10 / 11 is 1.0000000000000002 in floats: rounded first
-    assert expert_capacity(10, 1, 4, 1.0) == 3  # ceil(2.5); page 002's floor would give 2
+    assert expert_capacity(10, 1, 4, 1.0) == 3  # ceil(2.5); the classic floor would give 2
     assert GateConfig(top_k=2).capacity(100, 8) is None
 
 
 def test_drop_skewed_load_drops_only_the_hot_overflow() -> None:
-    # page 002's adversarial case: 900 of 1000 top-1 tokens want expert 0, capacity 300 (cf 2.4 -> 2.4 * 125)
+    # the classic adversarial case: 900 of 1000 top-1 tokens want expert 0, capacity 300 (cf 2.4 -> 2.4 * 125)
     rng = np.random.default_rng(1)
     hot = np.concatenate([np.zeros(900, int), rng.integers(1, 8, size=100)])
     rng.shuffle(hot)

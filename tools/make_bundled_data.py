@@ -20,9 +20,9 @@ DATA = Path(__file__).resolve().parents[1] / "src" / "moebalance" / "workloads" 
 RECIPES: dict[str, tuple[str, int, int, int, bool]] = {
     # the demo's load: DeepSeek-V3-like counts for 8 x 8 GPUs
     "deepseek-v3-8x8": ("deepseek-v3", 200, 4096, 64, False),
-    # MoETuner's model (issue 5): Mixtral-8x7B-like token-level trace, tokens on 8 ranks
+    # MoETuner's model: Mixtral-8x7B-like token-level trace, tokens on 8 ranks
     "mixtral-8x7b-tokens": ("mixtral-8x7b", 64, 512, 8, True),
-    # GRACE's models (issue 4): OLMoE-like and Qwen3-30B-A3B-like token-level traces, tokens on 8 ranks
+    # GRACE's models: OLMoE-like and Qwen3-30B-A3B-like token-level traces, tokens on 8 ranks
     "olmoe-1b-7b-tokens": ("olmoe-1b-7b", 64, 256, 8, True),
     "qwen3-30b-a3b-tokens": ("qwen3-30b-a3b", 64, 256, 8, True),
 }

@@ -92,5 +92,5 @@ class Cluster:
         return bw
 
     def to_dict(self) -> dict[str, int]:
-        """The plan-file form (DESIGN §2): ``{"num_nodes": N, "gpus_per_node": M}``."""
+        """The plan-file form (docs/design.md, "Data formats"): ``{"num_nodes": N, "gpus_per_node": M}``."""
         return {"num_nodes": self.num_nodes, "gpus_per_node": self.gpus_per_node}

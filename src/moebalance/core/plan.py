@@ -6,9 +6,9 @@ Legend: ``L`` layers, ``E`` logical experts per layer, ``G`` GPUs, ``P`` physica
 A :class:`Placement` lists, for every layer ``l`` and GPU ``g``, the logical experts ``g`` hosts
 (``gpu_experts[l][g]``). GPUs may host different numbers of experts, and a layer may have more slots than
 another (CRAFT). Every expert of every layer must appear at least once. Two copies of one expert on one GPU
-are allowed but reported as a warning: DeepSeek's reference EPLB produces them (DESIGN §2).
+are allowed but reported as a warning: DeepSeek's reference EPLB produces them (docs/design.md, "Data formats").
 
-Plan file (DESIGN §2, contract)::
+Plan file (docs/design.md, "Data formats"; a contract)::
 
     {"format": "moebalance.plan", "version": 1, "policy": "eplb", "params": {...},
      "cluster": {"num_nodes": 8, "gpus_per_node": 8}, "num_layers": 58, "num_experts": 256,

@@ -13,7 +13,7 @@ MoE layer
     Every transformer block's FFN: a softmax top-k gate (the runtime's :func:`~moebalance.runtime.topk_gating`)
     over ``E`` SwiGLU experts stored as :class:`~moebalance.runtime.ExpertWeights`.
 capture
-    A token-level routing trace (DESIGN §2) recorded by running the model on text, sequences spread
+    A token-level routing trace (docs/design.md, "Data formats") recorded by running the model on text, sequences spread
     round-robin over data-parallel ranks (:mod:`~moebalance.model.capture`).
 run
     The model with every MoE layer executed by :class:`~moebalance.runtime.ExpertParallelMoE` on local gloo

@@ -1,4 +1,4 @@
-"""Capture a token-level routing trace (DESIGN §2) by running the MoE LM on text.
+"""Capture a token-level routing trace (docs/design.md, "Data formats") by running the MoE LM on text.
 
 Legend: ``N`` tokens captured, ``S`` tokens per sequence, ``P`` sequences per batch, ``G`` data-parallel
 ranks (GPUs), ``L`` MoE layers, ``K`` picks per token, ``D`` model width.

@@ -10,7 +10,7 @@ embedding. The vocabulary is the 256 byte values plus :data:`SPECIALS` (no token
 
 The MoE FFN is the runtime's layer, not a copy of it:
 
-- the gate is ``logits = h @ gate [D, E]`` through :func:`moebalance.runtime.gating.topk_gating` (page 002:
+- the gate is ``logits = h @ gate [D, E]`` through :func:`moebalance.runtime.gating.topk_gating` (docs/papers/routing.md:
   softmax over all experts, top-k with ties to the lowest index, the ``K`` kept gates renormalised to 1);
 - the experts are :class:`~moebalance.runtime.experts.ExpertWeights` (SwiGLU ``w1, w3 [E, D, F]``,
   ``w2 [E, F, D]``) run by :func:`~moebalance.runtime.experts.expert_ffn`.

@@ -98,7 +98,7 @@ class RunReport:
     max_abs_logit_diff: float
     #: (token, layer, pick) entries where the runtime's gate picked another expert than the reference's.
     routing_mismatches: int
-    #: Mean over ``(batch, layer)`` of ``mean_g / max_g`` of the picks computed (DESIGN §3 balancedness).
+    #: Mean over ``(batch, layer)`` of ``mean_g / max_g`` of the picks computed (docs/design.md, "Metrics" balancedness).
     balancedness: float
     seconds: float
     #: The trace the run saw (token-level, rank-major within a batch).

@@ -193,7 +193,7 @@ def train(model_config: ModelConfig, cfg: TrainConfig, *,
         "version": 1,
         "model": model_config.as_dict(),
         "gate": {"score_fn": "softmax", "top_k": model_config.top_k, "renormalize": True, "capacity_factor": None,
-                 "implementation": "moebalance.runtime.gating.topk_gating (page 002)"},
+                 "implementation": "moebalance.runtime.gating.topk_gating (docs/papers/routing.md)"},
         "experts": {"activation": "swiglu", "layout": "moebalance.runtime.experts.ExpertWeights w1/w3 [E, D, F], "
                                                       "w2 [E, F, D]"},
         "train": dataclasses.asdict(cfg),

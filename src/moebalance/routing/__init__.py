@@ -1,6 +1,6 @@
 """Routers: the run-time rule that picks which replica serves each (token, chosen expert).
 
-A router works at two granularities with the same rule (DESIGN §5):
+A router works at two granularities with the same rule (docs/design.md, "Routers"):
 
 - ``split_counts(plan, counts_BLE, rng) -> gpu_load_BLG``: expected or sampled tokens per GPU, for replaying
   load matrices in the simulator;
@@ -19,13 +19,13 @@ from moebalance.routing.grace import LOCALITY, WRR
 
 __all__ = ["DOCUMENTED_ROUTERS", "ROUTERS", "Router", "get_router"]
 
-#: Router names documented in DESIGN §5 (contract). The exact min-max router is documented as ``minmax``.
+#: Router names documented in docs/design.md, "Routers" (contract). The exact min-max router is documented as ``minmax``.
 DOCUMENTED_ROUTERS = ("uniform", "random", "wrr", "locality", "rebalance", "minmax")
 
 ROUTERS: dict[str, Router] = {r.name: r for r in (UNIFORM, RANDOM, WRR, LOCALITY)}
 
 _unknown = set(ROUTERS) - set(DOCUMENTED_ROUTERS)
-if _unknown:  # import-time check that the registry only holds documented names (STYLE 3)
+if _unknown:  # import-time check that the registry only holds documented names
     raise RuntimeError(f"routers {sorted(_unknown)} are registered but not documented in DOCUMENTED_ROUTERS")
 
 

@@ -2,7 +2,7 @@
 
 ``wrr`` -- weighted round-robin with load prediction (Alg. 3). Each token goes to one replica of its expert,
 drawn at random with probability proportional to the replica's weight. The weights come from the plan's
-optional ``weights`` (DESIGN §2): GRACE's policy sets them inversely proportional to the predicted GPU loads
+optional ``weights`` (docs/design.md, "Data formats"): GRACE's policy sets them inversely proportional to the predicted GPU loads
 of Eq. 3; a plan without weights routes with equal weights, i.e. like ``random``. Alg. 3 names the rule
 "round-robin" but draws with ``WeightedRandomChoice``; we follow the pseudocode (a random draw).
 

@@ -1,4 +1,4 @@
-"""Runtime: an expert-parallel MoE layer on torch.distributed that runs any placement plan (DESIGN §7).
+"""Runtime: an expert-parallel MoE layer on torch.distributed that runs any placement plan (docs/design.md, "Runtime").
 
 Glossary (see also :mod:`moebalance`)
 -------------------------------------
@@ -12,14 +12,14 @@ physical expert / slot
     layer ``l``, in that order: its *local* slots ``0 .. S-1``.
 redundant expert / replica
     A second or later physical copy of a logical expert (on another rank); the router picks which serves a
-    token. Two copies on one rank: the first serves, the second is idle (DESIGN §2 warns about them).
+    token. Two copies on one rank: the first serves, the second is idle (docs/design.md, "Data formats" warns about them).
 local / remote pick
     A (token, expert) pick served on the token's own rank (no communication: Libra's MoE_local) or on
     another rank (dispatched and combined over the all-to-all: MoE_remote).
 capacity
-    The most picks an expert takes from one rank's tokens (page 002's capacity factor).
+    The most picks an expert takes from one rank's tokens (the classic capacity factor).
 
-Modules: :mod:`~moebalance.runtime.gating` (top-k gating and capacity, page 002),
+Modules: :mod:`~moebalance.runtime.gating` (top-k gating and capacity),
 :mod:`~moebalance.runtime.experts` (expert weights, FFN, dense reference),
 :mod:`~moebalance.runtime.comm` (variable all-to-all on NCCL or gloo, point-to-point batches),
 :mod:`~moebalance.runtime.dispatch` (who sends what, dispatchers by name),

@@ -9,8 +9,8 @@ An expert is a two-layer MLP without biases, as in Mixtral / DeepSeek / Qwen MoE
 - ``gelu``: ``y = gelu(x @ w1) @ w2`` (``w3`` is ``None``),
 
 with ``w1, w3 [E, H, F]`` and ``w2 [E, F, H]``. The gate is ``logits = x @ gate [H, E]``, replicated on
-every rank. :func:`dense_moe` is the reference the expert-parallel layer must equal (DESIGN §7): every
-expert on every token in one process, mixed by the gate weights of page 002's ``moe_forward``.
+every rank. :func:`dense_moe` is the reference the expert-parallel layer must equal (docs/design.md, "Runtime"): every
+expert on every token in one process, mixed by the gate weights.
 """
 
 from __future__ import annotations

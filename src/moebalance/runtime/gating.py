@@ -1,25 +1,25 @@
-"""Top-k gating with an optional expert capacity (reference page 002, "What it is" and "How to run it").
+"""Top-k gating with an optional expert capacity (background in docs/papers/routing.md).
 
 Legend: ``T`` tokens, ``E`` experts, ``K`` picks per token (top-k), ``H`` hidden size.
 
-Gating, exactly as page 002's ``route_topk`` (vLLM's ``select_experts`` with ``renormalize=True``):
+Gating, as vLLM's ``select_experts`` with ``renormalize=True``:
 
 1. affinity ``scores[t, e]``: softmax over *all* ``E`` logits (or an elementwise sigmoid, as DeepSeek-V3),
    computed in float32;
 2. keep the ``K`` highest scores per token; equal scores are broken by the lowest expert index (a stable
-   descending sort, page 002's ``argsort(-gates, kind="stable")``);
+   descending sort's ``argsort(-gates, kind="stable")``);
 3. renormalise the ``K`` kept gates to sum to 1 (``renormalize=False`` keeps the raw affinities, whose sum
    is then below 1 for softmax).
 
 An optional ``selection_bias [E]`` is added to the scores for choosing the experts only, never to the mixing
-weights (DeepSeek-V3's auxiliary-loss-free balancing bias, page 002 "Training-time").
+weights (DeepSeek-V3's auxiliary-loss-free balancing bias).
 
-Capacity (page 002, Switch/GShard): with ``capacity_factor`` set, each expert takes at most
-``capacity = ceil(capacity_factor * T * K / E)`` picks of the ``T`` tokens gated together. Page 002's block
-rounds down (``floor``); we round up, so that ``capacity_factor = 1`` on a load that does not divide evenly
+Capacity (Switch Transformer, GShard): with ``capacity_factor`` set, each expert takes at most
+``capacity = ceil(capacity_factor * T * K / E)`` picks of the ``T`` tokens gated together. The usual textbook
+formula rounds down (``floor``); we round up, so that ``capacity_factor = 1`` on a load that does not divide evenly
 still fits the average, and we round the product to 9 decimals first so that ``1.1 * 10 / 11`` is 1, not 2.
 Picks claim capacity in **token order, and within a token by gate rank** (pick 0 first), i.e. row-major over
-``topk_ids [T, K]``, as page 002's "keep the first ``cap`` tokens that arrive". A pick that finds its expert
+``topk_ids [T, K]``, as Switch Transformer keeps the first ``cap`` tokens that arrive. A pick that finds its expert
 full is
 
 - ``drop``: dropped. The token keeps its other picks; the dropped pick's weight becomes 0, so its share of
@@ -120,7 +120,7 @@ class GateOutput:
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """``ceil(capacity_factor * T * K / E)`` (rounded to 9 decimals before the ceiling).
 
-    Example: ``expert_capacity(1024, 2, 8, 1.25) == 320`` (page 002's example, where floor agrees).
+    Example: ``expert_capacity(1024, 2, 8, 1.25) == 320`` (the classic example, where floor agrees).
     """
     if num_experts < 1:
         raise InputError(f"num_experts ({num_experts}) must be positive")

@@ -1,4 +1,4 @@
-"""Changing the plan at run time: move expert weights so every rank ends with the new plan's experts (DESIGN §7).
+"""Changing the plan at run time: move expert weights so every rank ends with the new plan's experts (docs/design.md, "Runtime").
 
 Legend: ``L`` layers, ``E`` logical experts, ``G`` ranks = GPUs, ``S`` slots of one rank in one layer.
 
