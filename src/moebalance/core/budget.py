@@ -13,8 +13,8 @@ cap, the replicas a policy may spend, the per-GPU total. Policies read a capacit
 policy asks for the form it plans in, and the capacity converts between the two kinds with a note that the
 plan records (``docs/design.md``, "Budgets"):
 
-- ``S`` slots per GPU is the memory of ``R = L * (S - E / G)`` extra replicas per GPU (rounded down when
-  ``G`` does not divide ``L * (S * G - E)``): :meth:`Capacity.replicas` for policies that spread replicas over
+- ``S`` slots per GPU is the memory of ``R = L * (S - E / G)`` extra replicas per GPU (rounded up when
+  ``G`` does not divide ``L * (S * G - E)``, so that a plan with ``S`` slots everywhere meets it): :meth:`Capacity.replicas` for policies that spread replicas over
   layers (CRAFT). The plan is then checked against that ``R``; a layer may hold more than ``S`` on a GPU.
 - ``R`` extra replicas per GPU fit ``S = floor((L * E + R * G) / (L * G))`` equal slots in every layer
   (at most ``E``): :meth:`Capacity.uniform_slots` for policies with the same slots everywhere (EPLB).
@@ -75,11 +75,12 @@ class Budget:
 
 
 def slots_to_replicas(slots_per_gpu: int, num_experts: int, num_gpus: int, num_layers: int) -> int:
-    """``R = L * (S - E / G)``, rounded down: the extra replicas per GPU that ``S`` equal slots cost.
+    """``R = L * (S - E / G)``, rounded up: the extra replicas per GPU that ``S`` equal slots cost.
 
     Example: DeepSeek-V3 (58 layers x 256 experts) on 64 GPUs with ``S = 5``: ``R = 58 * (5 - 4) = 58``.
+    Converting back (:meth:`Capacity.uniform_slots`) gives ``S`` again, for any ``S <= E``.
     """
-    return (num_layers * (slots_per_gpu * num_gpus - num_experts)) // num_gpus
+    return -(-num_layers * (slots_per_gpu * num_gpus - num_experts) // num_gpus)
 
 
 @dataclass(frozen=True, slots=True)
