@@ -12,9 +12,9 @@ point), AdamW (weight decay on the attention and expert matrices only, never on 
 not flatten the routing), linear warm-up then cosine decay to 10 %, gradients clipped to norm 1. The global
 torch generator is seeded before the weights are initialised, so one seed gives one set of weights on one
 machine (bit-exact there for a fixed thread count; not promised across machines or torch builds). The command
-runs on one thread by default: about 0.16 s a step here (1,500 steps in about 4 minutes), the result does not
-depend on the core count, and it does not collapse when other jobs share the cores (two processes with two
-OpenMP threads each on two cores ran 10-70x slower in our measurements, from spinning threads).
+runs on one thread by default: the result does not depend on the core count, and it does not collapse when
+other jobs share the cores (several processes with several OpenMP threads each on few cores slow down many
+times over, from spinning threads).
 
 Metrics: bits per byte on each domain's held-out split (non-overlapping windows of ``seq_len`` predicted
 tokens, targets that are special tokens left out), and the **unigram** baseline: the cross-entropy of the

@@ -37,7 +37,7 @@ def apply_shares(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
     """``counts [B, L, E] x shares [L, E, G] -> float64 [B, L, G]``: one ``[b, E] @ [E, G]`` product per layer.
 
     Chunked over batches to bound temporary memory. (A sparse gather over the few non-zero shares does less
-    arithmetic but measured 4x slower than BLAS here: 0.86 s against 0.2 s for 3000 x 58 x 256 on 64 GPUs.)
+    arithmetic but ran slower than this BLAS product; ``bench/bench_replay.py`` times the replay.)
     """
     B, L, _ = counts.shape
     out = np.empty((B, L, shares.shape[2]), dtype=np.float64)

@@ -165,7 +165,7 @@ def apply_capacity(topk_ids_TK: torch.Tensor, order_TE: torch.Tensor, num_expert
     ``order_TE`` lists each token's experts by preference (best first); ``spill`` walks it past the top-k.
     ``drop`` is vectorised (a stable sort gives each pick its arrival position at its expert); ``spill`` is
     sequential by nature (each spilled pick changes the room left) and runs a loop over the picks on the
-    CPU: about 1 us per pick, fine for a layer's tokens, not for millions.
+    CPU: fine for a layer's tokens, not for millions.
     """
     T, K = topk_ids_TK.shape
     if overflow == "drop":

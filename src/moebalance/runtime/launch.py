@@ -2,8 +2,8 @@
 
 For tests, benchmarks and quick checks on one machine, in the spirit of ``torch.multiprocessing.spawn``, but:
 
-- processes start from a *forkserver* that has imported torch once, so a launch after the first costs about
-  0.1 s instead of a torch import per rank (seconds); where there is no forkserver, ``spawn`` is used;
+- processes start from a *forkserver* that has imported torch once, so a launch after the first does not pay
+  a torch import per rank; where there is no forkserver, ``spawn`` is used;
 - the group meets through a file store in a fresh temporary folder, so concurrent launches (pytest-xdist)
   never race for a TCP port;
 - each rank's return value comes back to the caller (keep it picklable and small: numpy, not tensors);
