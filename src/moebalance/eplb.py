@@ -4,6 +4,6 @@ outputs (torch tensors in and out when given torch tensors), and the same result
 The algorithm lives in :mod:`moebalance.algorithms.eplb`; this module is its stable public name.
 """
 
-from moebalance.algorithms.eplb import EplbResult, eplb_plan, rebalance_experts
+from moebalance.algorithms.eplb import EplbArgumentError, EplbResult, eplb_plan, rebalance_experts
 
-__all__ = ["EplbResult", "eplb_plan", "rebalance_experts"]
+__all__ = ["EplbArgumentError", "EplbResult", "eplb_plan", "rebalance_experts"]

@@ -56,7 +56,7 @@ import torch
 
 from moebalance.core.errors import BudgetError, InputError
 
-__all__ = ["EplbResult", "balanced_packing", "eplb_plan", "rebalance_experts", "replicate_experts"]
+__all__ = ["EplbArgumentError", "EplbResult", "balanced_packing", "eplb_plan", "rebalance_experts", "replicate_experts"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float32]
@@ -238,6 +238,12 @@ def _logical_to_physical(phy2log: IntArray, phyrank: IntArray, logcnt: IntArray)
 # ---------------------------------------------------------------------------------------------------
 
 
+class EplbArgumentError(InputError, BudgetError, AssertionError):
+    """A layout the reference refuses with an ``assert`` (groups, nodes, GPUs, replicas that do not divide):
+    catchable as our :class:`InputError` / :class:`BudgetError` and, for drop-in callers and tests written
+    against the reference, as ``AssertionError``."""
+
+
 def _count(value: object, name: str) -> int:
     """A positive integer argument."""
     if isinstance(value, bool):
@@ -292,23 +298,23 @@ def _check_layout(
     hierarchical = num_groups % num_nodes == 0
     if hierarchical:
         if num_logical % num_groups != 0:
-            raise InputError(
+            raise EplbArgumentError(
                 f"num_logical_experts ({num_logical}) must be divisible by num_groups ({num_groups}) "
                 f"for the hierarchical policy; use a num_groups that divides {num_logical}"
             )
         if num_gpus % num_nodes != 0:
-            raise InputError(
+            raise EplbArgumentError(
                 f"num_gpus ({num_gpus}) must be divisible by num_nodes ({num_nodes}); "
                 "give every node the same number of GPUs"
             )
     if num_replicas % num_gpus != 0:
         suggestion = -(-max(num_replicas, num_logical) // num_gpus) * num_gpus
-        raise BudgetError(
+        raise EplbArgumentError(
             f"num_replicas ({num_replicas}) must be divisible by num_gpus ({num_gpus}); "
             f"use a multiple of {num_gpus} such as {suggestion}"
         )
     if num_replicas < num_logical:
-        raise BudgetError(
+        raise EplbArgumentError(
             f"num_replicas ({num_replicas}) must be at least num_logical_experts ({num_logical}); "
             "every expert needs a slot"
         )
