@@ -1,7 +1,7 @@
 """CRAFT planning speed: benefit estimation (Alg. 1) and the allocation DP (Alg. 2).
 
 Setting of CRAFT Section 5.5: DeepSeek-R1 (58 layers x 256 experts), 3000 profiled batches, 64 GPUs in
-8 nodes, replica counts 1, 2, 4, ..., 64 (K = 7, plus the placement-only replay). Targets (issue 3):
+8 nodes, replica counts 1, 2, 4, ..., 64 (K = 7, plus the placement-only replay). Targets:
 benefit estimation under 5 s on this machine (the paper reports about 10 s), the DP under 50 ms.
 Prints a table and writes docs/results/bench_craft.md. Run: .venv/bin/python bench/bench_craft.py
 """
@@ -12,8 +12,8 @@ import time
 
 from _common import ROOT, machine, median_seconds
 
+from moebalance.algorithms.craft import allocate_replicas, benefit_table
 from moebalance.core.cluster import Cluster
-from moebalance.policies.craft import allocate_replicas, benefit_table
 from moebalance.workloads.synth import synthesize
 
 

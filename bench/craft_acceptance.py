@@ -1,4 +1,4 @@
-"""CRAFT against EPLB and uniform replication on DeepSeek-R1-like and Kimi-K2-like traces (issue 3).
+"""CRAFT against EPLB and uniform replication on DeepSeek-R1-like and Kimi-K2-like traces (docs/papers/craft.md).
 
 For each model: a synthetic trace (`moebalance.workloads.synth`, seed 0) on 8 nodes x 8 GPUs; plans are made on the
 first half of the batches and scored on the held-out second half. Gains are balancedness minus that of the
@@ -22,12 +22,12 @@ import argparse
 
 from _common import ROOT, machine
 
+from moebalance.algorithms.craft import allocate_replicas, benefit_table, plan_with_allocation
 from moebalance.app.report import plot_sweep
 from moebalance.app.sweep import sweep
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
 from moebalance.policies import Budget, make_plan
-from moebalance.policies.craft import allocate_replicas, benefit_table, plan_with_allocation
 from moebalance.routing.simulate import evaluate
 from moebalance.workloads.synth import get_preset, synthesize
 

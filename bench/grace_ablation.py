@@ -1,4 +1,4 @@
-"""GRACE-MoE's component analysis (paper 001, Section 5.3, Figure 5) on bundled token-level traces (issue 4).
+"""GRACE-MoE's component analysis (Section 5.3, Figure 5; docs/papers/grace.md) on bundled token-level traces.
 
 Models: the bundled OLMoE-like (64 experts, top-8, 16 layers) and Qwen3-30B-A3B-like (128 experts, top-8,
 48 layers) traces, 64 batches x 256 tokens on 8 data-parallel ranks (docs/synth.md). Clusters: 2 nodes x 2
@@ -87,7 +87,7 @@ def run() -> tuple[list[Row], list[str]]:
 
 
 def timing() -> str:
-    """Planning time for Qwen3-30B-A3B-like, 48 x 128, on 16 GPUs (issue 4: under 10 s)."""
+    """Planning time for Qwen3-30B-A3B-like, 48 x 128, on 16 GPUs (target: under 10 s)."""
     arrays = synthesize(get_preset("qwen3-30b-a3b"), num_batches=32, tokens_per_batch=512, num_gpus=16, seed=0,
                         token_level=True)
     load = LoadMatrix.from_arrays(arrays)

@@ -1,4 +1,4 @@
-"""CRAFT (paper 000): the DP against brute force, Alg. 3 invariants, the Figure 10 example, placement."""
+"""CRAFT: the DP against brute force, Alg. 3 invariants, the Figure 10 example, placement."""
 
 from __future__ import annotations
 
@@ -9,11 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from moebalance.core.cluster import Cluster
-from moebalance.core.errors import BudgetError
-from moebalance.core.load import LoadMatrix
-from moebalance.policies import Budget, make_plan
-from moebalance.policies.craft import (
+from moebalance.algorithms.craft import (
     BenefitTable,
     allocate_replicas,
     benefit_table,
@@ -22,6 +18,10 @@ from moebalance.policies.craft import (
     replica_ladder,
     replicate,
 )
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError
+from moebalance.core.load import LoadMatrix
+from moebalance.policies import Budget, make_plan, plan_with
 from moebalance.routing.simulate import evaluate
 
 
@@ -165,8 +165,6 @@ def test_craft_beats_placement_and_uniform_on_skewed_layers() -> None:
 def test_craft_budget_errors() -> None:
     load = _skewed_load()
     cluster = Cluster(num_nodes=1, gpus_per_node=4)
-    with pytest.raises(BudgetError, match="give --replicas-per-gpu R"):
-        make_plan("craft", load, cluster, Budget(slots_per_gpu=9))
     with pytest.raises(BudgetError, match="replica_counts"):
         make_plan("craft", load, cluster, Budget(replicas_per_gpu=1), replica_counts=[1, 8])
     with pytest.raises(BudgetError, match="allocation"):
@@ -176,10 +174,30 @@ def test_craft_budget_errors() -> None:
             make_plan("craft", load, cluster, Budget(replicas_per_gpu=1), replica_counts=bad)
 
 
+def test_slots_budget_is_read_as_replicas() -> None:
+    # S = 9 slots per GPU for E = 32 experts on G = 4 GPUs and L layers: R = L * (9 - 32 / 4) = L replicas per GPU
+    load = _skewed_load()
+    cluster = Cluster(num_nodes=2, gpus_per_node=2)
+    L, E, G = load.num_layers, load.num_experts, cluster.num_gpus
+    result = plan_with("craft", load, cluster, Budget(slots_per_gpu=9))
+    R = L * (9 - E // G)
+    assert R == L and result.capacity.budget == Budget(replicas_per_gpu=R) and result.capacity.layer_slots is None
+    plan = result.placement
+    assert plan.params["slots_per_gpu"] == 9 and plan.params["replicas_per_gpu"] == R
+    assert "slots_per_gpu 9 read as replicas_per_gpu" in plan.params["budget_note"]
+    assert 0 < plan.extra_replicas <= R * G
+    Budget(replicas_per_gpu=R).check(plan)  # the plan meets the converted budget ...
+    # ... and is the plan of that budget given directly
+    direct, _ = make_plan("craft", load, cluster, Budget(replicas_per_gpu=R))
+    assert direct.gpu_experts == plan.gpu_experts
+
+
 def test_auto_replication_factor_is_recorded() -> None:
     load = _skewed_load()
-    plan, _ = make_plan("craft", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(replicas_per_gpu="auto"))
-    R = plan.params["chosen_replicas_per_gpu"]
+    result = plan_with("craft", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(replicas_per_gpu="auto"))
+    plan = result.placement
+    R = result.diagnostics.chosen_replicas_per_gpu  # typed, as the budget check reads it
+    assert R == plan.params["chosen_replicas_per_gpu"] and plan.params["replicas_per_gpu"] == "auto"
     assert R in (1, 2, 4) and plan.extra_replicas == R * 4
     assert len(plan.params["auto_curve"]) == 3  # R = 1, 2, 4 for L = 6 layers
 

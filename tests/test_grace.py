@@ -1,4 +1,4 @@
-"""GRACE-MoE (seed paper 001): affinity, Alg. 1-2 grouping, the knee, Eq. 2-3 replication, the policy.
+"""GRACE-MoE: affinity, Alg. 1-2 grouping, the knee, Eq. 2-3 replication, the policy.
 
 Hand-computed cases carry their derivation in comments; property tests use hypothesis. The conformance suite
 over all policies (tests/test_policies.py) runs ``grace`` on random token-level cases as well.
@@ -27,20 +27,20 @@ from moebalance.algorithms.grace.grouping import (
     spectral_clustering,
     utilization,
 )
-from moebalance.core.cluster import Cluster
-from moebalance.core.errors import BudgetError, InputError
-from moebalance.core.load import LoadMatrix
-from moebalance.core.plan import Placement
-from moebalance.core.trace import RoutingTrace
-from moebalance.policies import Budget, make_plan
-from moebalance.policies.grace import (
-    grace_plan,
+from moebalance.algorithms.grace.plan import grace_plan
+from moebalance.algorithms.grace.replication import (
     hot_experts,
     predict_loads,
     replica_count,
     replica_shares,
     skew_ratio,
 )
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError, InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
+from moebalance.policies import Budget, make_plan
 from moebalance.workloads.synth import synthesize
 
 
@@ -399,7 +399,7 @@ def test_policy_uses_the_knee_golden() -> None:
     # policy must record r = 0.2 and group {0..9} | {10..15}. Always taking the largest r would give 11 / 5 and
     # 1.0; always r = 0 would give 9 / 7 and 0.0.
     plan = grace_plan(weight=np.ones((1, 16)), affinity=_two_topics_and_a_straggler()[None],
-                      cluster=Cluster(num_nodes=1, gpus_per_node=2), budget=Budget(slots_per_gpu=12),
+                      cluster=Cluster(num_nodes=1, gpus_per_node=2), slots_per_gpu=12,
                       replication="none")
     assert plan.params["chosen_ratio"] == [[0.2]]
     assert set(plan.gpu_experts[0]) == {tuple(range(10)), tuple(range(10, 16))}
@@ -409,12 +409,12 @@ def test_capped_sizes_record_no_ratio() -> None:
     # the same case with 8 slots: every r gives sizes 8, 8 (S(r) = 0 throughout), so no knee exists and the
     # plan records None rather than a misleading 0.0
     plan = grace_plan(weight=np.ones((1, 16)), affinity=_two_topics_and_a_straggler()[None],
-                      cluster=Cluster(num_nodes=1, gpus_per_node=2), budget=Budget(slots_per_gpu=8),
+                      cluster=Cluster(num_nodes=1, gpus_per_node=2), slots_per_gpu=8,
                       replication="none")
     assert plan.params["chosen_ratio"] == [[None]]
     assert plan.slots().tolist() == [[8, 8]]
     fixed = grace_plan(weight=np.ones((1, 16)), affinity=_two_topics_and_a_straggler()[None],
-                       cluster=Cluster(num_nodes=1, gpus_per_node=2), budget=Budget(slots_per_gpu=8),
+                       cluster=Cluster(num_nodes=1, gpus_per_node=2), slots_per_gpu=8,
                        replication="none", ratio=0.5)
     assert fixed.params["chosen_ratio"] == [[0.5]]  # a given ratio is recorded as given
 
@@ -582,10 +582,10 @@ def test_grace_plan_takes_any_affinity(olmoe: LoadMatrix) -> None:
     assert olmoe.trace is not None
     cluster = Cluster(num_nodes=2, gpus_per_node=2)
     mixed = mixed_affinity([olmoe.trace, olmoe.select_batches(0, 3)])
-    plan = grace_plan(weight=olmoe.total(), affinity=mixed, cluster=cluster, budget=Budget(slots_per_gpu=20))
+    plan = grace_plan(weight=olmoe.total(), affinity=mixed, cluster=cluster, slots_per_gpu=20)
     Budget(slots_per_gpu=20).check(plan)
     with pytest.raises(InputError, match="needs an affinity"):
-        grace_plan(weight=olmoe.total(), affinity=None, cluster=cluster, budget=Budget(slots_per_gpu=20))
+        grace_plan(weight=olmoe.total(), affinity=None, cluster=cluster, slots_per_gpu=20)
 
 
 def test_inputs_refused() -> None:
@@ -613,7 +613,6 @@ def _one_line(info: pytest.ExceptionInfo[InputError]) -> None:
 
 def test_grace_plan_refuses_bad_weight_and_affinity(olmoe: LoadMatrix) -> None:
     cluster = Cluster(num_nodes=1, gpus_per_node=2)
-    budget = Budget(slots_per_gpu=5)
     w = np.ones((1, 8))
     a = np.ones((1, 8, 8))
     cases: list[tuple[object, object, str]] = [
@@ -628,10 +627,10 @@ def test_grace_plan_refuses_bad_weight_and_affinity(olmoe: LoadMatrix) -> None:
     ]
     for weight, aff, match in cases:
         with pytest.raises(InputError, match=match) as info:
-            grace_plan(weight=weight, affinity=aff, cluster=cluster, budget=budget)  # type: ignore[arg-type]
+            grace_plan(weight=weight, affinity=aff, cluster=cluster, slots_per_gpu=5)  # type: ignore[arg-type]
         _one_line(info)
     with pytest.raises(InputError, match="weight has"):  # Vanilla checks the weight too
-        grace_plan(weight=-w, affinity=None, cluster=cluster, budget=budget, grouping="uniform")
+        grace_plan(weight=-w, affinity=None, cluster=cluster, slots_per_gpu=5, grouping="uniform")
     with pytest.raises(InputError, match=r"group_load has 1 NaN"):
         replica_count(np.array([1.0, np.nan]))
 
@@ -702,10 +701,9 @@ def test_budgets_refused() -> None:
     assert plan.extra_replicas == 0
 
 
-def test_qwen3_sized_plan_is_fast() -> None:
-    # issue 4, item 5: 48 layers x 128 experts, top-8, 32 x 512 tokens on 16 ranks, 2 nodes x 8 GPUs, < 10 s
+def test_qwen3_sized_plan_fits_the_slots() -> None:
+    # 48 layers x 128 experts, top-8, 32 x 512 tokens on 16 ranks, 2 nodes x 8 GPUs (speed: bench/, not here)
     load = LoadMatrix.from_arrays(synthesize("qwen3-30b-a3b", num_batches=32, tokens_per_batch=512, num_gpus=16,
                                              seed=0, token_level=True))
-    plan, seconds = make_plan("grace", load, Cluster(num_nodes=2, gpus_per_node=8), Budget(slots_per_gpu=10))
-    assert seconds < 10.0
+    plan, _ = make_plan("grace", load, Cluster(num_nodes=2, gpus_per_node=8), Budget(slots_per_gpu=10))
     assert plan.max_slots_per_gpu <= 10 and plan.extra_replicas > 0

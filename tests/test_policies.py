@@ -25,8 +25,8 @@ NO_DUPLICATES = {"contiguous", "greedy", "craft", "grace"}
 def _may_refuse(name: str, load: LoadMatrix, cluster: Cluster, budget: Budget) -> bool:
     """Whether ``name`` may legitimately refuse ``budget`` (it must never refuse anything else)."""
     too_few_slots = budget.slots_per_gpu is not None and budget.slots_per_gpu < math.ceil(load.num_experts / cluster.num_gpus)
-    if name == "craft":  # spreads R * G replicas over layers: a slots budget is the wrong kind
-        return budget.slots_per_gpu is not None
+    if name == "craft":  # a slots budget is read as R = L * (S - E / G) replicas per GPU
+        return too_few_slots
     if name == "eplb":  # equal slots per GPU: a replicas budget may be too small for the rounding
         L, E, G = load.num_layers, load.num_experts, cluster.num_gpus
         R = budget.replicas_per_gpu
@@ -144,7 +144,11 @@ def _check_conforms(name: str, load: LoadMatrix, cluster: Cluster, budget: Budge
     # shape, every expert placed (Placement validates), budget respected
     assert (plan.num_layers, plan.num_experts, plan.num_gpus) == (load.num_layers, load.num_experts, cluster.num_gpus)
     assert np.all(plan.replica_counts() >= 1)
-    budget.check(plan, chosen_replicas_per_gpu=result.diagnostics.chosen_replicas_per_gpu)
+    result.capacity.check(plan, chosen_replicas_per_gpu=result.diagnostics.chosen_replicas_per_gpu)
+    if result.capacity.budget != budget:  # only CRAFT converts (slots to replicas), and says so in the plan
+        assert name == "craft" and budget.slots_per_gpu is not None and "budget_note" in plan.params
+    else:
+        budget.check(plan, chosen_replicas_per_gpu=result.diagnostics.chosen_replicas_per_gpu)
     if name in NO_DUPLICATES:
         assert plan.warnings == () and plan.copies.max() == 1
     if plan.weights is not None:  # a static weighted router's shares: each expert's sum to 1

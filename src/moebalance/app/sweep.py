@@ -23,11 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from moebalance.algorithms.craft import benefit_table, plan_from_table, replica_ladder
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError, InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.policies import Budget, make_plan
-from moebalance.policies.craft import benefit_table, plan_from_table, replica_ladder
 from moebalance.routing.simulate import evaluate
 
 __all__ = ["SWEEP_POLICIES", "SweepPoint", "SweepResult", "sweep", "sweep_steps"]

@@ -156,7 +156,7 @@ def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix,
         plan = policy(load=load, cluster=cluster, budget=budget, **params)
         seconds = time.perf_counter() - t0
         plan = _check_shape(name, plan, load, cluster)
-        capacity.check(plan, chosen_replicas_per_gpu=plan.params.get("chosen_replicas_per_gpu"))
+        capacity.check(plan)  # a plain callable cannot choose R: an auto budget is refused
         return PlanResult(plan, None, NoDiagnostics(), capacity, seconds)
     config = policy.config.from_params(policy.name, params)
     t0 = time.perf_counter()

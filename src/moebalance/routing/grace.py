@@ -1,4 +1,4 @@
-"""GRACE-MoE's routers (paper 001, Section 4.3 and Appendix A.3): ``wrr`` and ``locality``.
+"""GRACE-MoE's routers (Section 4.3 and Appendix A.3; see docs/papers/grace.md): ``wrr`` and ``locality``.
 
 ``wrr`` -- weighted round-robin with load prediction (Alg. 3). Each token goes to one replica of its expert,
 drawn at random with probability proportional to the replica's weight. The weights come from the plan's

@@ -1,4 +1,4 @@
-"""Expert grouping by co-activation affinity (GRACE-MoE, seed paper 001, Section 4.1 and Appendix A.2).
+"""Expert grouping by co-activation affinity (GRACE-MoE, Section 4.1 and Appendix A.2).
 
 Legend: ``L`` layers, ``E`` experts per layer, ``T`` tokens, ``K`` top-k, ``n`` experts being grouped (a
 layer's, or one node's), ``D`` groups, ``r`` the non-uniformity ratio.
@@ -15,54 +15,10 @@ Figure 2a); the diagonal (an expert's own load) is no affinity and is set to 0 e
 - :func:`utilization`, :func:`size_deviation` and :func:`knee_index` -- Eq. 1's ``U(r)``, ``S(r)`` and the knee
   of the ``(S(r), U(r))`` curve that picks ``r``.
 
-Readings where the paper is ambiguous (written down as the guide asks):
-
-- **Spectral clustering.** Alg. 2 line 5 calls ``SpectralClustering(A, D)``, scikit-learn's name for
-  ``affinity="precomputed"``. We follow scikit-learn's method with its default ``assign_labels="kmeans"``:
-  the embedding is ``D^-1/2 x`` for the ``D`` leading eigenvectors ``x`` of the normalised affinity
-  ``D^-1/2 A D^-1/2`` (``spectral_embedding`` with the normalised Laplacian, first vector kept, rows not
-  normalised), then scikit-learn's ``KMeans`` (k-means++, 10 restarts, the best inertia kept), seeded. Two
-  departures, both measured: (1) the eigenvectors come from SciPy's dense ``eigh`` (LAPACK ``evr``, the top
-  ``D`` only) rather than ``SpectralClustering``'s ARPACK, which is not deterministic when the affinity has
-  few distinct eigenvalues (it restarts from its own saved random state when the Krylov space closes): with
-  one seed it split a uniform 3 x 3 affinity two ways over 200 calls, and a uniform 128 x 128 one into 16
-  clusters warned "ARPACK has failed" and changed labels between calls; its LOBPCG solver raised
-  convergence warnings on small layers. (2) Labels by k-means, not ``cluster_qr``: ``cluster_qr`` is faster
-  (a 0.5 s instead of 1.4 s plan for the Qwen3-like 2 x 8 case) but cut 0.37-0.41 of the bundled traces'
-  affinity between nodes against k-means' 0.29-0.32, much as row-normalised k-means (Ng, Jordan and Weiss)
-  did (0.36-0.40): when a layer has more co-activation clusters than groups, a cluster that the leading
-  eigenvectors miss embeds near the origin, where row normalisation blows the noise up and scatters it over
-  all groups; unnormalised k-means keeps it together. A layer without any co-activation (top-1 routing, no
-  tokens) has no affinity to cluster by: its experts are split in id order. A vanishing ``1e-9 * max(A)`` is
-  added between all pairs so that the graph is connected and an expert no token shares with any other
-  still has a defined embedding.
-- **Alg. 2 line 8**, "keep top-``num_max`` by ``sum_{j in C_d} A_ij``; push rest to ``Omega``": we *peel*,
-  dropping one expert at a time, each time the one with the smallest affinity to the members still kept
-  (ties: lowest id), rather than ranking once against the whole of ``C_d``. Both keep the most attached
-  experts; they differ when ``C_d`` holds a weakly attached sub-cluster, which a one-shot ranking cuts in
-  pieces (each piece still scores on the others) and peeling removes whole, so that lines 13-16 can move it
-  together. Example: a node cluster of three disconnected topics of 4 experts capped at 8 sheds one whole
-  topic, where ranking once would shed the 4 least connected experts of any topics. ``Omega`` keeps the
-  peeling order, groups in order, and is placed in that order (line 13 says "for each").
-- **Alg. 2 line 14**, ``argmax_d IntraScore(A, L_d u {e})`` over groups with room. Alg. 1's score is said to
-  "evaluate candidate assignments"; comparing the assignment of ``e`` to ``d`` with its assignment to ``d'``
-  by the whole grouping's intra-group affinity (``sum_d IntraScore(L_d)`` after the move) ranks groups by the
-  *gain* ``IntraScore(L_d u {e}) - IntraScore(L_d) = 2 * sum_{j in L_d} A_ej``. Taken in isolation the printed
-  score would also add ``IntraScore(L_d)`` itself and so send every leftover expert to the densest group with
-  room, whatever its affinity to it. We rank by the gain (``assign="gain"``, default); ``assign="printed"``
-  keeps the literal score for comparison. Ties go to the smaller group, then the lower group index.
-- **Alg. 2 lines 17-21**, "collect weakest affinity experts from ``|L_d| > num_min``": we collect
-  ``S = sum_d need[d]`` experts one at a time, each time the expert with the smallest affinity to the rest of
-  its own group (``sum_{j in L_d, j != e} A_ej``; ties: lowest id) among the groups still above ``num_min``
-  (a group stops giving at ``num_min``), updating the scores after each removal. Then each collected expert,
-  in the order collected, goes to the group with unmet need that maximises the score of line 14; this fills
-  every need exactly.
-- ``round`` in line 2 is Python's (half to even), as the pseudocode reads like Python. When fewer experts
-  than groups are left (``n < D``), ``E = 0`` and ``num_min`` is 0, not 1: some groups must stay empty.
-- **Knee.** Section 4.1 picks "the knee point" of the ``(S(r), U(r))`` plot without naming a rule; we use
-  Kneedle's: the candidate farthest above the chord from the least to the most non-uniform candidate, in
-  coordinates normalised so that the chord runs from (0, 0) to (1, 1). Ties, and curves with no point above
-  the chord, go to the smaller ``r`` (the more uniform grouping). See :func:`knee_index`.
+After "GRACE-MoE: Grouping and Replication with Locality-Aware Routing for Efficient Distributed MoE
+Inference". Our readings where the paper leaves room (spectral clustering by SciPy's ``eigh`` and seeded
+k-means, Alg. 2's peeling at line 8, the gain score at line 14, the collection at lines 17-21, rounding, the
+Kneedle rule for the knee) are in ``docs/papers/grace.md``.
 """
 
 from __future__ import annotations
@@ -87,11 +43,13 @@ __all__ = [
     "blas_single_thread",
     "controlled_grouping",
     "cut_affinity",
+    "import_spectral",
     "knee_index",
     "mixed_affinity",
     "refine_groups",
     "size_deviation",
     "spectral_clustering",
+    "spectral_clustering_in_context",
     "utilization",
 ]
 
@@ -107,9 +65,8 @@ def blas_single_thread() -> contextlib.AbstractContextManager[Any]:
 
     GRACE makes hundreds of small ``eigh`` and k-means calls (matrices of 16 to 256 experts). Multi-threaded
     OpenBLAS spends far more time synchronising its threads than computing on such sizes, and far more still
-    when the cores are shared (``pytest -n 2``, a benchmark alongside): on 2 busy cores a 128 x 128 ``eigh``
-    took 15 ms with two threads and 1.3 ms with one, and scikit-learn's k-means (OpenMP) up to 240 ms a call.
-    Only libraries loaded when the context is entered are limited (see ``_import_spectral``).
+    when the cores are shared (parallel tests, a benchmark alongside); scikit-learn's k-means (OpenMP) alike.
+    Only libraries loaded when the context is entered are limited (see ``import_spectral``).
     """
     try:
         from threadpoolctl import threadpool_limits
@@ -124,8 +81,7 @@ def affinity(trace: RoutingTrace) -> np.ndarray:
     """``int64 [L, E, E]``: tokens that picked both ``i`` and ``j`` in layer ``l``, with a zero diagonal.
 
     Equal to ``trace.coactivation()`` off the diagonal, computed one layer at a time (``T * K * K`` indices
-    per layer instead of ``T * L * K * K`` at once: 0.25 s and 8 MB instead of 1.5 s and 400 MB for 16k
-    tokens of a 48-layer, 128-expert, top-8 model).
+    per layer instead of ``T * L * K * K`` at once, which bounds the memory by one layer's indices).
     """
     L, E, K = trace.num_layers, trace.num_experts, trace.top_k
     out = np.zeros((L, E, E), dtype=np.int64)
@@ -289,13 +245,13 @@ def spectral_clustering(affinity: np.ndarray, num_clusters: int, seed: int | Seq
     a = _check_affinity(affinity)
     k = _check_count("num_clusters", num_clusters, 1)
     random_state = _random_state(seed)
-    _import_spectral()  # before threads are limited, so that the limit reaches SciPy's BLAS and OpenMP too
+    import_spectral()  # before threads are limited, so that the limit reaches SciPy's BLAS and OpenMP too
     with blas_single_thread():
         return _spectral_labels(a, k, random_state)
 
 
-def _import_spectral() -> tuple[Any, Any]:
-    """``(scipy.linalg.eigh, sklearn.cluster.KMeans)``, imported on first use (``sklearn.cluster``: about 1 s).
+def import_spectral() -> tuple[Any, Any]:
+    """``(scipy.linalg.eigh, sklearn.cluster.KMeans)``, imported on first use.
 
     ``blas_single_thread`` limits the libraries loaded when it is entered: a caller that clusters inside it
     (the GRACE policy) calls this first, so that SciPy's BLAS and scikit-learn's OpenMP are loaded by then.
@@ -317,7 +273,7 @@ def _spectral_labels(a: np.ndarray, k: int, random_state: int) -> np.ndarray:
     if top <= 0:  # no co-activation to cluster by: id order
         return (np.arange(n) * k) // n
     a = a / top + 1e-9 * (1.0 - np.eye(n))  # connected, and every expert has some affinity
-    eigh, kmeans = _import_spectral()
+    eigh, kmeans = import_spectral()
     inv = 1.0 / np.sqrt(a.sum(axis=1))
     _, x = eigh(inv[:, None] * a * inv[None, :], subset_by_index=[n - k, n - 1], driver="evr")
     u = x * inv[:, None]  # scikit-learn's spectral_embedding: u = D^-1/2 x, rows not normalised
@@ -327,9 +283,9 @@ def _spectral_labels(a: np.ndarray, k: int, random_state: int) -> np.ndarray:
     return _canonical(np.asarray(labels, dtype=np.int64), k)
 
 
-def _spectral_clustering_in_context(affinity: np.ndarray, num_clusters: int, seed: int | Sequence[int]) -> np.ndarray:
+def spectral_clustering_in_context(affinity: np.ndarray, num_clusters: int, seed: int | Sequence[int]) -> np.ndarray:
     """:func:`spectral_clustering` for a caller already in ``blas_single_thread``, entered after
-    :func:`_import_spectral` (entering the context costs about 2 ms, half a 128-expert clustering)."""
+    :func:`import_spectral`, so that one context serves many clusterings."""
     return _spectral_labels(_check_affinity(affinity), _check_count("num_clusters", num_clusters, 1),
                             _random_state(seed))
 
