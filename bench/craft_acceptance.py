@@ -27,9 +27,10 @@ from moebalance.app.report import plot_sweep
 from moebalance.app.sweep import sweep
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
+from moebalance.models import get_model
 from moebalance.policies import Budget, make_plan
 from moebalance.routing.simulate import evaluate
-from moebalance.workloads.synth import get_preset, synthesize
+from moebalance.workloads.synth import synthesize
 
 MODELS = ("deepseek-r1", "kimi-k2")
 
@@ -53,7 +54,7 @@ def main() -> None:
     ]
     checks = []
     for name in MODELS:
-        preset = get_preset(name)
+        preset = get_model(name)
         load = LoadMatrix.from_arrays(synthesize(preset, num_batches=args.batches,
                                                  tokens_per_batch=args.tokens_per_batch, num_gpus=G, seed=0))
         train, test = load.split(0.5)

@@ -35,9 +35,10 @@ from _common import ROOT, fold_ranks, machine
 
 from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.load import LoadMatrix, read_load
+from moebalance.models import get_model
 from moebalance.policies import Budget, make_plan
 from moebalance.routing.simulate import Score, Traffic, evaluate
-from moebalance.workloads.synth import get_preset, synthesize
+from moebalance.workloads.synth import synthesize
 
 MODELS = ("olmoe-1b-7b", "qwen3-30b-a3b")
 CLUSTERS = ((2, 2), (2, 4))
@@ -69,7 +70,7 @@ def cluster_for(nodes: int, gpn: int) -> Cluster:
 def run() -> tuple[list[Row], list[str]]:
     rows: list[Row] = []
     for model in MODELS:
-        preset = get_preset(model)
+        preset = get_model(model)
         full = read_load(f"bundled:{model}-tokens")
         for nodes, gpn in CLUSTERS:
             cluster = cluster_for(nodes, gpn)
@@ -88,7 +89,7 @@ def run() -> tuple[list[Row], list[str]]:
 
 def timing() -> str:
     """Planning time for Qwen3-30B-A3B-like, 48 x 128, on 16 GPUs (target: under 10 s)."""
-    arrays = synthesize(get_preset("qwen3-30b-a3b"), num_batches=32, tokens_per_batch=512, num_gpus=16, seed=0,
+    arrays = synthesize(get_model("qwen3-30b-a3b"), num_batches=32, tokens_per_batch=512, num_gpus=16, seed=0,
                         token_level=True)
     load = LoadMatrix.from_arrays(arrays)
     out = []

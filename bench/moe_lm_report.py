@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from moebalance.app.report import _save_png, atomic_write_text
 from moebalance.core.cluster import Cluster
+from moebalance.core.io import atomic_write_text, save_png
 from moebalance.model.capture import capture
 from moebalance.model.data import domain_tokens
 from moebalance.model.moe_lm import bundled_checkpoint, load_checkpoint
@@ -151,7 +151,7 @@ def _plots(res: dict[str, Any], out_dir: Path) -> None:
         ax.set_xlabel("expert")
     np.atleast_1d(axes)[0].set_ylabel("% of picks")
     np.atleast_1d(axes)[0].legend()
-    _save_png(fig, out_dir / "moe_lm_routing.png")
+    save_png(fig, out_dir / "moe_lm_routing.png")
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
     for ax, d in zip(axes, DOMAINS, strict=True):
         for pol, bud, _ in POLICIES:
@@ -162,7 +162,7 @@ def _plots(res: dict[str, Any], out_dir: Path) -> None:
         ax.set_xticks(range(L))
     axes[0].set_ylabel("balancedness")
     axes[0].legend(fontsize=7)
-    _save_png(fig, out_dir / "moe_lm_balance.png")
+    save_png(fig, out_dir / "moe_lm_balance.png")
 
 
 def _label(label: str) -> str:

@@ -181,7 +181,8 @@ def test_bundled_traces_load_and_match_their_recipes() -> None:
     from pathlib import Path
 
     from moebalance.core.load import bundled_names, read_load
-    from moebalance.workloads.synth import get_preset, synthesize
+    from moebalance.models import get_model
+    from moebalance.workloads.synth import synthesize
 
     spec = importlib.util.spec_from_file_location("make_bundled_data", Path(__file__).parents[1] / "tools" / "make_bundled_data.py")
     assert spec is not None and spec.loader is not None
@@ -190,9 +191,10 @@ def test_bundled_traces_load_and_match_their_recipes() -> None:
     assert bundled_names() == sorted(tool.RECIPES)
     for name, (preset, batches, tokens, gpus, token_level) in tool.RECIPES.items():
         load = read_load(f"bundled:{name}")
-        again = synthesize(get_preset(preset), num_batches=batches, tokens_per_batch=tokens, num_gpus=gpus, seed=0,
+        again = synthesize(get_model(preset), num_batches=batches, tokens_per_batch=tokens, num_gpus=gpus, seed=0,
                            token_level=token_level)
         assert np.array_equal(load.counts, again["counts"]) and load.preset == preset
+        assert load.model is get_model(preset)
         assert (load.trace is not None) == token_level
         if load.trace is not None:
             assert np.array_equal(load.trace.topk_ids, again["topk_ids"])

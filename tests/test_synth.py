@@ -15,78 +15,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moebalance.core.errors import InputError
+from moebalance.models import MODELS, ModelSpec, get_model
 from moebalance.workloads.stats import coactivation_strength, layer_skew, locality, transition_strength
-from moebalance.workloads.synth import (
-    PRESETS,
-    ModelPreset,
-    RoutingProfile,
-    get_preset,
-    routing_profile,
-    synthesize,
-)
+from moebalance.workloads.synth import PROFILES, RoutingProfile, routing_profile, synthesize
 
-# ----- presets -----------------------------------------------------------------------------------------------
+# ----- models and profiles ---------------------------------------------------------------------------------
 
 
-def test_preset_spot_checks() -> None:
-    v3 = get_preset("deepseek-v3")
-    assert (v3.num_layers, v3.num_experts, v3.top_k) == (58, 256, 8)
-    assert (v3.hidden_size, v3.moe_intermediate_size, v3.num_shared_experts, v3.num_groups) == (7168, 2048, 1, 8)
-    r1 = get_preset("deepseek-r1")
-    assert dataclasses.replace(r1, name=v3.name, display_name=v3.display_name, source=v3.source) == v3
-    k2 = get_preset("kimi-k2")
-    assert (k2.num_layers, k2.num_experts, k2.top_k, k2.num_groups) == (60, 384, 8, 1)
-    glm = get_preset("glm-4.5")
-    assert (glm.num_layers, glm.num_experts, glm.hidden_size, glm.moe_intermediate_size) == (89, 160, 5120, 1536)
-    mix = get_preset("mixtral-8x7b")
-    assert (mix.num_layers, mix.num_experts, mix.top_k, mix.moe_intermediate_size) == (32, 8, 2, 14336)
-    lite = get_preset("deepseek-v2-lite")
-    assert (lite.num_layers, lite.num_experts, lite.top_k, lite.num_shared_experts) == (26, 64, 6, 2)
-    assert get_preset("qwen3-235b-a22b").num_layers == 94
-    assert get_preset("qwen3-30b-a3b").hidden_size == 2048
-    assert get_preset("olmoe-1b-7b").moe_intermediate_size == 1024
-
-
-def test_presets_are_consistent() -> None:
+def test_every_model_has_a_routing_profile() -> None:
     required = {"deepseek-v3", "deepseek-r1", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b", "glm-4.5",
                 "mixtral-8x7b", "olmoe-1b-7b", "deepseek-v2-lite"}
-    assert required <= set(PRESETS)
-    for name, preset in PRESETS.items():
-        assert preset.name == name
-        assert preset.source.startswith("https://huggingface.co/")
-        assert isinstance(routing_profile(preset), RoutingProfile)
+    assert required <= set(MODELS)
+    assert set(PROFILES) <= set(MODELS)
+    for spec in MODELS.values():
+        assert isinstance(routing_profile(spec), RoutingProfile)
 
 
-def test_unknown_preset_lists_valid_names() -> None:
-    with pytest.raises(InputError) as info:
-        get_preset("gpt-oss")
-    message = str(info.value)
-    assert "\n" not in message and "'gpt-oss'" in message
-    assert all(name in message for name in PRESETS)
-    with pytest.raises(InputError, match="valid presets"):
+def test_unknown_model_lists_known_names() -> None:
+    with pytest.raises(InputError, match="known models: deepseek-r1, deepseek-v2-lite"):
         synthesize("nope", num_batches=1, tokens_per_batch=8, num_gpus=1, seed=0)
-
-
-def _tiny(**changes: object) -> ModelPreset:
-    fields: dict[str, object] = dict(name="tiny", display_name="Tiny", num_layers=2, num_experts=8, top_k=2,
-                                     hidden_size=16, moe_intermediate_size=32, num_shared_experts=0, num_groups=1,
-                                     source="https://example.org/config.json")
-    fields.update(changes)
-    return ModelPreset(**fields)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(("changes", "needle"), [
-    ({"top_k": 9}, "top_k (9) must be at most num_experts (8)"),
-    ({"num_groups": 3}, "num_experts (8) must be divisible by num_groups (3)"),
-    ({"num_layers": 0}, "num_layers (0)"),
-    ({"num_shared_experts": -1}, "num_shared_experts"),
-    ({"name": ""}, "ModelPreset.name"),
-    ({"num_experts": 8.0}, "num_experts (8.0)"),
-])
-def test_model_preset_validation(changes: dict[str, object], needle: str) -> None:
-    with pytest.raises(InputError) as info:
-        _tiny(**changes)
-    assert needle in str(info.value)
 
 
 def test_routing_profile_validation() -> None:
@@ -96,6 +43,14 @@ def test_routing_profile_validation() -> None:
         RoutingProfile(pinned_hot=(0.99, 0.5))
     with pytest.raises(InputError, match="num_topics"):
         RoutingProfile(num_topics=0)
+
+
+def _tiny(**changes: object) -> ModelSpec:
+    fields: dict[str, object] = dict(name="tiny", display_name="Tiny", num_layers=2, num_dense_layers=0, num_experts=8,
+                                     top_k=2, hidden_size=16, moe_intermediate_size=32, num_shared_experts=0,
+                                     num_groups=1, source="https://example.org/config.json")
+    fields.update(changes)
+    return ModelSpec(**fields)  # type: ignore[arg-type]
 
 
 # ----- arguments -------------------------------------------------------------------------------------------
@@ -125,7 +80,7 @@ def test_huge_token_level_trace_is_refused() -> None:
 # ----- invariants ------------------------------------------------------------------------------------------
 
 
-def _check_counts(out: dict[str, np.ndarray], preset: ModelPreset, batches: int, tokens: int) -> None:
+def _check_counts(out: dict[str, np.ndarray], preset: ModelSpec, batches: int, tokens: int) -> None:
     counts = out["counts"]
     assert counts.dtype == np.int64
     assert counts.shape == (batches, preset.num_layers, preset.num_experts)
@@ -134,7 +89,7 @@ def _check_counts(out: dict[str, np.ndarray], preset: ModelPreset, batches: int,
     assert out["preset"].shape == () and out["preset"].dtype.kind == "U" and str(out["preset"]) == preset.name
 
 
-def _check_tokens(out: dict[str, np.ndarray], preset: ModelPreset, batches: int, tokens: int, gpus: int) -> None:
+def _check_tokens(out: dict[str, np.ndarray], preset: ModelSpec, batches: int, tokens: int, gpus: int) -> None:
     ids, src, batch = out["topk_ids"], out["src_gpu"], out["batch"]
     n = batches * tokens
     assert ids.shape == (n, preset.num_layers, preset.top_k)
@@ -154,7 +109,7 @@ def _check_tokens(out: dict[str, np.ndarray], preset: ModelPreset, batches: int,
 def test_count_level_invariants(name: str) -> None:
     out = synthesize(name, num_batches=5, tokens_per_batch=96, num_gpus=4, seed=3)
     assert set(out) == {"counts", "preset"}
-    _check_counts(out, get_preset(name), 5, 96)
+    _check_counts(out, get_model(name), 5, 96)
 
 
 @pytest.mark.parametrize(("name", "batches", "tokens", "gpus"), [
@@ -163,7 +118,7 @@ def test_count_level_invariants(name: str) -> None:
     ("deepseek-v2-lite", 1, 33, 5),
 ])
 def test_token_level_invariants(name: str, batches: int, tokens: int, gpus: int) -> None:
-    preset = get_preset(name)
+    preset = get_model(name)
     out = synthesize(name, num_batches=batches, tokens_per_batch=tokens, num_gpus=gpus, seed=1, token_level=True)
     _check_counts(out, preset, batches, tokens)
     _check_tokens(out, preset, batches, tokens, gpus)
@@ -296,7 +251,7 @@ def _greedy_placement(load: np.ndarray, num_gpus: int) -> np.ndarray:
 
 
 def _balancedness(counts: np.ndarray, gpu_of: np.ndarray, num_gpus: int) -> float:
-    """Mean over batches and layers of mean/max GPU load (DESIGN.md section 3)."""
+    """Mean over batches and layers of mean/max GPU load (docs/design.md, "Metrics")."""
     num_batches, num_layers, _ = counts.shape
     gpu_load = np.zeros((num_batches, num_layers, num_gpus))
     for layer in range(num_layers):
@@ -308,7 +263,7 @@ def _balancedness(counts: np.ndarray, gpu_of: np.ndarray, num_gpus: int) -> floa
 def test_drift_makes_stale_plans_worse() -> None:
     """A plan made on the first half of the batches loses balance on the second half; without drift it
     loses (almost) nothing, so the loss is the drift's doing, not sampling noise."""
-    preset, gpus = get_preset("deepseek-v2-lite"), 8
+    preset, gpus = get_model("deepseek-v2-lite"), 8
     gaps = {}
     for sigma in (0.3, 0.0):
         profile = dataclasses.replace(routing_profile(preset), drift_sigma=sigma)

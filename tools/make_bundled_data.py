@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moebalance.workloads.synth import get_preset, synthesize
+from moebalance.models import get_model
+from moebalance.workloads.synth import synthesize
 
 DATA = Path(__file__).resolve().parents[1] / "src" / "moebalance" / "workloads" / "data"
 
@@ -39,7 +40,7 @@ def _narrow(a: np.ndarray) -> np.ndarray:
 
 def make(name: str) -> Path:
     preset, batches, tokens, gpus, token_level = RECIPES[name]
-    arrays = synthesize(get_preset(preset), num_batches=batches, tokens_per_batch=tokens, num_gpus=gpus,
+    arrays = synthesize(get_model(preset), num_batches=batches, tokens_per_batch=tokens, num_gpus=gpus,
                         seed=0, token_level=token_level)
     path = DATA / (name.replace("-", "_") + ".npz")
     np.savez_compressed(path, **{k: _narrow(np.asarray(v)) for k, v in arrays.items()})

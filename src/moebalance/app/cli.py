@@ -20,15 +20,14 @@ from rich.table import Table
 
 from moebalance.app.report import (
     ComparisonRow,
-    atomic_write_text,
     comparison_markdown,
     comparison_table,
-    dumps,
     plot_per_layer,
     score_table,
 )
 from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.errors import InputError, MoebalanceError
+from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix, parse_batch_range, read_load, write_load
 from moebalance.core.plan import read_plan, write_plan
 from moebalance.policies import POLICIES, Budget, make_plan
@@ -132,21 +131,19 @@ def _add_links(p: argparse.ArgumentParser) -> None:
 
 
 def _bytes_per_copy(load: LoadMatrix, hidden_size: int | None, dtype_bytes: int) -> int | None:
-    if hidden_size is None and load.preset is not None:
-        from moebalance.workloads.synth import PRESETS
-
-        preset = PRESETS.get(load.preset)
-        hidden_size = None if preset is None else preset.hidden_size
+    if hidden_size is None and load.model is not None:
+        hidden_size = load.model.hidden_size
     return None if hidden_size is None else hidden_size * dtype_bytes
 
 
 # ----- commands ------------------------------------------------------------------------------------------------
 
 def cmd_synth(args: argparse.Namespace) -> None:
-    from moebalance.workloads.synth import get_preset, synthesize
+    from moebalance.models import get_model
+    from moebalance.workloads.synth import synthesize
 
     dest = _check_out(args.out, ".npz")
-    preset = get_preset(args.preset)
+    preset = get_model(args.preset)
     with _progress() as progress:
         task = progress.add_task(f"synth {preset.name}", total=args.batches)
         arrays = synthesize(preset, num_batches=args.batches, tokens_per_batch=args.tokens_per_batch,

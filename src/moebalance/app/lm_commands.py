@@ -12,8 +12,8 @@ from rich.table import Table
 from moebalance.app.console import check_out as _check_out
 from moebalance.app.console import err, out
 from moebalance.app.console import progress as _progress
-from moebalance.app.report import dumps
 from moebalance.core.errors import InputError
+from moebalance.core.io import dumps
 from moebalance.core.plan import read_plan
 
 __all__ = ["cmd_capture", "cmd_run"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import textwrap
 from collections.abc import Sequence
@@ -12,17 +11,11 @@ from typing import Any
 import numpy as np
 from rich.table import Table
 
-from moebalance.core.io import atomic_path
+from moebalance.core.io import save_png
 from moebalance.routing.simulate import Score
 
-__all__ = ["ComparisonRow", "atomic_write_text", "comparison_markdown", "comparison_table", "plot_per_layer",
+__all__ = ["ComparisonRow", "comparison_markdown", "comparison_table", "plot_per_layer",
            "score_table"]
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename, so no partial file is ever seen."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,23 +124,7 @@ def plot_per_layer(rows: Sequence[ComparisonRow], path: str | os.PathLike[str], 
     ax.grid(alpha=0.3)
     ax.set_title(textwrap.fill(title, 110), fontsize=9)
     ax.legend(fontsize=8, loc="lower left")
-    _save_png(fig, path)
-
-
-def _save_png(fig: Any, path: str | os.PathLike[str]) -> None:
-    """Save a matplotlib figure atomically and free it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, format="png")
-    finally:
-        plt.close(fig)
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, indent=2) + "\n"
+    save_png(fig, path)
 
 
 def sweep_markdown(points: Sequence[Any], title: str) -> str:
@@ -195,4 +172,4 @@ def plot_sweep(points: Sequence[Any], path: str | os.PathLike[str], title: str, 
     ax.grid(alpha=0.3)
     ax.set_title(textwrap.fill(title, 100), fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
-    _save_png(fig, path)
+    save_png(fig, path)

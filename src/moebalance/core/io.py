@@ -6,6 +6,7 @@ permissions ``0o666 & ~umask`` (``mkstemp`` would leave it private to the owner)
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_path", "write_npz"]
+__all__ = ["atomic_path", "atomic_write_text", "dumps", "save_png", "write_npz"]
 
 
 def _umask() -> int:
@@ -50,3 +51,26 @@ def write_npz(path: str | os.PathLike[str], arrays: dict[str, Any]) -> None:
         raise InputError(f"output {str(p)!r} must end in .npz")
     with atomic_path(p) as tmp, open(tmp, "wb") as fh:
         np.savez_compressed(fh, **arrays)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename, so no partial file is ever seen."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def dumps(obj: Any) -> str:
+    """``obj`` as indented JSON with a final newline (the format of every JSON report we write)."""
+    return json.dumps(obj, indent=2) + "\n"
+
+
+def save_png(fig: Any, path: str | os.PathLike[str]) -> None:
+    """Save a matplotlib figure as PNG atomically and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)

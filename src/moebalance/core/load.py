@@ -2,7 +2,7 @@
 
 A load matrix counts the tokens routed to expert ``e`` of layer ``l`` in batch ``b`` (a token picked by top-k
 counts once per picked expert), as CRAFT's offline load distribution ``W`` (CRAFT Appendix A, Alg. 1).
-Files (DESIGN §2): ``.npy`` holding ``[L, E]`` or ``[B, L, E]``, or ``.npz`` with key ``counts`` and, for a
+Files (``docs/design.md``, "Data formats"): ``.npy`` holding ``[L, E]`` or ``[B, L, E]``, or ``.npz`` with key ``counts`` and, for a
 token-level trace, ``topk_ids``, ``src_gpu`` and ``batch``. Nothing is ever unpickled.
 """
 
@@ -13,12 +13,16 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from moebalance.core.errors import InputError
 from moebalance.core.io import write_npz
 from moebalance.core.trace import RoutingTrace
+
+if TYPE_CHECKING:
+    from moebalance.models import ModelSpec
 
 __all__ = ["BUNDLED_PREFIX", "LoadMatrix", "bundled_names", "check_counts", "parse_batch_range", "read_bundled",
            "read_load", "write_load"]
@@ -67,7 +71,8 @@ class LoadMatrix:
     counts: np.ndarray
     #: The token-level trace whose counts these are, if known.
     trace: RoutingTrace | None = None
-    #: Name of the model preset the data was generated for, if any.
+    #: Name of the model the data was generated for or captured from, if any (a key of
+    #: :data:`moebalance.models.MODELS` for synthetic traces); stored in ``.npz`` files as ``preset``.
     preset: str | None = None
 
     def __post_init__(self) -> None:
@@ -87,6 +92,18 @@ class LoadMatrix:
                     f"counts{list(bad)} is {counts[bad]} but topk_ids routes {implied[bad]} tokens there; "
                     "counts must equal what topk_ids implies (drop counts to recompute it)"
                 )
+
+    @property
+    def model(self) -> ModelSpec | None:
+        """The :class:`~moebalance.models.ModelSpec` named by ``preset``; ``None`` if unnamed or unknown.
+
+        Example: ``read_bundled("mixtral-8x7b-tokens").model.top_k == 2``.
+        """
+        if self.preset is None:
+            return None
+        from moebalance.models import MODELS  # at call time: ``core`` imports nothing else when loaded
+
+        return MODELS.get(self.preset)
 
     @property
     def num_batches(self) -> int:
@@ -131,7 +148,7 @@ class LoadMatrix:
         return self.select_batches(0, cut), self.select_batches(cut, self.num_batches)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """The ``.npz`` contents of this load (DESIGN §2)."""
+        """The ``.npz`` contents of this load (``docs/design.md``, "Data formats")."""
         out: dict[str, np.ndarray] = {"counts": self.counts}
         if self.trace is not None:
             out["topk_ids"] = self.trace.topk_ids

@@ -227,7 +227,7 @@ def plot_loss(record: dict[str, Any], path: str | os.PathLike[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moebalance.app.report import _save_png
+    from moebalance.core.io import save_png
 
     curve = record["loss_curve"]
     fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)
@@ -250,7 +250,7 @@ def plot_loss(record: dict[str, Any], path: str | os.PathLike[str]) -> None:
     ax.set_title(f"moebalance MoE LM: {m['num_layers']} layers, d={m['d_model']}, {m['num_experts']} experts, "
                  f"top-{m['top_k']}, aux loss coef {record['train']['aux_loss_coef']}", fontsize=9)
     ax.legend(fontsize=8)
-    _save_png(fig, path)
+    save_png(fig, path)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from moebalance.app.report import atomic_write_text, dumps
+    from moebalance.core.io import atomic_write_text, dumps
 
     err = Console(stderr=True, highlight=False)
     threads_before = torch.get_num_threads()

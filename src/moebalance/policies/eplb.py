@@ -67,12 +67,7 @@ class EplbDiagnostics(Diagnostics):
 
 
 def _model_groups(load: LoadMatrix) -> int:
-    if load.preset is None:
-        return 1
-    from moebalance.workloads.synth import PRESETS
-
-    preset = PRESETS.get(load.preset)
-    return 1 if preset is None else preset.num_groups
+    return 1 if load.model is None else load.model.num_groups
 
 
 def eplb(load: LoadMatrix, cluster: Cluster, capacity: Capacity, config: EplbConfig) -> Planned:

@@ -4,9 +4,10 @@ Legend: ``B`` batches, ``L`` MoE layers, ``E`` routed experts per layer, ``K`` e
 (top-k), ``T`` tokens per batch, ``N = B * T`` tokens in all, ``G`` GPUs (data-parallel ranks),
 ``C`` latent topics, ``S`` latent route states.
 
-:func:`synthesize` returns the arrays of a trace ``.npz`` file (DESIGN.md section 2): always
+:func:`synthesize` returns the arrays of a trace ``.npz`` file (``docs/design.md``, "Data formats"): always
 ``counts int64 [B, L, E]`` and ``preset`` (0-d unicode array); with ``token_level=True`` also
-``topk_ids [N, L, K]``, ``src_gpu int32 [N]`` and ``batch int32 [N]``.
+``topk_ids [N, L, K]``, ``src_gpu int32 [N]`` and ``batch int32 [N]``. The models' shapes (``L``, ``E``,
+``K``, ...) are published facts in :mod:`moebalance.models`; this module holds only the routing calibration.
 
 The generative routing model
 ----------------------------
@@ -57,23 +58,15 @@ experts (they see every token and need no placement).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from moebalance.core.errors import InputError
+from moebalance.models import MODELS, ModelSpec, get_model
 
-__all__ = [
-    "PRESETS",
-    "PROFILES",
-    "ModelPreset",
-    "RoutingProfile",
-    "get_preset",
-    "routing_profile",
-    "synthesize",
-]
+__all__ = ["PROFILES", "RoutingProfile", "routing_profile", "synthesize"]
 
 # Largest share of a batch's tokens one expert may be expected to receive; keeps logits finite.
 _PI_MAX = 0.95
@@ -83,52 +76,6 @@ _DRIFT_KNOT = 8
 _CHUNK_BATCHES = 64
 # Token-level traces above this many expert picks (N * L * K) are refused: topk_ids alone would take GBs.
 _MAX_TOKEN_LEVEL_PICKS = 1 << 30
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class ModelPreset:
-    """The routing shape of one MoE model, from its ``config.json``.
-
-    Example: ``PRESETS["mixtral-8x7b"]`` has ``num_layers=32, num_experts=8, top_k=2``.
-    """
-
-    #: Registry key, e.g. ``"deepseek-v3"``; stored in traces as ``preset``.
-    name: str
-    #: Human name, e.g. ``"DeepSeek-V3"``.
-    display_name: str
-    #: ``L``: MoE layers only (dense layers such as DeepSeek's ``first_k_dense_replace`` ones excluded).
-    num_layers: int
-    #: ``E``: routed experts per MoE layer (shared experts excluded).
-    num_experts: int
-    #: ``K``: routed experts each token picks per layer.
-    top_k: int
-    #: Model (token) dimension: bytes per dispatched token are ``hidden_size * dtype_bytes``.
-    hidden_size: int
-    #: FFN intermediate size of one routed expert.
-    moe_intermediate_size: int
-    #: Shared experts per MoE layer (every token uses them; they need no placement).
-    num_shared_experts: int
-    #: Expert groups of group-limited routing (DeepSeek-V3 ``n_group``); 1 where the model has none.
-    num_groups: int
-    #: Where the numbers come from (model card / ``config.json`` URL).
-    source: str
-
-    def __post_init__(self) -> None:
-        for field in ("name", "display_name", "source"):
-            value = getattr(self, field)
-            if not isinstance(value, str) or not value:
-                raise InputError(f"ModelPreset.{field} ({value!r}) must be a non-empty string")
-        for field in ("num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size", "num_groups"):
-            value = getattr(self, field)
-            if not _is_int(value) or value < 1:
-                raise InputError(f"ModelPreset.{field} ({value!r}) must be a positive integer")
-        if not _is_int(self.num_shared_experts) or self.num_shared_experts < 0:
-            raise InputError(f"ModelPreset.num_shared_experts ({self.num_shared_experts!r}) must be an integer >= 0")
-        if self.top_k > self.num_experts:
-            raise InputError(f"ModelPreset.top_k ({self.top_k}) must be at most num_experts ({self.num_experts})")
-        if self.num_experts % self.num_groups:
-            raise InputError(f"ModelPreset.num_experts ({self.num_experts}) must be divisible by "
-                             f"num_groups ({self.num_groups})")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -208,113 +155,6 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-_HF = "https://huggingface.co"
-
-# Each number below is the named field of the model's config.json (Hugging Face), read as of 2025.
-PRESETS: dict[str, ModelPreset] = {
-    "deepseek-v3": ModelPreset(
-        name="deepseek-v3",
-        display_name="DeepSeek-V3",
-        num_layers=58,  # num_hidden_layers 61 - first_k_dense_replace 3 (moe_layer_freq 1); MTP layer excluded
-        num_experts=256,  # n_routed_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=7168,  # hidden_size
-        moe_intermediate_size=2048,  # moe_intermediate_size
-        num_shared_experts=1,  # n_shared_experts
-        num_groups=8,  # n_group (topk_group 4)
-        source=f"{_HF}/deepseek-ai/DeepSeek-V3/blob/main/config.json",
-    ),
-    "kimi-k2": ModelPreset(
-        name="kimi-k2",
-        display_name="Kimi-K2",
-        num_layers=60,  # num_hidden_layers 61 - first_k_dense_replace 1
-        num_experts=384,  # n_routed_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=7168,  # hidden_size
-        moe_intermediate_size=2048,  # moe_intermediate_size
-        num_shared_experts=1,  # n_shared_experts
-        num_groups=1,  # n_group
-        source=f"{_HF}/moonshotai/Kimi-K2-Instruct/blob/main/config.json",
-    ),
-    "qwen3-235b-a22b": ModelPreset(
-        name="qwen3-235b-a22b",
-        display_name="Qwen3-235B-A22B",
-        num_layers=94,  # num_hidden_layers 94, decoder_sparse_step 1, mlp_only_layers []
-        num_experts=128,  # num_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=4096,  # hidden_size
-        moe_intermediate_size=1536,  # moe_intermediate_size
-        num_shared_experts=0,  # Qwen3-MoE has no shared expert
-        num_groups=1,  # no group-limited routing
-        source=f"{_HF}/Qwen/Qwen3-235B-A22B/blob/main/config.json",
-    ),
-    "qwen3-30b-a3b": ModelPreset(
-        name="qwen3-30b-a3b",
-        display_name="Qwen3-30B-A3B",
-        num_layers=48,  # num_hidden_layers 48, decoder_sparse_step 1, mlp_only_layers []
-        num_experts=128,  # num_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=2048,  # hidden_size
-        moe_intermediate_size=768,  # moe_intermediate_size
-        num_shared_experts=0,  # Qwen3-MoE has no shared expert
-        num_groups=1,  # no group-limited routing
-        source=f"{_HF}/Qwen/Qwen3-30B-A3B/blob/main/config.json",
-    ),
-    "glm-4.5": ModelPreset(
-        name="glm-4.5",
-        display_name="GLM-4.5",
-        num_layers=89,  # num_hidden_layers 92 - first_k_dense_replace 3; MTP layer (num_nextn_predict_layers) excluded
-        num_experts=160,  # n_routed_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=5120,  # hidden_size
-        moe_intermediate_size=1536,  # moe_intermediate_size
-        num_shared_experts=1,  # n_shared_experts
-        num_groups=1,  # n_group
-        source=f"{_HF}/zai-org/GLM-4.5/blob/main/config.json",
-    ),
-    "mixtral-8x7b": ModelPreset(
-        name="mixtral-8x7b",
-        display_name="Mixtral-8x7B",
-        num_layers=32,  # num_hidden_layers (every layer is MoE)
-        num_experts=8,  # num_local_experts
-        top_k=2,  # num_experts_per_tok
-        hidden_size=4096,  # hidden_size
-        moe_intermediate_size=14336,  # intermediate_size (each expert is a full FFN)
-        num_shared_experts=0,
-        num_groups=1,
-        source=f"{_HF}/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json",
-    ),
-    "olmoe-1b-7b": ModelPreset(
-        name="olmoe-1b-7b",
-        display_name="OLMoE-1B-7B",
-        num_layers=16,  # num_hidden_layers (every layer is MoE)
-        num_experts=64,  # num_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=2048,  # hidden_size
-        moe_intermediate_size=1024,  # intermediate_size (per expert)
-        num_shared_experts=0,
-        num_groups=1,
-        source=f"{_HF}/allenai/OLMoE-1B-7B-0924/blob/main/config.json",
-    ),
-    "deepseek-v2-lite": ModelPreset(
-        name="deepseek-v2-lite",
-        display_name="DeepSeek-V2-Lite",
-        num_layers=26,  # num_hidden_layers 27 - first_k_dense_replace 1
-        num_experts=64,  # n_routed_experts
-        top_k=6,  # num_experts_per_tok
-        hidden_size=2048,  # hidden_size
-        moe_intermediate_size=1408,  # moe_intermediate_size
-        num_shared_experts=2,  # n_shared_experts
-        num_groups=1,  # n_group (topk_method "greedy")
-        source=f"{_HF}/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json",
-    ),
-}
-# DeepSeek-R1 is DeepSeek-V3's architecture (same config.json fields), post-trained differently.
-PRESETS["deepseek-r1"] = dataclasses.replace(
-    PRESETS["deepseek-v3"], name="deepseek-r1", display_name="DeepSeek-R1",
-    source=f"{_HF}/deepseek-ai/DeepSeek-R1/blob/main/config.json",
-)
-
 # Routing profiles are our modelling choices, not published per-model numbers (docs/synth.md says which
 # published number each knob reproduces). Models trained with strong load balancing get fewer skewed layers.
 PROFILES: dict[str, RoutingProfile] = {
@@ -334,17 +174,11 @@ PROFILES: dict[str, RoutingProfile] = {
 }
 
 
-def get_preset(name: str) -> ModelPreset:
-    """The preset called ``name`` (a key of :data:`PRESETS`); an unknown name raises :class:`InputError`."""
-    preset = PRESETS.get(name)
-    if preset is None:
-        raise InputError(f"unknown model preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
-    return preset
 
 
-def routing_profile(preset: ModelPreset) -> RoutingProfile:
-    """The routing profile of ``preset``: its entry in :data:`PROFILES`, else the defaults."""
-    return PROFILES.get(preset.name, RoutingProfile())
+def routing_profile(model: ModelSpec) -> RoutingProfile:
+    """The routing profile of ``model``: its entry in :data:`PROFILES`, else the defaults."""
+    return PROFILES.get(model.name, RoutingProfile())
 
 
 # ----- the structure drawn from the seed -------------------------------------------------------------------
@@ -406,7 +240,7 @@ def _water_fill(weights: np.ndarray, mass: np.ndarray, cap: float) -> np.ndarray
     return out
 
 
-def _layer_targets(rng: np.random.Generator, preset: ModelPreset, profile: RoutingProfile) -> np.ndarray:
+def _layer_targets(rng: np.random.Generator, preset: ModelSpec, profile: RoutingProfile) -> np.ndarray:
     """Population-average inclusion probability of every expert, ``float64 [L, E]``, rows summing to ``K``."""
     L, E, K = preset.num_layers, preset.num_experts, preset.top_k
     if K / E > 0.75 * _PI_MAX:  # nearly dense routing leaves no room for skew
@@ -459,7 +293,7 @@ def _clusters(rng: np.random.Generator, num_layers: int, num_clusters: int, size
     return mask
 
 
-def _structure(preset: ModelPreset, profile: RoutingProfile, rng: np.random.Generator) -> _Structure:
+def _structure(preset: ModelSpec, profile: RoutingProfile, rng: np.random.Generator) -> _Structure:
     L, E, K = preset.num_layers, preset.num_experts, preset.top_k
     C, S = profile.num_topics, profile.num_route_states
     targets = _layer_targets(rng, preset, profile)
@@ -602,7 +436,7 @@ def _check_args(num_batches: object, tokens_per_batch: object, num_gpus: object,
 
 
 def synthesize(
-    preset: str | ModelPreset,
+    preset: str | ModelSpec,
     *,
     num_batches: int,
     tokens_per_batch: int,
@@ -615,7 +449,7 @@ def synthesize(
     """Generate a synthetic routing trace for ``preset``; the arrays of a trace ``.npz`` file.
 
     Args:
-        preset: a name in :data:`PRESETS` or a :class:`ModelPreset`.
+        preset: a name in :data:`moebalance.models.MODELS` or a :class:`~moebalance.models.ModelSpec`.
         num_batches: ``B``.
         tokens_per_batch: ``T``, tokens of one batch over all ``num_gpus`` data-parallel ranks.
         num_gpus: ``G``, data-parallel ranks; token ``i`` of a batch lives on rank ``i * G // T``.
@@ -635,10 +469,10 @@ def synthesize(
     Example: ``synthesize("mixtral-8x7b", num_batches=4, tokens_per_batch=256, num_gpus=8, seed=0)["counts"]``
     has shape ``(4, 32, 8)`` and every ``[b, l]`` row sums to 512.
     """
-    model = get_preset(preset) if isinstance(preset, str) else preset
-    if not isinstance(model, ModelPreset):
-        raise InputError(f"preset ({preset!r}) must be a preset name or a ModelPreset; "
-                         f"valid names: {', '.join(sorted(PRESETS))}")
+    model = get_model(preset) if isinstance(preset, str) else preset
+    if not isinstance(model, ModelSpec):
+        raise InputError(f"preset ({preset!r}) must be a model name or a ModelSpec; "
+                         f"known models: {', '.join(sorted(MODELS))}")
     _check_args(num_batches, tokens_per_batch, num_gpus, seed)
     prof = routing_profile(model) if profile is None else profile
     if token_level:
@@ -657,7 +491,7 @@ def synthesize(
     return out
 
 
-def _count_level(model: ModelPreset, prof: RoutingProfile, structure: _Structure, knots: np.ndarray,
+def _count_level(model: ModelSpec, prof: RoutingProfile, structure: _Structure, knots: np.ndarray,
                  mixtures: np.ndarray, num_batches: int, tokens: int, num_gpus: int, rng: np.random.Generator,
                  progress: Callable[[int], None] | None) -> dict[str, np.ndarray]:
     L, E, K = model.num_layers, model.num_experts, model.top_k
@@ -686,7 +520,7 @@ def _count_level(model: ModelPreset, prof: RoutingProfile, structure: _Structure
     return {"counts": counts}
 
 
-def _token_level(model: ModelPreset, prof: RoutingProfile, structure: _Structure, knots: np.ndarray,
+def _token_level(model: ModelSpec, prof: RoutingProfile, structure: _Structure, knots: np.ndarray,
                  mixtures: np.ndarray, num_batches: int, tokens: int, num_gpus: int, rng: np.random.Generator,
                  progress: Callable[[int], None] | None) -> dict[str, np.ndarray]:
     L, E, K = model.num_layers, model.num_experts, model.top_k
