@@ -1,6 +1,6 @@
 """The ``moebalance`` command line: happy paths, and every kind of bad input.
 
-User errors (DESIGN §2 and the ``cli`` docstring): exit code 2, exactly one stderr line starting with
+User errors (docs/design.md, "Data formats" and the ``cli`` docstring): exit code 2, exactly one stderr line starting with
 ``moebalance: error:`` that names the bad value, no traceback, and no output (or temporary) file left behind.
 
 Most tests call :func:`moebalance.app.cli.main` in-process; one runs the installed console script.
@@ -405,6 +405,10 @@ BAD_PLANS: list[Any] = [
     pytest.param(_edit_plan(lambda d: d.pop("placement")), ("lacks the key 'placement'",), id="no-placement"),
     pytest.param(_edit_plan(lambda d: d.update(cluster={"num_nodes": 0, "gpus_per_node": 2})), ("num_nodes (0)",),
                  id="cluster-zero-nodes"),
+    # a "cluster" with a key the format does not have (here the GPU total) is refused, not ignored
+    pytest.param(_edit_plan(lambda d: d["cluster"].update(num_gpus=4)),
+                 ("bad.json", "'cluster' has unknown keys ['num_gpus']", "only num_nodes and gpus_per_node"),
+                 id="cluster-unknown-key"),
     pytest.param(_edit_plan(lambda d: d.update(num_experts="16")), ("num_experts ('16')",), id="num-experts-string"),
     pytest.param(_raw_plan("placement: [[0, 1]]\n"), ("bad.json", "not valid JSON"), id="not-json"),
     pytest.param(_truncated_plan, ("bad.json", "not valid JSON"), id="truncated-json"),
@@ -427,7 +431,7 @@ def test_bad_plan_file(build: Callable[[Path], Path], fragments: tuple[str, ...]
 
 def test_duplicated_expert_on_one_gpu_is_a_warning(tmp_path: Path, inp: Path, trace_file: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    # DESIGN §2: a second copy of an expert on the same GPU is a warning, not an error (reference EPLB makes them).
+    # docs/design.md, "Data formats": a second copy of an expert on the same GPU is a warning, not an error (reference EPLB makes them).
     doc = contiguous_doc()
     doc["placement"][1][2].append(doc["placement"][1][2][0])  # GPU 2 hosts expert 8 twice in layer 1
     plan = write_json(inp / "dup.json", doc)
@@ -775,7 +779,7 @@ def test_plan_policies_and_budgets(policy: str, budget: list[str], trace_file: P
     rc, out, err = run_cli(["plan", "--load", trace_file, "--policy", policy, *CLUSTER, *budget, "--out", dest],
                            capsys)
     assert rc == 0, err
-    # Reference EPLB may put two copies of an expert on one GPU: a warning line, nothing else (DESIGN §2).
+    # Reference EPLB may put two copies of an expert on one GPU: a warning line, nothing else (docs/design.md, "Data formats").
     assert all(line.startswith("warning:") for line in err.splitlines()), err
     assert "wrote" in out and "balancedness" in out
     assert tree(outdir) == ["plan.json"], "temporary files left behind"

@@ -124,6 +124,8 @@ def test_plan_file_round_trip(tmp_path) -> None:
         (lambda d: d.update(num_layers=3), "placement has 2 layers but num_layers is 3"),
         (lambda d: d.update(cluster={"num_nodes": 1, "gpus_per_node": 3}), "cluster has 3 GPUs"),
         (lambda d: d.update(num_experts=0), "num_experts"),
+        (lambda d: d["cluster"].update(num_gpus=2), r"^plan: 'cluster' has unknown keys \['num_gpus'\]; it holds only "
+                                                    r"num_nodes and gpus_per_node$"),
         (lambda d: d.update(weights=[[[1.0], [1.0]]]), "weights has 1 layers"),
     ],
 )

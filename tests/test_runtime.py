@@ -1,4 +1,4 @@
-"""The expert-parallel runtime on real gloo process groups (DESIGN §7): EP output == dense reference for every
+"""The expert-parallel runtime on real gloo process groups (docs/design.md, "Runtime"): EP output == dense reference for every
 registered policy and router, per-rank work == the simulator's, local-first == plain, weight moves on plan
 changes. One 4-rank launch (per test process) runs every case, the 2-rank ones in a subgroup of ranks 0 and 1;
 the checks run here, in the test process, against references computed here.
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from moebalance.core.cluster import Cluster
-from moebalance.core.errors import MoebalanceError, PlanError
+from moebalance.core.errors import InputError, MoebalanceError, PlanError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, make_plan
-from moebalance.routing import ROUTERS
+from moebalance.routing import ROUTERS, Router
 from moebalance.routing.simulate import gpu_loads, traffic
 from moebalance.runtime import (
     DISPATCHERS,
@@ -33,9 +33,11 @@ from moebalance.runtime import (
     dense_moe,
     exchange_counts,
     launch,
+    make_dispatcher,
     plan_transfers,
     random_experts,
     rearrange,
+    route_picks,
     slot_table,
 )
 
@@ -81,6 +83,7 @@ def _planning_load(num_gpus: int) -> LoadMatrix:
 
 
 def _budget(policy: str, num_gpus: int) -> Budget:
+    """A budget every registered policy accepts on every cluster under test (a refusal fails the tests)."""
     base = math.ceil(E / num_gpus)
     if policy == "craft":
         return Budget(replicas_per_gpu=2)
@@ -100,7 +103,12 @@ def _extra_plan(name: str, cluster: Cluster) -> Placement:
 
 @functools.cache
 def _plans(nodes: int, gpn: int) -> dict[str, Placement | str]:
-    """Plans by policy name for one cluster; a string says why a policy could not plan here."""
+    """Plans by policy name for one cluster; a string says why a policy could not plan here.
+
+    Only a documented but unregistered policy, or one whose optional dependency is not installed, becomes a
+    skip. A registered policy refusing its budget (a :class:`MoebalanceError`) is not caught: ``_budget``
+    picks budgets the policies accept, so a refusal is a bug and fails every test that uses this cluster.
+    """
     cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn)
     load = _planning_load(cluster.num_gpus)
     out: dict[str, Placement | str] = {}
@@ -110,8 +118,8 @@ def _plans(nodes: int, gpn: int) -> dict[str, Placement | str]:
             continue
         try:
             out[name] = make_plan(name, load, cluster, _budget(name, cluster.num_gpus))[0]
-        except (MoebalanceError, ImportError) as exc:
-            out[name] = f"policy {name!r} cannot plan {nodes}x{gpn} with {_budget(name, cluster.num_gpus)}: {exc}"
+        except ImportError as exc:
+            out[name] = f"policy {name!r} needs an optional dependency that is not installed: {exc}"
     for name in EXTRA_PLANS:
         out[name] = _extra_plan(name, cluster)
     return out
@@ -255,6 +263,14 @@ def test_plans_under_test_have_replicas(nodes: int, gpn: int) -> None:
     replicated = [n for n, p in plans.items() if isinstance(p, Placement) and p.extra_replicas > 0]
     assert {"eplb", "craft"} & set(POLICIES) <= set(replicated), replicated
     assert plans["all-on-gpu0"].warnings  # type: ignore[union-attr]  # two copies of expert 3 on GPU 0
+
+
+@pytest.mark.parametrize(("nodes", "gpn"), [c for cls in CLUSTERS.values() for c in cls])
+def test_every_registered_policy_plans_every_cluster(nodes: int, gpn: int) -> None:
+    plans = _plans(nodes, gpn)
+    refused = {n: p for n, p in plans.items()
+               if n in POLICIES and isinstance(p, str) and "optional dependency" not in p}
+    assert not refused, refused
 
 
 MAIN_IDS = [(ws, (n, g, p, r)) for ws, cls in CLUSTERS.items() for n, g in cls
@@ -415,6 +431,71 @@ def test_build_dispatch_hand_example() -> None:
     # token 1's two picks on GPU 1 arrive as one row (row 1) and come back as one
     assert m1.remote.pick_row.tolist() == [0, 1, 1] and m1.remote.pick_slot.tolist() == [1, 2, 0]
     assert np.allclose(m1.remote.pick_weight.numpy(), [0.4, 0.7, 0.3])
+
+
+def test_build_dispatch_refuses_bad_routes() -> None:
+    ids = np.array([[0, 1], [2, 0], [1, 2]])
+    w = np.full((3, 2), 0.5)
+    slot = np.arange(3)
+    cases = [
+        (np.array([[0, 2], [1, 1], [0, 1]]), [2, 1], 0, slot,
+         r"^pick 1 of token 0 is routed to GPU 2; valid GPUs are 0\.\.1 \(-1 for a dropped pick\)$"),
+        (np.array([[0, 1], [-2, 1], [0, 1]]), [2, 1], 0, slot, r"pick 0 of token 1 is routed to GPU -2"),
+        (np.array([[0, 1], [1, 1], [0, 1]]), [2, 2], 0, slot, r"tokens_per_rank \[2, 2\] sums to 4, but the routing has 3"),
+        (np.array([[0, 1], [1, 1], [0, 1]]), [2, 1], 2, slot, r"rank 2 is not one of the 2 ranks 0\.\.1"),
+        # rank 0 holds experts 0 and 1 only, but token 1's pick 0 (expert 2) is sent to it
+        (np.array([[0, 1], [0, 1], [0, 1]]), [2, 1], 0, np.array([0, 1, -1]),
+         r"^pick 0 of token 1 \(expert 2\) is routed to rank 0, which holds no copy of it$"),
+    ]
+    for dest, tokens, rank, slot_of, message in cases:
+        with pytest.raises(InputError, match=message) as info:
+            build_dispatch(dest, ids, w, tokens, rank, slot_of)
+        assert "\n" not in str(info.value)
+
+
+def _fixed_router(name: str, answer: Any) -> Router:
+    """A plug-in router that answers ``answer(trace)`` whatever the plan."""
+    def assign(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
+        return answer(trace)
+
+    def split(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        raise AssertionError("not used")
+
+    return Router(name=name, split_counts=split, assign_tokens=assign)
+
+
+def test_custom_router_output_is_checked() -> None:
+    # 2 GPUs: GPU 0 holds experts 0 and 1, GPU 1 holds experts 2 and 3
+    plan = Placement([[[0, 1], [2, 3]]], 4, Cluster(num_nodes=1, gpus_per_node=2))
+    ids = np.array([[0, 2], [1, 3], [3, 0]])
+    kept = np.ones_like(ids, dtype=bool)
+    rng = np.random.default_rng(0)
+    good = _fixed_router("good", lambda tr: tr.topk_ids // 2)
+    assert route_picks(plan, good, ids, kept, [2, 1], rng).tolist() == [[0, 1], [0, 1], [1, 0]]
+    bad = [
+        (_fixed_router("far", lambda tr: np.full(tr.topk_ids.shape, 5)),
+         r"^router 'far' sent pick 0 of token 0 to GPU 5; valid GPUs are 0\.\.1$"),
+        (_fixed_router("negative", lambda tr: tr.topk_ids // 2 - 2 * (tr.topk_ids == 3)),
+         r"^router 'negative' sent pick 1 of token 1 to GPU -1;"),
+        (_fixed_router("no-copy", lambda tr: np.zeros(tr.topk_ids.shape, dtype=np.int64)),
+         r"^router 'no-copy' sent pick 1 of token 0 \(expert 2\) to GPU 0, which holds no copy of it; "
+         r"expert 2 is on GPUs \[1\]$"),
+        (_fixed_router("flat", lambda tr: (tr.topk_ids // 2)[:, 0, :]),
+         r"^router 'flat' returned GPUs of shape \(3, 2\); expected \[T, 1, K\] for one layer$"),
+        (_fixed_router("floats", lambda tr: (tr.topk_ids // 2).astype(np.float64)),
+         r"^router 'floats' returned GPUs of dtype float64; it must return integer GPU ids$"),
+    ]
+    for router, message in bad:
+        with pytest.raises(InputError, match=message) as info:
+            route_picks(plan, router, ids, kept, [2, 1], rng)
+        assert "\n" not in str(info.value)
+
+
+def test_local_dispatcher_refuses_to_send() -> None:
+    dest = np.array([[0, 1], [1, 1], [0, 1]])
+    meta = build_dispatch(dest, np.array([[0, 1], [2, 0], [1, 2]]), np.full((3, 2), 0.5), [2, 1], 0, np.arange(3))
+    with pytest.raises(PlanError, match=r"local dispatcher has one rank.* sends 2 rows and receives 1"):
+        make_dispatcher("local").dispatch(torch.zeros(2, H), meta)
 
 
 def test_slot_table_uses_the_first_copy() -> None:

@@ -12,7 +12,7 @@ Protocol (one forward of one layer), after every rank has gated its own tokens:
 2. **Route.** Every rank runs the plan's router on the whole batch with the same seeded generator
    (:func:`moebalance.runtime.ep.route_picks`), so all agree on the GPU of every pick without another
    message, and the result is exactly what the simulator computes for those tokens.
-3. **Plan the exchange** (:func:`build_dispatch`, pure numpy). As in DESIGN §3 and DeepEP, a token goes
+3. **Plan the exchange** (:func:`build_dispatch`, pure numpy). As in docs/design.md, "Metrics" and DeepEP, a token goes
    once to each distinct GPU serving any of its picks; rows to one destination are in token order.
    Because every rank knows every pick's GPU, receive counts and the picks behind each received row are
    computed locally: the only payload on the wire is hidden states, and no count exchange is needed.
@@ -31,7 +31,7 @@ A plan may hold two copies of one expert on one GPU (DeepSeek EPLB does): the ro
 first copy on that GPU serves all of that GPU's picks of the expert and the second stays idle, exactly as
 the simulator counts per GPU.
 
-Dispatchers are chosen by name (STYLE 11): ``all_to_all`` (the exchange over a process group, natively or
+Dispatchers are chosen by name: ``all_to_all`` (the exchange over a process group, natively or
 from point-to-point ops, see :mod:`moebalance.runtime.comm`) and ``local`` (no communication: one rank
 that holds every expert, a no-op base).
 """
@@ -46,11 +46,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moebalance.core.errors import InputError
+from moebalance.core.errors import InputError, PlanError
 from moebalance.runtime.comm import A2AImpl, Pending, all_gather_v, all_to_all_v, over_budget, resolve_impl
 
 __all__ = ["DISPATCHERS", "AllToAllDispatcher", "DispatchMeta", "Dispatcher", "ExpertWork", "LocalDispatcher",
-           "build_dispatch", "make_dispatcher"]
+           "build_dispatch", "check_routes", "make_dispatcher"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,18 +104,58 @@ class DispatchMeta:
         return int(self.remote.pick_row.numel())
 
 
+def check_routes(dest_TK: np.ndarray, ids_TK: np.ndarray, copies_EG: np.ndarray, router: str) -> None:
+    """Refuse a router's answer unless every pick goes to a GPU ``0..G-1`` that holds a copy of its expert.
+
+    ``dest_TK`` is what router ``router`` returned for the picks ``ids_TK`` of a one-layer plan whose
+    ``copies_EG [E, G]`` counts each expert's copies per GPU. Every rank checks the same data, so all ranks
+    refuse together and none is left waiting in a collective.
+    """
+    dest = np.asarray(dest_TK)
+    G = copies_EG.shape[1]
+    if dest.shape != ids_TK.shape:
+        raise InputError(f"router {router!r} returned GPUs of shape {dest.shape} for picks of shape {ids_TK.shape}; "
+                         f"it must return one GPU per pick")
+    if not np.issubdtype(dest.dtype, np.integer):
+        raise InputError(f"router {router!r} returned GPUs of dtype {dest.dtype}; it must return integer GPU ids")
+    outside = (dest < 0) | (dest >= G)
+    if outside.any():
+        t, k = (int(i) for i in np.argwhere(outside)[0])
+        raise InputError(f"router {router!r} sent pick {k} of token {t} to GPU {int(dest[t, k])}; "
+                         f"valid GPUs are 0..{G - 1}")
+    no_copy = copies_EG[ids_TK, dest] == 0
+    if no_copy.any():
+        t, k = (int(i) for i in np.argwhere(no_copy)[0])
+        e, g = int(ids_TK[t, k]), int(dest[t, k])
+        hosts = np.flatnonzero(copies_EG[e]).tolist()
+        raise InputError(f"router {router!r} sent pick {k} of token {t} (expert {e}) to GPU {g}, which holds no "
+                         f"copy of it; expert {e} is on GPUs {hosts}")
+
+
 def build_dispatch(dest_TK: np.ndarray, ids_TK: np.ndarray, weights_TK: np.ndarray, tokens_per_rank: Sequence[int],
                    rank: int, slot_of_E: np.ndarray, device: torch.device | str = "cpu") -> DispatchMeta:
     """Rank ``rank``'s sends, receives and picks, from every token's routing.
 
     ``dest_TK`` is the GPU serving each pick of every token (ranks' tokens concatenated in rank order),
     ``-1`` for a dropped pick; ``ids_TK`` and ``weights_TK`` the experts and gate weights;
-    ``slot_of_E [E]`` this rank's slot for each expert (``-1`` where it holds none).
+    ``slot_of_E [E]`` this rank's slot for each expert (``-1`` where it holds none). Routes that name a GPU
+    outside ``-1..G-1``, or send a pick here for an expert this rank does not hold, are refused
+    (:class:`InputError`); :func:`check_routes` checks every rank's picks at once and names the router.
     """
     G = len(tokens_per_rank)
     T = dest_TK.shape[0]
     offsets = np.concatenate(([0], np.cumsum(tokens_per_rank))).astype(np.int64)
-    assert offsets[-1] == T, (offsets, T)
+    if offsets[-1] != T:
+        raise InputError(f"tokens_per_rank {list(tokens_per_rank)} sums to {int(offsets[-1])}, but the routing has "
+                         f"{T} tokens")
+    if not 0 <= rank < G:
+        raise InputError(f"rank {rank} is not one of the {G} ranks 0..{G - 1}")
+    outside = (dest_TK < -1) | (dest_TK >= G)
+    if outside.any():
+        bad_t, bad_k = (int(i) for i in np.argwhere(outside)[0])
+        raise InputError(f"pick {bad_k} of token {bad_t} is routed to GPU {int(dest_TK[bad_t, bad_k])}; valid GPUs "
+                         f"are 0..{G - 1} "
+                         f"(-1 for a dropped pick)")
     src_T = np.repeat(np.arange(G, dtype=np.int64), tokens_per_rank)
     lo, hi = int(offsets[rank]), int(offsets[rank + 1])
 
@@ -136,7 +176,10 @@ def build_dispatch(dest_TK: np.ndarray, ids_TK: np.ndarray, weights_TK: np.ndarr
 
     pick_tok, pick_k = np.nonzero(here)
     pick_slot = slot_of_E[ids_TK[pick_tok, pick_k]]
-    assert np.all(pick_slot >= 0), "a pick was routed to a rank that holds no copy of its expert"
+    if np.any(pick_slot < 0):
+        i = int(np.flatnonzero(pick_slot < 0)[0])
+        raise InputError(f"pick {int(pick_k[i])} of token {int(pick_tok[i])} (expert {int(ids_TK[pick_tok[i], pick_k[i]])}) "
+                         f"is routed to rank {rank}, which holds no copy of it")
     pick_w = weights_TK[pick_tok, pick_k].astype(np.float32)
     is_local = (pick_tok >= lo) & (pick_tok < hi)
     # numpy int64 index arrays go to torch once, on the layer's device
@@ -182,7 +225,10 @@ class Dispatcher:
 
     def dispatch(self, x_TH: torch.Tensor, meta: DispatchMeta, *, async_op: bool = False) -> Pending:
         """The rows other ranks send here (``[M, H]``, by source rank then token); ``x`` rows go out."""
-        assert not meta.send_token.numel() and not sum(meta.recv_counts), "local dispatch cannot send rows"
+        if meta.send_token.numel() or sum(meta.recv_counts):
+            raise PlanError(f"the local dispatcher has one rank and sends nothing, but this dispatch sends "
+                            f"{int(meta.send_token.numel())} rows and receives {sum(meta.recv_counts)}; use a plan "
+                            f"whose every expert is on GPU 0, or the all_to_all dispatcher")
         return Pending(x_TH.new_empty((0, x_TH.shape[1])))
 
     def combine(self, y_MH: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:

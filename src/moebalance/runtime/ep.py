@@ -6,9 +6,9 @@ this rank holds in this layer (``plan.gpu_experts[layer][rank]``, in that order)
 
 Forward on each rank (inference only: nothing here is differentiable through the exchange):
 
-1. gate its own tokens (:func:`moebalance.runtime.gating.topk_gating`, page 002), with the replicated gate;
+1. gate its own tokens (:func:`moebalance.runtime.gating.topk_gating`), with the replicated gate;
 2. all-gather the routing and choose every pick's replica with the plan's router on every rank
-   (:func:`route_picks`: DESIGN §5, the same router code as the simulator, seeded identically everywhere);
+   (:func:`route_picks`: docs/design.md, "Routers", the same router code as the simulator, seeded identically everywhere);
 3. dispatch, compute, combine (:mod:`moebalance.runtime.dispatch`).
 
 Libra Section 3.1's two-stage execution is ``local_first=True``: the dispatch all-to-all is started
@@ -39,7 +39,13 @@ from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.routing import Router, get_router
 from moebalance.runtime.comm import A2AImpl
-from moebalance.runtime.dispatch import DispatchMeta, ExpertWork, build_dispatch, make_dispatcher
+from moebalance.runtime.dispatch import (
+    DispatchMeta,
+    ExpertWork,
+    build_dispatch,
+    check_routes,
+    make_dispatcher,
+)
 from moebalance.runtime.experts import ExpertWeights, expert_ffn
 from moebalance.runtime.gating import GateConfig, GateOutput, topk_gating
 
@@ -165,8 +171,12 @@ def route_picks(plan: Placement, router: str | Router, ids_TK: np.ndarray, kept_
         return np.zeros((0, K), dtype=np.int64)
     src = np.repeat(np.arange(len(tokens_per_rank), dtype=np.int64), tokens_per_rank)
     trace = RoutingTrace(ids_TK[:, None, :], src, np.zeros(T, dtype=np.int64), num_experts=plan.num_experts)
-    dest = get_router(router).assign_tokens(plan, trace, rng)[:, 0, :]
-    return np.where(kept_TK, dest, -1)
+    r = get_router(router)
+    dest = np.asarray(r.assign_tokens(plan, trace, rng))
+    if dest.ndim != 3 or dest.shape[1] != 1:
+        raise InputError(f"router {r.name!r} returned GPUs of shape {dest.shape}; expected [T, 1, K] for one layer")
+    check_routes(dest[:, 0, :], ids_TK, plan.copies[0], r.name)
+    return np.where(kept_TK, dest[:, 0, :], -1)
 
 
 class _Clock:
