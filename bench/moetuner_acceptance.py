@@ -35,7 +35,8 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix, read_load
 from moebalance.core.plan import Placement
 from moebalance.policies import Budget, make_plan
-from moebalance.routing.simulate import cross_layer_traffic, evaluate, processing_load
+from moebalance.routing.simulate import evaluate
+from moebalance.routing.traffic import cross_layer_traffic, processing_load
 
 MIXTRAL = ("mixtral-8x7b-tokens", "Mixtral-8x7B-like (8 experts, top-2, 32 layers)")
 OLMOE = ("olmoe-1b-7b-tokens", "OLMoE-like (64 experts, top-8, 16 layers)")

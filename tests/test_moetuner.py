@@ -14,30 +14,26 @@ import pytest
 from hypothesis import given, settings
 
 from moebalance.algorithms.milp import ABS_GAP, Milp, MilpResult
+from moebalance.algorithms.moetuner.deadline import Deadline
+from moebalance.algorithms.moetuner.eq13 import Eq13Infeasible, balance_totals, lpt_totals
+from moebalance.algorithms.moetuner.ilp1 import cluster_experts, ilp1_lower_bound, ilp1_objective
+from moebalance.algorithms.moetuner.ilp2 import assign_clusters
+from moebalance.algorithms.moetuner.ilp2_dp import bottleneck_value, ilp2_objective
+from moebalance.algorithms.moetuner.ilp2_milp import solve_milp
+from moebalance.algorithms.moetuner.statistics import (
+    cluster_sizes,
+    cluster_traffic,
+    gpu_totals,
+    memory_totals,
+    routing_statistics,
+)
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError, InputError, PlanError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.policies import Budget, make_plan
-from moebalance.policies.moetuner import (
-    _balance_totals,
-    _bottleneck_value,
-    _ilp1_lower_bound,
-    _lpt_totals,
-    _solve_milp,
-    assign_clusters,
-    cluster_experts,
-    cluster_sizes,
-    cluster_traffic,
-    cross_layer_traffic,
-    gpu_totals,
-    ilp1_objective,
-    ilp2_objective,
-    memory_totals,
-    processing_load,
-    routing_statistics,
-)
+from moebalance.routing.traffic import cross_layer_traffic, processing_load
 from moebalance.workloads.synth import synthesize
 
 # --------------------------------------------------------------------------------------------------
@@ -141,7 +137,7 @@ def test_ilp1_cut_is_valid(w_list: list[int], G: int, skew: bool) -> None:
         w[: max(1, len(w) // 3)] *= 20
     for memory in ("layer", "total"):
         lo, _ = cluster_sizes(len(w), G, memory)
-        assert _ilp1_lower_bound(w, G, lo) <= _brute_ilp1(w, G, memory)
+        assert ilp1_lower_bound(w, G, lo) <= _brute_ilp1(w, G, memory)
 
 
 def test_ilp1_sizes() -> None:
@@ -215,7 +211,7 @@ def test_bottleneck_matching_value(M: int, seed: int, high: int) -> None:
     sub = np.random.default_rng(seed).integers(0, high, size=(M, M)).astype(np.float64)
     best = min(max([sub[i, j] for i in range(M) for j in range(M) if j != p[i]], default=0.0)
                for p in itertools.permutations(range(M)))
-    assert float(_bottleneck_value(sub)) == best
+    assert float(bottleneck_value(sub)) == best
 
 
 def test_ilp2_bad_method() -> None:
@@ -269,13 +265,13 @@ def test_ilp2_eq13_without_traffic_and_infeasible() -> None:
 
 @settings(max_examples=40)
 @given(st.integers(2, 6), st.integers(2, 5), st.integers(0, 2**31))
-def test_balance_totals_keeps_permutations(L: int, G: int, seed: int) -> None:
+def testbalance_totals_keeps_permutations(L: int, G: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     E = G + int(rng.integers(0, 3 * G))
     sizes = _random_sizes(rng, L, G, E)
     start = np.stack([rng.permutation(G) for _ in range(L)])
     totals = memory_totals(E, L, G)
-    out = _balance_totals(sizes, start, totals)
+    out = balance_totals(sizes, start, totals)
     if out is not None:
         assert np.all(np.sort(out, axis=1) == np.arange(G))
         tot = gpu_totals(sizes, out)
@@ -568,7 +564,9 @@ def test_ilp2_with_eq13_matches_brute_force_random(topology: tuple[int, int], L:
     assert sol.objective == pytest.approx(ilp2_objective(C, sol.gpu_of_cluster, cluster), rel=1e-12, abs=1e-12)
     assert 0.0 <= sol.bound
     _assert_solved(sol.objective, sol.bound, best, cluster)
-    gpu, res = _solve_milp(C, cluster, time_limit=None, mip_gap=0.0, seed=0, sizes=sizes, totals=totals)
+    solved = solve_milp(C, cluster, Deadline(None), mip_gap=0.0, seed=0, sizes=sizes, totals=totals)
+    assert not isinstance(solved, Eq13Infeasible)
+    gpu, res = solved
     assert np.all(np.sort(gpu, axis=1) == np.arange(G))
     _assert_solved(ilp2_objective(C, gpu, cluster), res.bound, best, cluster)
 
@@ -600,7 +598,7 @@ def test_milp_result_gap_and_violation() -> None:
     assert m.violation(np.array([1.0, 1.0, 1.5])) == pytest.approx(0.5)  # a row
     assert m.violation(np.array([0.5, 0.0, 1.0])) == pytest.approx(0.5)  # integrality
     assert m.violation(np.array([0.0, 0.0, 6.0])) == pytest.approx(1.0)  # a bound
-    with pytest.raises(AssertionError, match="warm start"):
+    with pytest.raises(RuntimeError, match="warm start"):
         m.solve(time_limit=None, mip_gap=0.0, seed=0, start=np.array([1.0, 1.0, 1.0]))
 
 
@@ -628,19 +626,19 @@ def _lpt_case() -> tuple[np.ndarray, tuple[int, int]]:
     return sizes, memory_totals(12, 7, 5)
 
 
-def test_lpt_totals_meets_eq13_for_floor_ceil_sizes() -> None:
+def testlpt_totals_meets_eq13_for_floor_ceil_sizes() -> None:
     sizes, totals = _lpt_case()
-    gpu = _lpt_totals(sizes)
+    gpu = lpt_totals(sizes)
     assert np.all(np.sort(gpu, axis=1) == np.arange(5))
     tot = gpu_totals(sizes, gpu)
     assert totals[0] <= tot.min() and tot.max() <= totals[1]
 
 
-def test_balance_totals_escapes_a_local_minimum() -> None:
+def testbalance_totals_escapes_a_local_minimum() -> None:
     # no single swap lowers the spread of the totals [9, 11, 9, 11] here, yet an assignment with 10 each exists
     sizes = np.array([[2, 2, 3, 3], [3, 4, 1, 2], [2, 2, 3, 3], [4, 2, 2, 2]])
     start = np.array([[1, 3, 2, 0], [3, 1, 0, 2], [2, 3, 0, 1], [3, 2, 1, 0]])
-    out = _balance_totals(sizes, start, (10, 10))
+    out = balance_totals(sizes, start, (10, 10))
     assert out is not None and gpu_totals(sizes, out).tolist() == [10, 10, 10, 10]
     assert np.all(np.sort(out, axis=1) == np.arange(4))
 

@@ -10,9 +10,8 @@ which depends on the machine's speed, and says so (:attr:`MilpResult.time_limit_
 
 Why HiGHS (``highspy``): one wheel with no dependencies that gives what the policies need, a warm start, a
 relative and an absolute gap tolerance, a time limit and the proven dual bound, and takes fractional
-coefficients. On MoETuner's ILP 1 it was 2.4x faster than OR-Tools CP-SAT at 64 experts on 8 GPUs and tied
-at 16 GPUs (measurements in :mod:`moebalance.policies.moetuner`). ``scipy.optimize.milp`` runs the same
-HiGHS without warm starts. Do not import OR-Tools in the same process: it bundles its own HiGHS, and
+coefficients (MoETuner's ILP 2 has bandwidth weights). ``scipy.optimize.milp`` runs the same HiGHS without
+warm starts. Do not import OR-Tools in the same process: it bundles its own HiGHS, and
 whichever is imported second fails with undefined symbols.
 """
 
@@ -23,6 +22,8 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from moebalance.core.errors import PlanError
 
 __all__ = ["ABS_GAP", "Milp", "MilpResult"]
 
@@ -124,6 +125,10 @@ class Milp:
         hi = np.broadcast_to(np.asarray(upper, dtype=np.float64), index.shape[:-1]).reshape(R)
         self._rows.append((index2, val2, lo, hi))
 
+    def objective(self, x: np.ndarray) -> float:
+        """The objective at ``x [n]``."""
+        return float(np.concatenate(self._cost) @ np.asarray(x, dtype=np.float64)) if self.num_vars else 0.0
+
     def violation(self, x: np.ndarray) -> float:
         """The largest amount by which ``x [n]`` breaks a variable bound, a row or integrality (0 if feasible)."""
         x = np.asarray(x, dtype=np.float64)
@@ -152,7 +157,8 @@ class Milp:
         if start is not None:  # HiGHS silently drops an infeasible start: a caller's bug, caught here
             start = np.asarray(start, dtype=np.float64)
             bad = self.violation(start)
-            assert bad <= 1e-6, f"the warm start breaks a bound or row by {bad}"
+            if bad > 1e-6:  # an internal invariant: callers build their starts from feasible assignments
+                raise RuntimeError(f"internal error: the MILP warm start breaks a bound or row by {bad}")
         import highspy
 
         t0 = time.perf_counter()
@@ -193,8 +199,9 @@ class Milp:
         elif status == highspy.HighsModelStatus.kInfeasible:
             return MilpResult(x=np.full(n, np.nan), objective=math.inf, bound=math.inf, status="infeasible",
                               seconds=seconds)
-        else:  # every other model we build is bounded; anything else is a bug
-            raise AssertionError(f"HiGHS ended with status {h.modelStatusToString(status)}")
+        else:  # every model we build is bounded and feasible or proven infeasible; anything else is unusable
+            raise PlanError(f"the MILP solver HiGHS ended with status {h.modelStatusToString(status)!r}, "
+                            "which gives no usable solution")
         if info.primal_solution_status != highspy.kSolutionStatusFeasible and start is not None:
             objective = float(np.concatenate(self._cost) @ start)  # stopped before taking up the start: keep it
             return MilpResult(x=start.copy(), objective=objective, bound=min(float(info.mip_dual_bound), objective),

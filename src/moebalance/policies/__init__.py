@@ -19,11 +19,11 @@ from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.policies.base import PlanResult, Policy, PolicyConfig, run_policy
 from moebalance.policies.contiguous import CONTIGUOUS
-from moebalance.policies.craft import craft
+from moebalance.policies.craft import CRAFT
 from moebalance.policies.eplb import EPLB
-from moebalance.policies.grace import grace
+from moebalance.policies.grace import GRACE
 from moebalance.policies.greedy import GREEDY
-from moebalance.policies.moetuner import moetuner
+from moebalance.policies.moetuner import MOETUNER
 
 __all__ = [
     "DOCUMENTED_POLICIES",
@@ -49,9 +49,9 @@ POLICIES: dict[str, Policy[Any] | PolicyFn] = {
     "contiguous": CONTIGUOUS,
     "greedy": GREEDY,
     "eplb": EPLB,
-    "craft": craft,
-    "grace": grace,
-    "moetuner": moetuner,
+    "craft": CRAFT,
+    "grace": GRACE,
+    "moetuner": MOETUNER,
 }
 
 _unknown = set(POLICIES) - set(DOCUMENTED_POLICIES)
