@@ -1,6 +1,6 @@
 """Replay speed: 3000 batches x 58 layers x 256 experts on 64 GPUs (DeepSeek-R1 on 8 x 8, CRAFT's setting).
 
-Target (issue 2): the full uniform-router replay and scoring (`moebalance.routing.simulate.evaluate`) under 2 s.
+Target: the full uniform-router replay and scoring (`moebalance.routing.simulate.evaluate`) under 2 s.
 Prints a table and writes docs/results/bench_replay.md. Run: .venv/bin/python bench/bench_replay.py
 """
 

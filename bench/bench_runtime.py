@@ -1,4 +1,4 @@
-"""Runtime overhead: replica-aware dispatch against plain expert parallelism, same tokens (issue 6).
+"""Runtime overhead: replica-aware dispatch against plain expert parallelism, same tokens.
 
 One MoE layer forward on 4 gloo ranks (one CPU process each, ``torch.set_num_threads(1)`` per rank), SwiGLU
 experts, softmax top-2, tokens drawn so that the gate's routing is Zipf-skewed (expert popularity

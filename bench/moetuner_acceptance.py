@@ -1,4 +1,4 @@
-"""MoETuner against Megatron-LM's contiguous placement (paper 004, Section 5.3) on bundled traces (issue 5).
+"""MoETuner against Megatron-LM's contiguous placement (MoETuner Section 5.3) on bundled traces.
 
 Mixtral-8x7B-like token-level trace (8 experts, top-2, 32 layers; 64 batches x 512 tokens, docs/synth.md),
 expert parallelism of 4 on one node, 2 nodes x 2 and 2 nodes x 4 GPUs (NVLink 4 inside a node, one 400 Gb/s
@@ -16,7 +16,7 @@ Metrics, per batch, then averaged over batches and layers:
   pair of a token, K^2 per token and layer pair (the paper's R); it moves from the GPU of the first expert
   to the GPU of the second. Tail: the most transitions between one ordered GPU pair; mean: over the G (G - 1)
   pairs; and the transitions that change GPU;
-- dispatch copies as engines count them (DESIGN §3): each token goes from its own GPU (the trace's data-
+- dispatch copies as engines count them (docs/design.md, "Metrics"): each token goes from its own GPU (the trace's data-
   parallel rank) to each distinct GPU serving one of its picks, and comes back; copies that cross nodes
   and that stay inside a node;
 - balancedness (mean / max GPU load), for comparison with the other policies.
@@ -159,7 +159,7 @@ def main() -> None:
         "Section 5.2). All-to-all in MoETuner's model: a transition is one (pick in layer l, pick in layer l + 1) "
         "pair of a token (K^2 per token: 4 for Mixtral, 64 for OLMoE), moving from the GPU of the first expert to "
         "the GPU of the second; tail = the most transitions between one ordered GPU pair, mean = over all pairs. "
-        "Dispatch copies: as engines count them (DESIGN §3), each token to each distinct GPU serving one of its "
+        "Dispatch copies: as engines count them (docs/design.md, Metrics), each token to each distinct GPU serving one of its "
         "picks from its own data-parallel rank, per batch, summed over layers.",
         "",
         "## Balance and traffic",

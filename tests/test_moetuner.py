@@ -1,4 +1,4 @@
-"""MoETuner (seed paper 004): ILP 1 and ILP 2 against brute force, golden traces, params, scoring helpers."""
+"""MoETuner (MoETuner, arXiv 2502.06643): ILP 1 and ILP 2 against brute force, golden traces, params, scoring helpers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Conformance suite over every registered policy (STYLE 7), golden cases and brute force."""
+"""Conformance suite over every registered policy, golden cases and brute force."""
 
 from __future__ import annotations
 

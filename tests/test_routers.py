@@ -1,4 +1,4 @@
-"""GRACE's routers (paper 001, Alg. 3-4): weights from the plan, locality tiers, conservation."""
+"""GRACE's routers (GRACE-MoE Alg. 3-4): weights from the plan, locality tiers, conservation."""
 
 from __future__ import annotations
 

@@ -74,112 +74,37 @@ def _is_int(value: object) -> bool:
 
 _HF = "https://huggingface.co"
 
-# Each number below is the named field of the model's config.json (Hugging Face), read as of 2025.
+# One row per model, read from its config.json on Hugging Face (as of 2025). Columns: name, display name,
+# L (num_hidden_layers minus first_k_dense_replace dense layers; Qwen3: decoder_sparse_step 1 and no
+# mlp_only_layers; GLM-4.5's multi-token-prediction layer excluded), dense layers (first_k_dense_replace),
+# E (n_routed_experts / num_experts / num_local_experts), K (num_experts_per_tok), hidden_size,
+# expert FFN size (moe_intermediate_size; Mixtral's and OLMoE's intermediate_size, each expert a full FFN),
+# shared experts (n_shared_experts; 0 for Qwen3, Mixtral, OLMoE), expert groups (n_group; 1 where routing is
+# not group-limited), and the Hugging Face repository.
+_ROWS: tuple[tuple[str, str, int, int, int, int, int, int, int, int, str], ...] = (
+    ("deepseek-v3", "DeepSeek-V3", 58, 3, 256, 8, 7168, 2048, 1, 8, "deepseek-ai/DeepSeek-V3"),
+    # deepseek-v3: L = num_hidden_layers 61 - first_k_dense_replace 3 (moe_layer_freq 1); MTP layer excluded
+    ("kimi-k2", "Kimi-K2", 60, 1, 384, 8, 7168, 2048, 1, 1, "moonshotai/Kimi-K2-Instruct"),
+    # kimi-k2: L = num_hidden_layers 61 - first_k_dense_replace 1
+    ("qwen3-235b-a22b", "Qwen3-235B-A22B", 94, 0, 128, 8, 4096, 1536, 0, 1, "Qwen/Qwen3-235B-A22B"),
+    # qwen3-235b-a22b: L = num_hidden_layers 94, decoder_sparse_step 1, mlp_only_layers []
+    ("qwen3-30b-a3b", "Qwen3-30B-A3B", 48, 0, 128, 8, 2048, 768, 0, 1, "Qwen/Qwen3-30B-A3B"),
+    # qwen3-30b-a3b: L = num_hidden_layers 48, decoder_sparse_step 1, mlp_only_layers []
+    ("glm-4.5", "GLM-4.5", 89, 3, 160, 8, 5120, 1536, 1, 1, "zai-org/GLM-4.5"),
+    # glm-4.5: L = num_hidden_layers 92 - first_k_dense_replace 3; MTP layer (num_nextn_predict_layers) excluded
+    ("mixtral-8x7b", "Mixtral-8x7B", 32, 0, 8, 2, 4096, 14336, 0, 1, "mistralai/Mixtral-8x7B-v0.1"),
+    # mixtral-8x7b: L = num_hidden_layers (every layer is MoE)
+    ("olmoe-1b-7b", "OLMoE-1B-7B", 16, 0, 64, 8, 2048, 1024, 0, 1, "allenai/OLMoE-1B-7B-0924"),
+    # olmoe-1b-7b: L = num_hidden_layers (every layer is MoE)
+    ("deepseek-v2-lite", "DeepSeek-V2-Lite", 26, 1, 64, 6, 2048, 1408, 2, 1, "deepseek-ai/DeepSeek-V2-Lite"),
+    # deepseek-v2-lite: L = num_hidden_layers 27 - first_k_dense_replace 1
+)
+
 MODELS: dict[str, ModelSpec] = {
-    "deepseek-v3": ModelSpec(
-        name="deepseek-v3",
-        display_name="DeepSeek-V3",
-        num_layers=58,  # num_hidden_layers 61 - first_k_dense_replace 3 (moe_layer_freq 1); MTP layer excluded
-        num_dense_layers=3,  # first_k_dense_replace
-        num_experts=256,  # n_routed_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=7168,  # hidden_size
-        moe_intermediate_size=2048,  # moe_intermediate_size
-        num_shared_experts=1,  # n_shared_experts
-        num_groups=8,  # n_group (topk_group 4)
-        source=f"{_HF}/deepseek-ai/DeepSeek-V3/blob/main/config.json",
-    ),
-    "kimi-k2": ModelSpec(
-        name="kimi-k2",
-        display_name="Kimi-K2",
-        num_layers=60,  # num_hidden_layers 61 - first_k_dense_replace 1
-        num_dense_layers=1,  # first_k_dense_replace
-        num_experts=384,  # n_routed_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=7168,  # hidden_size
-        moe_intermediate_size=2048,  # moe_intermediate_size
-        num_shared_experts=1,  # n_shared_experts
-        num_groups=1,  # n_group
-        source=f"{_HF}/moonshotai/Kimi-K2-Instruct/blob/main/config.json",
-    ),
-    "qwen3-235b-a22b": ModelSpec(
-        name="qwen3-235b-a22b",
-        display_name="Qwen3-235B-A22B",
-        num_layers=94,  # num_hidden_layers 94, decoder_sparse_step 1, mlp_only_layers []
-        num_dense_layers=0,  # mlp_only_layers []
-        num_experts=128,  # num_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=4096,  # hidden_size
-        moe_intermediate_size=1536,  # moe_intermediate_size
-        num_shared_experts=0,  # Qwen3-MoE has no shared expert
-        num_groups=1,  # no group-limited routing
-        source=f"{_HF}/Qwen/Qwen3-235B-A22B/blob/main/config.json",
-    ),
-    "qwen3-30b-a3b": ModelSpec(
-        name="qwen3-30b-a3b",
-        display_name="Qwen3-30B-A3B",
-        num_layers=48,  # num_hidden_layers 48, decoder_sparse_step 1, mlp_only_layers []
-        num_dense_layers=0,  # mlp_only_layers []
-        num_experts=128,  # num_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=2048,  # hidden_size
-        moe_intermediate_size=768,  # moe_intermediate_size
-        num_shared_experts=0,  # Qwen3-MoE has no shared expert
-        num_groups=1,  # no group-limited routing
-        source=f"{_HF}/Qwen/Qwen3-30B-A3B/blob/main/config.json",
-    ),
-    "glm-4.5": ModelSpec(
-        name="glm-4.5",
-        display_name="GLM-4.5",
-        num_layers=89,  # num_hidden_layers 92 - first_k_dense_replace 3; MTP layer (num_nextn_predict_layers) excluded
-        num_dense_layers=3,  # first_k_dense_replace
-        num_experts=160,  # n_routed_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=5120,  # hidden_size
-        moe_intermediate_size=1536,  # moe_intermediate_size
-        num_shared_experts=1,  # n_shared_experts
-        num_groups=1,  # n_group
-        source=f"{_HF}/zai-org/GLM-4.5/blob/main/config.json",
-    ),
-    "mixtral-8x7b": ModelSpec(
-        name="mixtral-8x7b",
-        display_name="Mixtral-8x7B",
-        num_layers=32,  # num_hidden_layers (every layer is MoE)
-        num_dense_layers=0,  # every layer is MoE
-        num_experts=8,  # num_local_experts
-        top_k=2,  # num_experts_per_tok
-        hidden_size=4096,  # hidden_size
-        moe_intermediate_size=14336,  # intermediate_size (each expert is a full FFN)
-        num_shared_experts=0,
-        num_groups=1,
-        source=f"{_HF}/mistralai/Mixtral-8x7B-v0.1/blob/main/config.json",
-    ),
-    "olmoe-1b-7b": ModelSpec(
-        name="olmoe-1b-7b",
-        display_name="OLMoE-1B-7B",
-        num_layers=16,  # num_hidden_layers (every layer is MoE)
-        num_dense_layers=0,  # every layer is MoE
-        num_experts=64,  # num_experts
-        top_k=8,  # num_experts_per_tok
-        hidden_size=2048,  # hidden_size
-        moe_intermediate_size=1024,  # intermediate_size (per expert)
-        num_shared_experts=0,
-        num_groups=1,
-        source=f"{_HF}/allenai/OLMoE-1B-7B-0924/blob/main/config.json",
-    ),
-    "deepseek-v2-lite": ModelSpec(
-        name="deepseek-v2-lite",
-        display_name="DeepSeek-V2-Lite",
-        num_layers=26,  # num_hidden_layers 27 - first_k_dense_replace 1
-        num_dense_layers=1,  # first_k_dense_replace
-        num_experts=64,  # n_routed_experts
-        top_k=6,  # num_experts_per_tok
-        hidden_size=2048,  # hidden_size
-        moe_intermediate_size=1408,  # moe_intermediate_size
-        num_shared_experts=2,  # n_shared_experts
-        num_groups=1,  # n_group (topk_method "greedy")
-        source=f"{_HF}/deepseek-ai/DeepSeek-V2-Lite/blob/main/config.json",
-    ),
+    row[0]: ModelSpec(name=row[0], display_name=row[1], num_layers=row[2], num_dense_layers=row[3],
+                      num_experts=row[4], top_k=row[5], hidden_size=row[6], moe_intermediate_size=row[7],
+                      num_shared_experts=row[8], num_groups=row[9], source=f"{_HF}/{row[10]}/blob/main/config.json")
+    for row in _ROWS
 }
 # DeepSeek-R1 is DeepSeek-V3's architecture (same config.json fields), post-trained differently.
 MODELS["deepseek-r1"] = dataclasses.replace(

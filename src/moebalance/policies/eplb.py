@@ -5,7 +5,7 @@ Wraps the faithful :func:`moebalance.algorithms.eplb.rebalance_experts` (hierarc
 every GPU in every layer (:meth:`~moebalance.core.budget.Capacity.uniform_slots`). ``num_groups`` defaults to the model preset's expert
 groups (DeepSeek-V3: 8) when the load names a preset, else 1 (global policy on more than one node).
 
-Like the reference, the default may put two copies of one expert on one GPU (DeepSeek EPLB issue 22); the
+Like the reference, the default may put two copies of one expert on one GPU (a known property of DeepSeek's reference); the
 plan then carries a warning. ``avoid_duplicates=True`` repairs them after the reference has run: each
 surplus copy is swapped with a slot of another GPU (same node first, so hierarchical plans keep their
 node-level grouping) that holds neither expert, choosing the swap that keeps the two GPUs' larger planned

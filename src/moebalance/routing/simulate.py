@@ -30,7 +30,7 @@ bandwidth lower bound that ranks plans the way traffic does. GRACE's two load me
 replay: GPU idle time ``sum_g (max_g' load - load_g)`` (in tokens: the work the other GPUs could have done
 while waiting for the straggler) and the standard deviation of GPU load, both per ``(b, l)``.
 
-MoETuner's metrics (paper 004, Section 5.2) score a plan on its own traffic model, where a token moves
+MoETuner's metrics (MoETuner Section 5.2) score a plan on its own traffic model, where a token moves
 from the GPU of its expert in layer ``l`` straight to the GPU of its expert in layer ``l + 1``
 (:func:`cross_layer_traffic`: GPU-pair tail and mean, tokens that change GPU) and on per-layer token
 processing (:func:`processing_load`: the most loaded GPU's tokens and the mean).
