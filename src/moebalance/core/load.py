@@ -106,16 +106,14 @@ class LoadMatrix:
         return MODELS.get(self.preset)
 
     @property
-    def num_batches(self) -> int:
-        return int(self.counts.shape[0])
+    def shape(self) -> tuple[int, int, int]:
+        """``(B, L, E)``: batches, layers, experts."""
+        B, L, E = (int(n) for n in self.counts.shape)
+        return B, L, E
 
-    @property
-    def num_layers(self) -> int:
-        return int(self.counts.shape[1])
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.counts.shape[2])
+    num_batches = property(lambda self: self.shape[0], doc="``B``: batches.")
+    num_layers = property(lambda self: self.shape[1], doc="``L``: MoE layers.")
+    num_experts = property(lambda self: self.shape[2], doc="``E``: experts per layer.")
 
     def total(self) -> np.ndarray:
         """``int64 [L, E]``: the load summed over batches."""
