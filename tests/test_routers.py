@@ -149,3 +149,20 @@ def test_locality_remote_tier_uses_all_weights() -> None:
     tr = RoutingTrace(np.zeros((T, 1, 1), int), np.zeros(T, int), np.zeros(T, int), num_experts=2)
     dest = ROUTERS["locality"].assign_tokens(plan, tr, np.random.default_rng(1)).ravel()
     assert np.bincount(dest, minlength=4)[2:] / T == pytest.approx([0.75, 0.25], abs=0.01)
+
+
+def test_simulator_refuses_a_custom_router_that_sends_a_pick_nowhere() -> None:
+    from moebalance.core.load import LoadMatrix
+    from moebalance.routing.base import Router
+    from moebalance.routing.simulate import evaluate
+
+    # 2 GPUs, 4 experts, expert e on GPU e // 2; every pick is sent to GPU 0, which lacks experts 2 and 3
+    cluster = Cluster(num_nodes=1, gpus_per_node=2)
+    plan = Placement([[[0, 1], [2, 3]]], 4, cluster)
+    trace = RoutingTrace(np.array([[[0, 2]], [[1, 3]]]), np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.int64),
+                         num_experts=4)
+    load = LoadMatrix(trace.counts(), trace)
+    bad = Router("to-gpu-0", ROUTERS["uniform"].split_counts, lambda p, t, rng: np.zeros_like(t.topk_ids))
+    with pytest.raises(InputError, match=r"router 'to-gpu-0' sent pick 1 of token 0 \(expert 2\) to GPU 0, which "
+                                         r"holds no copy of it; expert 2 is on GPUs \[1\]"):
+        evaluate(plan, load, bad)

@@ -50,6 +50,7 @@ from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.routing import Router, get_router
+from moebalance.routing.base import check_routes
 
 __all__ = ["Score", "Traffic", "a2a_seconds", "evaluate", "gpu_loads", "layer_metrics", "traffic"]
 
@@ -248,6 +249,8 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
     if trace is not None:
         trace.check_gpus(plan.num_gpus)
         dest = r.assign_tokens(plan, trace, rng)
+        for layer in range(plan.num_layers):  # a custom router's answer is checked before it is counted
+            check_routes(dest[:, layer, :], trace.topk_ids[:, layer, :], plan.copies[layer], r.name)
     if dest is not None and trace is not None and r.name != "uniform":
         B, L, G = load.num_batches, load.num_layers, plan.num_gpus
         flat = (trace.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest

@@ -50,7 +50,7 @@ from moebalance.core.errors import InputError, PlanError
 from moebalance.runtime.comm import A2AImpl, Pending, all_gather_v, all_to_all_v, over_budget, resolve_impl
 
 __all__ = ["DISPATCHERS", "AllToAllDispatcher", "DispatchMeta", "Dispatcher", "ExpertWork", "LocalDispatcher",
-           "build_dispatch", "check_routes", "make_dispatcher"]
+           "build_dispatch", "make_dispatcher"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,34 +104,6 @@ class DispatchMeta:
         return int(self.remote.pick_row.numel())
 
 
-def check_routes(dest_TK: np.ndarray, ids_TK: np.ndarray, copies_EG: np.ndarray, router: str) -> None:
-    """Refuse a router's answer unless every pick goes to a GPU ``0..G-1`` that holds a copy of its expert.
-
-    ``dest_TK`` is what router ``router`` returned for the picks ``ids_TK`` of a one-layer plan whose
-    ``copies_EG [E, G]`` counts each expert's copies per GPU. Every rank checks the same data, so all ranks
-    refuse together and none is left waiting in a collective.
-    """
-    dest = np.asarray(dest_TK)
-    G = copies_EG.shape[1]
-    if dest.shape != ids_TK.shape:
-        raise InputError(f"router {router!r} returned GPUs of shape {dest.shape} for picks of shape {ids_TK.shape}; "
-                         f"it must return one GPU per pick")
-    if not np.issubdtype(dest.dtype, np.integer):
-        raise InputError(f"router {router!r} returned GPUs of dtype {dest.dtype}; it must return integer GPU ids")
-    outside = (dest < 0) | (dest >= G)
-    if outside.any():
-        t, k = (int(i) for i in np.argwhere(outside)[0])
-        raise InputError(f"router {router!r} sent pick {k} of token {t} to GPU {int(dest[t, k])}; "
-                         f"valid GPUs are 0..{G - 1}")
-    no_copy = copies_EG[ids_TK, dest] == 0
-    if no_copy.any():
-        t, k = (int(i) for i in np.argwhere(no_copy)[0])
-        e, g = int(ids_TK[t, k]), int(dest[t, k])
-        hosts = np.flatnonzero(copies_EG[e]).tolist()
-        raise InputError(f"router {router!r} sent pick {k} of token {t} (expert {e}) to GPU {g}, which holds no "
-                         f"copy of it; expert {e} is on GPUs {hosts}")
-
-
 def build_dispatch(dest_TK: np.ndarray, ids_TK: np.ndarray, weights_TK: np.ndarray, tokens_per_rank: Sequence[int],
                    rank: int, slot_of_E: np.ndarray, device: torch.device | str = "cpu") -> DispatchMeta:
     """Rank ``rank``'s sends, receives and picks, from every token's routing.
@@ -140,7 +112,7 @@ def build_dispatch(dest_TK: np.ndarray, ids_TK: np.ndarray, weights_TK: np.ndarr
     ``-1`` for a dropped pick; ``ids_TK`` and ``weights_TK`` the experts and gate weights;
     ``slot_of_E [E]`` this rank's slot for each expert (``-1`` where it holds none). Routes that name a GPU
     outside ``-1..G-1``, or send a pick here for an expert this rank does not hold, are refused
-    (:class:`InputError`); :func:`check_routes` checks every rank's picks at once and names the router.
+    (:class:`InputError`); :func:`moebalance.routing.base.check_routes` checks every rank's picks at once and names the router.
     """
     G = len(tokens_per_rank)
     T = dest_TK.shape[0]

@@ -38,12 +38,12 @@ from moebalance.core.errors import InputError, PlanError
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.routing import Router, get_router
+from moebalance.routing.base import check_routes
 from moebalance.runtime.comm import A2AImpl
 from moebalance.runtime.dispatch import (
     DispatchMeta,
     ExpertWork,
     build_dispatch,
-    check_routes,
     make_dispatcher,
 )
 from moebalance.runtime.experts import ExpertWeights, expert_ffn
