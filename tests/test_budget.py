@@ -19,8 +19,8 @@ def test_slots_to_replicas_by_hand() -> None:
     # DeepSeek-V3 on 64 GPUs: 5 slots of which 4 hold the 256 experts, one extra per layer and GPU: R = 58
     assert slots_to_replicas(5, 256, 64, 58) == 58
     # 10 experts on 4 GPUs, 3 slots: 2 extra slots per layer over 4 GPUs = 0.5 per GPU and layer; 3 layers: 1.5,
-    # rounded up to 2 so that the 6 extra replicas of 3 slots everywhere fit in R * G = 8
-    assert slots_to_replicas(3, 10, 4, 3) == 2
+    # rounded down to 1: a budget is a ceiling
+    assert slots_to_replicas(3, 10, 4, 3) == 1
     # exactly the experts: no replicas
     assert slots_to_replicas(2, 8, 4, 7) == 0
 
@@ -45,12 +45,16 @@ def test_capacity_of_a_replicas_budget() -> None:
 
 @given(st.integers(1, 8), st.integers(1, 40), st.integers(1, 6), st.integers(0, 4))
 def test_conversion_round_trip(G: int, E: int, L: int, extra: int) -> None:
-    # S slots -> R -> equal slots gives S back (at most E), and R is the least that pays for S slots everywhere
+    # S slots -> R never exceeds what S slots hold, and is the most that fits; back to equal slots gives at most S,
+    # exactly S (at most E) when the conversion is exact
     S = -(-E // G) + extra
     R = slots_to_replicas(S, E, G, L)
-    assert R >= 0 and R * G >= L * (S * G - E) > (R - 1) * G
-    back = resolve_budget(Budget(replicas_per_gpu=R), E, G, L).uniform_slots("eplb")[0]
-    assert back == min(S, E)
+    assert R >= 0 and R * G <= L * (S * G - E) < (R + 1) * G
+    if S * G == E or R * G >= L * (-(-E // G) * G - E):
+        back = resolve_budget(Budget(replicas_per_gpu=R), E, G, L).uniform_slots("eplb")[0]
+        assert back <= min(S, E)
+        if R * G == L * (S * G - E):
+            assert back == min(S, E)
 
 
 def test_refusals_name_the_fix() -> None:
@@ -87,6 +91,7 @@ def test_one_budget_for_every_policy_in_a_comparison() -> None:
     assert slots.placement.max_slots_per_gpu == 3 and "budget_note" not in slots.placement.params
     reps = plan_with("eplb", load, cluster, Budget(replicas_per_gpu=3))
     assert reps.placement.max_slots_per_gpu == 3 and reps.placement.params["replicas_per_gpu"] == 3
+    assert "read as slots_per_gpu 3 in every layer" in reps.placement.params["budget_note"]
 
 
 def test_a_custom_policy_with_a_wrong_shape_gets_our_error() -> None:
@@ -105,3 +110,27 @@ def test_a_custom_policy_with_a_wrong_shape_gets_our_error() -> None:
 
     with pytest.raises(PlanError, match="returned list, not a Placement"):
         make_plan(not_a_plan, load, cluster, Budget(slots_per_gpu=2))
+
+
+def test_craft_under_a_slots_budget_stays_within_what_the_slots_hold() -> None:
+    # 10 experts on 4 GPUs, 3 layers, 3 slots: at most 3 * (12 - 10) = 6 extra replicas and 9 slots per GPU in all
+    load = LoadMatrix(np.random.default_rng(1).integers(0, 100, size=(6, 3, 10)))
+    cluster = Cluster(num_nodes=2, gpus_per_node=2)
+    result = plan_with("craft", load, cluster, Budget(slots_per_gpu=3))
+    plan = result.placement
+    assert plan.extra_replicas <= 6 and plan.slots().sum(axis=0).max() <= 9
+    assert result.capacity.max_extra_replicas == 6 and result.capacity.max_slots_total == 9
+    # a plan over those limits is refused even though R * G and L * q + R would allow it
+    over = Placement([[[0, 1, 2, 3], [0, 4, 5], [1, 6, 7], [8, 9, 2]]] * 3, 10, cluster)
+    assert over.extra_replicas == 9
+    with pytest.raises(BudgetError, match="allows 6"):
+        result.capacity.check(over)
+
+
+def test_a_plan_file_under_auto_is_checked_against_the_r_it_records() -> None:
+    cluster = Cluster(num_nodes=1, gpus_per_node=2)
+    plan = Placement([[[0, 1], [0]]], 2, cluster, params={"chosen_replicas_per_gpu": 1})
+    Budget(replicas_per_gpu="auto").check(plan)
+    with pytest.raises(BudgetError, match="integer >= 0"):
+        Budget(replicas_per_gpu="auto").check(plan, chosen_replicas_per_gpu=-1)
+    Budget(replicas_per_gpu="auto").check(plan, chosen_replicas_per_gpu=np.int64(1))

@@ -1109,3 +1109,13 @@ def test_link_options_set_the_all_to_all_time(tmp_path: Path, capsys: pytest.Cap
                       capsys, tmp_path, "--inter-link", "neither a number of GB/s nor a link preset")
     assert_user_error(["evaluate", "--plan", plan, "--load", "bundled:mixtral-8x7b-tokens", "--intra-link", "-3"],
                       capsys, tmp_path, "must be a positive number of GB/s")
+
+
+def test_json_stays_json_with_the_milp_solver() -> None:
+    # HiGHS prints a banner on the process's stdout when its first solver is made; --json must not carry it.
+    # A fresh process, so that this is the first solver it makes.
+    cmd = [sys.executable, "-m", "moebalance", "compare", "--load", "bundled:mixtral-8x7b-tokens", "--policies",
+           "contiguous,moetuner", "--nodes", "2", "--gpus-per-node", "4", "--slots-per-gpu", "1", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert [r["policy"] for r in json.loads(done.stdout)["rows"]] == ["contiguous", "moetuner"]

@@ -18,8 +18,10 @@ whichever is imported second fails with undefined symbols.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -162,7 +164,7 @@ class Milp:
         import highspy
 
         t0 = time.perf_counter()
-        h = highspy.Highs()
+        h = _quiet_highs(highspy)
         h.setOptionValue("output_flag", False)
         h.setOptionValue("threads", 1)
         h.setOptionValue("random_seed", int(seed))
@@ -214,3 +216,21 @@ class Milp:
         objective = float(info.objective_function_value)
         bound = float(info.mip_dual_bound) if integer.any() else objective
         return MilpResult(x=x, objective=objective, bound=min(bound, objective), status=kind, seconds=seconds)
+
+
+def _quiet_highs(highspy: Any) -> Any:
+    """A ``Highs`` instance without its start-up banner, which HiGHS writes to the process's standard output
+    before any option can silence it (and which would break ``--json`` output)."""
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as sink:
+            os.dup2(sink.fileno(), 1)
+            h = highspy.Highs()
+            h.setOptionValue("output_flag", False)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return h

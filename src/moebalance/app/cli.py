@@ -212,7 +212,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     per_policy: dict[str, dict[str, Any]] = {p: {} for p in policies}
     if args.groups is not None and "eplb" in per_policy:
         per_policy["eplb"]["num_groups"] = args.groups
-    for key, value in params.items():  # --set policy.key=value, or key=value for every policy taking it
+    for key, value in params.items():  # --set policy.key=value, or key=value for every compared policy
         pol, dot, name = key.partition(".")
         if dot:
             if pol not in per_policy:

@@ -13,9 +13,11 @@ cap, the replicas a policy may spend, the per-GPU total. Policies read a capacit
 policy asks for the form it plans in, and the capacity converts between the two kinds with a note that the
 plan records (``docs/design.md``, "Budgets"):
 
-- ``S`` slots per GPU is the memory of ``R = L * (S - E / G)`` extra replicas per GPU (rounded up when
-  ``G`` does not divide ``L * (S * G - E)``, so that a plan with ``S`` slots everywhere meets it): :meth:`Capacity.replicas` for policies that spread replicas over
-  layers (CRAFT). The plan is then checked against that ``R``; a layer may hold more than ``S`` on a GPU.
+- ``S`` slots per GPU is the memory of ``R = L * (S - E / G)`` extra replicas per GPU (rounded down when
+  ``G`` does not divide ``L * (S * G - E)``; a budget is a ceiling): :meth:`Capacity.replicas` for policies
+  that spread replicas over layers (CRAFT). The plan is then checked against what ``S`` slots hold: at most
+  ``L * (S * G - E)`` extra replicas, at most ``L * S`` slots on a GPU over all layers; one layer may hold
+  more than ``S`` on a GPU.
 - ``R`` extra replicas per GPU fit ``S = floor((L * E + R * G) / (L * G))`` equal slots in every layer
   (at most ``E``): :meth:`Capacity.uniform_slots` for policies with the same slots everywhere (EPLB).
 
@@ -24,9 +26,12 @@ So any mix of policies can be compared under one budget.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 from moebalance.core.errors import BudgetError
 from moebalance.core.plan import Placement
@@ -70,17 +75,21 @@ class Budget:
     def check(self, plan: Placement, *, chosen_replicas_per_gpu: int | None = None) -> None:
         """Raise :class:`BudgetError` if ``plan`` uses more memory than this budget allows (see
         :meth:`Capacity.check`)."""
+        if chosen_replicas_per_gpu is None and self.replicas_per_gpu == "auto":
+            # a plan read from a file has no typed diagnostics: its params record the R its policy chose
+            chosen_replicas_per_gpu = plan.params.get("chosen_replicas_per_gpu")
         resolve_budget(self, plan.num_experts, plan.num_gpus, plan.num_layers).check(
             plan, chosen_replicas_per_gpu=chosen_replicas_per_gpu)
 
 
 def slots_to_replicas(slots_per_gpu: int, num_experts: int, num_gpus: int, num_layers: int) -> int:
-    """``R = L * (S - E / G)``, rounded up: the extra replicas per GPU that ``S`` equal slots cost.
+    """``R = L * (S - E / G)``, rounded down: the extra replicas per GPU that ``S`` equal slots pay for.
 
     Example: DeepSeek-V3 (58 layers x 256 experts) on 64 GPUs with ``S = 5``: ``R = 58 * (5 - 4) = 58``.
-    Converting back (:meth:`Capacity.uniform_slots`) gives ``S`` again, for any ``S <= E``.
+    Converting back (:meth:`Capacity.uniform_slots`) gives ``S`` again when ``G`` divides ``L * (S * G - E)``,
+    else at most ``S``.
     """
-    return -(-num_layers * (slots_per_gpu * num_gpus - num_experts) // num_gpus)
+    return (num_layers * (slots_per_gpu * num_gpus - num_experts)) // num_gpus
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +97,7 @@ class Capacity:
     """What a budget allows for ``L`` layers of ``E`` experts on ``G`` GPUs; made by :func:`resolve_budget`.
 
     Example: ``resolve_budget(Budget(slots_per_gpu=5), 256, 64, 58)`` has ``placement_slots == 4``,
-    ``layer_slots == 5``, ``uniform_slots() == 5`` and ``replicas("craft") == 58`` with a note.
+    ``layer_slots == 5``, ``uniform_slots("eplb")[0] == 5`` and ``replicas("craft")[0] == 58`` (with a note).
     """
 
     budget: Budget
@@ -101,6 +110,10 @@ class Capacity:
     layer_slots: int | None
     #: A note on how the budget was converted for the policy, or None (stored in the plan's params).
     note: str | None = None
+    #: Exact limits of a converted slots budget: extra replicas over all layers, and slots of one GPU over all
+    #: layers (None: those of ``replicas_per_gpu``, ``R * G`` and ``L * q + R``).
+    max_extra_replicas: int | None = None
+    max_slots_total: int | None = None
 
     @property
     def auto(self) -> bool:
@@ -122,12 +135,14 @@ class Capacity:
         if R is not None:
             return int(R), self
         S = self.budget.slots_per_gpu
-        assert S is not None  # exactly one of the two, by Budget
-        R = slots_to_replicas(S, self.num_experts, self.num_gpus, self.num_layers)
-        note = (f"slots_per_gpu {S} read as replicas_per_gpu {R} = L * (S - E / G) for {policy}: the same "
-                f"replica memory per GPU, spread over layers, so one layer may hold more than {S} on a GPU")
-        converted = Capacity(Budget(replicas_per_gpu=R), self.num_experts, self.num_gpus, self.num_layers,
-                             self.placement_slots, None, note)
+        if S is None:  # unreachable: a Budget holds exactly one of the two
+            raise BudgetError("a budget needs slots_per_gpu or replicas_per_gpu")
+        L, E, G = self.num_layers, self.num_experts, self.num_gpus
+        R = slots_to_replicas(S, E, G, L)
+        note = (f"slots_per_gpu {S} read as replicas_per_gpu {R} = L * (S - E / G) for {policy}: at most the "
+                f"memory of {S} slots per GPU, spread over layers, so one layer may hold more than {S} on a GPU")
+        converted = Capacity(Budget(replicas_per_gpu=R), E, G, L, self.placement_slots, None, note,
+                             max_extra_replicas=L * (S * G - E), max_slots_total=L * S)
         return R, converted
 
     def uniform_slots(self, policy: str) -> tuple[int, Capacity]:
@@ -139,7 +154,8 @@ class Capacity:
         if self.layer_slots is not None:
             return self.layer_slots, self
         R, _ = self.replicas(policy)
-        assert R is not None
+        if R is None:  # unreachable: replicas() refuses auto here
+            raise BudgetError(f"policy {policy!r} cannot choose replicas_per_gpu itself; give a number")
         L, E, G, q = self.num_layers, self.num_experts, self.num_gpus, self.placement_slots
         slots = min((L * E + R * G) // (L * G), E)
         if slots < q:
@@ -147,7 +163,11 @@ class Capacity:
             raise BudgetError(
                 f"equal slots per GPU put {E} experts into {q * G} slots per layer, {extra} extra replicas in all, "
                 f"but replicas_per_gpu {R} allows {R * G}; raise it to at least {math.ceil(extra / G)}")
-        return slots, self
+        if slots == q:
+            return slots, self
+        note = (f"replicas_per_gpu {R} read as slots_per_gpu {slots} in every layer for {policy}: "
+                f"{L * (slots * G - E)} of the {R * G} extra replicas allowed")
+        return slots, dataclasses.replace(self, note=note)
 
     def check(self, plan: Placement, *, chosen_replicas_per_gpu: int | None = None) -> None:
         """Raise :class:`BudgetError` if ``plan`` uses more memory than this capacity allows.
@@ -166,14 +186,19 @@ class Capacity:
                 raise BudgetError(f"policy {plan.policy!r} cannot choose replicas_per_gpu itself; give a number "
                                   "(craft can: auto)")
             R = chosen_replicas_per_gpu
-        assert isinstance(R, int)
+        if isinstance(R, bool) or not isinstance(R, int | np.integer) or R < 0:
+            raise BudgetError(f"policy {plan.policy!r} reports replicas_per_gpu {R!r}; it must be an integer >= 0")
+        R = int(R)
         G = plan.num_gpus
-        if plan.extra_replicas > R * G:
+        allowed = R * G if self.max_extra_replicas is None else self.max_extra_replicas
+        if plan.extra_replicas > allowed:
             raise BudgetError(f"plan {plan.policy!r} uses {plan.extra_replicas} extra replicas but replicas_per_gpu "
-                              f"{R} allows {R * G}")
-        # per-GPU memory: at most what equal slots of ceil(E / G) per layer take, plus R
+                              f"{R} allows {allowed}")
+        # per-GPU memory: at most what equal slots of ceil(E / G) per layer take, plus R (or what S slots hold)
         per_gpu = int(plan.slots().sum(axis=0).max())
         limit = plan.num_layers * math.ceil(plan.num_experts / G) + R
+        if self.max_slots_total is not None:
+            limit = min(limit, self.max_slots_total)
         if per_gpu > limit:
             raise BudgetError(f"plan {plan.policy!r} puts {per_gpu} experts on one GPU over all layers but "
                               f"replicas_per_gpu {R} allows {limit}")

@@ -156,7 +156,8 @@ def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix,
         plan = policy(load=load, cluster=cluster, budget=budget, **params)
         seconds = time.perf_counter() - t0
         plan = _check_shape(name, plan, load, cluster)
-        capacity.check(plan)  # a plain callable cannot choose R: an auto budget is refused
+        # a plain callable has no typed diagnostics: under auto it records the R it chose in its params
+        capacity.check(plan, chosen_replicas_per_gpu=plan.params.get("chosen_replicas_per_gpu"))
         return PlanResult(plan, None, NoDiagnostics(), capacity, seconds)
     config = policy.config.from_params(policy.name, params)
     t0 = time.perf_counter()
