@@ -6,6 +6,8 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+from moebalance.models import ModelSpec
+
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -24,3 +26,12 @@ def random_replica_layers(rng: object, num_layers: int, num_experts: int, num_gp
                 gpus[int(g)].append(e)
         layers.append(gpus)
     return layers
+
+
+def tiny_model_spec(**changes: object) -> ModelSpec:
+    """A small valid ``ModelSpec`` (8 experts, top-2, 2 layers) with ``changes`` applied."""
+    fields: dict[str, object] = dict(name="tiny", display_name="Tiny", num_layers=2, num_dense_layers=0, num_experts=8,
+                                     top_k=2, hidden_size=16, moe_intermediate_size=32, num_shared_experts=0,
+                                     num_groups=1, source="https://example.org/config.json")
+    fields.update(changes)
+    return ModelSpec(**fields)  # type: ignore[arg-type]

@@ -50,7 +50,7 @@ def test_conversion_round_trip(G: int, E: int, L: int, extra: int) -> None:
     S = -(-E // G) + extra
     R = slots_to_replicas(S, E, G, L)
     assert R >= 0 and R * G <= L * (S * G - E) < (R + 1) * G
-    if S * G == E or R * G >= L * (-(-E // G) * G - E):
+    if R * G >= L * (-(-E // G) * G - E):  # R pays for a placement: equal slots exist
         back = resolve_budget(Budget(replicas_per_gpu=R), E, G, L).uniform_slots("eplb")[0]
         assert back <= min(S, E)
         if R * G == L * (S * G - E):

@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import tiny_model_spec
 
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_load
@@ -51,14 +52,6 @@ def test_unknown_model_is_one_line_naming_the_known_ones() -> None:
     assert all(name in message for name in MODELS)
 
 
-def _tiny(**changes: object) -> ModelSpec:
-    fields: dict[str, object] = dict(name="tiny", display_name="Tiny", num_layers=2, num_dense_layers=0, num_experts=8,
-                                     top_k=2, hidden_size=16, moe_intermediate_size=32, num_shared_experts=0,
-                                     num_groups=1, source="https://example.org/config.json")
-    fields.update(changes)
-    return ModelSpec(**fields)  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize(("changes", "needle"), [
     ({"top_k": 9}, "top_k (9) must be at most num_experts (8)"),
     ({"num_groups": 3}, "num_experts (8) must be divisible by num_groups (3)"),
@@ -70,7 +63,7 @@ def _tiny(**changes: object) -> ModelSpec:
 ])
 def test_spec_validation(changes: dict[str, object], needle: str) -> None:
     with pytest.raises(InputError) as info:
-        _tiny(**changes)
+        tiny_model_spec(**changes)
     assert needle in str(info.value)
 
 

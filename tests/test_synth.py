@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import tiny_model_spec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -43,14 +44,6 @@ def test_routing_profile_validation() -> None:
         RoutingProfile(pinned_hot=(0.99, 0.5))
     with pytest.raises(InputError, match="num_topics"):
         RoutingProfile(num_topics=0)
-
-
-def _tiny(**changes: object) -> ModelSpec:
-    fields: dict[str, object] = dict(name="tiny", display_name="Tiny", num_layers=2, num_dense_layers=0, num_experts=8,
-                                     top_k=2, hidden_size=16, moe_intermediate_size=32, num_shared_experts=0,
-                                     num_groups=1, source="https://example.org/config.json")
-    fields.update(changes)
-    return ModelSpec(**fields)  # type: ignore[arg-type]
 
 
 # ----- arguments -------------------------------------------------------------------------------------------
@@ -140,7 +133,7 @@ def test_token_level_invariants(name: str, batches: int, tokens: int, gpus: int)
 def test_invariants_hold_for_any_shape(experts: int, data: st.DataObject, layers: int, batches: int, tokens: int,
                                        gpus: int, seed: int, token_level: bool) -> None:
     top_k = data.draw(st.integers(1, experts), label="top_k")
-    preset = _tiny(num_layers=layers, num_experts=experts, top_k=top_k)
+    preset = tiny_model_spec(num_layers=layers, num_experts=experts, top_k=top_k)
     out = synthesize(preset, num_batches=batches, tokens_per_batch=tokens, num_gpus=gpus, seed=seed,
                      token_level=token_level)
     _check_counts(out, preset, batches, tokens)

@@ -369,8 +369,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
                                      comparison.seed)
         shown = [rows[sc.name] for sc in comparison.scenarios if sc.shown]
         routers = {sc.router for sc in comparison.scenarios if sc.shown}
-        budgets = [sc.budget for sc in comparison.scenarios]
-        title = _title(load, comparison.load, comparison.cluster, budgets[0], comparison.train_frac,
+        title = _title(load, comparison.load, comparison.cluster, comparison.scenarios[0].budget, comparison.train_frac,
                        routers.pop() if len(routers) == 1 else "per row")
         out_dir = None if args.out_dir is None else str(Path(args.out_dir) / folder)
         _emit_comparison(shown, plans, title, out_dir, False, comparison.notes(rows))

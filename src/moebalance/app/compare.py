@@ -20,7 +20,7 @@ from moebalance.core.plan import Placement
 from moebalance.policies import make_plan
 from moebalance.routing.simulate import evaluate
 
-__all__ = ["Comparison", "Scenario", "compare_policies", "run_comparison"]
+__all__ = ["Comparison", "Scenario", "run_comparison"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,18 +73,3 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
         if on_done is not None:
             on_done(sc.name)
     return rows, plans
-
-
-def compare_policies(load: LoadMatrix, policies: Sequence[str], cluster: Cluster, budget: Budget, *,
-                     train_frac: float = 0.5, router: str = "uniform", seed: int = 0,
-                     params: Mapping[str, Mapping[str, Any]] | None = None, bytes_per_copy: int | None = None,
-                     on_done: Callable[[str], None] | None = None) -> tuple[list[ComparisonRow], dict[str, Placement]]:
-    """Each policy under one budget and router; ``params[policy]`` holds its parameters.
-
-    Returns the rows, in the given order, and the plans by policy.
-    """
-    scenarios = [Scenario(name, budget, dict((params or {}).get(name, {})), router) for name in policies]
-    rows, plans = run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
-                                 bytes_per_copy=bytes_per_copy, on_done=on_done)
-    return list(rows.values()), plans
-

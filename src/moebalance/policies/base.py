@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,7 +38,6 @@ __all__ = [
     "PolicyConfig",
     "check_choice",
     "check_int",
-    "check_number",
     "run_policy",
 ]
 
@@ -188,13 +186,3 @@ def check_int(name: str, value: object, *, minimum: int | None = None, error: ty
                                                      f"an integer >= {minimum}")
         raise error(f"{name} ({value!r}) must be {what}")
     return int(value)
-
-
-def check_number(name: str, value: object, *, lower: float, upper: float, upper_open: bool = False,
-                 error: type[Exception] = InputError) -> float:
-    """``value`` as a finite ``float`` in ``[lower, upper]`` (``[lower, upper)`` with ``upper_open``)."""
-    ok = not isinstance(value, bool) and isinstance(value, int | float | np.integer | np.floating)
-    v = float(value) if ok else math.nan  # type: ignore[arg-type]
-    if not ok or not math.isfinite(v) or v < lower or v > upper or (upper_open and v == upper):
-        raise error(f"{name} ({value!r}) must be a number in [{lower:g}, {upper:g}{')' if upper_open else ']'}")
-    return v
