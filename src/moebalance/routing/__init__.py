@@ -7,33 +7,39 @@ A router works at two granularities with the same rule (docs/design.md, "Routers
 - ``assign_tokens(plan, trace, rng) -> dest_gpu_TLK``: the GPU serving each token's each pick, for
   token-level traces (traffic accounting) and for the runtime.
 
-Routers are looked up by name in :data:`ROUTERS`; callers may also pass a :class:`Router` directly.
+Routers are looked up by name in :data:`ROUTERS`; callers may also pass a :class:`Router` directly. Options
+(``rebalance``'s ``eps``) come as ``get_router(name, params)`` or ``Router.with_params``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from moebalance.core.errors import InputError
-from moebalance.routing.base import Router
+from moebalance.routing.base import Router, RouterConfig
 from moebalance.routing.basic import RANDOM, UNIFORM
 from moebalance.routing.grace import LOCALITY, WRR
+from moebalance.routing.minmax import MINMAX
+from moebalance.routing.rebalance import REBALANCE
 
-__all__ = ["DOCUMENTED_ROUTERS", "ROUTERS", "Router", "get_router"]
+__all__ = ["DOCUMENTED_ROUTERS", "ROUTERS", "Router", "RouterConfig", "get_router"]
 
-#: Router names documented in docs/design.md, "Routers" (contract). The exact min-max router is documented as ``minmax``.
+#: Router names documented in docs/design.md, "Routers" (contract).
 DOCUMENTED_ROUTERS = ("uniform", "random", "wrr", "locality", "rebalance", "minmax")
 
-ROUTERS: dict[str, Router] = {r.name: r for r in (UNIFORM, RANDOM, WRR, LOCALITY)}
+ROUTERS: dict[str, Router] = {r.name: r for r in (UNIFORM, RANDOM, WRR, LOCALITY, REBALANCE, MINMAX)}
 
 _unknown = set(ROUTERS) - set(DOCUMENTED_ROUTERS)
 if _unknown:  # import-time check that the registry only holds documented names
     raise RuntimeError(f"routers {sorted(_unknown)} are registered but not documented in DOCUMENTED_ROUTERS")
 
 
-def get_router(router: str | Router) -> Router:
-    """The router called ``router``, or ``router`` itself if it is already a :class:`Router`."""
-    if isinstance(router, Router):
-        return router
-    try:
-        return ROUTERS[router]
-    except KeyError:
-        raise InputError(f"unknown router {router!r}; choose one of: {', '.join(sorted(ROUTERS))}") from None
+def get_router(router: str | Router, params: Mapping[str, Any] | None = None) -> Router:
+    """The router called ``router`` (or ``router`` itself if it is a :class:`Router`), with options ``params``."""
+    if not isinstance(router, Router):
+        try:
+            router = ROUTERS[router]
+        except KeyError:
+            raise InputError(f"unknown router {router!r}; choose one of: {', '.join(sorted(ROUTERS))}") from None
+    return router.with_params(**dict(params or {}))

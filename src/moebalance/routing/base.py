@@ -1,10 +1,16 @@
-"""The router interface."""
+"""The router interface, and router options.
+
+A router may take options (Libra's tolerance, for one): a frozen :class:`RouterConfig` subclass, given on the
+command line as ``--router-set key=value`` and in Python as ``get_router("rebalance", {"eps": 0.02})`` or
+``router.with_params(eps=0.02)``. A configured router is a new :class:`Router` with the same name.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -14,12 +20,34 @@ if TYPE_CHECKING:
     from moebalance.core.plan import Placement
     from moebalance.core.trace import RoutingTrace
 
-__all__ = ["Router", "check_routes"]
+__all__ = ["Router", "RouterConfig", "check_routes"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RouterConfig:
+    """Base of a router's options: frozen, keyword-only, validated in ``__post_init__``."""
+
+    @classmethod
+    def from_params(cls, router: str, params: Mapping[str, Any]) -> RouterConfig:
+        """The options from ``params`` (e.g. parsed ``--router-set`` values); an unknown key names the known ones."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in params:
+            if key not in names:
+                raise InputError(f"router {router!r} has no option {key!r}; its options: {', '.join(names)}")
+        return cls(**params)
+
+    def as_params(self) -> dict[str, Any]:
+        """The options as JSON values."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
 class Router:
-    """A named replica-selection rule, usable on counts and on tokens."""
+    """A named replica-selection rule, usable on counts and on tokens.
+
+    Routers whose choice depends on the load (``minmax``, ``rebalance``) also give ``assign_kept``, so that
+    picks a capacity dropped do not count; ``config`` and ``configure`` carry a router's options.
+    """
 
     name: str
     #: ``(plan, counts [B, L, E], rng) -> float64 [B, L, G]`` tokens served per GPU.
@@ -28,14 +56,47 @@ class Router:
     assign_tokens: Callable[[Placement, RoutingTrace, np.random.Generator], np.ndarray]
     #: One line for help texts.
     summary: str = ""
+    #: ``(plan, trace, kept bool [T, L, K], rng) -> int64 [T, L, K]``: ``assign_tokens`` when only the kept
+    #: picks are served; a dropped pick's GPU is ``-1``. ``None``: the router ignores loads, so the runtime
+    #: routes every pick with ``assign_tokens`` and discards the dropped ones.
+    assign_kept: Callable[[Placement, RoutingTrace, np.ndarray, np.random.Generator], np.ndarray] | None = None
+    #: The options this router runs with; ``None`` for a router without options.
+    config: RouterConfig | None = None
+    #: ``(config) -> Router``: the same router with other options (module-level, so routers pickle).
+    configure: Callable[[Any], Router] | None = field(default=None, repr=False)
+
+    def with_params(self, **params: Any) -> Router:
+        """This router with ``params`` changed (an unknown option or a router without options: InputError)."""
+        if not params:
+            return self
+        if self.config is None or self.configure is None:
+            raise InputError(f"router {self.name!r} takes no options; {', '.join(sorted(params))} given")
+        config = type(self.config).from_params(self.name, {**self.config.as_params(), **params})
+        return self.configure(config)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The options as JSON values (empty without options)."""
+        return {} if self.config is None else self.config.as_params()
+
+    @property
+    def label(self) -> str:
+        """``name``, with the options that differ from the defaults: ``rebalance(eps=0.02)``."""
+        if self.config is None:
+            return self.name
+        default = type(self.config)().as_params()
+        changed = [f"{k}={v}" for k, v in self.config.as_params().items() if default.get(k) != v]
+        return f"{self.name}({', '.join(changed)})" if changed else self.name
 
 
-def check_routes(dest_TK: np.ndarray, ids_TK: np.ndarray, copies_EG: np.ndarray, router: str) -> None:
+def check_routes(dest_TK: np.ndarray, ids_TK: np.ndarray, copies_EG: np.ndarray, router: str,
+                 kept_TK: np.ndarray | None = None) -> None:
     """Refuse a router's answer unless every pick goes to a GPU ``0..G-1`` that holds a copy of its expert.
 
     ``dest_TK`` is what router ``router`` returned for the picks ``ids_TK`` of a one-layer plan whose
-    ``copies_EG [E, G]`` counts each expert's copies per GPU. Every rank checks the same data, so all ranks
-    refuse together and none is left waiting in a collective.
+    ``copies_EG [E, G]`` counts each expert's copies per GPU; with ``kept_TK`` only the kept picks are
+    checked (the others must be -1). Every rank checks the same data, so all ranks refuse together and none
+    is left waiting in a collective.
     """
     dest = np.asarray(dest_TK)
     G = copies_EG.shape[1]
@@ -44,6 +105,12 @@ def check_routes(dest_TK: np.ndarray, ids_TK: np.ndarray, copies_EG: np.ndarray,
                          f"it must return one GPU per pick")
     if not np.issubdtype(dest.dtype, np.integer):
         raise InputError(f"router {router!r} returned GPUs of dtype {dest.dtype}; it must return integer GPU ids")
+    if kept_TK is not None:
+        if np.any(dest[~kept_TK] != -1):
+            t, k = (int(i) for i in np.argwhere(~kept_TK & (dest != -1))[0])
+            raise InputError(f"router {router!r} sent dropped pick {k} of token {t} to GPU {int(dest[t, k])}; a "
+                             f"dropped pick's GPU must be -1")
+        dest = np.where(kept_TK, dest, np.argmax(copies_EG[ids_TK] > 0, axis=-1))  # checked picks only
     outside = (dest < 0) | (dest >= G)
     if outside.any():
         t, k = (int(i) for i in np.argwhere(outside)[0])

@@ -11,7 +11,9 @@ model, docs/papers/routing.md), so we report
 - the gap of ``max_g`` to the lower bound ``max(total / G, max_e W_e / r_e)`` that no placement with these
   replica counts can beat,
 
-each averaged over the ``(b, l)`` with non-zero load, plus per-layer means. For token-level traces we also
+each averaged over the ``(b, l)`` with non-zero load, plus per-layer means, and the routing gap: how much
+the mean straggler load exceeds what the ``minmax`` router achieves on the same plan and batches (0 for a
+router that splits optimally; :mod:`moebalance.routing.minmax`). For token-level traces we also
 count the copies the all-to-all dispatch sends: a token goes once to each distinct GPU serving any of its
 picks (GRACE, DeepEP); to its own GPU it is local, to another GPU of its node intra-node, else inter-node.
 
@@ -51,6 +53,7 @@ from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.routing import Router, get_router
 from moebalance.routing.base import check_routes
+from moebalance.routing.minmax import least_max_load
 
 __all__ = ["Score", "Traffic", "a2a_seconds", "evaluate", "gpu_loads", "layer_metrics", "traffic"]
 
@@ -207,6 +210,12 @@ class Score:
     router: str
     traffic: Traffic | None = None
     bytes_per_copy: int | None = None
+    #: ``mean_max_load / (minmax's mean max load) - 1`` on the same plan and batches, at the granularity of
+    #: this router's loads (whole tokens when they come from assigned picks, else fractions); ``None`` if not
+    #: computed.
+    routing_gap: float | None = None
+    #: The router's options (``--router-set``), empty for a router without options.
+    router_params: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The ``evaluate --json`` object (docs/design.md, "Metrics")."""
@@ -227,6 +236,10 @@ class Score:
             "num_batches": self.num_batches,
             "router": self.router,
         }
+        if self.router_params:
+            out["router_params"] = dict(self.router_params)
+        if self.routing_gap is not None:
+            out["routing_gap"] = round(self.routing_gap, 6)
         if self.traffic is not None:
             out["traffic"] = self.traffic.as_dict(self.bytes_per_copy)
             out["traffic_matrix"] = self.traffic.matrix.tolist()
@@ -234,12 +247,13 @@ class Score:
 
 
 def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform", *, seed: int = 0,
-             bytes_per_copy: int | None = None) -> Score:
+             bytes_per_copy: int | None = None, routing_gap: bool = True) -> Score:
     """Replay ``load`` through ``plan`` with ``router`` and score it.
 
-    For a token-level load the ``random`` router is applied per token (so GPU loads and traffic come from
-    the same draws); ``uniform`` keeps its exact fractional split for loads and uses its round-robin token
-    realisation for traffic.
+    For a token-level load the routers are applied per token (so GPU loads and traffic come from the same
+    picks); ``uniform`` keeps its exact fractional split for loads and uses its round-robin token
+    realisation for traffic. ``routing_gap=False`` skips the ``minmax`` bound (one flow problem per batch and
+    layer).
     """
     check_compatible(plan, load)
     r = get_router(router)
@@ -251,7 +265,8 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
         dest = r.assign_tokens(plan, trace, rng)
         for layer in range(plan.num_layers):  # a custom router's answer is checked before it is counted
             check_routes(dest[:, layer, :], trace.topk_ids[:, layer, :], plan.copies[layer], r.name)
-    if dest is not None and trace is not None and r.name != "uniform":
+    whole_tokens = dest is not None and trace is not None and r.name != "uniform"
+    if whole_tokens and dest is not None and trace is not None:
         B, L, G = load.num_batches, load.num_layers, plan.num_gpus
         flat = (trace.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest
         loads = np.bincount(flat.ravel(), minlength=B * L * G).reshape(B, L, G).astype(np.float64)
@@ -264,6 +279,10 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
     active = np.isfinite(m.balancedness)
     idle = (loads.max(axis=2, keepdims=True) - loads).sum(axis=2)[active]
     std = loads.std(axis=2)[active]
+    gap_to_minmax = None
+    if routing_gap:
+        best = least_max_load(plan, load.counts, integral=whole_tokens)
+        gap_to_minmax = float(np.mean(m.max_load[active]) / np.mean(best[active]) - 1.0)
     return Score(
         balancedness=float(_nanmean(m.balancedness)),
         imbalance_ratio=float(_nanmean(m.imbalance)),
@@ -279,4 +298,6 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
         router=r.name,
         traffic=None if dest is None or trace is None else traffic(plan, trace, dest, bytes_per_copy),
         bytes_per_copy=bytes_per_copy,
+        routing_gap=gap_to_minmax,
+        router_params=r.params,
     )

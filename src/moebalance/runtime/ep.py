@@ -163,8 +163,9 @@ def route_picks(plan: Placement, router: str | Router, ids_TK: np.ndarray, kept_
                 tokens_per_rank: Sequence[int], rng: np.random.Generator) -> np.ndarray:
     """``int64 [T, K]``: the GPU serving each pick of a one-layer plan, ``-1`` where the pick was dropped.
 
-    The tokens of rank ``r`` live on GPU ``r``; all form one batch. Dropped picks stay in the trace (a trace
-    has ``K`` distinct picks per token) and are masked afterwards, so the router sees the gate's choices.
+    The tokens of rank ``r`` live on GPU ``r``; all form one batch. A router that balances load
+    (``Router.assign_kept``) sees which picks were dropped, so they count nowhere; the others route every
+    pick the gate chose (a trace has ``K`` distinct picks per token) and the dropped ones are masked afterwards.
     """
     T, K = ids_TK.shape
     if T == 0:
@@ -172,9 +173,15 @@ def route_picks(plan: Placement, router: str | Router, ids_TK: np.ndarray, kept_
     src = np.repeat(np.arange(len(tokens_per_rank), dtype=np.int64), tokens_per_rank)
     trace = RoutingTrace(ids_TK[:, None, :], src, np.zeros(T, dtype=np.int64), num_experts=plan.num_experts)
     r = get_router(router)
-    dest = np.asarray(r.assign_tokens(plan, trace, rng))
+    if r.assign_kept is not None:
+        dest = np.asarray(r.assign_kept(plan, trace, kept_TK[:, None, :], rng))
+    else:
+        dest = np.asarray(r.assign_tokens(plan, trace, rng))
     if dest.ndim != 3 or dest.shape[1] != 1:
         raise InputError(f"router {r.name!r} returned GPUs of shape {dest.shape}; expected [T, 1, K] for one layer")
+    if r.assign_kept is not None:
+        check_routes(dest[:, 0, :], ids_TK, plan.copies[0], r.name, kept_TK)
+        return dest[:, 0, :]
     check_routes(dest[:, 0, :], ids_TK, plan.copies[0], r.name)
     return np.where(kept_TK, dest[:, 0, :], -1)
 

@@ -1,0 +1,435 @@
+"""The exact min-max split of expert load over replicas (docs/papers/routing.md, "The min-max split").
+
+Legend: ``B`` batches, ``E`` experts, ``G`` GPUs, ``T`` tokens, ``K`` picks per token; ``has [E, G]`` says
+which GPUs hold a copy of which expert (one layer).
+
+Given expert loads ``W [E]`` and where the copies are, a split sends ``x[e, g] >= 0`` of expert ``e``'s
+tokens to each GPU ``g`` holding it, ``sum_g x[e, g] = W[e]``. The least possible straggler load is::
+
+    t* = max over GPU sets S of  W(experts whose copies all lie in S) / |S|
+
+(the max-flow min-cut theorem on the network source -> expert -> GPU -> sink with GPU capacities ``t``).
+We find it by Newton's method on the cut: start at ``t = total / G``; while a maximum flow cannot route
+everything, take the GPUs ``S`` on the source side of a minimum cut and set ``t = W(experts inside S) / |S|``,
+which rises strictly and reaches ``t*`` in at most ``G`` steps. Capacities are scaled by the denominator, so
+every flow is integral and ``t*`` is an exact fraction.
+
+- **Counts** (fractional tokens): :func:`lex_loads` returns the lexicographically smallest load vector:
+  the largest set of GPUs that must carry ``t*`` (those that cannot reach the sink in the residual network)
+  takes exactly ``t*``; the experts whose copies all lie in it are settled, the others lose those copies,
+  and the rest is solved again. The maximum is ``t*`` (the LP optimum) and no other split has a smaller
+  sorted load vector, so the spread of load (standard deviation, idle time) is the least possible too.
+- **Tokens** (each pick goes to one GPU): with integer capacities ``U`` a fractional split exists iff an
+  integral one does, so the integral optimum is ``ceil(t*)``. :func:`route_tokens` finds, among the splits
+  whose GPUs all stay within ``ceil(t*)``, one of least traffic cost -- a pick served on its own GPU costs
+  0, on another GPU of its node 1, on another node 2 -- as a minimum-cost flow from (source GPU, expert)
+  classes to GPUs, then hands each class's tokens to GPUs in token order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from moebalance.algorithms.flow import build, max_flow, min_cost_flow, reach_from, reaches
+
+__all__ = ["host_lists", "lex_loads", "max_loads", "minmax_value", "route_tokens", "split_counts"]
+
+
+@njit(cache=True)
+def _level(w: np.ndarray, item_hosts: np.ndarray, item_start: np.ndarray, A: int):  # type: ignore[no-untyped-def]
+    """The bottleneck of one level: ``(p, q, tight)`` with ``t* = p / q`` and ``tight bool [A]`` the largest
+    set of the ``A`` GPUs that must carry exactly ``t*``.
+
+    ``w [I]`` item loads (positive); item ``i`` may go to GPUs ``item_hosts[item_start[i]:item_start[i + 1]]``
+    (numbered ``0 .. A - 1``).
+    """
+    n_items = w.shape[0]
+    n = n_items + A + 2
+    s, t = 0, n_items + A + 1
+    m = n_items + item_start[n_items] + A
+    tail = np.empty(m, np.int64)
+    head = np.empty(m, np.int64)
+    cost = np.zeros(m, np.int64)
+    cap = np.empty(m, np.int64)
+    k = 0
+    for i in range(n_items):
+        tail[k], head[k] = s, 1 + i
+        k += 1
+        for j in range(item_start[i], item_start[i + 1]):
+            tail[k], head[k] = 1 + i, 1 + n_items + item_hosts[j]
+            k += 1
+    for a in range(A):
+        tail[k], head[k] = 1 + n_items + a, t
+        k += 1
+    total = np.int64(0)
+    for i in range(n_items):
+        total += w[i]
+    p, q = total, np.int64(A)
+    ok = np.ones(2 * m, np.bool_)
+    while True:
+        k = 0
+        for i in range(n_items):
+            cap[k] = w[i] * q
+            k += 1
+            for _ in range(item_start[i], item_start[i + 1]):
+                cap[k] = w[i] * q
+                k += 1
+        for a in range(A):
+            cap[k] = p
+            k += 1
+        arc_head, _arc_cost, res, start, adj = build(n, tail, head, cap, cost)
+        f = max_flow(n, arc_head, res, start, adj, ok, s, t)
+        if f == total * q:
+            into_sink = reaches(n, arc_head, res, start, adj, t)
+            tight = np.empty(A, np.bool_)
+            for a in range(A):
+                tight[a] = not into_sink[1 + n_items + a]
+            return p, q, tight
+        side = reach_from(n, arc_head, res, start, adj, s)
+        p_new = np.int64(0)
+        for i in range(n_items):
+            if side[1 + i]:
+                p_new += w[i]
+        q_new = np.int64(0)
+        for a in range(A):
+            if side[1 + n_items + a]:
+                q_new += 1
+        p, q = p_new, q_new
+
+
+@njit(cache=True)
+def host_lists(has: np.ndarray):  # type: ignore[no-untyped-def]
+    """``(hstart int64 [E + 1], hosts int64 [P])``: the GPUs holding expert ``e`` are
+    ``hosts[hstart[e]:hstart[e + 1]]``, ascending (``has bool [E, G]``; two copies on one GPU count once)."""
+    E, G = has.shape
+    hstart = np.zeros(E + 1, np.int64)
+    for e in range(E):
+        hstart[e + 1] = hstart[e]
+        for g in range(G):
+            if has[e, g]:
+                hstart[e + 1] += 1
+    hosts = np.empty(hstart[E], np.int64)
+    k = 0
+    for e in range(E):
+        for g in range(G):
+            if has[e, g]:
+                hosts[k] = g
+                k += 1
+    return hstart, hosts
+
+
+@njit(cache=True)
+def _find(parent: np.ndarray, g: int) -> int:
+    while parent[g] != g:
+        parent[g] = parent[parent[g]]
+        g = parent[g]
+    return g
+
+
+@njit(cache=True)
+def _component(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, experts: np.ndarray, gpus: np.ndarray,
+               fixed: np.ndarray, lex: bool, num: np.ndarray, den: np.ndarray) -> None:
+    """Loads of one connected component (``gpus``, the multi-copy ``experts`` joining them, ``fixed`` load of
+    single-copy experts per GPU), level by level (module docstring), into ``num / den``. Without ``lex``, only
+    the first level: every GPU of the component gets ``t*`` (the component's straggler, an upper bound)."""
+    A = gpus.shape[0]
+    X = experts.shape[0]
+    G = num.shape[0]
+    local = np.full(G, -1, np.int64)
+    for a in range(A):
+        local[gpus[a]] = a
+    active = np.ones(A, np.bool_)
+    settled = np.zeros(X, np.bool_)
+    pos = np.empty(A, np.int64)
+    w = np.empty(X + A, np.int64)
+    item_start = np.zeros(X + A + 1, np.int64)
+    item_hosts = np.empty(hosts.shape[0] + A, np.int64)
+    extra = np.empty(A, np.int64)
+    while True:
+        n_active = 0
+        for a in range(A):
+            if active[a]:
+                pos[a] = n_active
+                n_active += 1
+                extra[a] = fixed[gpus[a]]
+            else:
+                pos[a] = -1
+        if n_active == 0:
+            return
+        n_items = 0
+        k = 0
+        for x in range(X):
+            if settled[x]:
+                continue
+            e = experts[x]
+            n_hosts = 0
+            last = -1
+            for j in range(hstart[e], hstart[e + 1]):
+                a = local[hosts[j]]
+                if active[a]:
+                    n_hosts += 1
+                    last = a
+            if n_hosts == 0:
+                settled[x] = True
+            elif n_hosts == 1:  # no choice left: its other copies sit on GPUs already at their level
+                extra[last] += W[e]
+            else:
+                w[n_items] = W[e]
+                for j in range(hstart[e], hstart[e + 1]):
+                    a = local[hosts[j]]
+                    if active[a]:
+                        item_hosts[k] = pos[a]
+                        k += 1
+                n_items += 1
+                item_start[n_items] = k
+        for a in range(A):
+            if active[a] and extra[a] > 0:
+                w[n_items] = extra[a]
+                item_hosts[k] = pos[a]
+                k += 1
+                n_items += 1
+                item_start[n_items] = k
+        if n_items == 0:  # nothing left to carry
+            for a in range(A):
+                if active[a]:
+                    num[gpus[a]], den[gpus[a]] = 0, 1
+            return
+        p, q, tight = _level(w[:n_items], item_hosts[:k], item_start[:n_items + 1], n_active)
+        found = False
+        for a in range(A):
+            if active[a] and (tight[pos[a]] or not lex):
+                num[gpus[a]], den[gpus[a]] = p, q
+                active[a] = False
+                found = True
+        if not found:
+            raise RuntimeError("minmax: a level without a tight GPU set (a bug)")
+
+
+@njit(cache=True)
+def _loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, lex: bool):  # type: ignore[no-untyped-def]
+    """``(num, den)``: every GPU's load (``lex``) or an upper bound whose maximum is ``t*`` (not ``lex``).
+
+    Experts with one copy add a fixed load; experts with several join their GPUs into connected components,
+    each solved on its own (:func:`_component`); a GPU outside every component carries its fixed load.
+    """
+    E = W.shape[0]
+    fixed = np.zeros(G, np.int64)
+    parent = np.arange(G)
+    n_multi = 0
+    for e in range(E):
+        if W[e] == 0:
+            continue
+        lo, hi = hstart[e], hstart[e + 1]
+        if hi - lo == 1:
+            fixed[hosts[lo]] += W[e]
+        else:
+            n_multi += 1
+            r0 = _find(parent, hosts[lo])
+            for j in range(lo + 1, hi):
+                r = _find(parent, hosts[j])
+                if r != r0:
+                    parent[r] = r0
+    num = fixed.copy()
+    den = np.ones(G, np.int64)
+    if n_multi == 0:
+        return num, den
+    root = np.empty(G, np.int64)
+    for g in range(G):
+        root[g] = _find(parent, g)
+    size = np.zeros(G, np.int64)
+    for g in range(G):
+        size[root[g]] += 1
+    n_exp = np.zeros(G, np.int64)
+    multi = np.empty(n_multi, np.int64)
+    k = 0
+    for e in range(E):
+        if W[e] > 0 and hstart[e + 1] - hstart[e] > 1:
+            multi[k] = e
+            k += 1
+            n_exp[root[hosts[hstart[e]]]] += 1
+    for r in range(G):
+        if n_exp[r] == 0:
+            continue
+        gpus = np.empty(size[r], np.int64)
+        k = 0
+        for g in range(G):
+            if root[g] == r:
+                gpus[k] = g
+                k += 1
+        experts = np.empty(n_exp[r], np.int64)
+        k = 0
+        for e in multi:
+            if root[hosts[hstart[e]]] == r:
+                experts[k] = e
+                k += 1
+        _component(W, hstart, hosts, experts, gpus, fixed, lex, num, den)
+    return num, den
+
+
+@njit(cache=True)
+def lex_loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int):  # type: ignore[no-untyped-def]
+    """The lexicographically optimal fractional GPU loads of one ``(batch, layer)``, as exact fractions.
+
+    ``W int64 [E]`` expert loads (non-negative) and the :func:`host_lists` of the layer (every expert with
+    load has a copy). Returns ``(num int64 [G], den int64 [G])``: GPU ``g`` carries ``num[g] / den[g]``
+    tokens; the largest is the LP optimum ``t*``. Example: experts ``[6, 2]``, expert 0 on GPUs 0 and 1,
+    expert 1 on GPU 1 only: loads ``[4, 4]`` (expert 0 sends 4 to GPU 0 and 2 to GPU 1).
+    """
+    return _loads(W, hstart, hosts, G, True)
+
+
+@njit(cache=True)
+def minmax_value(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int):  # type: ignore[no-untyped-def]
+    """``(p, q)``: the least possible straggler load ``t* = p / q`` of one ``(batch, layer)`` (fractional)."""
+    num, den = _loads(W, hstart, hosts, G, False)
+    p, q = np.int64(0), np.int64(1)
+    for g in range(G):
+        if num[g] * q > p * den[g]:
+            p, q = num[g], den[g]
+    return p, q
+
+
+@njit(cache=True)
+def split_counts(counts: np.ndarray, has: np.ndarray) -> np.ndarray:
+    """``float64 [B, L, G]``: :func:`lex_loads` of every ``(b, l)`` of ``counts int64 [B, L, E]``,
+    ``has bool [L, E, G]``."""
+    B, L, _E = counts.shape
+    G = has.shape[2]
+    out = np.zeros((B, L, G), np.float64)
+    for layer in range(L):
+        hstart, hosts = host_lists(has[layer])
+        for b in range(B):
+            num, den = lex_loads(counts[b, layer], hstart, hosts, G)
+            for g in range(G):
+                out[b, layer, g] = num[g] / den[g]
+    return out
+
+
+@njit(cache=True)
+def max_loads(counts: np.ndarray, has: np.ndarray, integral: bool) -> np.ndarray:
+    """``float64 [B, L]``: the least straggler load of every ``(b, l)``: ``t*``, or ``ceil(t*)`` if integral."""
+    B, L, _E = counts.shape
+    G = has.shape[2]
+    out = np.zeros((B, L), np.float64)
+    for layer in range(L):
+        hstart, hosts = host_lists(has[layer])
+        for b in range(B):
+            p, q = minmax_value(counts[b, layer], hstart, hosts, G)
+            out[b, layer] = (p + q - 1) // q if integral else p / q
+    return out
+
+
+@njit(cache=True)
+def route_tokens(ids: np.ndarray, src: np.ndarray, batch_start: np.ndarray, has: np.ndarray,
+                 gpus_per_node: int, kept: np.ndarray) -> np.ndarray:
+    """``int64 [T, K]``: a GPU for every kept pick of one layer, batch by batch (module docstring, "Tokens").
+
+    ``ids int64 [T, K]`` the picks (distinct within a token), ``src int64 [T]`` each token's GPU, tokens of
+    batch ``b`` at ``batch_start[b]:batch_start[b + 1]``; ``has bool [E, G]``; ``kept bool [T, K]``: the
+    picks to serve (a dropped pick's GPU is -1 and it counts nowhere).
+    """
+    T, K = ids.shape
+    E, G = has.shape
+    dest = np.full((T, K), -1, np.int64)
+    n_hosts = np.zeros(E, np.int64)
+    only = np.full(E, -1, np.int64)
+    for e in range(E):
+        for g in range(G):
+            if has[e, g]:
+                n_hosts[e] += 1
+                only[e] = g
+    multi = np.empty(E, np.int64)  # position of each multi-copy expert among them, -1 for the others
+    M = 0
+    for e in range(E):
+        if n_hosts[e] > 1:
+            multi[e] = M
+            M += 1
+        else:
+            multi[e] = -1
+    mexp = np.empty(M, np.int64)
+    for e in range(E):
+        if multi[e] >= 0:
+            mexp[multi[e]] = e
+    cls_count = np.zeros(G * M, np.int64)
+    cls_node = np.full(G * M, -1, np.int64)
+    W = np.zeros(E, np.int64)
+    base = np.zeros(G, np.int64)
+    hstart, hosts = host_lists(has)
+    for b in range(batch_start.shape[0] - 1):
+        lo, hi = batch_start[b], batch_start[b + 1]
+        if hi == lo:
+            continue
+        W[:] = 0
+        base[:] = 0
+        cls_count[:] = 0
+        for i in range(lo, hi):
+            for k in range(K):
+                if not kept[i, k]:
+                    continue
+                e = ids[i, k]
+                W[e] += 1
+                if multi[e] < 0:
+                    base[only[e]] += 1
+                else:
+                    cls_count[src[i] * M + multi[e]] += 1
+        p, q = minmax_value(W, hstart, hosts, G)
+        U = (p + q - 1) // q
+        # network: source 0, classes 1..C, GPUs C+1..C+G, sink C+G+1
+        C = 0
+        n_arcs = 0
+        for c in range(G * M):
+            if cls_count[c] > 0:
+                cls_node[c] = 1 + C
+                C += 1
+                n_arcs += 1 + n_hosts[mexp[c % M]]
+            else:
+                cls_node[c] = -1
+        n = C + G + 2
+        s, t = 0, C + G + 1
+        m = n_arcs + G
+        tail = np.empty(m, np.int64)
+        head = np.empty(m, np.int64)
+        cap = np.empty(m, np.int64)
+        cost = np.zeros(m, np.int64)
+        first_edge = np.empty(G * M, np.int64)  # each class's first class -> GPU edge
+        k = 0
+        for c in range(G * M):
+            if cls_node[c] < 0:
+                continue
+            sg, e = c // M, mexp[c % M]
+            tail[k], head[k], cap[k] = s, cls_node[c], cls_count[c]
+            k += 1
+            first_edge[c] = k
+            for g in range(G):
+                if has[e, g]:
+                    tail[k], head[k], cap[k] = cls_node[c], 1 + C + g, cls_count[c]
+                    if g != sg:
+                        cost[k] = 1 if g // gpus_per_node == sg // gpus_per_node else 2
+                    k += 1
+        demand = np.int64(0)
+        for c in range(G * M):
+            demand += cls_count[c]
+        for g in range(G):
+            tail[k], head[k], cap[k] = 1 + C + g, t, U - base[g]
+            k += 1
+        arc_head, arc_cost, res, start, adj = build(n, tail, head, cap, cost)
+        sent = min_cost_flow(n, arc_head, arc_cost, res, start, adj, s, t, demand)
+        if sent != demand:
+            raise RuntimeError("minmax: the integral split at ceil(t*) was infeasible (a bug)")
+        # hand each class's tokens to its GPUs in token order; the flow on edge j is res[2 j + 1]
+        for i in range(lo, hi):
+            for kk in range(K):
+                if not kept[i, kk]:
+                    continue
+                e = ids[i, kk]
+                if multi[e] < 0:
+                    dest[i, kk] = only[e]
+                    continue
+                c = src[i] * M + multi[e]
+                j = first_edge[c]
+                while res[2 * j + 1] == 0:
+                    j += 1
+                res[2 * j + 1] -= 1
+                dest[i, kk] = arc_head[2 * j] - 1 - C
+    return dest
