@@ -31,7 +31,8 @@ INF = np.int64(1) << np.int64(62)
 
 
 @njit(cache=True)
-def build(n: int, tail: np.ndarray, head: np.ndarray, cap: np.ndarray, cost: np.ndarray):  # type: ignore[no-untyped-def]
+def build(n: int, tail: np.ndarray, head: np.ndarray, cap: np.ndarray, cost: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Arcs in pairs and the CSR index: ``(arc_head [2m], arc_cost [2m], res [2m], start [n + 1], adj [2m])``.
 
     The arcs leaving node ``v`` are ``adj[start[v]:start[v + 1]]``, in edge order (forward and reverse arcs
@@ -233,7 +234,7 @@ def _dijkstra(n: int, arc_head: np.ndarray, arc_cost: np.ndarray, res: np.ndarra
 
 @njit(cache=True)
 def min_cost_flow(n: int, arc_head: np.ndarray, arc_cost: np.ndarray, res: np.ndarray, start: np.ndarray,
-                  adj: np.ndarray, s: int, t: int, demand: int) -> int:
+                  adj: np.ndarray, s: int, t: int, demand: int | np.integer) -> int:
     """Send up to ``demand`` units from ``s`` to ``t`` at least total cost (costs >= 0 on forward arcs).
 
     Primal-dual: each phase finds shortest distances on reduced costs, raises the potentials by them, and

@@ -37,7 +37,8 @@ __all__ = ["host_lists", "lex_loads", "max_loads", "minmax_value", "route_tokens
 
 
 @njit(cache=True)
-def _level(w: np.ndarray, item_hosts: np.ndarray, item_start: np.ndarray, A: int):  # type: ignore[no-untyped-def]
+def _level(w: np.ndarray, item_hosts: np.ndarray, item_start: np.ndarray, A: int
+           ) -> tuple[np.int64, np.int64, np.ndarray]:
     """The bottleneck of one level: ``(p, q, tight)`` with ``t* = p / q`` and ``tight bool [A]`` the largest
     set of the ``A`` GPUs that must carry exactly ``t*``.
 
@@ -75,7 +76,7 @@ def _level(w: np.ndarray, item_hosts: np.ndarray, item_start: np.ndarray, A: int
             for _ in range(item_start[i], item_start[i + 1]):
                 cap[k] = w[i] * q
                 k += 1
-        for a in range(A):
+        for _ in range(A):
             cap[k] = p
             k += 1
         arc_head, _arc_cost, res, start, adj = build(n, tail, head, cap, cost)
@@ -99,7 +100,7 @@ def _level(w: np.ndarray, item_hosts: np.ndarray, item_start: np.ndarray, A: int
 
 
 @njit(cache=True)
-def host_lists(has: np.ndarray):  # type: ignore[no-untyped-def]
+def host_lists(has: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(hstart int64 [E + 1], hosts int64 [P])``: the GPUs holding expert ``e`` are
     ``hosts[hstart[e]:hstart[e + 1]]``, ascending (``has bool [E, G]``; two copies on one GPU count once)."""
     E, G = has.shape
@@ -207,7 +208,7 @@ def _component(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, experts: np
 
 
 @njit(cache=True)
-def _loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, lex: bool):  # type: ignore[no-untyped-def]
+def _loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, lex: bool) -> tuple[np.ndarray, np.ndarray]:
     """``(num, den)``: every GPU's load (``lex``) or an upper bound whose maximum is ``t*`` (not ``lex``).
 
     Experts with one copy add a fixed load; experts with several join their GPUs into connected components,
@@ -259,16 +260,16 @@ def _loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, lex: bo
                 k += 1
         experts = np.empty(n_exp[r], np.int64)
         k = 0
-        for e in multi:
-            if root[hosts[hstart[e]]] == r:
-                experts[k] = e
+        for x in range(n_multi):
+            if root[hosts[hstart[multi[x]]]] == r:
+                experts[k] = multi[x]
                 k += 1
         _component(W, hstart, hosts, experts, gpus, fixed, lex, num, den)
     return num, den
 
 
 @njit(cache=True)
-def lex_loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int):  # type: ignore[no-untyped-def]
+def lex_loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int) -> tuple[np.ndarray, np.ndarray]:
     """The lexicographically optimal fractional GPU loads of one ``(batch, layer)``, as exact fractions.
 
     ``W int64 [E]`` expert loads (non-negative) and the :func:`host_lists` of the layer (every expert with
@@ -280,7 +281,7 @@ def lex_loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int):  # 
 
 
 @njit(cache=True)
-def minmax_value(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int):  # type: ignore[no-untyped-def]
+def minmax_value(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int) -> tuple[np.int64, np.int64]:
     """``(p, q)``: the least possible straggler load ``t* = p / q`` of one ``(batch, layer)`` (fractional)."""
     num, den = _loads(W, hstart, hosts, G, False)
     p, q = np.int64(0), np.int64(1)

@@ -36,7 +36,7 @@ __all__ = ["gpu_lists", "rebalance", "route_tokens", "split_counts"]
 
 
 @njit(cache=True)
-def gpu_lists(hstart: np.ndarray, hosts: np.ndarray, G: int):  # type: ignore[no-untyped-def]
+def gpu_lists(hstart: np.ndarray, hosts: np.ndarray, G: int) -> tuple[np.ndarray, np.ndarray]:
     """``(gstart [G + 1], gexp [.])``: the experts with copies on two or more GPUs that GPU ``g`` holds,
     ``gexp[gstart[g]:gstart[g + 1]]`` (only they can move)."""
     E = hstart.shape[0] - 1
@@ -77,7 +77,7 @@ def _reposition(by_load: np.ndarray, where: np.ndarray, loads: np.ndarray, g: in
 
 @njit(cache=True)
 def rebalance(local: np.ndarray, remote: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, gstart: np.ndarray,
-              gexp: np.ndarray, target: float, eps: float, strict: bool):  # type: ignore[no-untyped-def]
+              gexp: np.ndarray, target: float, eps: float, strict: bool) -> tuple[np.ndarray, int]:
     """Alg. 2 on one ``(batch, layer)``; moves picks in ``remote int64 [G, E]`` in place.
 
     ``local int64 [G]``, ``target`` = B, the mean load. Returns ``(loads int64 [G], moves)``.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix, parse_batch_range, read_load, write_load
 from moebalance.core.plan import read_plan, write_plan
 from moebalance.policies import POLICIES, Budget, make_plan
-from moebalance.routing import ROUTERS
+from moebalance.routing import get_router
 from moebalance.routing.simulate import evaluate
 
 __all__ = ["main"]
@@ -40,6 +39,10 @@ from moebalance.app import lm_commands
 from moebalance.app.console import check_out as _check_out
 from moebalance.app.console import err, out
 from moebalance.app.console import progress as _progress
+from moebalance.app.options import add_router as _add_router
+from moebalance.app.options import parse_set as _parse_set
+from moebalance.app.options import router as _router
+from moebalance.app.options import routers as _routers
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,19 +78,6 @@ def _replicas(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
-
-
-def _parse_set(items: Sequence[str] | None) -> dict[str, Any]:
-    params: dict[str, Any] = {}
-    for item in items or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise InputError(f"--set {item!r} must look like key=value")
-        try:
-            params[key] = json.loads(value)
-        except json.JSONDecodeError:
-            params[key] = value
-    return params
 
 
 def _budget(args: argparse.Namespace) -> Budget:
@@ -176,6 +166,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
+    router = _router(args)  # a bad name or option fails before any file is read
     plan = read_plan(args.plan)
     if _links(args):  # plan files record the topology, not the links: the time model takes them from here
         c = plan.cluster
@@ -184,7 +175,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     load = read_load(args.load)
     start, stop = parse_batch_range(args.batches, load.num_batches)
     load = load.select_batches(start, stop)
-    score = evaluate(plan, load, args.router, seed=args.seed,
+    score = evaluate(plan, load, router, seed=args.seed,
                      bytes_per_copy=_bytes_per_copy(load, args.hidden_size, args.dtype_bytes))
     for w in plan.warnings:
         err.print(f"warning: {w}")
@@ -207,6 +198,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         raise InputError(f"unknown policy {unknown[0]!r}; choose from: {', '.join(POLICIES)}")
+    routers = _routers(args)
     load = read_load(args.load)
     params = _parse_set(args.set)
     per_policy: dict[str, dict[str, Any]] = {p: {} for p in policies}
@@ -222,9 +214,12 @@ def cmd_compare(args: argparse.Namespace) -> None:
             for p in policies:
                 per_policy[p][key] = value
     budget = _budget(args)
-    scenarios = [Scenario(p, budget, per_policy[p], args.router) for p in policies]
+    several = len(routers) > 1
+    scenarios = [Scenario(p, budget, per_policy[p], r, label=f"{p} + {r.label}" if several else None,
+                          plan_name=p) for p in policies for r in routers]
     rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed)
-    title = _title(load, Path(args.load).name, _cluster(args), budget, args.train_frac, args.router)
+    title = _title(load, Path(args.load).name, _cluster(args), budget, args.train_frac,
+                   "per row" if several else routers[0].label)
     _emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)
 
 
@@ -368,7 +363,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         rows, plans = _run_scenarios(load, comparison.cluster, comparison.scenarios, comparison.train_frac,
                                      comparison.seed)
         shown = [rows[sc.name] for sc in comparison.scenarios if sc.shown]
-        routers = {sc.router for sc in comparison.scenarios if sc.shown}
+        routers = {get_router(sc.router).label for sc in comparison.scenarios if sc.shown}
         title = _title(load, comparison.load, comparison.cluster, comparison.scenarios[0].budget, comparison.train_frac,
                        routers.pop() if len(routers) == 1 else "per row")
         out_dir = None if args.out_dir is None else str(Path(args.out_dir) / folder)
@@ -415,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="score a plan by replaying a load through it")
     p.add_argument("--plan", required=True)
     p.add_argument("--load", required=True)
-    p.add_argument("--router", default="uniform", choices=sorted(ROUTERS))
+    _add_router(p)
     p.add_argument("--batches", help="score batches a:b only (e.g. the held-out ones)")
     p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random router")
     p.add_argument("--hidden-size", type=_positive, help="bytes of traffic per copy = hidden size x dtype bytes")
@@ -429,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", required=True, help="comma-separated, e.g. contiguous,greedy,eplb")
     _add_cluster(p)
     p.add_argument("--train-frac", type=float, default=0.5, help="fraction of batches to plan on (rest scored)")
-    p.add_argument("--router", default="uniform", choices=sorted(ROUTERS))
+    _add_router(p, several=True)
     p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write comparison.md, comparison.json, a PNG and the plans here")
@@ -473,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run the MoE LM expert-parallel on local gloo ranks under a plan, and check it")
     p.add_argument("--world-size", type=_positive, required=True, help="ranks, one per GPU of the plan")
     p.add_argument("--plan", required=True)
-    p.add_argument("--router", default="uniform", choices=sorted(ROUTERS))
+    _add_router(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--domain", choices=("code", "prose"), help="the held-out split of a training domain")
     src.add_argument("--text", help="a text file (read as bytes)")

@@ -18,6 +18,7 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.policies import make_plan
+from moebalance.routing import Router
 from moebalance.routing.simulate import evaluate
 
 __all__ = ["Comparison", "Scenario", "run_comparison"]
@@ -34,7 +35,8 @@ class Scenario:
     policy: str
     budget: Budget
     params: Mapping[str, Any] = field(default_factory=dict)
-    router: str = "uniform"
+    #: A router name or a :class:`~moebalance.routing.Router` (with its options).
+    router: str | Router = "uniform"
     label: str | None = None
     plan_name: str | None = None
     shown: bool = True
@@ -60,12 +62,19 @@ class Comparison:
 def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], *, train_frac: float = 0.5,
                    seed: int = 0, bytes_per_copy: int | None = None,
                    on_done: Callable[[str], None] | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
-    """Plan and score every scenario; rows by label (in order) and plans by plan name."""
+    """Plan and score every scenario; rows by label (in order) and plans by plan name.
+
+    Scenarios that differ only in their router share one plan (made once, its planning time on each row).
+    """
     train, test = load.split(train_frac)
     rows: dict[str, ComparisonRow] = {}
     plans: dict[str, Placement] = {}
+    made: dict[str, tuple[Placement, float]] = {}
     for sc in scenarios:
-        plan, seconds = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
+        key = repr((sc.policy, sorted(sc.params.items()), sc.budget))
+        if key not in made:
+            made[key] = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
+        plan, seconds = made[key]
         score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy)
         rows[sc.name] = ComparisonRow(sc.name, score, seconds, plan.warnings)
         if sc.shown:

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 from rich.table import Table
 
+from moebalance.app import options
 from moebalance.app.console import check_out as _check_out
 from moebalance.app.console import err, out
 from moebalance.app.console import progress as _progress
@@ -63,6 +64,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     from moebalance.model.moe_lm import load_checkpoint
     from moebalance.model.run import LOGIT_TOLERANCE, check_plan, run_model
 
+    router = options.router(args)
     plan = read_plan(args.plan)
     model = load_checkpoint(args.checkpoint)
     check_plan(plan, model, args.world_size)
@@ -73,14 +75,14 @@ def cmd_run(args: argparse.Namespace) -> None:
     layout = make_layout(tokens.size, seq_len=seq_len, batch_tokens=args.batch_tokens, num_gpus=args.world_size)
     with _progress() as progress:
         task = progress.add_task("dense reference", total=layout.num_batches)
-        report = run_model(args.checkpoint, plan, tokens, world_size=args.world_size, router=args.router,
+        report = run_model(args.checkpoint, plan, tokens, world_size=args.world_size, router=router,
                            router_seed=args.seed, batch_tokens=args.batch_tokens,
                            progress=lambda n: progress.advance(task, n))
     if args.json:
         sys.stdout.write(dumps(report.as_dict()))
     else:
         c = plan.cluster
-        table = Table(title=f"{args.plan}: {plan.policy} on {c.num_nodes}x{c.gpus_per_node} GPUs, {args.router} "
+        table = Table(title=f"{args.plan}: {plan.policy} on {c.num_nodes}x{c.gpus_per_node} GPUs, {router.label} "
                             f"router; {report.num_tokens:,} {what} in {report.num_batches} batches",
                       title_justify="left")
         for col in ("rank", "tokens", "picks computed", "simulator", "expert s", "intra-node MB", "inter-node MB"):
@@ -92,7 +94,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         out.print(f"logits vs the dense single-process model: max abs diff {report.max_abs_logit_diff:.2e} "
                   f"({'agree' if report.logits_agree else 'DIFFER'}, tolerance {LOGIT_TOLERANCE:g}); "
                   f"routing differs in {report.routing_mismatches} picks")
-        out.print(f"picks per rank, batch and layer == simulator ({args.router} router's assign_tokens on the "
+        out.print(f"picks per rank, batch and layer == simulator ({router.label} router's assign_tokens on the "
                   f"trace the run saw): {'yes' if report.counts_match else 'NO'}; runtime balancedness "
                   f"{report.balancedness:.4f}; {report.seconds:.1f} s")
     if not (report.counts_match and report.logits_agree):

@@ -34,13 +34,17 @@ class ComparisonRow:
                 "warnings": list(self.warnings)}
 
 
-_COLUMNS = ("policy", "extra replicas", "balancedness", "imbalance ratio", "gap to bound", "plan time")
+_COLUMNS = ("policy", "extra replicas", "balancedness", "imbalance ratio", "gap to bound", "routing gap", "plan time")
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def _cells(row: ComparisonRow) -> list[str]:
     s = row.score
     cells = [row.policy, f"{s.extra_replicas}", f"{s.balancedness:.4f}", f"{s.imbalance_ratio:.3f}",
-             f"{100 * s.lower_bound_gap:.1f}%", f"{1000 * row.plan_seconds:.1f} ms"]
+             _percent(s.lower_bound_gap), _percent(s.routing_gap), f"{1000 * row.plan_seconds:.1f} ms"]
     if s.traffic is not None:
         t = s.traffic
         cells += [f"{t.inter_node / 1e3:,.1f}k", f"{t.intra_node / 1e3:,.1f}k"]
@@ -87,6 +91,7 @@ def score_table(score: Score, title: str) -> Table:
     table.add_row("balancedness (mean/max)", f"{score.balancedness:.4f}")
     table.add_row("imbalance ratio (max/mean)", f"{score.imbalance_ratio:.3f}")
     table.add_row("gap to lower bound", f"{100 * score.lower_bound_gap:.1f}%")
+    table.add_row("routing gap (straggler vs the minmax router)", _percent(score.routing_gap))
     table.add_row("mean straggler load (tokens)", f"{score.mean_max_load:.1f}")
     table.add_row("GPU idle, sum over GPUs (tokens)", f"{score.gpu_idle:.1f}")
     table.add_row("std of GPU load (tokens)", f"{score.load_std:.1f}")
@@ -94,7 +99,8 @@ def score_table(score: Score, title: str) -> Table:
     table.add_row("max slots per GPU", f"{score.max_slots_per_gpu}")
     worst = np.nanargmin(score.per_layer_balancedness) if np.any(np.isfinite(score.per_layer_balancedness)) else 0
     table.add_row("worst layer", f"{worst} ({score.per_layer_balancedness[worst]:.3f})")
-    table.add_row("batches scored / router", f"{score.num_batches} / {score.router}")
+    options = "".join(f" {k}={v}" for k, v in (score.router_params or {}).items())
+    table.add_row("batches scored / router", f"{score.num_batches} / {score.router}{options}")
     if score.traffic is not None:
         t = score.traffic
         table.add_row("dispatch copies local", f"{t.local:,}")

@@ -43,7 +43,7 @@ from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.model.capture import Layout, make_layout
 from moebalance.model.moe_lm import MoELM, load_checkpoint, save_checkpoint
-from moebalance.routing import get_router
+from moebalance.routing import Router, get_router
 from moebalance.runtime import EPConfig, ExpertParallelMoE, dense_moe, launch, layer_placement
 
 __all__ = ["RankReport", "RunReport", "check_plan", "dense_reference", "predicted_loads", "run_model"]
@@ -164,7 +164,7 @@ def dense_reference(model: MoELM, inputs: Sequence[Sequence[np.ndarray]],
     return logits, ids
 
 
-def _rank_main(rank: int, world_size: int, checkpoint: str, plan_doc: dict[str, Any], router: str, seed: int,
+def _rank_main(rank: int, world_size: int, checkpoint: str, plan_doc: dict[str, Any], router: str | Router, seed: int,
                inputs: list[list[np.ndarray]]) -> dict[str, Any]:
     """One rank: the model with expert-parallel MoE layers over every batch (a module-level function: launched)."""
     model = load_checkpoint(checkpoint)
@@ -202,7 +202,7 @@ def _rank_main(rank: int, world_size: int, checkpoint: str, plan_doc: dict[str, 
             "routing_seconds": routing_s, "tokens": int(sum(p[rank].size for p in inputs))}
 
 
-def predicted_loads(plan: Placement, trace: RoutingTrace, router: str, seed: int) -> np.ndarray:
+def predicted_loads(plan: Placement, trace: RoutingTrace, router: str | Router, seed: int) -> np.ndarray:
     """``int64 [B, L, W]``: picks per GPU that the router's ``assign_tokens`` gives each batch and layer of
     ``trace``, with the runtime's seeding (``default_rng((seed, layer, batch))``) on the layer's plan."""
     B, L, W = trace.num_batches, trace.num_layers, plan.num_gpus
@@ -219,7 +219,7 @@ def predicted_loads(plan: Placement, trace: RoutingTrace, router: str, seed: int
 
 
 def run_model(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, *,
-              world_size: int, router: str = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
+              world_size: int, router: str | Router = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
               seq_len: int | None = None, timeout: float = 300.0,
               progress: Callable[[int], None] | None = None) -> RunReport:
     """Run ``tokens`` through the model on ``world_size`` gloo ranks under ``plan`` and check it (module doc).
@@ -267,7 +267,7 @@ def run_model(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tok
                              picks_predicted=int(predicted[:, :, g].sum()), expert_seconds=o["expert_seconds"],
                              routing_seconds=o["routing_seconds"], intra_node_bytes=o["sent"]["intra_node"],
                              inter_node_bytes=o["sent"]["inter_node"]) for g, o in enumerate(outs))
-    return RunReport(world_size=world_size, policy=plan.policy, router=get_router(router).name,
+    return RunReport(world_size=world_size, policy=plan.policy, router=get_router(router).label,
                      router_seed=router_seed, num_tokens=trace.num_tokens, num_batches=layout.num_batches,
                      ranks=ranks, computed=computed, predicted=predicted, max_abs_logit_diff=diff,
                      routing_mismatches=mismatches, balancedness=bal, seconds=time.perf_counter() - t0, trace=trace)
