@@ -1119,3 +1119,83 @@ def test_json_stays_json_with_the_milp_solver() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert [r["policy"] for r in json.loads(done.stdout)["rows"]] == ["contiguous", "moetuner"]
+
+
+# ----- routers with options, several routers in one comparison -----------------------------------------------
+
+@pytest.fixture
+def eplb_plan(trace_file: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """An EPLB plan with replicas (6 slots per GPU for 16 experts on 4 GPUs), so routers have choices."""
+    plan = outdir / "eplb.json"
+    rc, _, err = run_cli(["plan", "--load", trace_file, "--policy", "eplb", *CLUSTER, "--slots-per-gpu", 6,
+                          "--set", "num_groups=1", "--out", plan], capsys)
+    assert rc == 0, err
+    return plan
+
+
+def test_evaluate_routing_gap_and_router_options(trace_file: Path, eplb_plan: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    results = {}
+    for argv in (["--router", "uniform"], ["--router", "random"], ["--router", "minmax"],
+                 ["--router", "rebalance"], ["--router", "rebalance", "--router-set", "eps=0.5",
+                                              "--router-set", "strict=true"]):
+        rc, out, err = run_cli(["evaluate", "--plan", eplb_plan, "--load", trace_file, "--json", *argv], capsys)
+        assert rc == 0, err
+        results[" ".join(argv[1:])] = json.loads(out)
+    assert results["minmax"]["routing_gap"] == 0  # the bound itself
+    assert all(r["routing_gap"] >= 0 for r in results.values())
+    assert results["uniform"]["routing_gap"] > 0 < results["random"]["routing_gap"]  # replicas leave room
+    assert results["rebalance"]["router_params"] == {"eps": 0.0, "strict": False}
+    loose = results["rebalance --router-set eps=0.5 --router-set strict=true"]
+    assert loose["router"] == "rebalance" and loose["router_params"] == {"eps": 0.5, "strict": True}
+    assert "router_params" not in results["uniform"]
+    # on tokens minmax's mean straggler is the least: every router that assigns whole picks exceeds it by exactly
+    # its gap (uniform's loads are fractions, measured against the fractional bound instead)
+    best = results["minmax"]["mean_max_load"]
+    for name, r in results.items():
+        if name != "uniform":
+            assert r["mean_max_load"] == pytest.approx(best * (1 + r["routing_gap"]), rel=1e-4)
+
+
+def test_compare_several_routers_plans_once(trace_file: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli(["compare", "--load", trace_file, "--policies", "contiguous,eplb", *CLUSTER,
+                            "--slots-per-gpu", 6, "--groups", 1, "--router", "uniform,rebalance,minmax",
+                            "--router-set", "eps=0.01", "--json", "--out-dir", outdir / "c"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    labels = [r["policy"] for r in doc["rows"]]
+    assert labels == [f"{p} + {r}" for p in ("contiguous", "eplb")
+                      for r in ("uniform", "rebalance(eps=0.01)", "minmax")]
+    rows = {r["policy"]: r for r in doc["rows"]}
+    # one plan per policy: the same planning time and replicas on each of its rows; without replicas routers agree
+    for p in ("contiguous", "eplb"):
+        assert len({(rows[f"{p} + {r}"]["plan_seconds"], rows[f"{p} + {r}"]["extra_replicas"])
+                    for r in ("uniform", "rebalance(eps=0.01)", "minmax")}) == 1
+    assert rows["contiguous + uniform"]["balancedness"] == rows["contiguous + minmax"]["balancedness"]
+    assert rows["eplb + minmax"]["balancedness"] >= rows["eplb + uniform"]["balancedness"]
+    assert "per row" in doc["title"]
+    assert sorted(p.name for p in (outdir / "c").glob("plan-*.json")) == ["plan-contiguous.json", "plan-eplb.json"]
+
+
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["--router", "psychic"], ("unknown router 'psychic'", "minmax", "rebalance")),
+    (["--router", ","], ("--router is empty",)),
+    (["--router", "uniform,minmax"], ("names 2 routers", "compare takes several")),
+    (["--router", "rebalance", "--router-set", "eps=2"], ("eps (2)", "[0, 1)")),
+    (["--router", "rebalance", "--router-set", "eps=fast"], ("eps ('fast')",)),
+    (["--router", "rebalance", "--router-set", "strict=maybe"], ("strict ('maybe')", "true or false")),
+    (["--router", "rebalance", "--router-set", "eps"], ("--router-set 'eps' must look like key=value",)),
+    (["--router", "rebalance", "--router-set", "tolerance=0.1"], ("no router given (rebalance) has option "
+                                                                    "'tolerance'", "rebalance (eps, strict)")),
+    (["--router", "uniform", "--router-set", "eps=0.1"], ("no router given (uniform) has option 'eps'",)),
+])
+def test_router_option_errors_are_one_line(args: list[str], fragments: tuple[str, ...], trace_file: Path,
+                                           plan_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["evaluate", "--plan", plan_file, "--load", trace_file, *args], capsys, tmp_path, *fragments)
+
+
+def test_compare_refuses_a_bad_router_option_before_writing(trace_file: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["compare", "--load", trace_file, "--policies", "eplb", *CLUSTER, "--slots-per-gpu", 6,
+                       "--router", "uniform,rebalance", "--router-set", "eps=-1", "--out-dir", tmp_path / "c"],
+                      capsys, tmp_path, "eps (-1)")

@@ -46,6 +46,8 @@ CLUSTERS = {2: [(1, 2), (2, 1)], 4: [(2, 2), (1, 4)]}
 TOKENS = {2: [11, 9], 4: [12, 0, 9, 7]}  # rank 1 of 4 has no tokens
 EXTRA_PLANS = ("all-on-gpu0", "everywhere")
 ROUTER_NAMES = sorted(ROUTERS)
+#: Routers whose choice depends on the load (they implement ``Router.assign_kept``).
+LOAD_AWARE = sorted(n for n, r in ROUTERS.items() if r.assign_kept is not None)
 POLICY_NAMES = sorted(POLICIES)
 #: Documented policies not (yet) registered are listed too, and skipped with that reason.
 PLAN_NAMES = sorted(set(POLICIES) | set(DOCUMENTED_POLICIES))
@@ -147,6 +149,10 @@ def _cases(world_size: int) -> list[dict[str, Any]]:
             for local_first in (False, True):
                 cases.append({"id": (nodes, gpn, "eplb", "random", local_first, label), "plan": plan,
                               "router": "random", "local_first": local_first, **extra})
+        for router in LOAD_AWARE:  # routers that balance load must see only the picks a capacity kept
+            for local_first in (False, True):
+                cases.append({"id": (nodes, gpn, "eplb", router, local_first, "drop"), "plan": plan,
+                              "router": router, "local_first": local_first, "capacity": 0.5, "overflow": "drop"})
     return cases
 
 
@@ -335,6 +341,39 @@ def test_variants_equal_dense(world_size: int, key: tuple[Any, ...]) -> None:
     if variant in ("p2p", "fixed") and isinstance(_plans(nodes, gpn).get("eplb"), Placement):
         plain, _ = _case(world_size, (nodes, gpn, "eplb", "random", local_first, "plain"))
         assert all(np.array_equal(a["out"], b["out"]) for a, b in zip(plain, ranks, strict=True))  # same bits
+
+
+DROP_IDS = [(ws, (n, g, r, lf)) for ws, cls in CLUSTERS.items() for n, g in cls for r in LOAD_AWARE
+            for lf in (False, True)]
+
+
+@pytest.mark.parametrize(("world_size", "key"), DROP_IDS,
+                         ids=[f"{ws}ranks-{n}x{g}-{r}-{'local_first' if lf else 'plain'}" for ws, (n, g, r, lf) in DROP_IDS])
+def test_load_aware_routers_balance_only_the_kept_picks(world_size: int, key: tuple[Any, ...]) -> None:
+    from moebalance.routing.minmax import least_max_load
+
+    nodes, gpn, router, local_first = key
+    assert {"minmax", "rebalance"} <= set(LOAD_AWARE)
+    ranks, spec = _case(world_size, (nodes, gpn, "eplb", router, local_first, "drop"))
+    ref, gate = _reference(world_size, spec)
+    out = np.concatenate([r["out"] for r in ranks])
+    torch.testing.assert_close(torch.from_numpy(out), ref, rtol=1e-5, atol=1e-6)
+    kept = gate.kept.numpy()
+    assert gate.num_dropped > 0  # capacity 0.5 must bite
+    dest = ranks[0]["dest"]
+    assert all(np.array_equal(r["dest"], dest) for r in ranks) and np.array_equal(dest < 0, ~kept)
+    # the simulator's router, told which picks were kept, routes them identically
+    plan = Placement.from_json_dict(spec["plan"])
+    one = Placement([plan.gpu_experts[LAYER]], E, plan.cluster)
+    src = np.repeat(np.arange(world_size), TOKENS[world_size])
+    tr = RoutingTrace(gate.topk_ids.numpy()[:, None, :], src, np.zeros(len(src), int), num_experts=E)
+    expected = ROUTERS[router].assign_kept(one, tr, kept[:, None, :], np.random.default_rng((SEED, LAYER, 0)))
+    assert np.array_equal(dest, expected[:, 0, :])
+    per_gpu = np.bincount(dest[kept], minlength=world_size)
+    assert [r["tokens"] for r in ranks] == per_gpu.tolist()
+    if router == "minmax":  # the busiest rank carries the least any split of the kept picks allows
+        kept_counts = np.bincount(gate.topk_ids.numpy()[kept], minlength=E)[None, None, :]
+        assert per_gpu.max() == least_max_load(one, kept_counts, integral=True)[0, 0]
 
 
 REARRANGE_IDS = [(ws, pair) for ws in CLUSTERS for pair in _rearrange_pairs(ws)]
