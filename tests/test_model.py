@@ -254,12 +254,14 @@ def test_capture_plan_run_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     rc, _, err = _cli(["plan", "--load", trace, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2,
                        "--slots-per-gpu", 10, "--out", plan], capsys)
     assert rc == 0, err
-    rc, out, err = _cli(["run", "--world-size", 2, "--plan", plan, "--domain", "prose", "--tokens", RUN_TOKENS,
-                         "--batch-tokens", RUN_BATCH, "--router", "random", "--json"], capsys)
-    assert rc == 0, err
-    doc = json.loads(out)
-    assert doc["logits_agree"] and doc["counts_match_simulator"] and doc["routing_mismatches"] == 0
-    assert [r["picks_computed"] for r in doc["ranks"]] == [r["picks_predicted"] for r in doc["ranks"]]
+    for router in (["random"], ["rebalance", "--router-set", "eps=0.01"]):
+        rc, out, err = _cli(["run", "--world-size", 2, "--plan", plan, "--domain", "prose", "--tokens", RUN_TOKENS,
+                             "--batch-tokens", RUN_BATCH, "--router", *router, "--json"], capsys)
+        assert rc == 0, err
+        doc = json.loads(out)
+        assert doc["logits_agree"] and doc["counts_match_simulator"] and doc["routing_mismatches"] == 0
+        assert [r["picks_computed"] for r in doc["ranks"]] == [r["picks_predicted"] for r in doc["ranks"]]
+        assert doc["router"] == {"random": "random", "rebalance": "rebalance(eps=0.01)"}[router[0]]
 
 
 def test_run_command_rejects_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -25,9 +25,35 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["build", "max_flow", "min_cost_flow", "reach_from", "reaches"]
+__all__ = ["build", "build_into", "max_flow", "min_cost_flow", "reach_from", "reaches", "scratch"]
 
 INF = np.int64(1) << np.int64(62)
+
+
+@njit(cache=True)
+def build_into(n: int, m: int, tail: np.ndarray, head: np.ndarray, cap: np.ndarray, cost: np.ndarray,
+               arc_head: np.ndarray, arc_cost: np.ndarray, res: np.ndarray, start: np.ndarray, adj: np.ndarray,
+               pos: np.ndarray) -> None:
+    """:func:`build` of the first ``m`` edges into given arrays (``[>= 2m]``, ``start [>= n + 1]``,
+    ``pos [>= n]``), for callers that solve many small networks without allocating."""
+    start[:n + 1] = 0
+    for i in range(m):
+        arc_head[2 * i] = head[i]
+        arc_head[2 * i + 1] = tail[i]
+        arc_cost[2 * i] = cost[i]
+        arc_cost[2 * i + 1] = -cost[i]
+        res[2 * i] = cap[i]
+        res[2 * i + 1] = 0
+        start[tail[i] + 1] += 1
+        start[head[i] + 1] += 1
+    for v in range(n):
+        start[v + 1] += start[v]
+        pos[v] = start[v]
+    for i in range(m):
+        adj[pos[tail[i]]] = 2 * i
+        pos[tail[i]] += 1
+        adj[pos[head[i]]] = 2 * i + 1
+        pos[head[i]] += 1
 
 
 @njit(cache=True)
@@ -42,42 +68,30 @@ def build(n: int, tail: np.ndarray, head: np.ndarray, cap: np.ndarray, cost: np.
     arc_head = np.empty(2 * m, np.int64)
     arc_cost = np.empty(2 * m, np.int64)
     res = np.empty(2 * m, np.int64)
-    start = np.zeros(n + 1, np.int64)
-    for i in range(m):
-        arc_head[2 * i] = head[i]
-        arc_head[2 * i + 1] = tail[i]
-        arc_cost[2 * i] = cost[i]
-        arc_cost[2 * i + 1] = -cost[i]
-        res[2 * i] = cap[i]
-        res[2 * i + 1] = 0
-        start[tail[i] + 1] += 1
-        start[head[i] + 1] += 1
-    for v in range(n):
-        start[v + 1] += start[v]
-    pos = start[:n].copy()
+    start = np.empty(n + 1, np.int64)
     adj = np.empty(2 * m, np.int64)
-    for i in range(m):
-        adj[pos[tail[i]]] = 2 * i
-        pos[tail[i]] += 1
-        adj[pos[head[i]]] = 2 * i + 1
-        pos[head[i]] += 1
+    build_into(n, m, tail, head, cap, cost, arc_head, arc_cost, res, start, adj, np.empty(n, np.int64))
     return arc_head, arc_cost, res, start, adj
 
 
 @njit(cache=True)
+def scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Work arrays for :func:`max_flow` on up to ``n`` nodes (reused across calls: no allocation per flow)."""
+    return np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+
+
+@njit(cache=True)
 def max_flow(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, adj: np.ndarray, ok: np.ndarray,
-             s: int, t: int) -> int:
+             s: int, t: int, work: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> int:
     """Push a maximum flow from ``s`` to ``t`` over the arcs with ``ok[a]`` (Dinic); ``res`` is updated.
 
     Returns the flow added. Reverse arcs of admitted arcs must be admitted too (they carry the undo).
+    ``work`` is :func:`scratch` of at least ``n`` nodes.
     """
     total = 0
-    level = np.empty(n, np.int64)
-    ptr = np.empty(n, np.int64)
-    queue = np.empty(n, np.int64)
-    path = np.empty(n, np.int64)  # the arcs of the current DFS path
+    level, ptr, queue, path = work  # path: the arcs of the current DFS path
     while True:
-        level[:] = -1
+        level[:n] = -1
         level[s] = 0
         qh, qt = 0, 1
         queue[0] = s
@@ -135,10 +149,10 @@ def max_flow(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, a
 
 @njit(cache=True)
 def reach_from(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, adj: np.ndarray,
-               s: int) -> np.ndarray:
-    """``bool [n]``: the nodes reachable from ``s`` over arcs with residual capacity (a minimum cut's side)."""
-    seen = np.zeros(n, np.bool_)
-    queue = np.empty(n, np.int64)
+               s: int, seen: np.ndarray, queue: np.ndarray) -> None:
+    """Set ``seen[v]`` for the nodes reachable from ``s`` over arcs with residual capacity (a minimum cut's
+    side); ``seen bool [>= n]``, ``queue int64 [>= n]`` are work arrays."""
+    seen[:n] = False
     seen[s] = True
     queue[0] = s
     qh, qt = 0, 1
@@ -152,15 +166,13 @@ def reach_from(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray,
                 seen[v] = True
                 queue[qt] = v
                 qt += 1
-    return seen
 
 
 @njit(cache=True)
 def reaches(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, adj: np.ndarray,
-            t: int) -> np.ndarray:
-    """``bool [n]``: the nodes from which ``t`` is reachable over arcs with residual capacity."""
-    seen = np.zeros(n, np.bool_)
-    queue = np.empty(n, np.int64)
+            t: int, seen: np.ndarray, queue: np.ndarray) -> None:
+    """Set ``seen[v]`` for the nodes from which ``t`` is reachable over arcs with residual capacity."""
+    seen[:n] = False
     seen[t] = True
     queue[0] = t
     qh, qt = 0, 1
@@ -174,7 +186,6 @@ def reaches(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, ad
                 seen[v] = True
                 queue[qt] = v
                 qt += 1
-    return seen
 
 
 @njit(cache=True)
@@ -246,6 +257,7 @@ def min_cost_flow(n: int, arc_head: np.ndarray, arc_cost: np.ndarray, res: np.nd
     m2 = adj.shape[0]
     pi = np.zeros(n, np.int64)
     ok = np.empty(m2, np.bool_)
+    work = scratch(n)
     flow = 0
     while flow < demand:
         dist = _dijkstra(n, arc_head, arc_cost, res, start, adj, pi, s)
@@ -257,7 +269,7 @@ def min_cost_flow(n: int, arc_head: np.ndarray, arc_cost: np.ndarray, res: np.nd
         for a in range(m2):
             u = arc_head[a ^ 1]
             ok[a] = arc_cost[a] + pi[u] - pi[arc_head[a]] == 0
-        pushed = max_flow(n, arc_head, res, start, adj, ok, s, t)
+        pushed = max_flow(n, arc_head, res, start, adj, ok, s, t, work)
         if pushed == 0:
             break
         flow += pushed

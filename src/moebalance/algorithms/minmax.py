@@ -31,72 +31,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from moebalance.algorithms.flow import build, max_flow, min_cost_flow, reach_from, reaches
+from moebalance.algorithms.flow import build, build_into, max_flow, min_cost_flow, reach_from, reaches
 
-__all__ = ["host_lists", "lex_loads", "max_loads", "minmax_value", "route_tokens", "split_counts"]
-
-
-@njit(cache=True)
-def _level(w: np.ndarray, item_hosts: np.ndarray, item_start: np.ndarray, A: int
-           ) -> tuple[np.int64, np.int64, np.ndarray]:
-    """The bottleneck of one level: ``(p, q, tight)`` with ``t* = p / q`` and ``tight bool [A]`` the largest
-    set of the ``A`` GPUs that must carry exactly ``t*``.
-
-    ``w [I]`` item loads (positive); item ``i`` may go to GPUs ``item_hosts[item_start[i]:item_start[i + 1]]``
-    (numbered ``0 .. A - 1``).
-    """
-    n_items = w.shape[0]
-    n = n_items + A + 2
-    s, t = 0, n_items + A + 1
-    m = n_items + item_start[n_items] + A
-    tail = np.empty(m, np.int64)
-    head = np.empty(m, np.int64)
-    cost = np.zeros(m, np.int64)
-    cap = np.empty(m, np.int64)
-    k = 0
-    for i in range(n_items):
-        tail[k], head[k] = s, 1 + i
-        k += 1
-        for j in range(item_start[i], item_start[i + 1]):
-            tail[k], head[k] = 1 + i, 1 + n_items + item_hosts[j]
-            k += 1
-    for a in range(A):
-        tail[k], head[k] = 1 + n_items + a, t
-        k += 1
-    total = np.int64(0)
-    for i in range(n_items):
-        total += w[i]
-    p, q = total, np.int64(A)
-    ok = np.ones(2 * m, np.bool_)
-    while True:
-        k = 0
-        for i in range(n_items):
-            cap[k] = w[i] * q
-            k += 1
-            for _ in range(item_start[i], item_start[i + 1]):
-                cap[k] = w[i] * q
-                k += 1
-        for _ in range(A):
-            cap[k] = p
-            k += 1
-        arc_head, _arc_cost, res, start, adj = build(n, tail, head, cap, cost)
-        f = max_flow(n, arc_head, res, start, adj, ok, s, t)
-        if f == total * q:
-            into_sink = reaches(n, arc_head, res, start, adj, t)
-            tight = np.empty(A, np.bool_)
-            for a in range(A):
-                tight[a] = not into_sink[1 + n_items + a]
-            return p, q, tight
-        side = reach_from(n, arc_head, res, start, adj, s)
-        p_new = np.int64(0)
-        for i in range(n_items):
-            if side[1 + i]:
-                p_new += w[i]
-        q_new = np.int64(0)
-        for a in range(A):
-            if side[1 + n_items + a]:
-                q_new += 1
-        p, q = p_new, q_new
+__all__ = ["host_lists", "workspace", "lex_loads", "max_loads", "minmax_value", "route_tokens", "split_counts"]
 
 
 @njit(cache=True)
@@ -121,6 +58,142 @@ def host_lists(has: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @njit(cache=True)
+def workspace(E: int, G: int, P: int) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]]:
+    """Work arrays for :func:`lex_loads` and :func:`minmax_value` on a layer of ``E`` experts, ``G`` GPUs and
+    ``P`` host entries, reused across batches: one flow problem per component and level allocates nothing.
+
+    A network has a source, at most ``E + G`` items (experts with a choice, and one item per GPU for the
+    load without a choice), the GPUs and a sink; edges go source -> item, item -> GPU, GPU -> sink.
+    """
+    n = E + 2 * G + 2
+    m = (E + G) + (P + G) + G
+    ints = (np.empty(G, np.int64), np.empty(G, np.int64), np.empty(E + G, np.int64),  # local, pos, w
+            np.zeros(E + G + 1, np.int64), np.empty(P + G, np.int64), np.empty(G, np.int64),  # item_start, item_hosts, extra
+            np.empty(m, np.int64), np.empty(m, np.int64), np.zeros(m, np.int64), np.zeros(m, np.int64),  # tail head cost cap
+            np.empty(2 * m, np.int64), np.empty(2 * m, np.int64), np.empty(2 * m, np.int64),  # arc_head arc_cost res
+            np.empty(n + 1, np.int64), np.empty(2 * m, np.int64), np.empty(n, np.int64),  # start adj bpos
+            np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64),  # max-flow work
+            np.empty(G, np.int64), np.empty(G, np.int64), np.empty(G, np.int64),  # alone fixed parent
+            np.empty(G, np.int64), np.empty(G, np.int64), np.empty(G, np.int64),  # root size n_exp
+            np.empty(E, np.int64), np.empty(G, np.int64), np.empty(E, np.int64))  # multi gpus experts
+    bools = (np.empty(G, np.bool_), np.empty(E, np.bool_), np.empty(n, np.bool_), np.ones(2 * m, np.bool_),
+             np.empty(G, np.bool_))  # active settled seen ok tight
+    return ints, bools
+
+
+#: A level with ``2^A * items`` up to this is solved by trying every GPU subset instead of by flows.
+_ENUMERATE = 4096
+
+
+@njit(cache=True)
+def _level_by_subsets(n_items: int, A: int, w: np.ndarray, item_start: np.ndarray, item_hosts: np.ndarray,
+                      tight: np.ndarray) -> tuple[np.int64, np.int64]:
+    """:func:`_level` on a small level by the definition: ``t* = max_S W(items inside S) / |S|`` over all GPU
+    subsets ``S``, and the tight set is the union of the maximisers (they are closed under union)."""
+    masks = np.zeros(n_items, np.int64)
+    for i in range(n_items):
+        for j in range(item_start[i], item_start[i + 1]):
+            masks[i] |= np.int64(1) << item_hosts[j]
+    p, q = np.int64(0), np.int64(1)
+    union = np.int64(0)
+    for S in range(1, np.int64(1) << A):
+        inside = np.int64(0)
+        for i in range(n_items):
+            if masks[i] & ~S == 0:
+                inside += w[i]
+        size = np.int64(0)
+        x = S
+        while x:
+            x &= x - 1
+            size += 1
+        if inside * q > p * size:
+            p, q, union = inside, size, S
+        elif inside * q == p * size:
+            union |= S
+    for a in range(A):
+        tight[a] = (union >> a) & 1 == 1
+    return p, q
+
+
+@njit(cache=True)
+def _level(n_items: int, A: int, ints: tuple[np.ndarray, ...], bools: tuple[np.ndarray, ...]
+           ) -> tuple[np.int64, np.int64]:
+    """The bottleneck of one level: ``(p, q)`` with ``t* = p / q``; ``tight`` (in the workspace) marks the
+    largest set of the ``A`` GPUs that must carry exactly ``t*``.
+
+    Items ``0 .. n_items - 1`` of the workspace: load ``w[i]`` (positive), GPUs
+    ``item_hosts[item_start[i]:item_start[i + 1]]`` (numbered ``0 .. A - 1``). Newton's method starts from the
+    best of a few set densities (each a lower bound of ``t*``, so the iteration still rises to ``t*`` from
+    below): the mean, each GPU's items without a choice, and each item with the choiceless items on its GPUs.
+    """
+    (_local, _pos, w, item_start, item_hosts, _extra, tail, head, cost, cap, arc_head, arc_cost, res, start, adj,
+     bpos, level, ptr, queue, path, alone, _fixed, _parent, _root, _size, _n_exp, _multi, _gpus, _experts) = ints
+    _active, _settled, seen, ok, tight = bools
+    if A <= 12 and (np.int64(1) << A) * n_items <= _ENUMERATE:
+        return _level_by_subsets(n_items, A, w, item_start, item_hosts, tight)
+    n = n_items + A + 2
+    s, t = 0, n_items + A + 1
+    k = 0
+    for i in range(n_items):
+        tail[k], head[k] = s, 1 + i
+        k += 1
+        for j in range(item_start[i], item_start[i + 1]):
+            tail[k], head[k] = 1 + i, 1 + n_items + item_hosts[j]
+            k += 1
+    for a in range(A):
+        tail[k], head[k] = 1 + n_items + a, t
+        k += 1
+    m = k
+    build_into(n, m, tail, head, cap, cost, arc_head, arc_cost, res, start, adj, bpos)
+    work = (level, ptr, queue, path)
+    total = np.int64(0)
+    alone[:A] = 0  # load of the items with one GPU, per GPU
+    for i in range(n_items):
+        total += w[i]
+        if item_start[i + 1] - item_start[i] == 1:
+            alone[item_hosts[item_start[i]]] += w[i]
+    p, q = total, np.int64(A)
+    for a in range(A):
+        if alone[a] * q > p:
+            p, q = alone[a], np.int64(1)
+    for i in range(n_items):
+        h = item_start[i + 1] - item_start[i]
+        if h > 1:
+            inside = w[i]
+            for j in range(item_start[i], item_start[i + 1]):
+                inside += alone[item_hosts[j]]
+            if inside * q > p * h:
+                p, q = inside, np.int64(h)
+    while True:
+        k = 0
+        for i in range(n_items):
+            res[2 * k], res[2 * k + 1] = w[i] * q, 0
+            k += 1
+            for _ in range(item_start[i], item_start[i + 1]):
+                res[2 * k], res[2 * k + 1] = w[i] * q, 0
+                k += 1
+        for _ in range(A):
+            res[2 * k], res[2 * k + 1] = p, 0
+            k += 1
+        f = max_flow(n, arc_head, res, start, adj, ok, s, t, work)
+        if f == total * q:
+            reaches(n, arc_head, res, start, adj, t, seen, queue)
+            for a in range(A):
+                tight[a] = not seen[1 + n_items + a]
+            return p, q
+        reach_from(n, arc_head, res, start, adj, s, seen, queue)
+        p_new = np.int64(0)
+        for i in range(n_items):
+            if seen[1 + i]:
+                p_new += w[i]
+        q_new = np.int64(0)
+        for a in range(A):
+            if seen[1 + n_items + a]:
+                q_new += 1
+        p, q = p_new, q_new
+
+
+@njit(cache=True)
 def _find(parent: np.ndarray, g: int) -> int:
     while parent[g] != g:
         parent[g] = parent[parent[g]]
@@ -129,24 +202,20 @@ def _find(parent: np.ndarray, g: int) -> int:
 
 
 @njit(cache=True)
-def _component(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, experts: np.ndarray, gpus: np.ndarray,
-               fixed: np.ndarray, lex: bool, num: np.ndarray, den: np.ndarray) -> None:
-    """Loads of one connected component (``gpus``, the multi-copy ``experts`` joining them, ``fixed`` load of
-    single-copy experts per GPU), level by level (module docstring), into ``num / den``. Without ``lex``, only
-    the first level: every GPU of the component gets ``t*`` (the component's straggler, an upper bound)."""
-    A = gpus.shape[0]
-    X = experts.shape[0]
-    G = num.shape[0]
-    local = np.full(G, -1, np.int64)
+def _component(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, X: int, A: int, lex: bool,
+               num: np.ndarray, den: np.ndarray, ints: tuple[np.ndarray, ...], bools: tuple[np.ndarray, ...]) -> None:
+    """Loads of one connected component (the workspace's ``gpus[:A]``, the multi-copy ``experts[:X]`` joining
+    them, ``fixed`` load of single-copy experts per GPU), level by level (module docstring), into ``num / den``.
+    Without ``lex``, only the first level: every GPU of the component gets ``t*`` (its straggler, an upper
+    bound)."""
+    (local, pos, w, item_start, item_hosts, extra, _tail, _head, _cost, _cap, _arc_head, _arc_cost, _res, _start,
+     _adj, _bpos, _level_, _ptr, _queue, _path, _alone, fixed, _parent, _root, _size, _n_exp, _multi, gpus,
+     experts) = ints
+    active, settled, _seen, _ok, tight = bools
     for a in range(A):
         local[gpus[a]] = a
-    active = np.ones(A, np.bool_)
-    settled = np.zeros(X, np.bool_)
-    pos = np.empty(A, np.int64)
-    w = np.empty(X + A, np.int64)
-    item_start = np.zeros(X + A + 1, np.int64)
-    item_hosts = np.empty(hosts.shape[0] + A, np.int64)
-    extra = np.empty(A, np.int64)
+        active[a] = True
+    settled[:X] = False
     while True:
         n_active = 0
         for a in range(A):
@@ -160,6 +229,7 @@ def _component(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, experts: np
             return
         n_items = 0
         k = 0
+        item_start[0] = 0
         for x in range(X):
             if settled[x]:
                 continue
@@ -196,7 +266,7 @@ def _component(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, experts: np
                 if active[a]:
                     num[gpus[a]], den[gpus[a]] = 0, 1
             return
-        p, q, tight = _level(w[:n_items], item_hosts[:k], item_start[:n_items + 1], n_active)
+        p, q = _level(n_items, n_active, ints, bools)
         found = False
         for a in range(A):
             if active[a] and (tight[pos[a]] or not lex):
@@ -208,15 +278,20 @@ def _component(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, experts: np
 
 
 @njit(cache=True)
-def _loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, lex: bool) -> tuple[np.ndarray, np.ndarray]:
+def _loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, lex: bool,
+           ints: tuple[np.ndarray, ...], bools: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
     """``(num, den)``: every GPU's load (``lex``) or an upper bound whose maximum is ``t*`` (not ``lex``).
 
     Experts with one copy add a fixed load; experts with several join their GPUs into connected components,
     each solved on its own (:func:`_component`); a GPU outside every component carries its fixed load.
     """
+    (_local, _pos, _w, _item_start, _item_hosts, _extra, _tail, _head, _cost, _cap, _arc_head, _arc_cost, _res,
+     _start, _adj, _bpos, _level_, _ptr, _queue, _path, _alone, fixed, parent, root, size, n_exp, multi, gpus,
+     experts) = ints
     E = W.shape[0]
-    fixed = np.zeros(G, np.int64)
-    parent = np.arange(G)
+    fixed[:] = 0
+    for g in range(G):
+        parent[g] = g
     n_multi = 0
     for e in range(E):
         if W[e] == 0:
@@ -225,6 +300,7 @@ def _loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, lex: bo
         if hi - lo == 1:
             fixed[hosts[lo]] += W[e]
         else:
+            multi[n_multi] = e
             n_multi += 1
             r0 = _find(parent, hosts[lo])
             for j in range(lo + 1, hi):
@@ -235,36 +311,27 @@ def _loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, lex: bo
     den = np.ones(G, np.int64)
     if n_multi == 0:
         return num, den
-    root = np.empty(G, np.int64)
+    size[:] = 0
+    n_exp[:] = 0
     for g in range(G):
         root[g] = _find(parent, g)
-    size = np.zeros(G, np.int64)
-    for g in range(G):
         size[root[g]] += 1
-    n_exp = np.zeros(G, np.int64)
-    multi = np.empty(n_multi, np.int64)
-    k = 0
-    for e in range(E):
-        if W[e] > 0 and hstart[e + 1] - hstart[e] > 1:
-            multi[k] = e
-            k += 1
-            n_exp[root[hosts[hstart[e]]]] += 1
+    for x in range(n_multi):
+        n_exp[root[hosts[hstart[multi[x]]]]] += 1
     for r in range(G):
         if n_exp[r] == 0:
             continue
-        gpus = np.empty(size[r], np.int64)
-        k = 0
+        A = 0
         for g in range(G):
             if root[g] == r:
-                gpus[k] = g
-                k += 1
-        experts = np.empty(n_exp[r], np.int64)
-        k = 0
+                gpus[A] = g
+                A += 1
+        X = 0
         for x in range(n_multi):
             if root[hosts[hstart[multi[x]]]] == r:
-                experts[k] = multi[x]
-                k += 1
-        _component(W, hstart, hosts, experts, gpus, fixed, lex, num, den)
+                experts[X] = multi[x]
+                X += 1
+        _component(W, hstart, hosts, X, A, lex, num, den, ints, bools)
     return num, den
 
 
@@ -277,13 +344,22 @@ def lex_loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int) -> t
     tokens; the largest is the LP optimum ``t*``. Example: experts ``[6, 2]``, expert 0 on GPUs 0 and 1,
     expert 1 on GPU 1 only: loads ``[4, 4]`` (expert 0 sends 4 to GPU 0 and 2 to GPU 1).
     """
-    return _loads(W, hstart, hosts, G, True)
+    E = W.shape[0]
+    ints, bools = workspace(E, G, hosts.shape[0])
+    return _loads(W, hstart, hosts, G, True, ints, bools)
 
 
 @njit(cache=True)
 def minmax_value(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int) -> tuple[np.int64, np.int64]:
     """``(p, q)``: the least possible straggler load ``t* = p / q`` of one ``(batch, layer)`` (fractional)."""
-    num, den = _loads(W, hstart, hosts, G, False)
+    ints, bools = workspace(W.shape[0], G, hosts.shape[0])
+    return _value(W, hstart, hosts, G, ints, bools)
+
+
+@njit(cache=True)
+def _value(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, ints: tuple[np.ndarray, ...],
+           bools: tuple[np.ndarray, ...]) -> tuple[np.int64, np.int64]:
+    num, den = _loads(W, hstart, hosts, G, False, ints, bools)
     p, q = np.int64(0), np.int64(1)
     for g in range(G):
         if num[g] * q > p * den[g]:
@@ -300,8 +376,9 @@ def split_counts(counts: np.ndarray, has: np.ndarray) -> np.ndarray:
     out = np.zeros((B, L, G), np.float64)
     for layer in range(L):
         hstart, hosts = host_lists(has[layer])
+        ints, bools = workspace(_E, G, hosts.shape[0])
         for b in range(B):
-            num, den = lex_loads(counts[b, layer], hstart, hosts, G)
+            num, den = _loads(counts[b, layer], hstart, hosts, G, True, ints, bools)
             for g in range(G):
                 out[b, layer, g] = num[g] / den[g]
     return out
@@ -315,8 +392,9 @@ def max_loads(counts: np.ndarray, has: np.ndarray, integral: bool) -> np.ndarray
     out = np.zeros((B, L), np.float64)
     for layer in range(L):
         hstart, hosts = host_lists(has[layer])
+        ints, bools = workspace(_E, G, hosts.shape[0])
         for b in range(B):
-            p, q = minmax_value(counts[b, layer], hstart, hosts, G)
+            p, q = _value(counts[b, layer], hstart, hosts, G, ints, bools)
             out[b, layer] = (p + q - 1) // q if integral else p / q
     return out
 
@@ -357,6 +435,7 @@ def route_tokens(ids: np.ndarray, src: np.ndarray, batch_start: np.ndarray, has:
     W = np.zeros(E, np.int64)
     base = np.zeros(G, np.int64)
     hstart, hosts = host_lists(has)
+    ints, bools = workspace(E, G, hosts.shape[0])
     for b in range(batch_start.shape[0] - 1):
         lo, hi = batch_start[b], batch_start[b + 1]
         if hi == lo:
@@ -374,7 +453,7 @@ def route_tokens(ids: np.ndarray, src: np.ndarray, batch_start: np.ndarray, has:
                     base[only[e]] += 1
                 else:
                     cls_count[src[i] * M + multi[e]] += 1
-        p, q = minmax_value(W, hstart, hosts, G)
+        p, q = _value(W, hstart, hosts, G, ints, bools)
         U = (p + q - 1) // q
         # network: source 0, classes 1..C, GPUs C+1..C+G, sink C+G+1
         C = 0

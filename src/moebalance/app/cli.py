@@ -176,7 +176,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     start, stop = parse_batch_range(args.batches, load.num_batches)
     load = load.select_batches(start, stop)
     score = evaluate(plan, load, router, seed=args.seed,
-                     bytes_per_copy=_bytes_per_copy(load, args.hidden_size, args.dtype_bytes))
+                     bytes_per_copy=_bytes_per_copy(load, args.hidden_size, args.dtype_bytes), routing_gap=True)
     for w in plan.warnings:
         err.print(f"warning: {w}")
     if args.json:

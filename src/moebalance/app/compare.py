@@ -75,7 +75,7 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
         if key not in made:
             made[key] = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
         plan, seconds = made[key]
-        score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy)
+        score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True)
         rows[sc.name] = ComparisonRow(sc.name, score, seconds, plan.warnings)
         if sc.shown:
             plans[sc.plan_name or sc.name] = plan

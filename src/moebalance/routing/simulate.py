@@ -247,13 +247,14 @@ class Score:
 
 
 def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform", *, seed: int = 0,
-             bytes_per_copy: int | None = None, routing_gap: bool = True) -> Score:
+             bytes_per_copy: int | None = None, routing_gap: bool = False) -> Score:
     """Replay ``load`` through ``plan`` with ``router`` and score it.
 
     For a token-level load the routers are applied per token (so GPU loads and traffic come from the same
     picks); ``uniform`` keeps its exact fractional split for loads and uses its round-robin token
-    realisation for traffic. ``routing_gap=False`` skips the ``minmax`` bound (one flow problem per batch and
-    layer).
+    realisation for traffic. ``routing_gap=True`` also measures the router against the ``minmax`` bound: one
+    small flow problem per batch and layer, a cost of the order of the replay itself
+    (``bench/bench_replay.py`` times both).
     """
     check_compatible(plan, load)
     r = get_router(router)
