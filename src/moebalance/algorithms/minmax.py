@@ -33,7 +33,7 @@ from numba import njit
 
 from moebalance.algorithms.flow import build, build_into, max_flow, min_cost_flow, reach_from, reaches
 
-__all__ = ["host_lists", "workspace", "lex_loads", "max_loads", "minmax_value", "route_tokens", "split_counts"]
+__all__ = ["host_lists", "lex_loads", "max_loads", "minmax_value", "route_tokens", "split_counts", "workspace"]
 
 
 @njit(cache=True)
@@ -55,6 +55,13 @@ def host_lists(has: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                 hosts[k] = g
                 k += 1
     return hstart, hosts
+
+
+#: Positions of the workspace's arrays (:func:`workspace`): integer arrays, then boolean ones.
+(_LOCAL, _POS, _W, _ITEM_START, _ITEM_HOSTS, _EXTRA, _TAIL, _HEAD, _COST, _CAP, _ARC_HEAD, _ARC_COST,
+ _RES, _START, _ADJ, _BPOS, _LEVEL, _PTR, _QUEUE, _PATH, _ALONE, _FIXED, _PARENT, _ROOT, _SIZE,
+ _N_EXP, _MULTI, _GPUS, _EXPERTS) = range(29)
+(_ACTIVE, _SETTLED, _SEEN, _OK, _TIGHT) = range(5)
 
 
 @njit(cache=True)
@@ -96,7 +103,8 @@ def _level_by_subsets(n_items: int, A: int, w: np.ndarray, item_start: np.ndarra
             masks[i] |= np.int64(1) << item_hosts[j]
     p, q = np.int64(0), np.int64(1)
     union = np.int64(0)
-    for S in range(1, np.int64(1) << A):
+    for subset in range(1, np.int64(1) << A):
+        S = np.int64(subset)
         inside = np.int64(0)
         for i in range(n_items):
             if masks[i] & ~S == 0:
@@ -126,9 +134,11 @@ def _level(n_items: int, A: int, ints: tuple[np.ndarray, ...], bools: tuple[np.n
     best of a few set densities (each a lower bound of ``t*``, so the iteration still rises to ``t*`` from
     below): the mean, each GPU's items without a choice, and each item with the choiceless items on its GPUs.
     """
-    (_local, _pos, w, item_start, item_hosts, _extra, tail, head, cost, cap, arc_head, arc_cost, res, start, adj,
-     bpos, level, ptr, queue, path, alone, _fixed, _parent, _root, _size, _n_exp, _multi, _gpus, _experts) = ints
-    _active, _settled, seen, ok, tight = bools
+    w, item_start, item_hosts, alone = ints[_W], ints[_ITEM_START], ints[_ITEM_HOSTS], ints[_ALONE]
+    tail, head, cost, cap = ints[_TAIL], ints[_HEAD], ints[_COST], ints[_CAP]
+    arc_head, arc_cost, res, start, adj = ints[_ARC_HEAD], ints[_ARC_COST], ints[_RES], ints[_START], ints[_ADJ]
+    queue = ints[_QUEUE]
+    seen, ok, tight = bools[_SEEN], bools[_OK], bools[_TIGHT]
     if A <= 12 and (np.int64(1) << A) * n_items <= _ENUMERATE:
         return _level_by_subsets(n_items, A, w, item_start, item_hosts, tight)
     n = n_items + A + 2
@@ -144,8 +154,8 @@ def _level(n_items: int, A: int, ints: tuple[np.ndarray, ...], bools: tuple[np.n
         tail[k], head[k] = 1 + n_items + a, t
         k += 1
     m = k
-    build_into(n, m, tail, head, cap, cost, arc_head, arc_cost, res, start, adj, bpos)
-    work = (level, ptr, queue, path)
+    build_into(n, m, tail, head, cap, cost, arc_head, arc_cost, res, start, adj, ints[_BPOS])
+    work = (ints[_LEVEL], ints[_PTR], queue, ints[_PATH])
     total = np.int64(0)
     alone[:A] = 0  # load of the items with one GPU, per GPU
     for i in range(n_items):
@@ -208,10 +218,9 @@ def _component(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, X: int, A: 
     them, ``fixed`` load of single-copy experts per GPU), level by level (module docstring), into ``num / den``.
     Without ``lex``, only the first level: every GPU of the component gets ``t*`` (its straggler, an upper
     bound)."""
-    (local, pos, w, item_start, item_hosts, extra, _tail, _head, _cost, _cap, _arc_head, _arc_cost, _res, _start,
-     _adj, _bpos, _level_, _ptr, _queue, _path, _alone, fixed, _parent, _root, _size, _n_exp, _multi, gpus,
-     experts) = ints
-    active, settled, _seen, _ok, tight = bools
+    local, pos, w, item_start, item_hosts = ints[_LOCAL], ints[_POS], ints[_W], ints[_ITEM_START], ints[_ITEM_HOSTS]
+    extra, fixed, gpus, experts = ints[_EXTRA], ints[_FIXED], ints[_GPUS], ints[_EXPERTS]
+    active, settled, tight = bools[_ACTIVE], bools[_SETTLED], bools[_TIGHT]
     for a in range(A):
         local[gpus[a]] = a
         active[a] = True
@@ -285,9 +294,8 @@ def _loads(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, lex: bo
     Experts with one copy add a fixed load; experts with several join their GPUs into connected components,
     each solved on its own (:func:`_component`); a GPU outside every component carries its fixed load.
     """
-    (_local, _pos, _w, _item_start, _item_hosts, _extra, _tail, _head, _cost, _cap, _arc_head, _arc_cost, _res,
-     _start, _adj, _bpos, _level_, _ptr, _queue, _path, _alone, fixed, parent, root, size, n_exp, multi, gpus,
-     experts) = ints
+    fixed, parent, root, size = ints[_FIXED], ints[_PARENT], ints[_ROOT], ints[_SIZE]
+    n_exp, multi, gpus, experts = ints[_N_EXP], ints[_MULTI], ints[_GPUS], ints[_EXPERTS]
     E = W.shape[0]
     fixed[:] = 0
     for g in range(G):
