@@ -31,6 +31,7 @@ from typing import Literal
 import numpy as np
 
 from moebalance.algorithms.packing import greedy_pack, placement_from_assignment, repair_duplicates
+from moebalance.algorithms.split import apply_shares
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
@@ -146,7 +147,6 @@ def _shares(gpu_of_slot: np.ndarray, expert_of_slot: np.ndarray, num_experts: in
 
 def _mean_balancedness(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
     """``float64 [L]``: balancedness (mean / max GPU load) per layer, averaged over batches with load."""
-    from moebalance.routing.basic import apply_shares
 
     loads = apply_shares(counts, shares)
     peak = loads.max(axis=2)

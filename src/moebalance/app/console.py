@@ -13,7 +13,7 @@ from moebalance.core.errors import InputError
 __all__ = ["check_out", "err", "out", "progress"]
 
 # Wide enough for the comparison table when stdout is a file or a pipe (rich would assume 80 columns).
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 

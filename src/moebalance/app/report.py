@@ -65,7 +65,7 @@ def _columns(rows: Sequence[ComparisonRow]) -> list[str]:
 def comparison_table(rows: Sequence[ComparisonRow], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     for i, col in enumerate(_columns(rows)):
-        table.add_column(col, justify="left" if i == 0 else "right")
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
     best = max(r.score.balancedness for r in rows) if rows else 0.0
     for r in rows:
         cells = _cells(r)

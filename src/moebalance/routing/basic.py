@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moebalance.algorithms.split import apply_shares
 from moebalance.routing.base import Router
 
 if TYPE_CHECKING:
@@ -24,28 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["RANDOM", "UNIFORM", "apply_shares", "share_matrix", "tokens_to_gpus"]
 
-_CHUNK = 256  # batches per chunk: bounds temporary memory at ~CHUNK * L * (E + G) doubles
-
-
 def share_matrix(plan: Placement) -> np.ndarray:
     """``float64 [L, E, G]``: the fraction of expert ``e``'s tokens that GPU ``g`` serves, equal split."""
     copies = plan.copies.astype(np.float64)
     return copies / copies.sum(axis=2, keepdims=True)
-
-
-def apply_shares(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
-    """``counts [B, L, E] x shares [L, E, G] -> float64 [B, L, G]``: one ``[b, E] @ [E, G]`` product per layer.
-
-    Chunked over batches to bound temporary memory. (A sparse gather over the few non-zero shares does less
-    arithmetic but ran slower than this BLAS product; ``bench/bench_replay.py`` times the replay.)
-    """
-    B, L, _ = counts.shape
-    out = np.empty((B, L, shares.shape[2]), dtype=np.float64)
-    for lo in range(0, B, _CHUNK):
-        hi = min(B, lo + _CHUNK)
-        block = np.ascontiguousarray(counts[lo:hi].transpose(1, 0, 2), dtype=np.float64)  # [L, b, E]
-        out[lo:hi] = np.matmul(block, shares).transpose(1, 0, 2)
-    return out
 
 
 def _uniform_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:

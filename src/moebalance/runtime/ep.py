@@ -15,7 +15,7 @@ Libra Section 3.1's two-stage execution is ``local_first=True``: the dispatch al
 asynchronously, the picks whose replica is on the token's own rank (MoE_local) are computed while it is in
 flight, then the received rows (MoE_remote). Libra overlaps MoE_local with its token sharding and dispatch;
 here the router runs before both phases because it decides which picks are local (with the ``locality``
-router every pick with a replica on its own GPU is local, as in Libra). Without the flag the local picks are
+and ``rebalance`` routers every pick with a replica on its own GPU is local, as in Libra). Without the flag the local picks are
 computed after the remote ones. Either way local picks are never sent, and the same rows meet the same
 matmuls, so the outputs are bit-identical (the tests compare them with ``array_equal``).
 
