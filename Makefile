@@ -32,6 +32,8 @@ test: lint
 bench: $(STAMP)
 	$(PY) bench/bench_eplb.py
 	$(PY) bench/bench_replay.py
+	$(PY) bench/bench_routing.py
+	$(PY) bench/routers_report.py
 	$(PY) bench/bench_craft.py
 	$(PY) bench/craft_acceptance.py
 	$(PY) bench/moetuner_acceptance.py

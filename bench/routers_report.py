@@ -104,7 +104,9 @@ def main() -> None:
         "`rebalance(strict=True)` follows Libra's printed `cap = B - G[g_d] > 0` test to the letter.",
         "",
     ]
+    intro = len(lines)  # the summary table goes here, once every case has run
     summary: list[tuple[str, dict[str, float]]] = []
+    cells: dict[tuple[int, str], tuple[float, float, int | None, float]] = {}  # (case, router) -> numbers
     checks: list[str] = []
     eps_rows: list[str] = []
     for case in CASES:
@@ -125,12 +127,15 @@ def main() -> None:
         for router in _routers(token_level):
             s = evaluate(plan, test, router, bytes_per_copy=bpc, routing_gap=True)
             bal[router.label] = s.balancedness
+            seconds = _route_seconds(router, plan, test)
+            cells[CASES.index(case), router.label] = (s.balancedness, s.routing_gap or 0.0,
+                                                       None if s.traffic is None else s.traffic.inter_node, seconds)
             row = f"| {router.label} | {s.balancedness:.4f} | {100 * (s.routing_gap or 0.0):.2f}% | {s.imbalance_ratio:.3f} |"
             if s.traffic is not None:
                 t = s.traffic
                 a2a = "" if t.a2a_seconds is None else f"{1e6 * float(t.a2a_seconds.mean()):.1f} us"
                 row += f" {t.local:,} | {t.intra_node:,} | {t.inter_node:,} | {a2a} |"
-            row += f" {_fmt_us(_route_seconds(router, plan, test))} |"
+            row += f" {_fmt_us(seconds)} |"
             lines.append(row)
         lines.append("")
         summary.append((case.label, bal))
@@ -146,6 +151,7 @@ def main() -> None:
                 eps_rows.append(f"| {case.label} | {eps:g} | {s.balancedness:.4f} | {s.imbalance_ratio:.3f} | "
                                 f"{_fmt_us(_route_seconds(r, plan, test))} |")
 
+    lines[intro:intro] = _summary(cells)
     lines += [
         "## Acceptance: `rebalance` against `uniform` and `minmax`",
         "",
@@ -170,6 +176,37 @@ def main() -> None:
     out = ROOT / "docs" / "results" / "routers.md"
     out.write_text(text)
     _plot(summary, ROOT / "docs" / "results" / "routers.png")
+
+
+#: The two settings of the summary table (README): counts on 64 GPUs, tokens on 2 x 4 GPUs.
+SUMMARY = (1, 4)
+
+
+def _summary(cells: dict[tuple[int, str], tuple[float, float, int | None, float]]) -> list[str]:
+    """A short table of both summary settings, router by router (the README quotes it)."""
+    a, b = SUMMARY
+    out = [
+        "## Summary",
+        "",
+        f"Counts: {CASES[a].label}. Tokens: {CASES[b].label}.",
+        "",
+        "| router | counts: balancedness | routing gap | time per layer | tokens: balancedness | routing gap | "
+        "inter-node copies | time per layer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ROUTER_ORDER:
+        row = f"| {name} |"
+        for case in (a, b):
+            if (case, name) not in cells:
+                row += " - | - | - |" if case == a else " - | - | - | - |"
+                continue
+            bal, gap, inter, sec = cells[case, name]
+            row += f" {bal:.4f} | {100 * gap:.1f}% |"
+            if case == b:
+                row += f" {inter:,} |"
+            row += f" {_fmt_us(sec)} |"
+        out.append(row)
+    return [*out, ""]
 
 
 def _plot(summary: list[tuple[str, dict[str, float]]], path: Any) -> None:

@@ -64,7 +64,8 @@ def _has(gpus: list[list[int]], E: int) -> np.ndarray:
 def _kernel(local: list[int], remote: dict[tuple[int, int], int], gpus: list[list[int]], *, eps: float = 0.0,
             strict: bool = False, target: float | None = None) -> tuple[list[int], np.ndarray, int]:
     """Run the kernel on one (batch, layer): ``remote`` maps ``(gpu, expert)`` to picks; ``gpus`` lists the
-    experts each GPU holds. Returns ``(loads, remote [G, E] after the moves, moves)``; B defaults to the mean."""
+    experts each GPU holds. Returns ``(loads, remote [G, E] after the moves, moves)``; B defaults to the
+    mean."""
     G, E = len(gpus), 1 + max(e for experts in gpus for e in experts)
     rem = np.zeros((G, E), dtype=np.int64)
     for (g, e), n in remote.items():
@@ -157,8 +158,8 @@ def _blocked(loads: np.ndarray, remote: np.ndarray, has: np.ndarray, B: float, s
                 if not strict and cap < 1:
                     cap = (loads[gs] - loads[gd]) // 2
                 if cap >= 1:
-                    allowed.append(f"{remote[gs, e]} picks of expert {e} from GPU {gs} ({loads[gs]}) to GPU {gd} "
-                                   f"({loads[gd]}), B = {B}")
+                    allowed.append(f"{remote[gs, e]} picks of expert {e} from GPU {gs} ({loads[gs]}) "
+                                   f"to GPU {gd} ({loads[gd]}), B = {B}")
     return allowed
 
 
@@ -176,7 +177,8 @@ def _split(gpus: list[list[int]], counts: list[int], **params: object) -> list[f
 def _trace(ids: list[int], src: list[int], batch: list[int] | None = None, E: int = 2) -> RoutingTrace:
     """A one-layer top-1 trace."""
     T = len(ids)
-    return RoutingTrace(np.array(ids).reshape(T, 1, 1), np.array(src), np.array(batch or [0] * T), num_experts=E)
+    return RoutingTrace(np.array(ids).reshape(T, 1, 1), np.array(src), np.array(batch or [0] * T),
+                        num_experts=E)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -185,7 +187,8 @@ def _trace(ids: list[int], src: list[int], batch: list[int] | None = None, E: in
 
 
 def test_a_one_move_fills_the_destination_to_floor_b() -> None:
-    # Kernel. GPU 0 holds {0}, GPU 1 holds {0}. local = [3, 2], remote[0, 0] = 6. G = [9, 2], B = 11 / 2 = 5.5.
+    # Kernel. GPU 0 holds {0}, GPU 1 holds {0}. local = [3, 2], remote[0, 0] = 6. G = [9, 2],
+    # B = 11 / 2 = 5.5.
     # g_s = 0 (9 > 5.5), e = 0 (6 remote), C = {1}, g_d = 1, cap = floor(5.5 - 2) = 3, move min(6, 3) = 3:
     #   G = [6, 5], remote[0, 0] = 3, remote[1, 0] = 3.
     # 6 > 5.5 still: g_s = 0, e = 0, g_d = 1, cap = floor(0.5) = 0 -> strict skips; levelling gives
@@ -231,7 +234,8 @@ def test_b_strict_tries_the_next_expert_and_the_default_levels() -> None:
 
 
 def test_b_strict_gives_up_where_levelling_helps() -> None:
-    # Kernel. GPU 0 holds {0}, GPU 1 {0}, GPU 2 {1}. local = [4, 6, 3], remote[0, 0] = 5: G = [9, 6, 3], B = 6.
+    # Kernel. GPU 0 holds {0}, GPU 1 {0}, GPU 2 {1}. local = [4, 6, 3], remote[0, 0] = 5:
+    # G = [9, 6, 3], B = 6.
     # The only destination of GPU 0's picks (GPU 1) is at B, cap = 0:
     #   strict: skip -> nothing moves, [9, 6, 3].
     #   default: level (9 - 6) // 2 = 1: [8, 7, 3]; then g_s = 0: g_d = 1 at 7, level (8 - 7) // 2 = 0;
@@ -270,8 +274,8 @@ def test_c_restart_at_the_new_busiest_gpu() -> None:
     # Moving on with GPU 0's next expert instead (no restart) would send expert 2 to GPU 2 first
     # ([4, 9, 6, 6]) and leave GPU 1 stuck at 9.
     for strict in (False, True):
-        loads, rem, moves = _kernel([3, 5, 3, 3], {(0, 0): 4, (0, 2): 3, (1, 1): 4}, [[0, 2], [1], [1, 2], [0]],
-                                    strict=strict)
+        loads, rem, moves = _kernel([3, 5, 3, 3], {(0, 0): 4, (0, 2): 3, (1, 1): 4},
+                                    [[0, 2], [1], [1, 2], [0]], strict=strict)
         assert (loads, moves) == ([7, 6, 6, 6], 2)
         assert rem.tolist() == [[1, 0, 3], [0, 1, 0], [0, 3, 0], [3, 0, 0]]
 
@@ -587,9 +591,10 @@ def test_dropping_a_token_equals_leaving_it_out(case: tuple[Placement, RoutingTr
     keep = np.random.default_rng(seed).random(top1.num_tokens) < 0.6
     router = get_router("rebalance", {"eps": eps, "strict": strict})
     assert router.assign_kept is not None
-    dest = router.assign_kept(one, top1, np.broadcast_to(keep[:, None, None], top1.topk_ids.shape).copy(), RNG)
-    shorter = RoutingTrace(top1.topk_ids[keep], top1.src_gpu[keep], top1.batch[keep], num_experts=top1.num_experts,
-                           num_batches=top1.num_batches)
+    kept = np.broadcast_to(keep[:, None, None], top1.topk_ids.shape).copy()
+    dest = router.assign_kept(one, top1, kept, RNG)
+    shorter = RoutingTrace(top1.topk_ids[keep], top1.src_gpu[keep], top1.batch[keep],
+                           num_experts=top1.num_experts, num_batches=top1.num_batches)
     assert dest[~keep].ravel().tolist() == [-1] * int((~keep).sum())
     if keep.any():
         assert np.array_equal(dest[keep], router.assign_tokens(one, shorter, RNG))
@@ -714,9 +719,11 @@ def test_options_of_routers_without_options() -> None:
 
 
 def test_option_values_labels_and_params() -> None:
-    assert ROUTERS["rebalance"].label == "rebalance" and ROUTERS["rebalance"].params == {"eps": 0.0, "strict": False}
+    default = ROUTERS["rebalance"]
+    assert default.label == "rebalance" and default.params == {"eps": 0.0, "strict": False}
     r = get_router("rebalance", {"eps": 0.02})
-    assert r.name == "rebalance" and r.label == "rebalance(eps=0.02)" and r.params == {"eps": 0.02, "strict": False}
+    assert r.name == "rebalance" and r.label == "rebalance(eps=0.02)"
+    assert r.params == {"eps": 0.02, "strict": False}
     both = r.with_params(strict=True)  # keeps eps
     assert both.params == {"eps": 0.02, "strict": True} and both.label == "rebalance(eps=0.02, strict=True)"
     assert get_router("rebalance", {"strict": True}).label == "rebalance(strict=True)"

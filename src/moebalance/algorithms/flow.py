@@ -148,44 +148,38 @@ def max_flow(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, a
 
 
 @njit(cache=True)
-def reach_from(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, adj: np.ndarray,
-               s: int, seen: np.ndarray, queue: np.ndarray) -> None:
-    """Set ``seen[v]`` for the nodes reachable from ``s`` over arcs with residual capacity (a minimum cut's
-    side); ``seen bool [>= n]``, ``queue int64 [>= n]`` are work arrays."""
+def _search(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, adj: np.ndarray, root: int,
+            backwards: bool, seen: np.ndarray, queue: np.ndarray) -> None:
+    """Breadth-first search over arcs with residual capacity from ``root`` (``backwards``: towards ``root``)."""
     seen[:n] = False
-    seen[s] = True
-    queue[0] = s
+    seen[root] = True
+    queue[0] = root
     qh, qt = 0, 1
     while qh < qt:
         u = queue[qh]
         qh += 1
         for i in range(start[u], start[u + 1]):
-            a = adj[i]
+            a = adj[i]  # a leaves u for arc_head[a]; a ^ 1 enters u from it
             v = arc_head[a]
-            if res[a] > 0 and not seen[v]:
+            if res[a ^ 1 if backwards else a] > 0 and not seen[v]:
                 seen[v] = True
                 queue[qt] = v
                 qt += 1
 
 
 @njit(cache=True)
+def reach_from(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, adj: np.ndarray,
+               s: int, seen: np.ndarray, queue: np.ndarray) -> None:
+    """Set ``seen[v]`` for the nodes reachable from ``s`` over arcs with residual capacity (a minimum cut's
+    side); ``seen bool [>= n]``, ``queue int64 [>= n]`` are work arrays."""
+    _search(n, arc_head, res, start, adj, s, False, seen, queue)
+
+
+@njit(cache=True)
 def reaches(n: int, arc_head: np.ndarray, res: np.ndarray, start: np.ndarray, adj: np.ndarray,
             t: int, seen: np.ndarray, queue: np.ndarray) -> None:
     """Set ``seen[v]`` for the nodes from which ``t`` is reachable over arcs with residual capacity."""
-    seen[:n] = False
-    seen[t] = True
-    queue[0] = t
-    qh, qt = 0, 1
-    while qh < qt:
-        x = queue[qh]
-        qh += 1
-        for i in range(start[x], start[x + 1]):
-            b = adj[i]  # b leaves x; b ^ 1 enters x from arc_head[b]
-            v = arc_head[b]
-            if res[b ^ 1] > 0 and not seen[v]:
-                seen[v] = True
-                queue[qt] = v
-                qt += 1
+    _search(n, arc_head, res, start, adj, t, True, seen, queue)
 
 
 @njit(cache=True)

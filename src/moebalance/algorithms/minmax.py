@@ -9,10 +9,13 @@ tokens to each GPU ``g`` holding it, ``sum_g x[e, g] = W[e]``. The least possibl
     t* = max over GPU sets S of  W(experts whose copies all lie in S) / |S|
 
 (the max-flow min-cut theorem on the network source -> expert -> GPU -> sink with GPU capacities ``t``).
-We find it by Newton's method on the cut: start at ``t = total / G``; while a maximum flow cannot route
-everything, take the GPUs ``S`` on the source side of a minimum cut and set ``t = W(experts inside S) / |S|``,
-which rises strictly and reaches ``t*`` in at most ``G`` steps. Capacities are scaled by the denominator, so
-every flow is integral and ``t*`` is an exact fraction.
+Experts with one copy are fixed load; the others join their GPUs into connected components, each solved on
+its own. We find a component's ``t*`` by Newton's method on the cut: start from a lower bound (the mean, and
+the densities of a few small sets); while a maximum flow cannot route everything, take the GPUs ``S`` on the
+source side of a minimum cut and set ``t = W(experts inside S) / |S|``, which rises strictly and reaches
+``t*`` in at most ``G`` steps. Capacities are scaled by the denominator, so every flow is integral and ``t*``
+is an exact fraction. A small component (``2^A`` GPU subsets times its experts at most ``_ENUMERATE``) is
+solved by the definition instead, trying every subset.
 
 - **Counts** (fractional tokens): :func:`lex_loads` returns the lexicographically smallest load vector:
   the largest set of GPUs that must carry ``t*`` (those that cannot reach the sink in the residual network)

@@ -243,9 +243,12 @@ def _title(load: LoadMatrix, source: str, cluster: Cluster, budget: Budget, trai
 def _emit_comparison(rows: list[ComparisonRow], plans: dict[str, Any], title: str, out_dir: str | None,
                      as_json: bool, notes: Sequence[str] = ()) -> None:
     doc = {"title": title, "rows": [r.as_dict() for r in rows]}
-    for r in rows:
+    warned: set[str] = set()
+    for r in rows:  # rows of one plan under several routers share its warnings: each is printed once
         for w in r.warnings:
-            err.print(f"warning: {r.policy}: {w}")
+            if w not in warned:
+                warned.add(w)
+                err.print(f"warning: {r.policy}: {w}")
     if out_dir:
         d = Path(out_dir)
         atomic_write_text(d / "comparison.md", comparison_markdown(
