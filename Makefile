@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null || \
 	  $(PY) -m pip install --quiet --disable-pip-version-check --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev]"
+	# compile the routers' numba kernels once, into numba's cache (else every test process and rank compiles them)
+	$(PY) -m moebalance.algorithms.jit
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -32,6 +32,8 @@ from moebalance.routing.minmax import least_max_load
 from moebalance.routing.simulate import evaluate
 
 MINMAX = ROUTERS["minmax"]
+#: HiGHS's default feasibility tolerances are 1e-7 absolute; tighter ones keep the reference LPs near-exact
+HIGHS = {"primal_feasibility_tolerance": 1e-10, "dual_feasibility_tolerance": 1e-10}
 RNG = np.random.default_rng(0)  # the minmax router ignores its rng; the others get a fresh seeded one
 
 
@@ -65,7 +67,7 @@ def lp_optimum(W: np.ndarray, has: np.ndarray) -> float:
     c[-1] = 1.0
     A_ub = np.hstack([to_gpu, -np.ones((G, 1))])
     res = linprog(c, A_ub=A_ub, b_ub=np.zeros(G), A_eq=np.hstack([A_eq, np.zeros((A_eq.shape[0], 1))]), b_eq=b_eq,
-                  bounds=(0, None), method="highs")
+                  bounds=(0, None), method="highs", options=HIGHS)
     assert res.status == 0, res.message
     return float(res.fun)
 
@@ -98,7 +100,7 @@ def lex_loads_by_lp(W: np.ndarray, has: np.ndarray) -> np.ndarray:
         c = np.zeros(n + 1)
         c[-1] = 1.0
         res = linprog(c, A_ub=np.array(rows), b_ub=np.array(rhs), A_eq=A_eq_t, b_eq=b_eq, bounds=(0, None),
-                      method="highs")
+                      method="highs", options=HIGHS)
         assert res.status == 0, res.message
         t = float(res.fun)
         forced = []
@@ -107,7 +109,7 @@ def lex_loads_by_lp(W: np.ndarray, has: np.ndarray) -> np.ndarray:
             c = np.append(to_gpu[g], 0.0)
             bounds = [(0, None)] * n + [(t, t + slack)]
             res = linprog(c, A_ub=np.array(rows), b_ub=np.array(rhs), A_eq=A_eq_t, b_eq=b_eq, bounds=bounds,
-                          method="highs")
+                          method="highs", options=HIGHS)
             assert res.status == 0, res.message
             if res.fun >= t - 1e-7 * scale:
                 forced.append(g)
@@ -311,7 +313,25 @@ def test_split_counts_equals_the_iterated_lp_on_tiny_cases(case: tuple[Placement
     loads = MINMAX.split_counts(plan, counts, RNG)
     b, layer = 0, counts.shape[1] - 1  # one (b, l) per example keeps the LP count small
     ref = lex_loads_by_lp(counts[b, layer], plan.copies[layer] > 0)
-    assert loads[b, layer] == pytest.approx(ref, rel=1e-7, abs=1e-7)
+    assert loads[b, layer] == pytest.approx(ref, abs=1e-7 * max(1.0, float(counts[b, layer].sum())))
+
+
+def test_the_references_reject_wrong_answers() -> None:
+    """The references themselves, on the chain of the golden cases (section 3): expert 0 (6) on GPU 0, expert 1
+    (2) on GPUs 0, 1, expert 2 (5) on GPUs 1, 2; the lexicographic optimum is [6, 3.5, 3.5]."""
+    W = np.array([6, 2, 5])
+    has = np.array([[True, False, False], [True, True, False], [False, True, True]])
+    assert lp_optimum(W, has) == pytest.approx(6.0)
+    assert lex_loads_by_lp(W, has) == pytest.approx([6.0, 3.5, 3.5])
+    check_lex_certificate(np.array([6.0, 3.5, 3.5]), W, has)
+    with pytest.raises(AssertionError, match=r"GPUs 101 at >= 5.0 carry 11.0 but only 6.0 is confined"):
+        check_lex_certificate(np.array([6.0, 2.0, 5.0]), W, has)  # feasible, optimal max, uneven below it
+    with pytest.raises(AssertionError, match="infeasible"):
+        check_lex_certificate(np.array([5.0, 4.5, 3.5]), W, has)  # GPU 0 must carry expert 0's 6
+    with pytest.raises(AssertionError):
+        check_lex_certificate(np.array([6.0, 3.5, 3.0]), W, has)  # loses half a token
+    # the brute force: 2 picks of an expert on GPUs 0 and 1 from GPU 0 -> max 1, one pick leaves (cost 1)
+    assert brute_force_tokens(np.array([0, 0]), np.array([0, 0]), np.array([[True, True]]), 2) == (1, 1)
 
 
 def test_lex_loads_returns_exact_fractions() -> None:
@@ -461,11 +481,11 @@ def test_no_router_beats_minmax_on_counts(case: tuple[Placement, np.ndarray], se
         assert np.all(ours <= other + tol), (name, ours, other)
 
 
-@given(plan=count_cases(), T=st.integers(1, 40), seed=st.integers(0, 2**31))
-def test_no_router_beats_minmax_on_tokens(plan: tuple[Placement, np.ndarray], T: int, seed: int) -> None:
+@given(case=count_cases(), T=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_no_router_beats_minmax_on_tokens(case: tuple[Placement, np.ndarray], T: int, seed: int) -> None:
     """On token traces every router assigns whole picks; minmax's per-(b, l) straggler is never above any
     other router's (each of theirs is an assignment, so it is >= ceil(t*), which minmax reaches)."""
-    p = plan[0]
+    p = case[0]
     rng = np.random.default_rng(seed)
     tr = _random_trace(rng, p, T, min(2, p.num_experts), 3)
     G, B = p.num_gpus, tr.num_batches

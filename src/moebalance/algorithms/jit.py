@@ -1,0 +1,42 @@
+"""Compiled kernels: a warm-up that compiles every numba kernel of the routers once, into numba's cache.
+
+The load-aware routers (``rebalance``, ``minmax``) run numba kernels (``@njit(cache=True)``). The first call
+of a kernel in a fresh install compiles it, which takes seconds; later processes load the compiled code from
+numba's cache (``__pycache__`` beside the sources, or a user-wide folder where that is read-only). Calling
+:func:`warm_up` once after installing -- ``make install`` does, ``python -m moebalance.algorithms.jit`` by
+hand -- moves that cost out of the first evaluation and out of every rank of a multi-process run, which would
+otherwise each compile the same code at once. It compiles the signatures the routers use: C-contiguous
+``int64`` loads and ids, ``bool`` copy masks, ``int64`` copy counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from moebalance.algorithms import minmax, rebalance
+
+__all__ = ["warm_up"]
+
+
+def warm_up() -> float:
+    """Compile (or load from the cache) every router kernel on a tiny input; returns the seconds it took."""
+    t0 = time.perf_counter()
+    copies = np.array([[[1, 1], [0, 1], [1, 0]]], dtype=np.int64)  # [L=1, E=3, G=2], expert 0 on both GPUs
+    has = copies > 0
+    counts = np.array([[[3, 1, 2]]], dtype=np.int64)  # [B=1, L=1, E=3]
+    ids = np.array([[0], [1], [0], [2]], dtype=np.int64)  # [T=4, K=1]
+    src = np.array([0, 0, 1, 1], dtype=np.int64)
+    starts = np.array([0, 4], dtype=np.int64)
+    kept = np.ones(ids.shape, dtype=bool)
+    minmax.split_counts(counts, has)
+    minmax.max_loads(counts, has, False)
+    minmax.route_tokens(ids, src, starts, np.ascontiguousarray(has[0]), 1, kept)
+    rebalance.split_counts(counts, copies, 0.0, False)
+    rebalance.route_tokens(ids, src, starts, np.ascontiguousarray(copies[0]), 1, 0.0, False, kept)
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    print(f"router kernels compiled or loaded from numba's cache in {warm_up():.1f} s")
