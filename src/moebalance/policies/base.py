@@ -18,7 +18,7 @@ import inspect
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from moebalance.core.budget import Budget, Capacity, resolve_budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.load import LoadMatrix
+from moebalance.core.options import Options
 from moebalance.core.plan import Placement
 
 __all__ = [
@@ -43,22 +44,11 @@ __all__ = [
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class PolicyConfig:
+class PolicyConfig(Options):
     """Base of every policy's options: frozen, keyword-only, validated in ``__post_init__``."""
 
-    @classmethod
-    def from_params(cls, policy: str, params: Mapping[str, Any]) -> PolicyConfig:
-        """The config from ``params`` (e.g. parsed ``--set`` values); an unknown key names the known ones."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in params:
-            if key not in names:
-                hint = f"its parameters: {', '.join(names)}" if names else "it takes none"
-                raise InputError(f"policy {policy!r} has no parameter {key!r}; {hint}")
-        return cls(**params)
-
-    def as_params(self) -> dict[str, Any]:
-        """The options as JSON values, for the plan's params."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    owner_kind: ClassVar[str] = "policy"
+    option_word: ClassVar[str] = "parameter"
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -7,14 +7,14 @@ command line as ``--router-set key=value`` and in Python as ``get_router("rebala
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from moebalance.core.errors import InputError
+from moebalance.core.options import Options
 
 if TYPE_CHECKING:
     from moebalance.core.plan import Placement
@@ -24,21 +24,11 @@ __all__ = ["Router", "RouterConfig", "check_routes"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class RouterConfig:
-    """Base of a router's options: frozen, keyword-only, validated in ``__post_init__``."""
+class RouterConfig(Options):
+    """Base of a router's options (``--router-set``): frozen, keyword-only, validated in ``__post_init__``."""
 
-    @classmethod
-    def from_params(cls, router: str, params: Mapping[str, Any]) -> RouterConfig:
-        """The options from ``params`` (e.g. parsed ``--router-set`` values); an unknown key names the known ones."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in params:
-            if key not in names:
-                raise InputError(f"router {router!r} has no option {key!r}; its options: {', '.join(names)}")
-        return cls(**params)
-
-    def as_params(self) -> dict[str, Any]:
-        """The options as JSON values."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    owner_kind: ClassVar[str] = "router"
+    option_word: ClassVar[str] = "option"
 
 
 @dataclass(frozen=True, slots=True)
