@@ -157,8 +157,9 @@ def test_capture_writes_a_valid_trace(model: MoELM, tmp_path: Path) -> None:
     # may flip a near-tie)
     assert hidden.shape == (N, L, D) and hidden.dtype == np.float16
     for layer in range(L):
-        gate, _, config = model.moe_parts(layer)
-        ids = topk_gating(torch.as_tensor(hidden[:, layer]).float() @ gate, config).topk_ids.numpy()
+        gate, _, config, bias = model.moe_parts(layer)
+        ids = topk_gating(torch.as_tensor(hidden[:, layer]).float() @ gate, config,
+                          selection_bias_E=bias).topk_ids.numpy()
         assert np.mean(np.all(ids == tr.topk_ids[:, layer], axis=1)) > 0.97
 
 
@@ -185,7 +186,7 @@ def test_committed_checkpoint_routes_with_skew_that_differs_by_domain(model: MoE
 
 def test_committed_checkpoint_beats_unigram(model: MoELM) -> None:
     record = json.loads(bundled_checkpoint().with_suffix(".json").read_text())
-    assert record["model"] == model.config.as_dict()
+    assert ModelConfig.from_dict(record["model"]) == model.config
     results = record["results"]
     for d in DOMAINS:
         assert results["bits_per_byte"][d] < results["unigram_bits_per_byte"][d] - 1.5

@@ -23,7 +23,11 @@ expert-parallel runtime and the dense reference run the model's MoE layers uncha
 No auxiliary balancing loss by default: routing skew is what this model is for. ``aux_loss_coef > 0`` adds
 Switch Transformer's load-balancing loss (Fedus et al. 2021, Eq. 4), ``E * sum_e f_e * P_e`` per layer, with
 ``f_e`` the fraction of the ``T * K`` picks that chose ``e`` and ``P_e`` the mean gate probability of ``e``;
-the layers' losses are averaged.
+the layers' losses are averaged. ``balance_bias=True`` instead gives every MoE layer DeepSeek-V3's
+auxiliary-loss-free bias (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts",
+arXiv:2408.15664): a per-expert term added to the scores only when choosing the top-k, raised for
+under-loaded experts and lowered for over-loaded ones after every training step, so routing spreads over the
+experts without a loss term pulling on the gate.
 """
 
 from __future__ import annotations
@@ -89,8 +93,14 @@ class ModelConfig:
     ffn_size: int = 64
     #: Longest sequence (learned position embeddings).
     max_seq_len: int = 128
+    #: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias ``[E]`` added to the scores when choosing
+    #: the top-k (never to the mixing weights), nudged during training towards equal loads
+    #: (:class:`moebalance.model.train.TrainConfig` ``bias_update``) and frozen afterwards.
+    balance_bias: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.balance_bias, bool):
+            raise InputError(f"balance_bias ({self.balance_bias!r}) must be true or false")
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "num_experts", "top_k", "ffn_size",
                      "max_seq_len"):
             v = getattr(self, name)
@@ -107,7 +117,7 @@ class ModelConfig:
         """Page 002's gating: softmax, top-k, renormalised, no capacity (no pick is ever dropped)."""
         return GateConfig(top_k=self.top_k, score_fn="softmax", renormalize=True, capacity_factor=None)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | bool]:
         return asdict(self)
 
     @classmethod
@@ -116,7 +126,7 @@ class ModelConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise InputError(f"unknown model config keys {unknown}; known: {sorted(known)}")
-        return cls(**{k: int(v) for k, v in d.items()})
+        return cls(**{k: (v if k == "balance_bias" else int(v)) for k, v in d.items()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +159,12 @@ class MoEFFN(nn.Module):
         self.w1 = nn.Parameter(torch.empty(E, D, Fd))
         self.w2 = nn.Parameter(torch.empty(E, Fd, D))
         self.w3 = nn.Parameter(torch.empty(E, D, Fd))
+        #: ``[E]`` selection bias (a buffer: trained by the balancing rule, not by gradients), or ``None``.
+        self.bias: torch.Tensor | None
+        if config.balance_bias:
+            self.register_buffer("bias", torch.zeros(E))
+        else:
+            self.bias = None
 
     def experts(self) -> ExpertWeights:
         """The experts as the runtime holds them (views of the parameters)."""
@@ -158,7 +174,7 @@ class MoEFFN(nn.Module):
         """``(out [T, D], gate output, Switch balancing loss)``; the loss is 0 unless ``aux``."""
         T, D = h_TD.shape
         E, K = self.gate.shape[1], self.gate_config.top_k
-        gate = topk_gating(h_TD @ self.gate, self.gate_config)
+        gate = topk_gating(h_TD @ self.gate, self.gate_config, selection_bias_E=self.bias)
         ids = gate.topk_ids.reshape(-1)
         weight = gate.topk_weights.reshape(-1)
         token = torch.arange(T, device=h_TD.device).repeat_interleave(K)
@@ -233,14 +249,15 @@ class MoELM(nn.Module):
             nn.init.normal_(blk.moe.w3, std=1 / math.sqrt(c.d_model))
             nn.init.normal_(blk.moe.w2, std=1 / math.sqrt(c.ffn_size) / math.sqrt(2 * c.num_layers))
 
-    def moe_parts(self, layer: int) -> tuple[torch.Tensor, ExpertWeights, GateConfig]:
-        """``(gate [D, E], experts, gate config)`` of MoE layer ``layer``, detached: what the runtime runs."""
+    def moe_parts(self, layer: int) -> tuple[torch.Tensor, ExpertWeights, GateConfig, torch.Tensor | None]:
+        """``(gate [D, E], experts, gate config, selection bias [E] or None)`` of MoE layer ``layer``, detached:
+        what the runtime runs."""
         blk = self.blocks[layer]
         assert isinstance(blk, Block)
         ex = blk.moe.experts()
         return (blk.moe.gate.detach(), ExpertWeights(ex.w1_SHF.detach(), ex.w2_SFH.detach(),
                                                       None if ex.w3_SHF is None else ex.w3_SHF.detach()),
-                blk.moe.gate_config)
+                blk.moe.gate_config, None if blk.moe.bias is None else blk.moe.bias.detach().clone())
 
     def forward(self, idx_BS: torch.Tensor, *, moe: MoeFn | None = None, aux: bool = False,
                 keep_inputs: bool = False) -> ForwardOutput:
@@ -293,7 +310,10 @@ def save_checkpoint(path: str | os.PathLike[str], model: MoELM, dtype: torch.dty
     p = Path(path)
     if p.suffix != ".safetensors":
         raise InputError(f"checkpoint {str(p)!r} must end in .safetensors")
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    # The balancing biases stay float32: rounding them would move near-tied picks between the model as
+    # trained and as stored.
+    tensors = {k: v.detach().to(torch.float32 if k.endswith("moe.bias") else dtype).contiguous()
+               for k, v in model.state_dict().items()}
     with atomic_path(p) as tmp:
         save_file(tensors, str(tmp), metadata={"format": CHECKPOINT_FORMAT,
                                                "config": json.dumps(model.config.as_dict())})

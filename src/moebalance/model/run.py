@@ -152,8 +152,8 @@ def dense_reference(model: MoELM, inputs: Sequence[Sequence[np.ndarray]],
         picks: list[torch.Tensor] = []
 
         def dense(layer: int, h: torch.Tensor, picks: list[torch.Tensor] = picks) -> torch.Tensor:
-            gate, experts, config = model.moe_parts(layer)
-            out, g = dense_moe(h, gate, experts, config)
+            gate, experts, config, bias = model.moe_parts(layer)
+            out, g = dense_moe(h, gate, experts, config, selection_bias_E=bias)
             picks.append(g.topk_ids)
             return out
 
@@ -172,8 +172,9 @@ def _rank_main(rank: int, world_size: int, checkpoint: str, plan_doc: dict[str, 
     config = EPConfig(router=router, router_seed=seed)
     layers = []
     for layer in range(model.config.num_layers):
-        gate, experts, gate_config = model.moe_parts(layer)
-        layers.append(ExpertParallelMoE.from_full(plan, layer, gate, experts, gate_config, config))
+        gate, experts, gate_config, bias = model.moe_parts(layer)
+        layers.append(ExpertParallelMoE.from_full(plan, layer, gate, experts, gate_config, config,
+                                                  selection_bias_E=bias))
     B, L = len(inputs), model.config.num_layers
     computed = np.zeros((B, L), dtype=np.int64)
     sent = {"intra_node": 0, "inter_node": 0}

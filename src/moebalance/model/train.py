@@ -59,6 +59,9 @@ class TrainConfig:
     warmup: int = 50
     weight_decay: float = 0.1
     aux_loss_coef: float = 0.0
+    #: Auxiliary-loss-free balancing (needs ``ModelConfig.balance_bias``): after every step each layer's bias
+    #: moves by ``bias_update * sign(mean load - load of e)`` (the update speed ``u`` of arXiv:2408.15664).
+    bias_update: float = 0.0
     seed: int = 0
     #: Training tokens read from each domain (``None``: the whole training split).
     code_tokens: int | None = 1_500_000
@@ -81,8 +84,8 @@ class TrainConfig:
             raise InputError(f"batch_size ({self.batch_size}) must be even: half the sequences come from each domain")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise InputError(f"lr ({self.lr}) must be a positive number")
-        if self.aux_loss_coef < 0 or self.weight_decay < 0 or self.warmup < 0:
-            raise InputError("aux_loss_coef, weight_decay and warmup must be >= 0")
+        if self.aux_loss_coef < 0 or self.weight_decay < 0 or self.warmup < 0 or self.bias_update < 0:
+            raise InputError("aux_loss_coef, bias_update, weight_decay and warmup must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +134,18 @@ def unigram_bits_per_byte(train_tokens: np.ndarray, heldout_tokens: np.ndarray) 
     return float(-logp[held].mean())
 
 
+@torch.no_grad()
+def update_bias(model: MoELM, topk_ids_TLK: torch.Tensor, speed: float) -> None:
+    """Auxiliary-loss-free balancing (arXiv:2408.15664, Alg. 1): each layer's bias moves by
+    ``speed * sign(mean load - load_e)``, with loads counted over this step's picks ``topk_ids [T, L, K]``."""
+    E = model.config.num_experts
+    for layer, blk in enumerate(model.blocks):
+        bias = blk.moe.bias  # type: ignore[union-attr]
+        assert isinstance(bias, torch.Tensor)
+        load = torch.bincount(topk_ids_TLK[:, layer].reshape(-1), minlength=E).float()
+        bias += speed * torch.sign(load.mean() - load)
+
+
 def _lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -151,6 +166,8 @@ def train(model_config: ModelConfig, cfg: TrainConfig, *,
     """Train a fresh model; returns it (float32, weights as trained) and its record without the final metrics."""
     if cfg.seq_len > model_config.max_seq_len:
         raise InputError(f"seq_len ({cfg.seq_len}) exceeds the model's max_seq_len ({model_config.max_seq_len})")
+    if cfg.bias_update > 0 and not model_config.balance_bias:
+        raise InputError(f"bias_update ({cfg.bias_update}) needs a model with balance_bias (--balance-bias)")
     streams = {d: torch.as_tensor(domain_tokens(d, "train", getattr(cfg, f"{d}_tokens"))) for d in DOMAINS}
     curve_eval = {d: domain_tokens(d, "heldout", cfg.curve_eval_tokens) for d in DOMAINS}
     torch.manual_seed(cfg.seed)
@@ -173,6 +190,9 @@ def train(model_config: ModelConfig, cfg: TrainConfig, *,
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if cfg.bias_update > 0:
+            assert out.topk_ids is not None
+            update_bias(model, out.topk_ids, cfg.bias_update)
         window.append((float(lm.detach()), float(out.aux_loss.detach())))
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
@@ -193,6 +213,7 @@ def train(model_config: ModelConfig, cfg: TrainConfig, *,
         "version": 1,
         "model": model_config.as_dict(),
         "gate": {"score_fn": "softmax", "top_k": model_config.top_k, "renormalize": True, "capacity_factor": None,
+                 "balance_bias": model_config.balance_bias, "bias_update": cfg.bias_update,
                  "implementation": "moebalance.runtime.gating.topk_gating (docs/papers/routing.md)"},
         "experts": {"activation": "swiglu", "layout": "moebalance.runtime.experts.ExpertWeights w1/w3 [E, D, F], "
                                                       "w2 [E, F, D]"},
@@ -209,12 +230,34 @@ def train(model_config: ModelConfig, cfg: TrainConfig, *,
     return TrainResult(model.eval(), record)
 
 
+@torch.no_grad()
+def expert_loads(model: MoELM, tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """``int64 [L, E]``: picks of each expert in each MoE layer over ``tokens`` (windows of ``seq_len``)."""
+    toks = torch.as_tensor(tokens, dtype=torch.int64)
+    n = toks.numel() // seq_len
+    c = model.config
+    loads = torch.zeros((c.num_layers, c.num_experts), dtype=torch.int64)
+    model.eval()
+    for lo in range(0, n, 64):
+        idx = toks[lo * seq_len:min(n, lo + 64) * seq_len].reshape(-1, seq_len)
+        ids = model(idx).topk_ids
+        assert ids is not None
+        for layer in range(c.num_layers):
+            loads[layer] += torch.bincount(ids[:, layer].reshape(-1), minlength=c.num_experts)
+    return loads.numpy()
+
+
 def evaluate_model(model: MoELM, cfg: TrainConfig) -> dict[str, Any]:
-    """Held-out bits per byte per domain, and the unigram baseline."""
-    out: dict[str, Any] = {"bits_per_byte": {}, "unigram_bits_per_byte": {}}
+    """Held-out bits per byte per domain, the unigram baseline, and the routing: experts never picked and the
+    hottest expert's load over the mean, per layer."""
+    out: dict[str, Any] = {"bits_per_byte": {}, "unigram_bits_per_byte": {}, "unused_experts": {},
+                           "peak_to_mean": {}}
     for d in DOMAINS:
         held = domain_tokens(d, "heldout", cfg.eval_tokens)
         out["bits_per_byte"][d] = round(bits_per_byte(model, held, cfg.seq_len), 4)
+        loads = expert_loads(model, held, cfg.seq_len)
+        out["unused_experts"][d] = [int(v) for v in (loads == 0).sum(axis=1)]
+        out["peak_to_mean"][d] = [round(float(v), 3) for v in loads.max(axis=1) / loads.mean(axis=1)]
         out["unigram_bits_per_byte"][d] = round(unigram_bits_per_byte(
             domain_tokens(d, "train", getattr(cfg, f"{d}_tokens")), held), 4)
     return out
@@ -270,6 +313,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=t.lr)
     p.add_argument("--aux-loss-coef", type=float, default=t.aux_loss_coef,
                    help="Switch load-balancing loss weight (0: none, skewed routing)")
+    p.add_argument("--balance-bias", action="store_true",
+                   help="DeepSeek-V3's auxiliary-loss-free balancing bias on every MoE layer")
+    p.add_argument("--bias-update", type=float, default=t.bias_update,
+                   help="bias update speed u per step (needs --balance-bias; 0: the bias stays 0)")
     p.add_argument("--seed", type=int, default=t.seed)
     p.add_argument("--code-tokens", type=int, default=t.code_tokens)
     p.add_argument("--prose-tokens", type=int, default=t.prose_tokens)
@@ -299,9 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InputError(f"--threads ({args.threads}) must be at least 1")
         torch.set_num_threads(args.threads)
         mc = ModelConfig(d_model=args.d_model, num_heads=args.heads, num_layers=args.layers, num_experts=args.experts,
-                         top_k=args.top_k, ffn_size=args.ffn_size, max_seq_len=max(args.seq_len, 1))
+                         top_k=args.top_k, ffn_size=args.ffn_size, max_seq_len=max(args.seq_len, 1),
+                         balance_bias=args.balance_bias)
         tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                         aux_loss_coef=args.aux_loss_coef, seed=args.seed, code_tokens=args.code_tokens,
+                         aux_loss_coef=args.aux_loss_coef, bias_update=args.bias_update, seed=args.seed, code_tokens=args.code_tokens,
                          prose_tokens=args.prose_tokens, eval_tokens=args.eval_tokens, log_every=args.log_every,
                          eval_every=args.eval_every)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
