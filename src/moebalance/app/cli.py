@@ -29,13 +29,13 @@ from moebalance.core.errors import InputError, MoebalanceError
 from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix, parse_batch_range, read_load, write_load
 from moebalance.core.plan import read_plan, write_plan
-from moebalance.policies import POLICIES, Budget, make_plan
+from moebalance.policies import DYNAMIC_POLICIES, POLICIES, Budget, make_plan
 from moebalance.routing import get_router
 from moebalance.routing.simulate import evaluate
 
 __all__ = ["main"]
 
-from moebalance.app import lm_commands
+from moebalance.app import lm_commands, online_commands
 from moebalance.app.console import check_out as _check_out
 from moebalance.app.console import err, out
 from moebalance.app.console import progress as _progress
@@ -453,6 +453,43 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="compare every policy on bundled DeepSeek-V3-like data")
     p.add_argument("--out-dir", default="demo-out")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("predict", help="how much of each token's routing a predictor foresees (Libra's accuracy)")
+    p.add_argument("--load", required=True, help="token-level trace to predict (a capture, for lookahead with "
+                                                 "--hidden-states)")
+    p.add_argument("--predictor", required=True, help="lookahead, path, history or oracle")
+    p.add_argument("--build", action="append", metavar="TRACE",
+                   help="token-level trace the path table is built on (repeatable; not the evaluated text)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="predictor option: depth=2 (path: previous layers in a key), window=1 (history: batches)")
+    p.add_argument("--batches", help="predict batches a:b only")
+    p.add_argument("--checkpoint", help="the model that made the capture (lookahead; default: the bundled model of "
+                                        "the capture's shape)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=online_commands.cmd_predict)
+
+    p = sub.add_parser("online", help="replay a trace batch by batch as a server would: static, periodic and "
+                                      "dynamic (libra) planning")
+    p.add_argument("--load", required=True)
+    p.add_argument("--policy", required=True, metavar="NAME[,NAME...]",
+                   help=f"one or more of: {', '.join([*POLICIES, *DYNAMIC_POLICIES])}")
+    _add_cluster(p)
+    p.add_argument("--router", help="router for every policy (default: uniform for static policies, rebalance for "
+                                    "libra)")
+    p.add_argument("--router-set", action="append", metavar="KEY=VALUE", help="router option (repeatable)")
+    p.add_argument("--warmup", required=True, metavar="A:B", help="batches the first plan is made on")
+    p.add_argument("--batches", metavar="C:D", help="batches served (default: every batch after the warm-up)")
+    p.add_argument("--replan-every", type=_positive, metavar="K",
+                   help="static policies re-plan before every K-th served batch (vLLM's step interval)")
+    p.add_argument("--window", type=_positive, metavar="W",
+                   help="batches a re-plan looks back on (vLLM's window size; default K)")
+    p.add_argument("--build", action="append", metavar="TRACE",
+                   help="token-level trace for libra's path table (default: the warm-up batches)")
+    p.add_argument("--checkpoint", help="the model that made the capture (libra with lookahead)")
+    p.add_argument("--seed", type=_non_negative, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out-dir", help="write online.md, online.json and online.png (imbalance per batch) here")
+    p.set_defaults(func=online_commands.cmd_online)
 
     p = sub.add_parser("capture", help="run the bundled MoE LM on text and write its token-level routing trace")
     src = p.add_mutually_exclusive_group(required=True)

@@ -49,9 +49,9 @@ from moebalance.core.io import atomic_path
 from moebalance.runtime.experts import ExpertWeights, expert_ffn
 from moebalance.runtime.gating import GateConfig, GateOutput, topk_gating
 
-__all__ = ["BOS", "BUNDLED_CHECKPOINT", "CHECKPOINT_FORMAT", "EOS", "PAD", "SPECIALS", "VOCAB_SIZE", "ForwardOutput",
-           "MoEFFN", "MoELM", "ModelConfig", "MoeFn", "bundled_checkpoint", "decode", "encode", "load_checkpoint",
-           "save_checkpoint"]
+__all__ = ["BOS", "BUNDLED_CHECKPOINT", "BUNDLED_CHECKPOINTS", "CHECKPOINT_FORMAT", "EOS", "PAD", "SPECIALS",
+           "VOCAB_SIZE", "ForwardOutput", "MoEFFN", "MoELM", "ModelConfig", "MoeFn", "bundled_checkpoint", "bundled_for",
+           "checkpoint_config", "decode", "encode", "load_checkpoint", "save_checkpoint"]
 
 #: ``format`` in a checkpoint's safetensors metadata.
 CHECKPOINT_FORMAT = "moebalance.moe_lm"
@@ -126,7 +126,8 @@ class ModelConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise InputError(f"unknown model config keys {unknown}; known: {sorted(known)}")
-        return cls(**{k: (v if k == "balance_bias" else int(v)) for k, v in d.items()})
+        values: dict[str, Any] = {k: (v if k == "balance_bias" else int(v)) for k, v in d.items()}
+        return cls(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,15 +293,47 @@ class MoELM(nn.Module):
 
 # ----- checkpoints ---------------------------------------------------------------------------------------------
 
-#: The checkpoint shipped in the package (trained by ``python -m moebalance.model.train``).
+#: The first checkpoint shipped in the package (4 MoE layers of 16 experts, top-2; trained by
+#: ``python -m moebalance.model.train``).
 BUNDLED_CHECKPOINT = "moe_lm.safetensors"
+#: Every checkpoint shipped in the package: the first, and 8 MoE layers of 32 experts, top-4, trained with the
+#: auxiliary-loss-free balancing bias (docs/results/moe_lm_8x32.md).
+BUNDLED_CHECKPOINTS = (BUNDLED_CHECKPOINT, "moe_lm_8x32.safetensors")
 
 
-def bundled_checkpoint() -> Path:
-    """Path of the bundled checkpoint (``moebalance/model/weights/moe_lm.safetensors``)."""
+def bundled_checkpoint(name: str = BUNDLED_CHECKPOINT) -> Path:
+    """Path of a bundled checkpoint (``moebalance/model/weights/NAME``)."""
     from importlib import resources
 
-    return Path(str(resources.files("moebalance.model") / "weights" / BUNDLED_CHECKPOINT))
+    if name not in BUNDLED_CHECKPOINTS:
+        raise InputError(f"no bundled checkpoint {name!r}; bundled: {', '.join(BUNDLED_CHECKPOINTS)}")
+    return Path(str(resources.files("moebalance.model") / "weights" / name))
+
+
+def checkpoint_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """The model config stored in a checkpoint's metadata (the weights are not read)."""
+    from safetensors import SafetensorError, safe_open
+
+    p = Path(path)
+    try:
+        with safe_open(str(p), framework="pt") as fh:
+            meta = fh.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InputError(f"cannot read checkpoint {str(p)!r}: {exc}") from None
+    if meta.get("format") != CHECKPOINT_FORMAT or "config" not in meta:
+        raise InputError(f"{str(p)!r} is not a moebalance MoE LM checkpoint (no {CHECKPOINT_FORMAT!r} metadata)")
+    return ModelConfig.from_dict(json.loads(meta["config"]))
+
+
+def bundled_for(num_layers: int, num_experts: int, top_k: int) -> Path:
+    """The bundled checkpoint with this many MoE layers, experts and picks (the model a capture came from)."""
+    for name in BUNDLED_CHECKPOINTS:
+        p = bundled_checkpoint(name)
+        c = checkpoint_config(p)
+        if (c.num_layers, c.num_experts, c.top_k) == (num_layers, num_experts, top_k):
+            return p
+    raise InputError(f"no bundled model has {num_layers} MoE layers of {num_experts} experts, top-{top_k}; give "
+                     "the checkpoint that made the capture with --checkpoint")
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: MoELM, dtype: torch.dtype = torch.float16) -> None:

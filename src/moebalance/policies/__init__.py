@@ -23,10 +23,12 @@ from moebalance.policies.craft import CRAFT
 from moebalance.policies.eplb import EPLB
 from moebalance.policies.grace import GRACE
 from moebalance.policies.greedy import GREEDY
+from moebalance.policies.libra import LIBRA, DynamicPolicy
 from moebalance.policies.moetuner import MOETUNER
 
 __all__ = [
     "DOCUMENTED_POLICIES",
+    "DYNAMIC_POLICIES",
     "POLICIES",
     "Budget",
     "Capacity",
@@ -54,7 +56,10 @@ POLICIES: dict[str, Policy[Any] | PolicyFn] = {
     "moetuner": MOETUNER,
 }
 
-_unknown = set(POLICIES) - set(DOCUMENTED_POLICIES)
+#: Policies that plan every batch from a prediction (``moebalance online``), so have no single plan.
+DYNAMIC_POLICIES: dict[str, DynamicPolicy] = {"libra": LIBRA}
+
+_unknown = (set(POLICIES) | set(DYNAMIC_POLICIES)) - set(DOCUMENTED_POLICIES)
 if _unknown:
     raise RuntimeError(f"policies {sorted(_unknown)} are registered but not documented in DOCUMENTED_POLICIES")
 
@@ -65,6 +70,9 @@ def get_policy(policy: str | Policy[Any] | PolicyFn) -> tuple[str, Policy[Any] |
         return policy.name, policy
     if callable(policy):
         return getattr(policy, "__name__", "custom"), policy
+    if isinstance(policy, str) and policy in DYNAMIC_POLICIES:
+        raise InputError(f"policy {policy!r} is dynamic: it plans every batch from a prediction, so it has no single "
+                         f"plan to write or score; replay it with moebalance online --policy {policy}")
     try:
         return policy, POLICIES[policy]
     except (KeyError, TypeError):

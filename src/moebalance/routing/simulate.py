@@ -55,7 +55,7 @@ from moebalance.routing import Router, get_router
 from moebalance.routing.base import check_routes
 from moebalance.routing.minmax import least_max_load
 
-__all__ = ["Score", "Traffic", "a2a_seconds", "evaluate", "gpu_loads", "layer_metrics", "traffic"]
+__all__ = ["Score", "Traffic", "a2a_seconds", "evaluate", "gpu_loads", "layer_metrics", "replay_loads", "traffic"]
 
 
 def check_compatible(plan: Placement, load: LoadMatrix) -> None:
@@ -246,6 +246,29 @@ class Score:
         return out
 
 
+def replay_loads(plan: Placement, load: LoadMatrix, router: Router,
+                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    """``(gpu_load [B, L, G], dest [T, L, K] or None, whole_tokens)``: ``load`` replayed through ``plan``.
+
+    A token-level load is routed per token (``dest``: the GPU serving each pick, checked against the plan);
+    the loads then count whole picks, except for ``uniform``, whose loads stay its exact fractional split
+    (``whole_tokens`` False).
+    """
+    trace = load.trace
+    dest = None
+    if trace is not None:
+        trace.check_gpus(plan.num_gpus)
+        dest = router.assign_tokens(plan, trace, rng)
+        for layer in range(plan.num_layers):  # a custom router's answer is checked before it is counted
+            check_routes(dest[:, layer, :], trace.topk_ids[:, layer, :], plan.copies[layer], router.name)
+    whole_tokens = dest is not None and trace is not None and router.name != "uniform"
+    if whole_tokens and dest is not None and trace is not None:
+        B, L, G = load.num_batches, load.num_layers, plan.num_gpus
+        flat = (trace.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest
+        return np.bincount(flat.ravel(), minlength=B * L * G).reshape(B, L, G).astype(np.float64), dest, True
+    return router.split_counts(plan, load.counts, rng), dest, False
+
+
 def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform", *, seed: int = 0,
              bytes_per_copy: int | None = None, routing_gap: bool = False) -> Score:
     """Replay ``load`` through ``plan`` with ``router`` and score it.
@@ -258,21 +281,8 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
     """
     check_compatible(plan, load)
     r = get_router(router)
-    rng = np.random.default_rng(seed)
+    loads, dest, whole_tokens = replay_loads(plan, load, r, np.random.default_rng(seed))
     trace = load.trace
-    dest = None
-    if trace is not None:
-        trace.check_gpus(plan.num_gpus)
-        dest = r.assign_tokens(plan, trace, rng)
-        for layer in range(plan.num_layers):  # a custom router's answer is checked before it is counted
-            check_routes(dest[:, layer, :], trace.topk_ids[:, layer, :], plan.copies[layer], r.name)
-    whole_tokens = dest is not None and trace is not None and r.name != "uniform"
-    if whole_tokens and dest is not None and trace is not None:
-        B, L, G = load.num_batches, load.num_layers, plan.num_gpus
-        flat = (trace.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest
-        loads = np.bincount(flat.ravel(), minlength=B * L * G).reshape(B, L, G).astype(np.float64)
-    else:
-        loads = r.split_counts(plan, load.counts, rng)
     m = layer_metrics(loads, load.counts, plan.replica_counts())
     if not np.any(np.isfinite(m.balancedness)):
         raise InputError("the load is zero in every batch and layer; there is nothing to score")

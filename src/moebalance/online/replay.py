@@ -1,0 +1,252 @@
+"""Replay a trace batch by batch as a server would (``moebalance online``; docs/design.md, "Online replay and
+prediction").
+
+Legend: ``B`` batches, ``L`` layers, ``E`` experts, ``G`` GPUs, ``N`` extra experts per GPU and layer.
+
+- A **static** policy plans once on the warm-up batches and serves every later batch with that plan; with
+  ``replan_every = K`` (and ``window = W``) it plans again before every ``K``-th served batch on the ``W``
+  batches just served (vLLM's EPLB ``step_interval`` and ``window_size``). Copies a new plan adds on a GPU
+  count as experts moved.
+- A **dynamic** policy (``libra``) plans its base on the warm-up batches once, then every served batch from its
+  predictor: the prefetcher adds up to ``N`` experts per GPU and layer (:func:`moebalance.policies.libra.batch_plan`),
+  all of which are loaded for that batch (experts moved). Layers the predictor cannot see (layer 0 for
+  ``lookahead`` and ``path``; the first batch for ``history``) are planned from the previous batch's picks.
+
+Each served batch is scored with the router (``uniform`` for static policies and ``rebalance`` for ``libra``
+unless one is given): per ``(batch, layer)`` the imbalance ratio ``max_g / mean_g`` of GPU load and the
+balancedness ``mean_g / max_g`` (docs/design.md, "Metrics"); a batch's imbalance ratio is its mean over layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.online.predictors import HistoryPredictor, Predictor, accuracy, make_predictor
+from moebalance.policies import DYNAMIC_POLICIES, POLICIES, make_plan
+from moebalance.policies.libra import LibraConfig, batch_plan, buffer_slots
+from moebalance.routing import Router, get_router
+from moebalance.routing.simulate import layer_metrics, replay_loads
+
+__all__ = ["OnlineResult", "moved_copies", "replay"]
+
+
+@dataclass(frozen=True, slots=True)
+class OnlineResult:
+    """One policy replayed over the served batches."""
+
+    policy: str
+    router: str
+    #: ``int64 [B']``: the served batches' ids in the load.
+    batches: np.ndarray
+    #: ``float64 [B']``: each served batch's imbalance ratio, the mean over its layers with load.
+    per_batch_imbalance: np.ndarray
+    #: ``float64 [B']``: each served batch's balancedness, the mean over its layers with load.
+    per_batch_balancedness: np.ndarray
+    #: ``float64 [B']``: expert copies loaded before each served batch (a replan's new copies, or the prefetches).
+    per_batch_moved: np.ndarray
+    #: Extra expert slots per GPU the policy holds: a static plan's extra replicas / G (over all layers), or the
+    #: dynamic base's plus the prefetch buffer's ``2 N``.
+    replica_slots_per_gpu: float
+    #: Plans made after the first (static policies with ``replan_every``).
+    replans: int
+    #: ``float64 [L]``: the predictor's accuracy per layer (nan where it predicts nothing), or ``None``.
+    per_layer_accuracy: np.ndarray | None
+    params: dict[str, Any]
+    #: Mean balancedness and imbalance ratio over every served ``(batch, layer)`` with load.
+    balancedness: float
+    mean_imbalance_ratio: float
+
+    @property
+    def experts_moved(self) -> float:
+        """Expert copies loaded per served batch, on average."""
+        return float(self.per_batch_moved.mean()) if self.per_batch_moved.size else 0.0
+
+    @property
+    def prediction_accuracy(self) -> float | None:
+        a = self.per_layer_accuracy
+        if a is None or not np.isfinite(a).any():
+            return None
+        return float(np.nanmean(a))
+
+    def as_dict(self) -> dict[str, Any]:
+        """The ``online --json`` object (docs/design.md, "Online replay and prediction")."""
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "router": self.router,
+            "balancedness": round(self.balancedness, 6),
+            "mean_imbalance_ratio": round(self.mean_imbalance_ratio, 6),
+            "max_imbalance_ratio": round(float(np.max(self.per_batch_imbalance)), 6),
+            "per_batch_imbalance_ratio": [round(float(v), 6) for v in self.per_batch_imbalance],
+            "experts_moved": round(self.experts_moved, 3),
+            "replica_slots_per_gpu": round(self.replica_slots_per_gpu, 3),
+            "replans": self.replans,
+            "batches": [int(self.batches[0]), int(self.batches[-1]) + 1],
+            "params": self.params,
+        }
+        if self.per_layer_accuracy is not None:
+            acc = self.prediction_accuracy
+            out["prediction_accuracy"] = None if acc is None else round(acc, 6)
+            out["per_layer_accuracy"] = [None if not np.isfinite(v) else round(float(v), 6)
+                                         for v in self.per_layer_accuracy]
+        return out
+
+
+def moved_copies(old: Placement, new: Placement) -> int:
+    """Expert copies ``new`` holds that ``old`` does not, per (layer, GPU): what switching must load."""
+    return int(np.maximum(new.copies - old.copies, 0).sum())
+
+
+def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(imbalance [L], balancedness [L])`` of one batch ``load`` (a single-batch load)."""
+    loads, _, _ = replay_loads(plan, load, router, np.random.default_rng((seed, batch)))
+    m = layer_metrics(loads, load.counts, plan.replica_counts())
+    return m.imbalance[0], m.balancedness[0]
+
+
+def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str, params: Mapping[str, Any] | None = None,
+           *, warmup: tuple[int, int], batches: tuple[int, int] | None = None, router: str | Router | None = None,
+           replan_every: int | None = None, window: int | None = None, seed: int = 0,
+           hidden: np.ndarray | None = None, model: Any = None, build: LoadMatrix | None = None,
+           progress: Callable[[int], None] | None = None) -> OnlineResult:
+    """Replay ``load``'s batches ``batches`` (default: all after the warm-up) through ``policy``.
+
+    ``hidden [N, L, D]`` and ``model`` serve the ``lookahead`` predictor; ``build`` is the path predictor's build
+    split (default: the warm-up batches). ``progress(1)`` is called after each served batch.
+    """
+    params = dict(params or {})
+    B = load.num_batches
+    a, b = warmup
+    if not 0 <= a < b <= B:
+        raise InputError(f"warm-up batches {a}:{b} must be a non-empty range within the load's {B} batches")
+    c, d = (b, B) if batches is None else batches
+    if not b <= c < d <= B:
+        raise InputError(f"served batches {c}:{d} must be a non-empty range after the warm-up ({a}:{b}) and "
+                         f"within the load's {B} batches; give a later --batches or a shorter --warmup")
+    if load.trace is not None:
+        load.trace.check_gpus(cluster.num_gpus)
+    dynamic = DYNAMIC_POLICIES.get(policy)
+    if dynamic is None and policy not in POLICIES:
+        names = [*POLICIES, *DYNAMIC_POLICIES]
+        raise InputError(f"unknown policy {policy!r}; choose one of: {', '.join(names)}")
+    if replan_every is not None and (isinstance(replan_every, bool) or replan_every < 1):
+        raise InputError(f"replan_every ({replan_every!r}) must be a positive number of batches")
+    if window is not None and (isinstance(window, bool) or window < 1):
+        raise InputError(f"window ({window!r}) must be a positive number of batches")
+    if dynamic is not None and replan_every is not None:
+        raise InputError(f"{policy} replans every batch from its predictor; --replan-every and --window apply to "
+                         "static policies")
+    warm = load.select_batches(a, b)
+    if dynamic is None:
+        return _replay_static(load, warm, cluster, budget, policy, params, (c, d), get_router(router or "uniform"),
+                              replan_every, window if window is not None else replan_every, seed, progress)
+    config = LibraConfig.from_params(policy, params)
+    assert isinstance(config, LibraConfig)
+    return _replay_dynamic(load, warm, cluster, budget, config, (c, d), get_router(router or "rebalance"), seed,
+                           hidden, model, build if build is not None else warm, progress)
+
+
+def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget: Budget, policy: str,
+                   params: dict[str, Any], served: tuple[int, int], router: Router, every: int | None,
+                   window: int | None, seed: int, progress: Callable[[int], None] | None) -> OnlineResult:
+    c, d = served
+    plan = make_plan(policy, warm, cluster, budget, **params)[0]
+    L = load.num_layers
+    imb = np.full((d - c, L), np.nan)
+    bal = np.full((d - c, L), np.nan)
+    moved = np.zeros(d - c)
+    replans = 0
+    extra = plan.extra_replicas
+    for i, bt in enumerate(range(c, d)):
+        if every is not None and i > 0 and i % every == 0:
+            assert window is not None
+            new = make_plan(policy, load.select_batches(max(0, bt - window), bt), cluster, budget, **params)[0]
+            moved[i] = moved_copies(plan, new)
+            plan, replans = new, replans + 1
+            extra = max(extra, plan.extra_replicas)
+        imb[i], bal[i] = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt)
+        if progress is not None:
+            progress(1)
+    return _result(policy, router, served, imb, bal, moved, extra / cluster.num_gpus, replans, None,
+                   {**params, **({"replan_every": every, "window": window} if every else {})})
+
+
+def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget: Budget, config: LibraConfig,
+                    served: tuple[int, int], router: Router, seed: int, hidden: np.ndarray | None, model: Any,
+                    build: LoadMatrix, progress: Callable[[int], None] | None) -> OnlineResult:
+    c, d = served
+    base = make_plan(config.base, warm, cluster, budget)[0]  # the base policy's defaults, under the budget
+    trace = load.trace
+    G, L = cluster.num_gpus, load.num_layers
+    predictor: Predictor | None = None
+    if trace is None:
+        if config.predictor not in ("history", "oracle"):
+            raise InputError(f"the {config.predictor} predictor needs a token-level trace (topk_ids, src_gpu); this "
+                             "load has counts only: use --set predictor=history or predictor=oracle")
+    else:
+        if build.trace is None and config.predictor == "path":
+            raise InputError("the path predictor needs a token-level build split")
+        predictor = make_predictor(config.predictor, build=[build.trace] if build.trace is not None else [],
+                                   hidden=hidden, model=model, depth=config.depth, window=config.window)
+    fallback = HistoryPredictor(1)
+    imb = np.full((d - c, L), np.nan)
+    bal = np.full((d - c, L), np.nan)
+    moved = np.zeros(d - c)
+    acc_sum, acc_n = np.zeros(L), np.zeros(L)
+    for i, bt in enumerate(range(c, d)):
+        if trace is not None and predictor is not None:
+            pred = predictor.predict(trace, bt, G)
+            demand = pred.demand
+            if not pred.layers.all():
+                prev = fallback.predict(trace, bt, G)
+                demand = np.where(pred.layers[:, None, None], demand, prev.demand)
+            rows = slice(*(int(x) for x in np.searchsorted(trace.batch, [bt, bt + 1], side="left")))
+            per_layer = accuracy(pred, trace.topk_ids[rows])
+            ok = np.isfinite(per_layer)
+            n = rows.stop - rows.start
+            acc_sum[ok] += per_layer[ok] * n
+            acc_n[ok] += n
+        elif config.predictor == "oracle":
+            demand = np.repeat(load.counts[bt][:, None, :] / G, G, axis=1).astype(float)
+        else:
+            got = HistoryPredictor(config.window).predict_counts(load.counts, bt, G)
+            demand = np.zeros((L, G, load.num_experts)) if got is None else got
+        plan, extras = batch_plan(base, demand, config)
+        moved[i] = int((extras >= 0).sum())
+        imb[i], bal[i] = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt)
+        if progress is not None:
+            progress(1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_layer_acc = np.where(acc_n > 0, acc_sum / np.where(acc_n > 0, acc_n, 1), np.nan)
+    slots = base.extra_replicas / G + buffer_slots(config)
+    params = {**dataclasses.asdict(config), "phase1": config.phase1, "buffer_slots_per_gpu": buffer_slots(config),
+              "base_extra_replicas": base.extra_replicas}
+    return _result("libra", router, served, imb, bal, moved, slots, 0,
+                   per_layer_acc if trace is not None else None, params)
+
+
+def _result(policy: str, router: Router, served: tuple[int, int], imb: np.ndarray, bal: np.ndarray, moved: np.ndarray,
+            slots: float, replans: int, acc: np.ndarray | None, params: dict[str, Any]) -> OnlineResult:
+    if not np.isfinite(imb).any():
+        raise InputError("the served batches carry no load in any layer; there is nothing to score")
+    with np.errstate(invalid="ignore"):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            per_imb = np.nanmean(imb, axis=1)
+            per_bal = np.nanmean(bal, axis=1)
+    return OnlineResult(policy=policy, router=router.label, batches=np.arange(*served), per_batch_imbalance=per_imb,
+                        per_batch_balancedness=per_bal, per_batch_moved=moved, replica_slots_per_gpu=float(slots),
+                        replans=replans, per_layer_accuracy=acc, params=params,
+                        balancedness=float(np.nanmean(bal)), mean_imbalance_ratio=float(np.nanmean(imb)))
+
