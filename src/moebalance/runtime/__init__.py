@@ -23,18 +23,30 @@ Modules: :mod:`~moebalance.runtime.gating` (top-k gating and capacity),
 :mod:`~moebalance.runtime.experts` (expert weights, FFN, dense reference),
 :mod:`~moebalance.runtime.comm` (variable all-to-all on NCCL or gloo, point-to-point batches),
 :mod:`~moebalance.runtime.dispatch` (who sends what, dispatchers by name),
-:mod:`~moebalance.runtime.ep` (the layer, Libra Section 3.1's local-first phases),
+:mod:`~moebalance.runtime.ep` (the layer, Libra Section 3.1's two-stage execution),
+:mod:`~moebalance.runtime.prefetch` (per-batch plans: Libra's extra experts in a double buffer),
+:mod:`~moebalance.runtime.agree` (every rank fails alike on one rank's bad input),
 :mod:`~moebalance.runtime.rearrange` (moving weights when the plan changes),
-:mod:`~moebalance.runtime.launch` (local multi-process groups for tests and benchmarks).
+:mod:`~moebalance.runtime.launch` (local multi-process groups for tests and benchmarks; joining a torchrun group).
 """
 
+from moebalance.runtime.agree import RankCheck, agreed_gather, plan_digest
 from moebalance.runtime.comm import A2AImpl, all_gather_v, all_to_all_v, exchange_counts, p2p_exchange
-from moebalance.runtime.dispatch import DISPATCHERS, Dispatcher, DispatchMeta, build_dispatch, make_dispatcher
+from moebalance.runtime.dispatch import (
+    DISPATCHERS,
+    Dispatcher,
+    DispatchMeta,
+    build_dispatch,
+    build_local,
+    make_dispatcher,
+)
 from moebalance.runtime.ep import (
+    KEEPS_LOCAL,
     EPConfig,
     EPStats,
     ExpertParallelMoE,
     MoEOutput,
+    keeps_local,
     layer_placement,
     route_picks,
     slot_table,
@@ -42,34 +54,46 @@ from moebalance.runtime.ep import (
 from moebalance.runtime.experts import ExpertWeights, dense_moe, expert_ffn, random_experts
 from moebalance.runtime.gating import GateConfig, GateOutput, apply_capacity, expert_capacity, topk_gating
 from moebalance.runtime.launch import launch
+from moebalance.runtime.prefetch import ExpertPrefetcher, Fetch, PrefetchResult, batch_extras, plan_fetches
 from moebalance.runtime.rearrange import RearrangeReport, Transfer, plan_transfers, rearrange
 
 __all__ = [
     "DISPATCHERS",
+    "KEEPS_LOCAL",
     "A2AImpl",
     "DispatchMeta",
     "Dispatcher",
     "EPConfig",
     "EPStats",
     "ExpertParallelMoE",
+    "ExpertPrefetcher",
     "ExpertWeights",
+    "Fetch",
     "GateConfig",
     "GateOutput",
     "MoEOutput",
+    "PrefetchResult",
+    "RankCheck",
     "RearrangeReport",
     "Transfer",
+    "agreed_gather",
     "all_gather_v",
     "all_to_all_v",
     "apply_capacity",
+    "batch_extras",
     "build_dispatch",
+    "build_local",
     "dense_moe",
     "exchange_counts",
     "expert_capacity",
     "expert_ffn",
+    "keeps_local",
     "launch",
     "layer_placement",
     "make_dispatcher",
     "p2p_exchange",
+    "plan_digest",
+    "plan_fetches",
     "plan_transfers",
     "random_experts",
     "rearrange",

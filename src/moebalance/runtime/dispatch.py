@@ -47,10 +47,11 @@ import torch
 import torch.distributed as dist
 
 from moebalance.core.errors import InputError, PlanError
+from moebalance.runtime.agree import RankCheck, agreed_gather
 from moebalance.runtime.comm import A2AImpl, Pending, all_gather_v, all_to_all_v, over_budget, resolve_impl
 
 __all__ = ["DISPATCHERS", "AllToAllDispatcher", "DispatchMeta", "Dispatcher", "ExpertWork", "LocalDispatcher",
-           "build_dispatch", "make_dispatcher"]
+           "build_dispatch", "build_local", "make_dispatcher"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +173,30 @@ def build_dispatch(dest_TK: np.ndarray, ids_TK: np.ndarray, weights_TK: np.ndarr
     )
 
 
+def build_local(here_TK: np.ndarray, ids_TK: np.ndarray, weights_TK: np.ndarray, slot_of_E: np.ndarray,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, ExpertWork]:
+    """``(local_token [N_local], picks)``: the picks of this rank's own tokens served here, without the router.
+
+    ``here_TK [T_r, K]`` marks them (kept picks whose expert has a copy on this GPU, for a router that keeps
+    such picks local); ``ids_TK``, ``weights_TK`` are this rank's tokens' experts and gate weights. The result
+    is what :func:`build_dispatch` puts in ``local_token`` and ``local`` when the router served exactly these
+    picks here: the same rows, picks, order and values, so the two-stage path computes the same bits.
+    """
+    local_token = np.flatnonzero(here_TK.any(axis=1))
+    tok, k = np.nonzero(here_TK)
+    slot = slot_of_E[ids_TK[tok, k]]
+    if np.any(slot < 0):
+        i = int(np.flatnonzero(slot < 0)[0])
+        raise InputError(f"pick {int(k[i])} of local token {int(tok[i])} (expert {int(ids_TK[tok[i], k[i]])}) is "
+                         "marked local, but this rank holds no copy of it")
+    work = ExpertWork(
+        pick_row=torch.as_tensor(np.searchsorted(local_token, tok), dtype=torch.long, device=device),
+        pick_slot=torch.as_tensor(slot, dtype=torch.long, device=device),
+        pick_weight=torch.as_tensor(weights_TK[tok, k].astype(np.float32), device=device),
+        num_rows=int(local_token.size))
+    return torch.as_tensor(local_token, dtype=torch.long, device=device), work
+
+
 class Dispatcher:
     """The interface: gather the routing, dispatch rows, combine results. This base is the local no-op."""
 
@@ -194,6 +219,14 @@ class Dispatcher:
         if max_rows is not None and routing_TX.shape[0] > max_rows:
             raise over_budget(0, routing_TX.shape[0], max_rows)
         return [routing_TX]
+
+    def gather_agreed(self, routing_TX: torch.Tensor, check: RankCheck,
+                      max_rows: int | None = None) -> list[torch.Tensor]:
+        """:meth:`gather_routing` once every rank's ``check`` is clean (:mod:`moebalance.runtime.agree`): on one
+        process, this rank's own error is raised as it is."""
+        if check.error is not None:
+            raise check.error
+        return self.gather_routing(routing_TX, max_rows)
 
     def dispatch(self, x_TH: torch.Tensor, meta: DispatchMeta, *, async_op: bool = False) -> Pending:
         """The rows other ranks send here (``[M, H]``, by source rank then token); ``x`` rows go out."""
@@ -233,6 +266,10 @@ class AllToAllDispatcher(Dispatcher):
 
     def gather_routing(self, routing_TX: torch.Tensor, max_rows: int | None = None) -> list[torch.Tensor]:
         return all_gather_v(routing_TX, self.group, max_rows)
+
+    def gather_agreed(self, routing_TX: torch.Tensor, check: RankCheck,
+                      max_rows: int | None = None) -> list[torch.Tensor]:
+        return agreed_gather(routing_TX, check, self.group, max_rows)
 
     def dispatch(self, x_TH: torch.Tensor, meta: DispatchMeta, *, async_op: bool = False) -> Pending:
         rows = x_TH.index_select(0, meta.send_token)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,17 +40,26 @@ from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.routing import Router, get_router
 from moebalance.routing.base import check_routes
+from moebalance.runtime.agree import RankCheck, plan_digest
 from moebalance.runtime.comm import A2AImpl
 from moebalance.runtime.dispatch import (
     DispatchMeta,
     ExpertWork,
     build_dispatch,
+    build_local,
     make_dispatcher,
 )
 from moebalance.runtime.experts import ExpertWeights, expert_ffn
 from moebalance.runtime.gating import GateConfig, GateOutput, topk_gating
+from moebalance.runtime.prefetch import ExpertPrefetcher, PrefetchResult, batch_extras
 
-__all__ = ["EPConfig", "EPStats", "ExpertParallelMoE", "MoEOutput", "layer_placement", "route_picks", "slot_table"]
+__all__ = ["KEEPS_LOCAL", "EPConfig", "EPStats", "ExpertParallelMoE", "MoEOutput", "keeps_local", "layer_placement",
+           "route_picks", "slot_table"]
+
+#: Routers that serve every kept pick whose expert has a copy on the token's own GPU on that GPU: with them the
+#: local picks are known before the router runs (``EPConfig.router_thread``). ``minmax`` is not one: the
+#: least busiest GPU may need some local picks elsewhere.
+KEEPS_LOCAL = ("locality", "rebalance")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -72,6 +82,11 @@ class EPConfig:
     #: A bound on any rank's tokens per forward, the same on every rank: the routing is then gathered in one
     #: collective of fixed size instead of two (counts, then rows); ``None``: no bound, two collectives.
     max_tokens_per_rank: int | None = None
+    #: Libra Section 3.1's two-stage execution with the router in a CPU thread: while the router runs, the
+    #: picks served on their own rank are computed (they do not depend on it); then the remote picks are
+    #: dispatched and computed. Only for routers that keep every pick with a copy on its own GPU there
+    #: (:data:`KEEPS_LOCAL`); with the others the layer routes first, as without the flag.
+    router_thread: bool = False
 
     def __post_init__(self) -> None:
         get_router(self.router)  # raises on an unknown name, listing the valid ones
@@ -111,6 +126,18 @@ class EPStats:
     routing_seconds: float
     #: Seconds of expert FFN compute, local and remote picks (CUDA events on GPU, wall time on CPU).
     expert_seconds: float
+    #: Extra experts this rank received into its prefetch buffer for this forward, and their bytes; and the
+    #: copies it sent to other ranks' buffers (0 without a per-batch plan, or when the buffer already held them).
+    prefetch_received: int = 0
+    prefetch_bytes_received: int = 0
+    prefetch_sent: int = 0
+    prefetch_bytes_sent: int = 0
+    #: Wall seconds the router (and the dispatch planning) took; ``None`` when the layer had nothing to route.
+    router_seconds: float | None = None
+    #: Wall seconds of the local phase (MoE_local) in the two-stage threaded path; ``None`` otherwise.
+    local_seconds: float | None = None
+    #: Two-stage threaded path only: True when the router finished before the local phase did (its cost hidden).
+    rebalancer_hidden: bool | None = None
 
     @property
     def tokens_computed(self) -> int:
@@ -209,6 +236,10 @@ class _Clock:
         else:
             self.spans.append(time.perf_counter() - start)
 
+    def busy(self) -> bool:
+        """CUDA: whether the last span's kernels are still running (always False on the CPU)."""
+        return self.cuda and bool(self.spans) and not self.spans[-1][1].query()
+
     def seconds(self) -> float:
         if not self.cuda:
             return float(sum(self.spans))
@@ -217,17 +248,65 @@ class _Clock:
         return sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
 
 
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What a rank prepared for one forward before any collective (its checks passed)."""
+
+    gate: GateOutput
+    #: ``float32 [T_r, 2K]``: encoded expert ids (dropped: ``-1 - id``) and gate weights.
+    routing: torch.Tensor
+    #: The one-layer plan this forward routes on (the per-batch one when given) and this rank's slots in it.
+    layer_plan: Placement
+    slot_of: np.ndarray
+    batch_plan: Placement | None
+    digest: int
+
+
+def keeps_local(router: str | Router) -> bool:
+    """Whether ``router`` keeps every kept pick whose expert has a copy on the token's own GPU there
+    (:data:`KEEPS_LOCAL`), so that the local picks are known before it runs."""
+    return get_router(router).name in KEEPS_LOCAL
+
+
+def _check_kept_local(dest_TK: np.ndarray, ids_TK: np.ndarray, kept_TK: np.ndarray, has_EG: np.ndarray,
+                      tokens_per_rank: Sequence[int], name: str) -> None:
+    """Raise (on every rank alike: the arrays are the same everywhere) if the router moved a local pick."""
+    src = np.repeat(np.arange(len(tokens_per_rank), dtype=np.int64), tokens_per_rank)[:, None]
+    bad = kept_TK & has_EG[ids_TK, src] & (dest_TK != src)
+    if bad.any():
+        t, k = (int(i) for i in np.argwhere(bad)[0])
+        raise InputError(f"router {name!r} sent pick {k} of token {t} (expert {int(ids_TK[t, k])}) from its own GPU "
+                         f"{int(src[t, 0])}, which holds a copy, to GPU {int(dest_TK[t, k])}; router_thread needs a "
+                         f"router that keeps such picks local ({', '.join(KEEPS_LOCAL)}), so turn it off")
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _router_pool() -> ThreadPoolExecutor:
+    """The one CPU thread the two-stage path runs routers in (created on first use, in each process)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moebalance-router")
+    return _POOL
+
+
 class ExpertParallelMoE:
-    """One MoE layer of ``plan`` on this rank. Build with :meth:`from_full` or give this rank's slots."""
+    """One MoE layer of ``plan`` on this rank. Build with :meth:`from_full` or give this rank's slots.
+
+    ``prefetcher``: this rank's :class:`~moebalance.runtime.prefetch.ExpertPrefetcher`, shared by its layers,
+    for per-batch plans with extra experts (``forward(..., batch_plan=...)``).
+    """
 
     def __init__(self, plan: Placement, layer: int, gate_HE: torch.Tensor, experts: ExpertWeights,
                  gate_config: GateConfig, config: EPConfig | None = None, *, group: Any = None,
-                 selection_bias_E: torch.Tensor | None = None) -> None:
+                 selection_bias_E: torch.Tensor | None = None, prefetcher: ExpertPrefetcher | None = None) -> None:
         self.config = config or EPConfig()
         self.gate_config = gate_config
         self.layer = layer
         self.gate_HE = gate_HE
         self.selection_bias_E = selection_bias_E
+        self.prefetcher = prefetcher
         self.dispatcher = make_dispatcher(self.config.dispatcher, group, self.config.a2a_impl)
         self.rank = self.dispatcher.rank
         if gate_HE.shape[1] != plan.num_experts:
@@ -241,13 +320,15 @@ class ExpertParallelMoE:
     @classmethod
     def from_full(cls, plan: Placement, layer: int, gate_HE: torch.Tensor, full: ExpertWeights,
                   gate_config: GateConfig, config: EPConfig | None = None, *, group: Any = None,
-                  selection_bias_E: torch.Tensor | None = None) -> ExpertParallelMoE:
+                  selection_bias_E: torch.Tensor | None = None,
+                  prefetcher: ExpertPrefetcher | None = None) -> ExpertParallelMoE:
         """Keep only this rank's physical experts of ``full`` (all ``E`` logical experts)."""
         rank = make_dispatcher((config or EPConfig()).dispatcher, group, "auto").rank
         if not 0 <= layer < plan.num_layers:
             raise PlanError(f"layer {layer} is outside the plan's {plan.num_layers} layers")
         local = full.select(plan.gpu_experts[layer][rank])
-        return cls(plan, layer, gate_HE, local, gate_config, config, group=group, selection_bias_E=selection_bias_E)
+        return cls(plan, layer, gate_HE, local, gate_config, config, group=group, selection_bias_E=selection_bias_E,
+                   prefetcher=prefetcher)
 
     def set_plan(self, plan: Placement, experts: ExpertWeights) -> None:
         """Switch to ``plan``, with this rank's new slots (e.g. from :func:`~moebalance.runtime.rearrange`)."""
@@ -265,60 +346,145 @@ class ExpertParallelMoE:
         self.experts = experts
         self.slot_of = slot_table(self.layer_plan)[self.rank]
         self.link_kind = plan.cluster.link_kind()[self.rank]
+        if self.prefetcher is not None:
+            self.prefetcher.register(self)
 
-    def _compute(self, rows_RH: torch.Tensor, work: ExpertWork) -> torch.Tensor:
-        """``float32 [R, H]``: per row, the gate-weighted sum of its picks' expert outputs, slots ascending."""
+    def _compute(self, rows_RH: torch.Tensor, work: ExpertWork, buffer: ExpertWeights | None) -> torch.Tensor:
+        """``float32 [R, H]``: per row, the gate-weighted sum of its picks' expert outputs, slots ascending.
+
+        Slots ``0 .. S-1`` are this rank's base experts, ``S ..`` the prefetch ``buffer``'s slots.
+        """
         out = torch.zeros((work.num_rows, rows_RH.shape[1]), dtype=torch.float32, device=rows_RH.device)
         if work.pick_slot.numel() == 0:
             return out
+        S = len(self.local_experts)
         for s in torch.unique(work.pick_slot).tolist():
             sel = work.pick_slot == s
             r = work.pick_row[sel]
-            y = expert_ffn(rows_RH.index_select(0, r), self.experts, int(s)).float()
+            experts, slot = (self.experts, int(s)) if s < S or buffer is None else (buffer, int(s) - S)
+            y = expert_ffn(rows_RH.index_select(0, r), experts, slot).float()
             out.index_add_(0, r, y * work.pick_weight[sel, None])
         return out
 
-    def forward(self, x_TH: torch.Tensor, *, step: int | None = None) -> MoEOutput:
-        """This rank's MoE output for its tokens ``x [T_r, H]``; every rank must call it (a collective)."""
-        if x_TH.ndim != 2 or x_TH.shape[1] != self.gate_HE.shape[0]:
-            raise InputError(f"x must be [T, {self.gate_HE.shape[0]}], got {tuple(x_TH.shape)}")
-        step = self._step if step is None else step
-        self._step = step + 1
+    def _prepare(self, x_TH: Any, step: Any, batch_plan: Any) -> _Prepared:
+        """This rank's checks and gating, before any collective (a failure here is agreed on: see forward)."""
+        H = self.gate_HE.shape[0]
+        if not isinstance(x_TH, torch.Tensor) or x_TH.ndim != 2 or x_TH.shape[1] != H:
+            got = tuple(x_TH.shape) if isinstance(x_TH, torch.Tensor) else type(x_TH).__name__
+            raise InputError(f"x must be [T, {H}], got {got}")
+        if not x_TH.dtype.is_floating_point:
+            raise InputError(f"x has dtype {x_TH.dtype}; give floating-point hidden states")
+        if x_TH.device != self.gate_HE.device:
+            raise InputError(f"x is on {x_TH.device} but the layer's weights on {self.gate_HE.device}; move x there")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**62:
+            raise InputError(f"step ({step!r}) must be a non-negative integer")
+        layer_plan, slot_of = self.layer_plan, self.slot_of
+        if batch_plan is not None:
+            if self.prefetcher is not None:
+                self.prefetcher.extras(self.plan, batch_plan)
+            else:
+                batch_extras(self.plan, batch_plan, 0)
+            layer_plan = layer_placement(batch_plan, self.layer)
+            slot_of = slot_table(layer_plan)[self.rank]
         gate = topk_gating(x_TH @ self.gate_HE, self.gate_config, selection_bias_E=self.selection_bias_E)
-
-        t0 = time.perf_counter()
         # float32 carries the ids exactly (below 2**24) and the weights as the experts use them (float32)
         encoded = torch.where(gate.kept, gate.topk_ids, -1 - gate.topk_ids).float()
         routing = torch.cat([encoded, gate.topk_weights.float()], dim=1)
-        parts = [p.cpu().numpy() for p in self.dispatcher.gather_routing(routing, self.config.max_tokens_per_rank)]
-        tokens_per_rank = [p.shape[0] for p in parts]
-        allr = np.concatenate(parts) if parts else np.zeros((0, 2 * self.gate_config.top_k))
+        digest = plan_digest(self.layer, self.gate_config.top_k, layer_plan.gpu_experts[0])
+        return _Prepared(gate, routing, layer_plan, slot_of, batch_plan, digest)
+
+    def forward(self, x_TH: torch.Tensor, *, step: int | None = None,
+                batch_plan: Placement | None = None) -> MoEOutput:
+        """This rank's MoE output for its tokens ``x [T_r, H]``; every rank must call it (a collective).
+
+        ``batch_plan``: this batch's per-batch plan (:mod:`moebalance.runtime.prefetch`: the base plan's lists,
+        then at most ``N`` extra experts per GPU), the same on every rank; its extras are copied into this
+        rank's prefetch buffer before the layer computes. A bad input or plan on any rank makes every rank raise
+        the same one-line error (:mod:`moebalance.runtime.agree`).
+        """
+        step = self._step if step is None else step
         K = self.gate_config.top_k
+        prep: _Prepared | None = None
+        error: Exception | None = None
+        try:
+            prep = self._prepare(x_TH, step, batch_plan)
+        except Exception as exc:  # agreed on with the other ranks before anyone raises
+            error = exc
+        device = self.gate_HE.device
+        routing = prep.routing if prep is not None else torch.zeros((0, 2 * K), device=device)
+        digest = prep.digest if prep is not None else plan_digest(self.layer, K, self.layer_plan.gpu_experts[0])
+        check = RankCheck(error, step if error is None else -1, digest)
+
+        t0 = time.perf_counter()
+        gathered = self.dispatcher.gather_agreed(routing, check, self.config.max_tokens_per_rank)
+        assert prep is not None  # gather_agreed raised on every rank otherwise
+        self._step = step + 1
+        parts = [p.cpu().numpy() for p in gathered]
+        tokens_per_rank = [p.shape[0] for p in parts]
+        allr = np.concatenate(parts) if parts else np.zeros((0, 2 * K))
         enc = allr[:, :K].astype(np.int64)
         kept = enc >= 0
         ids = np.where(kept, enc, -1 - enc)
-        rng = np.random.default_rng((self.config.router_seed, self.layer, step))
-        dest = route_picks(self.layer_plan, self.config.router, ids, kept, tokens_per_rank, rng)
-        meta = build_dispatch(dest, ids, allr[:, K:], tokens_per_rank, self.rank, self.slot_of, x_TH.device)
-        routing_seconds = time.perf_counter() - t0
+        gather_seconds = time.perf_counter() - t0
+        pf = PrefetchResult(None, 0, 0, 0, 0)
+        if prep.batch_plan is not None and self.prefetcher is not None:
+            pf = self.prefetcher.acquire(self, prep.batch_plan)
 
-        clock = _Clock(x_TH.device)
-        pending = self.dispatcher.dispatch(x_TH, meta, async_op=self.config.local_first)
-        local_out = None
-        if self.config.local_first:  # Libra 3.1: MoE_local while the dispatch is in flight
+        layer_plan, slot_of, x = prep.layer_plan, prep.slot_of, x_TH
+        rng = np.random.default_rng((self.config.router_seed, self.layer, step))
+
+        def route() -> tuple[np.ndarray, DispatchMeta, float, float]:
+            t = time.perf_counter()
+            dest = route_picks(layer_plan, self.config.router, ids, kept, tokens_per_rank, rng)
+            meta = build_dispatch(dest, ids, allr[:, K:], tokens_per_rank, self.rank, slot_of, x.device)
+            end = time.perf_counter()
+            return dest, meta, end - t, end
+
+        clock = _Clock(x.device)
+        local_seconds: float | None = None
+        hidden: bool | None = None
+        if self.config.router_thread and keeps_local(self.config.router):
+            # Libra 3.1: MoE_local needs no routing decision, so the router runs in a CPU thread meanwhile
+            lo = sum(tokens_per_rank[:self.rank])
+            hi = lo + tokens_per_rank[self.rank]
+            has_EG = layer_plan.copies[0] > 0
+            future = _router_pool().submit(route)
+            t_local = time.perf_counter()
+            here = kept[lo:hi] & has_EG[ids[lo:hi], self.rank]
+            local_token, local_work = build_local(here, ids[lo:hi], allr[lo:hi, K:], slot_of, x.device)
             t = clock.start()
-            local_out = self._compute(x_TH.index_select(0, meta.local_token), meta.local)
+            local_out = self._compute(x.index_select(0, local_token), local_work, pf.weights)
             clock.stop(t)
-        received = pending.wait()
-        t = clock.start()
-        remote_out = self._compute(received, meta.remote)
-        if local_out is None:
-            local_out = self._compute(x_TH.index_select(0, meta.local_token), meta.local)
-        clock.stop(t)
-        back = self.dispatcher.combine(remote_out.to(x_TH.dtype), meta)
-        out = self._merge(x_TH, local_out, back, meta)
-        stats = self._stats(meta, gate, x_TH, routing_seconds, clock.seconds())
-        return MoEOutput(out=out, gate=gate, dest=dest, stats=stats)
+            local_end = time.perf_counter()
+            dest, meta, router_seconds, router_end = future.result()
+            hidden = clock.busy() if clock.cuda else router_end <= local_end
+            local_seconds = local_end - t_local
+            _check_kept_local(dest, ids, kept, has_EG, tokens_per_rank, get_router(self.config.router).name)
+            assert torch.equal(meta.local_token, local_token)  # follows from the check just made
+            received = self.dispatcher.dispatch(x, meta).wait()
+            t = clock.start()
+            remote_out = self._compute(received, meta.remote, pf.weights)
+            clock.stop(t)
+        else:
+            dest, meta, router_seconds, _ = route()
+            pending = self.dispatcher.dispatch(x, meta, async_op=self.config.local_first)
+            first = None
+            if self.config.local_first:  # Libra 3.1: MoE_local while the dispatch is in flight
+                t = clock.start()
+                first = self._compute(x.index_select(0, meta.local_token), meta.local, pf.weights)
+                clock.stop(t)
+            received = pending.wait()
+            t = clock.start()
+            remote_out = self._compute(received, meta.remote, pf.weights)
+            local_out = first if first is not None else \
+                self._compute(x.index_select(0, meta.local_token), meta.local, pf.weights)
+            clock.stop(t)
+        back = self.dispatcher.combine(remote_out.to(x.dtype), meta)
+        out = self._merge(x, local_out, back, meta)
+        slots = len(layer_plan.gpu_experts[0][self.rank])
+        stats = self._stats(meta, prep.gate, x, gather_seconds + router_seconds, clock.seconds(), slots, pf,
+                            router_seconds, local_seconds, hidden)
+        return MoEOutput(out=out, gate=prep.gate, dest=dest, stats=stats)
 
     __call__ = forward
 
@@ -336,12 +502,16 @@ class ExpertParallelMoE:
         return out.to(x_TH.dtype)
 
     def _stats(self, meta: DispatchMeta, gate: GateOutput, x: torch.Tensor, routing_seconds: float,
-               compute: float) -> EPStats:
+               compute: float, num_slots: int, pf: PrefetchResult, router_seconds: float,
+               local_seconds: float | None, hidden: bool | None) -> EPStats:
         slots = torch.cat([meta.local.pick_slot, meta.remote.pick_slot]).cpu().numpy()
         send = np.asarray(meta.send_counts, dtype=np.int64)
         recv = np.asarray(meta.recv_counts, dtype=np.int64)
         send[self.rank] = recv[self.rank] = int(meta.local_token.numel())
-        return EPStats(rank=self.rank, tokens_per_slot=np.bincount(slots, minlength=len(self.local_experts)),
+        return EPStats(rank=self.rank, tokens_per_slot=np.bincount(slots, minlength=num_slots),
                        send_rows=send, recv_rows=recv, link_kind=self.link_kind,
                        bytes_per_row=int(x.shape[1] * x.element_size()), dropped_picks=gate.num_dropped,
-                       routing_seconds=routing_seconds, expert_seconds=compute)
+                       routing_seconds=routing_seconds, expert_seconds=compute,
+                       prefetch_received=pf.received, prefetch_bytes_received=pf.bytes_received,
+                       prefetch_sent=pf.sent, prefetch_bytes_sent=pf.bytes_sent, router_seconds=router_seconds,
+                       local_seconds=local_seconds, rebalancer_hidden=hidden)
