@@ -36,7 +36,8 @@ from moebalance.core.errors import InputError
 
 __all__ = ["phase1_count", "prefetch", "prefetch_layers"]
 
-#: Loads within this many tokens of ``B`` count as balanced (the loads are sums of float shares).
+#: Loads within this many tokens of ``B`` count as balanced, and loads or shares this close count as tied (so ties
+#: go to the lower id, not to rounding noise): the loads are sums of float shares.
 _TOL = 1e-9
 
 
@@ -92,19 +93,19 @@ def _prefetch(demand: np.ndarray, hosted: np.ndarray, n: int, n_local: int,
     for _ in range((n - n_local) * G):
         src = 0
         for g in range(1, G):
-            if load[g] > load[src]:
+            if load[g] > load[src] + _TOL:
                 src = g
         if load[src] <= B + _TOL:
             break
         e, ev = -1, 0.0
         for x in range(E):
-            if share[src, x] > ev:
+            if share[src, x] > ev + _TOL:
                 e, ev = x, share[src, x]
         if e < 0:
             break
         dst = -1
         for g in range(G):
-            if not has[g, e] and added[g] < n and (dst < 0 or load[g] < load[dst]):
+            if not has[g, e] and added[g] < n and (dst < 0 or load[g] < load[dst] - _TOL):
                 dst = g
         if dst < 0:
             break
