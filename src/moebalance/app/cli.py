@@ -505,8 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .npz")
     p.set_defaults(func=lm_commands.cmd_capture)
 
-    p = sub.add_parser("run", help="run the MoE LM expert-parallel on local gloo ranks under a plan, and check it")
-    p.add_argument("--world-size", type=_positive, required=True, help="ranks, one per GPU of the plan")
+    p = sub.add_parser("run", help="run the MoE LM expert-parallel on local gloo ranks (or under torchrun) under a "
+                                   "plan, and check it")
+    p.add_argument("--world-size", type=_positive,
+                   help="local ranks, one per GPU of the plan (under torchrun: WORLD_SIZE, the default)")
     p.add_argument("--plan", required=True)
     _add_router(p)
     src = p.add_mutually_exclusive_group(required=True)

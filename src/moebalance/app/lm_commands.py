@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,24 +62,49 @@ def cmd_capture(args: argparse.Namespace) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
+    """Local gloo ranks (``--world-size``), or this process's rank of a torchrun launch; rank 0 reports."""
     from moebalance.model.capture import make_layout
     from moebalance.model.moe_lm import load_checkpoint
-    from moebalance.model.run import LOGIT_TOLERANCE, check_plan, run_model
+    from moebalance.model.run import LOGIT_TOLERANCE, RunReport, check_plan, run_model, run_torchrun
+    from moebalance.runtime import torchrun_env
 
+    torchrun = torchrun_env()
+    world_size = args.world_size
+    if torchrun:
+        started = int(os.environ["WORLD_SIZE"])
+        if world_size is not None and world_size != started:
+            raise InputError(f"--world-size {world_size} but torchrun started {started} ranks (WORLD_SIZE); drop "
+                             "--world-size under torchrun or make them equal")
+        world_size = started
+    elif world_size is None:
+        raise InputError("--world-size is required unless torchrun starts the ranks (RANK, WORLD_SIZE, MASTER_ADDR "
+                         "and MASTER_PORT set)")
+    rank0 = not torchrun or os.environ["RANK"] == "0"
     router = options.router(args)
     plan = read_plan(args.plan)
     model = load_checkpoint(args.checkpoint)
-    check_plan(plan, model, args.world_size)
-    for w in plan.warnings:
-        err.print(f"warning: {w}")
+    check_plan(plan, model, world_size)
+    if rank0:
+        for w in plan.warnings:
+            err.print(f"warning: {w}")
     tokens, what = _model_tokens(args)
     seq_len = model.config.max_seq_len
-    layout = make_layout(tokens.size, seq_len=seq_len, batch_tokens=args.batch_tokens, num_gpus=args.world_size)
-    with _progress() as progress:
-        task = progress.add_task("dense reference", total=layout.num_batches)
-        report = run_model(args.checkpoint, plan, tokens, world_size=args.world_size, router=router,
-                           router_seed=args.seed, batch_tokens=args.batch_tokens,
-                           progress=lambda n: progress.advance(task, n))
+    layout = make_layout(tokens.size, seq_len=seq_len, batch_tokens=args.batch_tokens, num_gpus=world_size)
+
+    def run(progress: Callable[[int], None] | None) -> RunReport | None:
+        if torchrun:  # this process is one rank; the same per-rank body as the local launcher's
+            return run_torchrun(args.checkpoint, plan, tokens, router=router, router_seed=args.seed,
+                                batch_tokens=args.batch_tokens, progress=progress)
+        return run_model(args.checkpoint, plan, tokens, world_size=world_size, router=router,
+                         router_seed=args.seed, batch_tokens=args.batch_tokens, progress=progress)
+
+    if not rank0:
+        run(None)  # results go to rank 0, which reports
+        return
+    with _progress() as bar:
+        task = bar.add_task("dense reference", total=layout.num_batches)
+        report = run(lambda n: bar.advance(task, n))
+    assert report is not None  # rank 0 and the local launcher always report
     if args.json:
         sys.stdout.write(dumps(report.as_dict()))
     else:

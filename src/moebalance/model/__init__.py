@@ -36,7 +36,7 @@ from moebalance.model.moe_lm import (
     load_checkpoint,
     save_checkpoint,
 )
-from moebalance.model.run import RankReport, RunReport, run_model
+from moebalance.model.run import RankReport, RunReport, run_model, run_torchrun
 
 __all__ = [
     "DOMAINS",
@@ -54,6 +54,7 @@ __all__ = [
     "load_checkpoint",
     "make_layout",
     "run_model",
+    "run_torchrun",
     "save_checkpoint",
     "text_tokens",
     "write_capture",

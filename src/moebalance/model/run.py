@@ -7,12 +7,14 @@ What happens:
 
 1. The tokens are laid out as a capture lays them out (:func:`moebalance.model.capture.make_layout`):
    batches of sequences, sequence ``j`` of a batch on rank ``j % W``.
-2. ``W`` gloo processes start (:func:`moebalance.runtime.launch`). Each loads the checkpoint, keeps the
+2. ``W`` gloo processes start (:func:`moebalance.runtime.launch`), or, under torchrun (:func:`run_torchrun`),
+   each of torchrun's ``W`` processes runs its own rank. Each loads the checkpoint, keeps the
    non-MoE parts whole (replicated: data parallel) and, for every MoE layer, only its plan's experts in an
    :class:`~moebalance.runtime.ExpertParallelMoE`. Batch ``b`` is forward step ``b`` on every rank: each rank
    runs its own sequences, and the MoE layers exchange tokens over all-to-all (a rank with no sequence in a
    batch still takes part with zero tokens).
-3. This process runs the **dense reference**: the same model in one process, every MoE layer by
+3. This process (rank 0 under torchrun, once every rank's results are gathered there) runs the **dense
+   reference**: the same model in one process, every MoE layer by
    :func:`moebalance.runtime.dense_moe` (every expert on every token), on the same batches.
 4. The report compares the final logits (max abs difference), the routing (picks where the runtime's gate
    chose differently from the reference's), and each rank's picks computed per ``(batch, layer)`` against the
@@ -27,6 +29,7 @@ the plan's cluster maps ranks to nodes.
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 import time
@@ -44,9 +47,10 @@ from moebalance.core.trace import RoutingTrace
 from moebalance.model.capture import Layout, make_layout
 from moebalance.model.moe_lm import MoELM, load_checkpoint, save_checkpoint
 from moebalance.routing import Router, get_router
-from moebalance.runtime import EPConfig, ExpertParallelMoE, dense_moe, launch, layer_placement
+from moebalance.runtime import EPConfig, ExpertParallelMoE, dense_moe, init_from_env, launch, layer_placement
 
-__all__ = ["RankReport", "RunReport", "check_plan", "dense_reference", "predicted_loads", "run_model"]
+__all__ = ["RankReport", "RunReport", "check_plan", "dense_reference", "predicted_loads", "rank_body", "run_model",
+           "run_torchrun"]
 
 #: Largest max abs logit difference the report calls agreement (float32 sums in a different order).
 LOGIT_TOLERANCE = 1e-3
@@ -166,9 +170,15 @@ def dense_reference(model: MoELM, inputs: Sequence[Sequence[np.ndarray]],
 
 def _rank_main(rank: int, world_size: int, checkpoint: str, plan_doc: dict[str, Any], router: str | Router, seed: int,
                inputs: list[list[np.ndarray]]) -> dict[str, Any]:
-    """One rank: the model with expert-parallel MoE layers over every batch (a module-level function: launched)."""
-    model = load_checkpoint(checkpoint)
-    plan = Placement.from_json_dict(plan_doc)
+    """One rank of a local launch (a module-level function, so that it can be launched): :func:`rank_body`."""
+    return rank_body(rank, load_checkpoint(checkpoint), Placement.from_json_dict(plan_doc), router, seed, inputs)
+
+
+def rank_body(rank: int, model: MoELM, plan: Placement, router: str | Router, seed: int,
+              inputs: Sequence[Sequence[np.ndarray]], device: torch.device | str = "cpu") -> dict[str, Any]:
+    """One rank's run, the same under the local launcher and torchrun: the model with expert-parallel MoE layers
+    over every batch, on ``device``, in the default process group. Returns its logits, picks and counts."""
+    model = model.to(device)
     config = EPConfig(router=router, router_seed=seed)
     layers = []
     for layer in range(model.config.num_layers):
@@ -194,10 +204,11 @@ def _rank_main(rank: int, world_size: int, checkpoint: str, plan_doc: dict[str, 
                     sent[kind] += by[f"dispatch_sent_{kind}"] + by[f"combine_sent_{kind}"]
                 expert_s += st.expert_seconds
                 routing_s += st.routing_seconds
-                picks.append(out.gate.topk_ids.numpy())
+                picks.append(out.gate.topk_ids.cpu().numpy())
                 return out.out
 
-            logits.append(model(torch.as_tensor(per_rank[rank]), moe=ep).logits.numpy())
+            idx = torch.as_tensor(per_rank[rank], device=device)
+            logits.append(model(idx, moe=ep).logits.cpu().numpy())
             ids.append(np.stack(picks, axis=1))
     return {"logits": logits, "ids": ids, "computed": computed, "sent": sent, "expert_seconds": expert_s,
             "routing_seconds": routing_s, "tokens": int(sum(p[rank].size for p in inputs))}
@@ -219,34 +230,77 @@ def predicted_loads(plan: Placement, trace: RoutingTrace, router: str | Router, 
     return out
 
 
+def _prepare(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, world_size: int,
+             router: str | Router, batch_tokens: int, seq_len: int | None,
+             ) -> tuple[MoELM, Layout, list[list[np.ndarray]]]:
+    """The model, the batch layout and every rank's inputs, checked: the same in every process."""
+    get_router(router)  # an unknown name fails here, in one line, before any process starts
+    lm = model if isinstance(model, MoELM) else load_checkpoint(model)
+    check_plan(plan, lm, world_size)
+    S = lm.config.max_seq_len if seq_len is None else seq_len
+    if S > lm.config.max_seq_len:
+        raise InputError(f"seq_len ({S}) exceeds the model's max_seq_len ({lm.config.max_seq_len})")
+    layout = make_layout(int(np.asarray(tokens).size), seq_len=S, batch_tokens=batch_tokens, num_gpus=world_size)
+    return lm, layout, _batch_inputs(tokens, layout)
+
+
 def run_model(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, *,
               world_size: int, router: str | Router = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
               seq_len: int | None = None, timeout: float = 300.0,
               progress: Callable[[int], None] | None = None) -> RunReport:
-    """Run ``tokens`` through the model on ``world_size`` gloo ranks under ``plan`` and check it (module doc).
+    """Run ``tokens`` through the model on ``world_size`` local gloo ranks under ``plan`` and check it (module doc).
 
     ``model`` is a model, a checkpoint path, or ``None`` for the bundled checkpoint. ``progress(1)`` is called
-    after each batch of the dense reference.
+    after each batch of the dense reference. Under torchrun use :func:`run_torchrun`.
     """
     t0 = time.perf_counter()
-    get_router(router)  # an unknown name fails here, in one line, before any process starts
+    lm, layout, inputs = _prepare(model, plan, tokens, world_size, router, batch_tokens, seq_len)
     with tempfile.TemporaryDirectory(prefix="moebalance-run-") as tmp:
         if isinstance(model, MoELM):
             path = str(Path(tmp) / "model.safetensors")
             save_checkpoint(path, model, dtype=torch.float32)
-            lm = model
         else:
-            lm = load_checkpoint(model)
             path = str(lm_path(model))
-        check_plan(plan, lm, world_size)
-        S = lm.config.max_seq_len if seq_len is None else seq_len
-        if S > lm.config.max_seq_len:
-            raise InputError(f"seq_len ({S}) exceeds the model's max_seq_len ({lm.config.max_seq_len})")
-        layout = make_layout(int(np.asarray(tokens).size), seq_len=S, batch_tokens=batch_tokens, num_gpus=world_size)
-        inputs = _batch_inputs(tokens, layout)
-        ref_logits, ref_ids = dense_reference(lm, inputs, progress)
+        ref = dense_reference(lm, inputs, progress)
         outs = launch(_rank_main, world_size, path, plan.to_json_dict(), router, router_seed, inputs,
                       timeout=timeout)
+    return _report(plan, layout, outs, ref, router, router_seed, t0)
+
+
+def run_torchrun(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, *,
+                 router: str | Router = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
+                 seq_len: int | None = None, backend: str | None = None,
+                 progress: Callable[[int], None] | None = None) -> RunReport | None:
+    """:func:`run_model` in a process that torchrun started: this process runs its rank (``RANK``) of the group
+    torchrun set up (:func:`moebalance.runtime.init_from_env`: NCCL on GPU ``LOCAL_RANK`` where CUDA is available,
+    else gloo). Every rank must call it with the same arguments. The ranks' results are gathered on rank 0,
+    which runs the dense reference and returns the report; the other ranks return ``None``. The process group
+    is left as found if it existed, else destroyed before returning.
+    """
+    t0 = time.perf_counter()
+    owned = not torch.distributed.is_initialized()
+    rank, world_size, device = init_from_env(backend)
+    try:
+        lm, layout, inputs = _prepare(model, plan, tokens, world_size, router, batch_tokens, seq_len)
+        mine = rank_body(rank, copy.deepcopy(lm), plan, router, router_seed, inputs, device)
+        outs: list[Any] | None = [None] * world_size if rank == 0 else None
+        torch.distributed.gather_object(mine, outs, dst=0)
+    finally:
+        if owned:
+            torch.distributed.destroy_process_group()
+    if rank != 0:
+        return None
+    assert outs is not None
+    ref = dense_reference(lm, inputs, progress)
+    return _report(plan, layout, outs, ref, router, router_seed, t0)
+
+
+def _report(plan: Placement, layout: Layout, outs: Sequence[dict[str, Any]],
+            ref: tuple[list[np.ndarray], list[np.ndarray]], router: str | Router, router_seed: int,
+            t0: float) -> RunReport:
+    """The report from every rank's :func:`rank_body` result and the dense reference ``(logits, ids)``."""
+    ref_logits, ref_ids = ref
+    world_size = len(outs)
     diff = 0.0
     mismatches = 0
     run_ids = []

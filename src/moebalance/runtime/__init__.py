@@ -53,13 +53,14 @@ from moebalance.runtime.ep import (
 )
 from moebalance.runtime.experts import ExpertWeights, dense_moe, expert_ffn, random_experts
 from moebalance.runtime.gating import GateConfig, GateOutput, apply_capacity, expert_capacity, topk_gating
-from moebalance.runtime.launch import launch
+from moebalance.runtime.launch import TORCHRUN_VARS, init_from_env, launch, torchrun_env
 from moebalance.runtime.prefetch import ExpertPrefetcher, Fetch, PrefetchResult, batch_extras, plan_fetches
 from moebalance.runtime.rearrange import RearrangeReport, Transfer, plan_transfers, rearrange
 
 __all__ = [
     "DISPATCHERS",
     "KEEPS_LOCAL",
+    "TORCHRUN_VARS",
     "A2AImpl",
     "DispatchMeta",
     "Dispatcher",
@@ -87,6 +88,7 @@ __all__ = [
     "exchange_counts",
     "expert_capacity",
     "expert_ffn",
+    "init_from_env",
     "keeps_local",
     "launch",
     "layer_placement",
@@ -100,4 +102,5 @@ __all__ = [
     "route_picks",
     "slot_table",
     "topk_gating",
+    "torchrun_env",
 ]

@@ -1,4 +1,5 @@
-"""Run a function on ``G`` local processes joined in a torch.distributed group (gloo on CPU by default).
+"""Run a function on ``G`` local processes joined in a torch.distributed group (gloo on CPU by default), or join a
+group that torchrun started.
 
 For tests, benchmarks and quick checks on one machine, in the spirit of ``torch.multiprocessing.spawn``, but:
 
@@ -9,6 +10,10 @@ For tests, benchmarks and quick checks on one machine, in the spirit of ``torch.
 - each rank's return value comes back to the caller (keep it picklable and small: numpy, not tensors);
 - a rank that raises, or a launch that outlives ``timeout``, stops every process of the launch and raises
   :class:`RuntimeError` with the ranks' tracebacks, instead of hanging in a collective.
+
+Beyond one machine, ranks are started by torchrun (or any launcher that sets ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT``): :func:`init_from_env` joins that group with ``init_method="env://"``,
+NCCL where CUDA is available (each process on GPU ``LOCAL_RANK``), else gloo; nothing is spawned.
 """
 
 from __future__ import annotations
@@ -23,7 +28,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["launch"]
+from moebalance.core.errors import InputError
+
+__all__ = ["TORCHRUN_VARS", "init_from_env", "launch", "torchrun_env"]
+
+#: The variables torchrun sets that ``init_method="env://"`` reads.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _PRELOAD = ["torch", "torch.distributed", "numpy", "moebalance.runtime"]
 
@@ -96,3 +106,35 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "
         if errors:
             raise RuntimeError("distributed launch failed: " + "\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def torchrun_env() -> bool:
+    """Whether this process was started by torchrun (or another ``env://`` launcher): all of
+    :data:`TORCHRUN_VARS` are set."""
+    return all(os.environ.get(v) for v in TORCHRUN_VARS)
+
+
+def init_from_env(backend: str | None = None, timeout: float = 1800.0) -> tuple[int, int, Any]:
+    """Join the process group of a torchrun launch: ``(rank, world_size, device)``; a no-op join if this
+    process is already in a group.
+
+    ``backend``: ``nccl`` where CUDA is available, else ``gloo``, unless given. Under NCCL the process works on
+    ``cuda:LOCAL_RANK`` (set as the current device), else on the CPU.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not torchrun_env():
+        missing = [v for v in TORCHRUN_VARS if not os.environ.get(v)]
+        raise InputError(f"no torchrun environment: {', '.join(missing)} not set; start the ranks with torchrun "
+                         "(or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or run on local processes")
+    if backend is None:
+        backend = str(dist.get_backend()) if dist.is_initialized() else \
+            ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
+    if "nccl" in backend:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size(), device
