@@ -2,14 +2,20 @@
 
 Legend: ``G`` ranks = GPUs (rank ``g`` is GPU ``g`` of ``plan.cluster``), ``T_r`` tokens of this rank, ``T``
 tokens of all ranks, ``H`` hidden size, ``E`` logical experts, ``K`` picks per token, ``S`` physical slots
-this rank holds in this layer (``plan.gpu_experts[layer][rank]``, in that order).
+this rank holds in this layer (``plan.gpu_experts[layer][rank]``, in that order; with a per-batch plan, those
+followed by this batch's ``n <= N`` extras, which live in the prefetch buffer).
 
 Forward on each rank (inference only: nothing here is differentiable through the exchange):
 
-1. gate its own tokens (:func:`moebalance.runtime.gating.topk_gating`), with the replicated gate;
-2. all-gather the routing and choose every pick's replica with the plan's router on every rank
-   (:func:`route_picks`: docs/design.md, "Routers", the same router code as the simulator, seeded identically everywhere);
-3. dispatch, compute, combine (:mod:`moebalance.runtime.dispatch`).
+1. check its input (and per-batch plan) and gate its own tokens (:func:`moebalance.runtime.gating.topk_gating`),
+   with the replicated gate; a failure is not raised yet;
+2. all-gather the routing with every rank's check (:mod:`moebalance.runtime.agree`: if any rank failed, all
+   raise the same error here); with a per-batch plan, wait for this layer's extras in the prefetch buffer
+   and post the next layer's copies (:mod:`moebalance.runtime.prefetch`);
+3. choose every pick's replica with the plan's router on every rank (:func:`route_picks`: docs/design.md,
+   "Routers", the same router code as the simulator, seeded identically everywhere), on the per-batch layer
+   plan when there is one;
+4. dispatch, compute, combine (:mod:`moebalance.runtime.dispatch`).
 
 Libra Section 3.1's two-stage execution is ``local_first=True``: the dispatch all-to-all is started
 asynchronously, the picks whose replica is on the token's own rank (MoE_local) are computed while it is in
@@ -18,6 +24,12 @@ here the router runs before both phases because it decides which picks are local
 and ``rebalance`` routers every pick with a replica on its own GPU is local, as in Libra). Without the flag the local picks are
 computed after the remote ones. Either way local picks are never sent, and the same rows meet the same
 matmuls, so the outputs are bit-identical (the tests compare them with ``array_equal``).
+
+``router_thread=True`` is Libra's order proper: with a router in :data:`KEEPS_LOCAL` the local picks are known
+before routing (a kept pick whose expert has a copy on the token's own GPU), so the router and the dispatch
+planning run in a CPU thread while MoE_local computes (:func:`~moebalance.runtime.dispatch.build_local`);
+then the remote rows are dispatched and computed. Every rank checks that the router kept exactly those picks
+local. Still bit-identical; :class:`EPStats` says whether the router finished inside the local phase.
 
 Router randomness: ``np.random.default_rng((router_seed, layer, step))``, ``step`` counting forwards (or
 given), so every rank draws the same numbers. Every rank routes the whole batch on the host: ``O(T * K)``
@@ -57,8 +69,8 @@ __all__ = ["KEEPS_LOCAL", "EPConfig", "EPStats", "ExpertParallelMoE", "MoEOutput
            "route_picks", "slot_table"]
 
 #: Routers that serve every kept pick whose expert has a copy on the token's own GPU on that GPU: with them the
-#: local picks are known before the router runs (``EPConfig.router_thread``). ``minmax`` is not one: the
-#: least busiest GPU may need some local picks elsewhere.
+#: local picks are known before the router runs (``EPConfig.router_thread``). ``minmax`` is not one:
+#: lightening the busiest GPU may need some local picks elsewhere.
 KEEPS_LOCAL = ("locality", "rebalance")
 
 
@@ -109,7 +121,8 @@ class EPStats:
     """
 
     rank: int
-    #: ``int64 [S]``: picks computed by each local physical slot (a second copy of an expert on one GPU: 0).
+    #: ``int64 [S]``: picks computed by each local physical slot (a second copy of an expert on one GPU: 0);
+    #: with a per-batch plan ``[S + n]``, the base slots, then this batch's extras.
     tokens_per_slot: np.ndarray
     #: ``int64 [G]``: dispatch rows to each rank; at ``rank``, the own tokens served here (not sent).
     send_rows: np.ndarray
