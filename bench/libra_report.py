@@ -27,6 +27,7 @@ Writes docs/results/libra.md, libra_model.png, libra_esft.png. Run: .venv/bin/py
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -70,7 +71,7 @@ def _batches(load: LoadMatrix) -> list[tuple[np.ndarray, np.ndarray]]:
     tr = load.trace
     assert tr is not None
     cuts = np.searchsorted(tr.batch, np.arange(tr.num_batches + 1))
-    return [(tr.topk_ids[a:b], tr.src_gpu[a:b]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    return [(tr.topk_ids[a:b], tr.src_gpu[a:b]) for a, b in itertools.pairwise(cuts)]
 
 
 def _shifting(build: dict[str, list[Any]], evals: dict[str, list[Any]], rng: np.random.Generator,
@@ -98,7 +99,7 @@ def model_workload() -> dict[str, Any]:
     def split_hidden(c: Any) -> list[np.ndarray]:
         tr = c.load.trace
         cuts = np.searchsorted(tr.batch, np.arange(tr.num_batches + 1))
-        return [c.hidden_states[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        return [c.hidden_states[a:b] for a, b in itertools.pairwise(cuts)]
 
     build = {d: _batches(caps[d, "build"].load) for d in DOMAINS}
     evals = {d: _batches(caps[d, "eval"].load) for d in DOMAINS}
@@ -117,7 +118,7 @@ def _esft_sequences(path: Path) -> list[np.ndarray]:
         ids, weights, offsets = f["expert_ids"].astype(np.int64), f["gate_weights"], f["seq_offsets"]
     order = np.argsort(-weights, axis=2, kind="stable")  # picks in gate order: the top-1 first
     ids = np.take_along_axis(ids, order, axis=2).transpose(1, 0, 2)  # [L, T, K] -> [T, L, K]
-    return [ids[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+    return [ids[a:b] for a, b in itertools.pairwise(offsets)]
 
 
 def _esft_batches(seqs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
