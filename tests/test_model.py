@@ -253,7 +253,7 @@ def test_capture_plan_run_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     assert read_load(trace).trace is not None
     plan = tmp_path / "plan.json"
     rc, _, err = _cli(["plan", "--load", trace, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2,
-                       "--slots-per-gpu", 10, "--out", plan], capsys)
+                       "--slots-per-gpu", 17, "--out", plan], capsys)  # the default capture model: 32 experts
     assert rc == 0, err
     for router in (["random"], ["rebalance", "--router-set", "eps=0.01"]):
         rc, out, err = _cli(["run", "--world-size", 2, "--plan", plan, "--domain", "prose", "--tokens", RUN_TOKENS,

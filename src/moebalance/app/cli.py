@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=_positive, required=True, help="tokens per batch (a multiple of seq len)")
     p.add_argument("--seq-len", type=_positive, help="tokens per sequence (default: the model's context)")
     p.add_argument("--hidden-states", action="store_true", help="also store each MoE layer's input (float16)")
-    p.add_argument("--checkpoint", help="model .safetensors (default: the bundled one)")
+    p.add_argument("--checkpoint", help="model .safetensors (default: the bundled 8-layer, 32-expert, top-4 model)")
     p.add_argument("--out", required=True, help="output .npz")
     p.set_defaults(func=lm_commands.cmd_capture)
 
@@ -518,7 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offset", type=_non_negative, default=0, help="skip this many tokens of the text first")
     p.add_argument("--batch-tokens", type=_positive, default=2048, help="tokens per forward step")
     p.add_argument("--seed", type=_non_negative, default=0, help="router seed")
-    p.add_argument("--checkpoint", help="model .safetensors (default: the bundled one)")
+    p.add_argument("--checkpoint", help="model .safetensors (default: the bundled model of the plan's layers and "
+                                        "experts)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lm_commands.cmd_run)
     return parser

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.table import Table
@@ -39,13 +40,26 @@ def _model_tokens(args: argparse.Namespace) -> tuple[np.ndarray, str]:
     return tokens[args.offset:], what
 
 
+def _bundled_for_plan(plan: Any) -> Path:
+    from moebalance.model.moe_lm import BUNDLED_CHECKPOINTS, bundled_checkpoint, checkpoint_config
+
+    shapes = []
+    for name in BUNDLED_CHECKPOINTS:
+        c = checkpoint_config(bundled_checkpoint(name))
+        if (c.num_layers, c.num_experts) == (plan.num_layers, plan.num_experts):
+            return bundled_checkpoint(name)
+        shapes.append(f"{c.num_layers} x {c.num_experts}")
+    raise InputError(f"the plan has {plan.num_layers} layers x {plan.num_experts} experts but no bundled model does "
+                     f"({', '.join(shapes)}); plan on a capture of a bundled model, or give --checkpoint")
+
+
 def cmd_capture(args: argparse.Namespace) -> None:
     from moebalance.model.capture import capture, write_capture
-    from moebalance.model.moe_lm import load_checkpoint
+    from moebalance.model.moe_lm import CAPTURE_CHECKPOINT, bundled_checkpoint, load_checkpoint
     from moebalance.workloads.stats import layer_skew
 
     dest = _check_out(args.out, ".npz")
-    model = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(args.checkpoint or bundled_checkpoint(CAPTURE_CHECKPOINT))
     tokens, what = _model_tokens(args)
     seq_len = args.seq_len or model.config.max_seq_len
     with _progress() as progress:
@@ -82,6 +96,8 @@ def cmd_run(args: argparse.Namespace) -> None:
     rank0 = not torchrun or os.environ["RANK"] == "0"
     router = options.router(args)
     plan = read_plan(args.plan)
+    if args.checkpoint is None:  # the bundled model the plan was made for
+        args.checkpoint = str(_bundled_for_plan(plan))
     model = load_checkpoint(args.checkpoint)
     check_plan(plan, model, world_size)
     if rank0:

@@ -49,7 +49,7 @@ from moebalance.core.io import atomic_path
 from moebalance.runtime.experts import ExpertWeights, expert_ffn
 from moebalance.runtime.gating import GateConfig, GateOutput, topk_gating
 
-__all__ = ["BOS", "BUNDLED_CHECKPOINT", "BUNDLED_CHECKPOINTS", "CHECKPOINT_FORMAT", "EOS", "PAD", "SPECIALS",
+__all__ = ["BOS", "BUNDLED_CHECKPOINT", "BUNDLED_CHECKPOINTS", "CAPTURE_CHECKPOINT", "CHECKPOINT_FORMAT", "EOS", "PAD", "SPECIALS",
            "VOCAB_SIZE", "ForwardOutput", "MoEFFN", "MoELM", "ModelConfig", "MoeFn", "bundled_checkpoint", "bundled_for",
            "checkpoint_config", "decode", "encode", "load_checkpoint", "save_checkpoint"]
 
@@ -299,6 +299,9 @@ BUNDLED_CHECKPOINT = "moe_lm.safetensors"
 #: Every checkpoint shipped in the package: the first, and 8 MoE layers of 32 experts, top-4, trained with the
 #: auxiliary-loss-free balancing bias (docs/results/moe_lm_8x32.md).
 BUNDLED_CHECKPOINTS = (BUNDLED_CHECKPOINT, "moe_lm_8x32.safetensors")
+#: What ``moebalance capture`` runs by default: the model with enough layers, experts and balance to study
+#: prediction on (``run`` and the lookahead predictor pick the bundled model of a plan's or capture's shape).
+CAPTURE_CHECKPOINT = "moe_lm_8x32.safetensors"
 
 
 def bundled_checkpoint(name: str = BUNDLED_CHECKPOINT) -> Path:
