@@ -62,6 +62,10 @@ def _builds(paths: Sequence[str] | None) -> list[LoadMatrix]:
     for p, b in zip(paths or (), builds, strict=True):
         if b.trace is None:
             raise InputError(f"--build {p!r} has counts only; the path table needs a token-level trace")
+    shapes = {(b.trace.num_layers, b.trace.num_experts, b.trace.top_k) for b in builds if b.trace is not None}
+    if len(shapes) > 1:
+        raise InputError(f"the --build traces disagree on [layers, experts, top-k]: {sorted(shapes)}; give traces "
+                         "of one model")
     return builds
 
 

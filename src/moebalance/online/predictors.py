@@ -195,12 +195,11 @@ class PathPredictor(Predictor):
             raise InputError(f"depth ({depth!r}) must be an integer from 1 to 4 (previous layers in a path)")
         if not build:
             raise InputError("the path predictor needs a build split: give --build with a token-level trace")
-        shapes = {(t.num_layers, t.num_experts) for t in build}
+        shapes = {(t.num_layers, t.num_experts, t.top_k) for t in build}
         if len(shapes) != 1:
-            raise InputError(f"the build traces disagree on [layers, experts]: {sorted(shapes)}")
+            raise InputError(f"the build traces disagree on [layers, experts, top-k]: {sorted(shapes)}")
         self.depth = depth
-        (self.num_layers, self.num_experts), = shapes
-        self.top_k = build[0].top_k
+        (self.num_layers, self.num_experts, self.top_k), = shapes
         top1 = np.concatenate([t.topk_ids[:, :, 0] for t in build])  # [N, L]
         ids = np.concatenate([t.topk_ids for t in build])  # [N, L, K]
         L, E = self.num_layers, self.num_experts
