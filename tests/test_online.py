@@ -240,8 +240,10 @@ def test_path_errors() -> None:
     top2 = trace_of([[[0, 1], [1, 2], [2, 3]]], [0], [0], 8)
     with pytest.raises(InputError, match=r"disagree on \[layers, experts, top-k\]"):
         PathPredictor([build, top2])
-    with pytest.raises(InputError, match=r"built on \[layers, experts\] = \[3, 8\]"):
+    with pytest.raises(InputError, match=r"built on \[layers, experts, top-k\] = \[3, 8, 1\]"):
         PathPredictor([build]).predict(other, 0, 1)
+    with pytest.raises(InputError, match=r"but the trace has \[3, 8, 2\]"):  # a table of top-1 cannot rank 2 picks
+        PathPredictor([build]).predict(top2, 0, 1)
     with pytest.raises(InputError, match="build split"):
         make_predictor("path")
 

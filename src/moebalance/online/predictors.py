@@ -224,15 +224,16 @@ class PathPredictor(Predictor):
         return key
 
     def predict(self, trace: RoutingTrace, batch: int, num_gpus: int) -> Prediction:
-        if (trace.num_layers, trace.num_experts) != (self.num_layers, self.num_experts):
-            raise InputError(f"the path table was built on [layers, experts] = [{self.num_layers}, "
-                             f"{self.num_experts}] but the trace has [{trace.num_layers}, {trace.num_experts}]")
+        if (trace.num_layers, trace.num_experts, trace.top_k) != (self.num_layers, self.num_experts, self.top_k):
+            raise InputError(f"the path table was built on [layers, experts, top-k] = [{self.num_layers}, "
+                             f"{self.num_experts}, {self.top_k}] but the trace has [{trace.num_layers}, "
+                             f"{trace.num_experts}, {trace.top_k}]; build on routing of the same model")
         rows = _rows(trace, batch)
         ids = trace.topk_ids[rows]
         T, L, K, E = ids.shape[0], trace.num_layers, trace.top_k, trace.num_experts
         pred = _empty(T, L, K, num_gpus, E)
         top1 = ids[:, :, 0]
-        kk = min(K, self.top_k)
+        kk = K
         for layer in range(1, L):
             out = np.broadcast_to(_ranked_topk(self.marginal[layer][None], K), (T, K)).copy()
             done = np.zeros(T, dtype=bool)

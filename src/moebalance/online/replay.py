@@ -11,6 +11,9 @@ Legend: ``B`` batches, ``L`` layers, ``E`` experts, ``G`` GPUs, ``N`` extra expe
   predictor: the prefetcher adds up to ``N`` experts per GPU and layer (:func:`moebalance.policies.libra.batch_plan`),
   all of which are loaded for that batch (experts moved). Layers the predictor cannot see (layer 0 for
   ``lookahead`` and ``path``; the first batch for ``history``) are planned from the previous batch's picks.
+  On a load of counts only (no token sources), ``oracle`` and ``history`` spread each expert's picks evenly
+  over the GPUs, so every GPU seems to request every picked expert; phase 1 of the prefetcher then has
+  little to go on.
 
 Each served batch is scored with the router (``uniform`` for static policies and ``rebalance`` for ``libra``
 unless one is given): per ``(batch, layer)`` the imbalance ratio ``max_g / mean_g`` of GPU load and the
