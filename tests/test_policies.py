@@ -15,7 +15,15 @@ from moebalance.core.errors import BudgetError, InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
-from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, get_policy, make_plan, plan_with
+from moebalance.policies import (
+    DOCUMENTED_POLICIES,
+    DYNAMIC_POLICIES,
+    POLICIES,
+    Budget,
+    get_policy,
+    make_plan,
+    plan_with,
+)
 from moebalance.routing.simulate import evaluate, gpu_loads
 
 #: Policies of our own never put two copies of an expert on one GPU (the faithful eplb may).
@@ -41,6 +49,9 @@ def _may_refuse(name: str, load: LoadMatrix, cluster: Cluster, budget: Budget) -
 def test_registry_names_are_documented() -> None:
     assert set(POLICIES) <= set(DOCUMENTED_POLICIES)
     assert {"contiguous", "greedy", "eplb"} <= set(POLICIES)
+    # every documented policy is registered, statically or as a dynamic (per-batch) policy
+    assert set(POLICIES) | set(DYNAMIC_POLICIES) == set(DOCUMENTED_POLICIES)
+    assert not set(POLICIES) & set(DYNAMIC_POLICIES)
     with pytest.raises(InputError, match="unknown policy 'nope'; choose one of: contiguous"):
         get_policy("nope")
 

@@ -19,7 +19,7 @@ from moebalance.core.errors import InputError, MoebalanceError, PlanError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
-from moebalance.policies import DOCUMENTED_POLICIES, POLICIES, Budget, make_plan
+from moebalance.policies import DOCUMENTED_POLICIES, DYNAMIC_POLICIES, POLICIES, Budget, make_plan
 from moebalance.routing import ROUTERS, Router
 from moebalance.routing.simulate import gpu_loads, traffic
 from moebalance.runtime import (
@@ -49,8 +49,9 @@ ROUTER_NAMES = sorted(ROUTERS)
 #: Routers whose choice depends on the load (they implement ``Router.assign_kept``).
 LOAD_AWARE = sorted(n for n, r in ROUTERS.items() if r.assign_kept is not None)
 POLICY_NAMES = sorted(POLICIES)
-#: Documented policies not (yet) registered are listed too, and skipped with that reason.
-PLAN_NAMES = sorted(set(POLICIES) | set(DOCUMENTED_POLICIES))
+#: Documented policies not (yet) registered are listed too, and skipped with that reason. Dynamic policies
+#: (``libra``) have no single plan; their per-batch plans run in tests/test_runtime_libra.py.
+PLAN_NAMES = sorted((set(POLICIES) | set(DOCUMENTED_POLICIES)) - set(DYNAMIC_POLICIES))
 
 
 # ---------------------------------------------------------------- inputs, identical in every process

@@ -35,7 +35,7 @@ from moebalance.algorithms.minmax import host_lists
 __all__ = ["gpu_lists", "rebalance", "route_tokens", "split_counts"]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def gpu_lists(hstart: np.ndarray, hosts: np.ndarray, G: int) -> tuple[np.ndarray, np.ndarray]:
     """``(gstart [G + 1], gexp [.])``: the experts with copies on two or more GPUs that GPU ``g`` holds,
     ``gexp[gstart[g]:gstart[g + 1]]`` (only they can move)."""
@@ -58,7 +58,7 @@ def gpu_lists(hstart: np.ndarray, hosts: np.ndarray, G: int) -> tuple[np.ndarray
     return gstart, gexp
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _reposition(by_load: np.ndarray, where: np.ndarray, loads: np.ndarray, g: int) -> None:
     """Keep ``by_load`` sorted (most loaded first, the lower id on ties) after ``loads[g]`` changed."""
     p = where[g]
@@ -75,7 +75,7 @@ def _reposition(by_load: np.ndarray, where: np.ndarray, loads: np.ndarray, g: in
     where[g] = p
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rebalance(local: np.ndarray, remote: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, gstart: np.ndarray,
               gexp: np.ndarray, target: float, eps: float, strict: bool) -> tuple[np.ndarray, int]:
     """Alg. 2 on one ``(batch, layer)``; moves picks in ``remote int64 [G, E]`` in place.
@@ -144,7 +144,7 @@ def rebalance(local: np.ndarray, remote: np.ndarray, hstart: np.ndarray, hosts: 
     return loads, moves
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _start(n_remote: np.ndarray, copies: np.ndarray, hstart: np.ndarray, hosts: np.ndarray,
            remote: np.ndarray) -> None:
     """Add each expert's remote picks to ``remote [G, E]`` as the ``uniform`` router splits them on tokens:
@@ -165,7 +165,7 @@ def _start(n_remote: np.ndarray, copies: np.ndarray, hstart: np.ndarray, hosts: 
                 c += 1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def split_counts(counts: np.ndarray, copies: np.ndarray, eps: float, strict: bool) -> np.ndarray:
     """``float64 [B, L, G]``: GPU loads of counts ``int64 [B, L, E]`` (``copies int64 [L, E, G]``).
 
@@ -193,7 +193,7 @@ def split_counts(counts: np.ndarray, copies: np.ndarray, eps: float, strict: boo
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def route_tokens(ids: np.ndarray, src: np.ndarray, batch_start: np.ndarray, copies: np.ndarray,
                  gpus_per_node: int, eps: float, strict: bool, kept: np.ndarray) -> np.ndarray:
     """``int64 [T, K]``: a GPU for every kept pick (``kept bool [T, K]``; the others -1) of one layer, batch
