@@ -255,7 +255,7 @@ def test_capture_plan_run_commands(tmp_path: Path, capsys: pytest.CaptureFixture
     rc, _, err = _cli(["plan", "--load", trace, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2,
                        "--slots-per-gpu", 17, "--out", plan], capsys)  # the default capture model: 32 experts
     assert rc == 0, err
-    for router in (["random"], ["rebalance", "--router-set", "eps=0.01"]):
+    for router in (["random"], ["rebalance", "--router-set", "eps=0.01", "--two-stage"]):
         rc, out, err = _cli(["run", "--world-size", 2, "--plan", plan, "--domain", "prose", "--tokens", RUN_TOKENS,
                              "--batch-tokens", RUN_BATCH, "--router", *router, "--json"], capsys)
         assert rc == 0, err
@@ -263,6 +263,12 @@ def test_capture_plan_run_commands(tmp_path: Path, capsys: pytest.CaptureFixture
         assert doc["logits_agree"] and doc["counts_match_simulator"] and doc["routing_mismatches"] == 0
         assert [r["picks_computed"] for r in doc["ranks"]] == [r["picks_predicted"] for r in doc["ranks"]]
         assert doc["router"] == {"random": "random", "rebalance": "rebalance(eps=0.01)"}[router[0]]
+        if "--two-stage" in router:  # one fraction per batch of forwards whose rebalancer beat the local phase
+            per_batch = doc["rebalancer_hidden_per_batch"]
+            assert doc["two_stage"] and len(per_batch) == doc["num_batches"]
+            assert all(0.0 <= v <= 1.0 for v in per_batch)
+        else:
+            assert "rebalancer_hidden_per_batch" not in doc
 
 
 def test_run_command_rejects_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -274,6 +280,7 @@ def test_run_command_rejects_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFi
     for argv, fragment in (
             (["run", "--world-size", 2, "--plan", other, "--domain", "code"], "2 layers x 8 experts"),
             (["run", "--world-size", 2, "--plan", four, "--domain", "code"], "--world-size 2"),
+            (["run", "--world-size", 4, "--plan", four, "--domain", "code", "--two-stage"], "--two-stage needs"),
             (["run", "--world-size", 4, "--plan", four, "--domain", "prose", "--tokens", 10**6], "--tokens"),
             (["capture", "--domain", "code", "--tokens", 1000, "--gpus", 2, "--batch-tokens", 1000, "--out",
               tmp_path / "x.npz"], "multiple of the sequence length")):

@@ -520,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0, help="router seed")
     p.add_argument("--checkpoint", help="model .safetensors (default: the bundled model of the plan's layers and "
                                         "experts)")
+    p.add_argument("--two-stage", action="store_true",
+                   help="Libra's two-stage execution: the router runs in a CPU thread while the local picks compute "
+                        "(rebalance or locality); reports whether it finished inside the local phase")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lm_commands.cmd_run)
     return parser

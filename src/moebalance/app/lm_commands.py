@@ -80,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     from moebalance.model.capture import make_layout
     from moebalance.model.moe_lm import load_checkpoint
     from moebalance.model.run import LOGIT_TOLERANCE, RunReport, check_plan, run_model, run_torchrun
-    from moebalance.runtime import torchrun_env
+    from moebalance.runtime import KEEPS_LOCAL, torchrun_env
 
     torchrun = torchrun_env()
     world_size = args.world_size
@@ -95,6 +95,9 @@ def cmd_run(args: argparse.Namespace) -> None:
                          "and MASTER_PORT set)")
     rank0 = not torchrun or os.environ["RANK"] == "0"
     router = options.router(args)
+    if args.two_stage and router.name not in KEEPS_LOCAL:
+        raise InputError(f"--two-stage needs a router that never moves a pick with a copy on its own GPU "
+                         f"({' or '.join(KEEPS_LOCAL)}), not {router.name}: the local phase must not wait for it")
     plan = read_plan(args.plan)
     if args.checkpoint is None:  # the bundled model the plan was made for
         args.checkpoint = str(_bundled_for_plan(plan))
@@ -110,8 +113,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     def run(progress: Callable[[int], None] | None) -> RunReport | None:
         if torchrun:  # this process is one rank; the same per-rank body as the local launcher's
             return run_torchrun(args.checkpoint, plan, tokens, router=router, router_seed=args.seed,
+                                two_stage=args.two_stage,
                                 batch_tokens=args.batch_tokens, progress=progress)
-        return run_model(args.checkpoint, plan, tokens, world_size=world_size, router=router,
+        return run_model(args.checkpoint, plan, tokens, world_size=world_size, router=router, two_stage=args.two_stage,
                          router_seed=args.seed, batch_tokens=args.batch_tokens, progress=progress)
 
     if not rank0:
@@ -140,6 +144,11 @@ def cmd_run(args: argparse.Namespace) -> None:
         out.print(f"picks per rank, batch and layer == simulator ({router.label} router's assign_tokens on the "
                   f"trace the run saw): {'yes' if report.counts_match else 'NO'}; runtime balancedness "
                   f"{report.balancedness:.4f}; {report.seconds:.1f} s")
+        per_batch = report.hidden_per_batch()
+        if per_batch is not None:
+            out.print("two-stage: the rebalancer finished inside the local phase in "
+                      f"{100 * float(np.mean(per_batch)):.0f}% of (batch, layer, rank) forwards; per batch "
+                      + " ".join(f"{100 * v:.0f}%" for v in per_batch))
     if not (report.counts_match and report.logits_agree):
         sys.stderr.write("moebalance: run: the expert-parallel run disagrees with the dense reference or the "
                          "simulator\n")

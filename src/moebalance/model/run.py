@@ -107,6 +107,16 @@ class RunReport:
     seconds: float
     #: The trace the run saw (token-level, rank-major within a batch).
     trace: RoutingTrace = field(repr=False)
+    #: ``int8 [B, L, W]`` with two-stage execution: 1 where the rebalancer finished inside the local phase, 0
+    #: where the local phase finished first; ``None`` without it.
+    rebalancer_hidden: np.ndarray | None = field(default=None, repr=False)
+
+    def hidden_per_batch(self) -> list[float] | None:
+        """Per batch, the fraction of (layer, rank) forwards whose rebalancer finished inside the local phase."""
+        h = self.rebalancer_hidden
+        if h is None:
+            return None
+        return [float(np.mean(h[b][h[b] >= 0])) if (h[b] >= 0).any() else 0.0 for b in range(h.shape[0])]
 
     @property
     def counts_match(self) -> bool:
@@ -122,7 +132,10 @@ class RunReport:
                 "max_abs_logit_diff": float(f"{self.max_abs_logit_diff:.3g}"), "logit_tolerance": LOGIT_TOLERANCE,
                 "logits_agree": self.logits_agree, "routing_mismatches": self.routing_mismatches,
                 "counts_match_simulator": self.counts_match, "balancedness": round(self.balancedness, 6),
-                "seconds": round(self.seconds, 2), "ranks": [r.as_dict() for r in self.ranks]}
+                "seconds": round(self.seconds, 2), "ranks": [r.as_dict() for r in self.ranks],
+                **({} if self.rebalancer_hidden is None else
+                   {"two_stage": True, "rebalancer_hidden_per_batch": [round(v, 4) for v in
+                                                                       self.hidden_per_batch() or []]})}
 
 
 def check_plan(plan: Placement, model: MoELM, world_size: int) -> None:
@@ -169,17 +182,23 @@ def dense_reference(model: MoELM, inputs: Sequence[Sequence[np.ndarray]],
 
 
 def _rank_main(rank: int, world_size: int, checkpoint: str, plan_doc: dict[str, Any], router: str | Router, seed: int,
-               inputs: list[list[np.ndarray]]) -> dict[str, Any]:
+               inputs: list[list[np.ndarray]], two_stage: bool = False) -> dict[str, Any]:
     """One rank of a local launch (a module-level function, so that it can be launched): :func:`rank_body`."""
-    return rank_body(rank, load_checkpoint(checkpoint), Placement.from_json_dict(plan_doc), router, seed, inputs)
+    return rank_body(rank, load_checkpoint(checkpoint), Placement.from_json_dict(plan_doc), router, seed, inputs,
+                     two_stage=two_stage)
 
 
 def rank_body(rank: int, model: MoELM, plan: Placement, router: str | Router, seed: int,
-              inputs: Sequence[Sequence[np.ndarray]], device: torch.device | str = "cpu") -> dict[str, Any]:
+              inputs: Sequence[Sequence[np.ndarray]], device: torch.device | str = "cpu", *,
+              two_stage: bool = False) -> dict[str, Any]:
     """One rank's run, the same under the local launcher and torchrun: the model with expert-parallel MoE layers
-    over every batch, on ``device``, in the default process group. Returns its logits, picks and counts."""
+    over every batch, on ``device``, in the default process group. Returns its logits, picks and counts.
+
+    ``two_stage``: Libra's two-stage execution (:class:`~moebalance.runtime.EPConfig` ``router_thread``), and
+    per ``(batch, layer)`` whether the router finished inside the local phase (``hidden``: 1, 0, or -1 where the
+    router ran first)."""
     model = model.to(device)
-    config = EPConfig(router=router, router_seed=seed)
+    config = EPConfig(router=router, router_seed=seed, router_thread=two_stage)
     layers = []
     for layer in range(model.config.num_layers):
         gate, experts, gate_config, bias = model.moe_parts(layer)
@@ -187,6 +206,7 @@ def rank_body(rank: int, model: MoELM, plan: Placement, router: str | Router, se
                                                   selection_bias_E=bias))
     B, L = len(inputs), model.config.num_layers
     computed = np.zeros((B, L), dtype=np.int64)
+    hidden = np.full((B, L), -1, dtype=np.int8)
     sent = {"intra_node": 0, "inter_node": 0}
     expert_s = routing_s = 0.0
     logits, ids = [], []
@@ -199,6 +219,8 @@ def rank_body(rank: int, model: MoELM, plan: Placement, router: str | Router, se
                 out = layers[layer](h, step=step)
                 st = out.stats
                 computed[step, layer] = st.tokens_computed
+                if st.rebalancer_hidden is not None:
+                    hidden[step, layer] = int(st.rebalancer_hidden)
                 by = st.bytes()
                 for kind in sent:
                     sent[kind] += by[f"dispatch_sent_{kind}"] + by[f"combine_sent_{kind}"]
@@ -210,7 +232,8 @@ def rank_body(rank: int, model: MoELM, plan: Placement, router: str | Router, se
             idx = torch.as_tensor(per_rank[rank], device=device)
             logits.append(model(idx, moe=ep).logits.cpu().numpy())
             ids.append(np.stack(picks, axis=1))
-    return {"logits": logits, "ids": ids, "computed": computed, "sent": sent, "expert_seconds": expert_s,
+    return {"logits": logits, "ids": ids, "computed": computed, "hidden": hidden, "sent": sent,
+            "expert_seconds": expert_s,
             "routing_seconds": routing_s, "tokens": int(sum(p[rank].size for p in inputs))}
 
 
@@ -246,7 +269,7 @@ def _prepare(model: MoELM | str | os.PathLike[str] | None, plan: Placement, toke
 
 def run_model(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, *,
               world_size: int, router: str | Router = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
-              seq_len: int | None = None, timeout: float = 300.0,
+              seq_len: int | None = None, timeout: float = 300.0, two_stage: bool = False,
               progress: Callable[[int], None] | None = None) -> RunReport:
     """Run ``tokens`` through the model on ``world_size`` local gloo ranks under ``plan`` and check it (module doc).
 
@@ -262,14 +285,14 @@ def run_model(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tok
         else:
             path = str(lm_path(model))
         ref = dense_reference(lm, inputs, progress)
-        outs = launch(_rank_main, world_size, path, plan.to_json_dict(), router, router_seed, inputs,
+        outs = launch(_rank_main, world_size, path, plan.to_json_dict(), router, router_seed, inputs, two_stage,
                       timeout=timeout)
     return _report(plan, layout, outs, ref, router, router_seed, t0)
 
 
 def run_torchrun(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, *,
                  router: str | Router = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
-                 seq_len: int | None = None, backend: str | None = None,
+                 seq_len: int | None = None, backend: str | None = None, two_stage: bool = False,
                  progress: Callable[[int], None] | None = None) -> RunReport | None:
     """:func:`run_model` in a process that torchrun started: this process runs its rank (``RANK``) of the group
     torchrun set up (:func:`moebalance.runtime.init_from_env`: NCCL on GPU ``LOCAL_RANK`` where CUDA is available,
@@ -282,7 +305,7 @@ def run_torchrun(model: MoELM | str | os.PathLike[str] | None, plan: Placement, 
     rank, world_size, device = init_from_env(backend)
     try:
         lm, layout, inputs = _prepare(model, plan, tokens, world_size, router, batch_tokens, seq_len)
-        mine = rank_body(rank, copy.deepcopy(lm), plan, router, router_seed, inputs, device)
+        mine = rank_body(rank, copy.deepcopy(lm), plan, router, router_seed, inputs, device, two_stage=two_stage)
         outs: list[Any] | None = [None] * world_size if rank == 0 else None
         torch.distributed.gather_object(mine, outs, dst=0)
     finally:
@@ -315,6 +338,7 @@ def _report(plan: Placement, layout: Layout, outs: Sequence[dict[str, Any]],
     trace = RoutingTrace(np.concatenate(run_ids), src, bat, num_experts=plan.num_experts)
     predicted = predicted_loads(plan, trace, router, router_seed)
     computed = np.stack([o["computed"] for o in outs], axis=2)
+    hidden = np.stack([o["hidden"] for o in outs], axis=2)
     loads = computed.astype(np.float64)
     mx = loads.max(axis=2)
     bal = float(np.mean(loads.mean(axis=2)[mx > 0] / mx[mx > 0])) if np.any(mx > 0) else float("nan")
@@ -325,7 +349,8 @@ def _report(plan: Placement, layout: Layout, outs: Sequence[dict[str, Any]],
     return RunReport(world_size=world_size, policy=plan.policy, router=get_router(router).label,
                      router_seed=router_seed, num_tokens=trace.num_tokens, num_batches=layout.num_batches,
                      ranks=ranks, computed=computed, predicted=predicted, max_abs_logit_diff=diff,
-                     routing_mismatches=mismatches, balancedness=bal, seconds=time.perf_counter() - t0, trace=trace)
+                     routing_mismatches=mismatches, balancedness=bal, seconds=time.perf_counter() - t0, trace=trace,
+                     rebalancer_hidden=hidden if (hidden >= 0).any() else None)
 
 
 def lm_path(model: str | os.PathLike[str] | None) -> Path:
