@@ -23,7 +23,15 @@ from moebalance.core.load import LoadMatrix, read_load
 from moebalance.core.plan import Placement, write_plan
 from moebalance.model.capture import PRESET, capture, make_layout, write_capture
 from moebalance.model.data import CHUNK, DOMAINS, domain_tokens
-from moebalance.model.moe_lm import BOS, EOS, ModelConfig, MoELM, bundled_checkpoint, load_checkpoint
+from moebalance.model.moe_lm import (
+    BOS,
+    CAPTURE_CHECKPOINT,
+    EOS,
+    ModelConfig,
+    MoELM,
+    bundled_checkpoint,
+    load_checkpoint,
+)
 from moebalance.model.run import dense_reference, run_model
 from moebalance.model.train import TrainConfig, bits_per_byte, train
 from moebalance.model.train import main as train_main
@@ -266,7 +274,11 @@ def test_capture_plan_run_commands(tmp_path: Path, capsys: pytest.CaptureFixture
         if "--two-stage" in router:  # one fraction per batch of forwards whose rebalancer beat the local phase
             per_batch = doc["rebalancer_hidden_per_batch"]
             assert doc["two_stage"] and len(per_batch) == doc["num_batches"]
-            assert all(0.0 <= v <= 1.0 for v in per_batch)
+            # every (batch, layer, rank) forward ran the rebalancer in the thread, none routed first
+            L = load_checkpoint(bundled_checkpoint(CAPTURE_CHECKPOINT)).config.num_layers
+            assert doc["two_stage_forwards"] == doc["num_batches"] * L * 2
+            assert 0 <= doc["rebalancer_hidden_forwards"] <= doc["two_stage_forwards"]
+            assert sum(per_batch) * L * 2 == pytest.approx(doc["rebalancer_hidden_forwards"], abs=0.01)
         else:
             assert "rebalancer_hidden_per_batch" not in doc
 

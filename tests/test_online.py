@@ -416,7 +416,7 @@ def test_static_replay_equals_evaluate_per_batch(olmoe: LoadMatrix, router: str)
         assert res.per_batch_balancedness[i] == pytest.approx(score.balancedness, rel=1e-12)
     assert res.mean_imbalance_ratio == pytest.approx(res.per_batch_imbalance.mean())
     doc = res.as_dict()
-    assert "prediction_accuracy" not in doc and doc["batches"] == [8, 13]
+    assert "prediction_accuracy" not in doc and doc["batches"] == "8:13"
     assert doc["per_batch_imbalance_ratio"] == [round(float(v), 6) for v in res.per_batch_imbalance]
     # the default served batches are every batch after the warm-up
     assert replay(olmoe, OLMOE_CLUSTER, budget, "eplb", warmup=(0, 60)).batches.tolist() == [60, 61, 62, 63]
@@ -535,8 +535,11 @@ def test_libra_on_counts_only(olmoe: LoadMatrix) -> None:
     for predictor in ("history", "oracle"):
         res = replay(counts, OLMOE_CLUSTER, budget, "libra", {"predictor": predictor, "n": 2}, warmup=(0, 4),
                      batches=(4, 7))
-        assert res.per_layer_accuracy is None and res.prediction_accuracy is None
-        assert "prediction_accuracy" not in res.as_dict()
+        # a predictor is used but nothing is per token: the accuracy is reported as null, per layer too
+        assert res.per_layer_accuracy is not None and np.isnan(res.per_layer_accuracy).all()
+        assert res.prediction_accuracy is None
+        doc = res.as_dict()
+        assert doc["prediction_accuracy"] is None and doc["per_layer_accuracy"] == [None] * olmoe.num_layers
         assert res.experts_moved > 0 and len(res.per_batch_imbalance) == 3
     for predictor in ("lookahead", "path"):
         with pytest.raises(InputError, match="predictor=history or predictor=oracle"):
@@ -703,7 +706,7 @@ def test_cli_online_static_json(trace_file: Path, capsys: pytest.CaptureFixture[
                 "replica_slots_per_gpu", "replans", "batches", "router", "policy"):
         assert key in doc
     assert "prediction_accuracy" not in doc
-    assert doc["batches"] == [2, 6] and len(doc["per_batch_imbalance_ratio"]) == 4
+    assert doc["batches"] == "2:6" and len(doc["per_batch_imbalance_ratio"]) == 4
     assert doc["experts_moved"] == 0 and doc["router"] == "uniform" and doc["policy"] == "eplb"
     from moebalance.core.load import read_load
 
@@ -714,7 +717,7 @@ def test_cli_online_static_json(trace_file: Path, capsys: pytest.CaptureFixture[
     # periodic re-planning on the command line
     doc = run_json(online(trace_file, "greedy", "--slots-per-gpu", "4", "--replan-every", "2", "--window", "1",
                           "--batches", "2:5"), capsys)
-    assert doc["replans"] == 1 and doc["batches"] == [2, 5]
+    assert doc["replans"] == 1 and doc["batches"] == "2:5"
     assert doc["params"] == {"replan_every": 2, "window": 1}
 
 
@@ -749,6 +752,18 @@ def test_cli_online_several_policies_and_out_dir(trace_file: Path, tmp_path: Pat
     rc, text, _ = run_cli(online(trace_file, "eplb,libra", "--slots-per-gpu", "5", "--set",
                                  "libra.predictor=oracle"), capsys)
     assert rc == 0 and "libra (oracle, n=8, alpha=0.5)" in text and "eplb" in text
+    # Figure 9 in one command: the re-plan knobs go to the static policies; libra replans every batch anyway
+    doc = run_json(online(trace_file, "eplb,libra", "--slots-per-gpu", "5", "--set", "libra.predictor=oracle",
+                          "--replan-every", "2"), capsys)
+    eplb, libra = doc["results"]
+    assert eplb["replans"] == 1 and eplb["params"]["replan_every"] == 2 and libra["replans"] == 0
+    # a policy's own value wins over a plain one, whatever their order
+    doc = run_json(online(trace_file, "libra", "--slots-per-gpu", "4", "--set", "libra.n=1", "--set", "n=3",
+                          "--set", "predictor=oracle"), capsys)
+    assert doc["params"]["n"] == 1
+    # a plain option another listed policy lacks: the error says how to aim it
+    assert_user_error(online(trace_file, "eplb,libra", "--slots-per-gpu", "5", "--set", "n=2"), capsys,
+                      "policy 'eplb' has no parameter 'n'", "--set eplb.KEY=VALUE")
 
 
 def test_cli_predict_json(trace_file: Path, build_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -887,6 +902,6 @@ def test_online_result_is_what_the_cli_reports() -> None:
                        replica_slots_per_gpu=1.0, replans=1, per_layer_accuracy=np.array([np.nan, 0.5]), params={},
                        balancedness=0.7333333333, mean_imbalance_ratio=1.375)
     doc = res.as_dict()
-    assert doc["batches"] == [3, 5] and doc["max_imbalance_ratio"] == 1.5 and doc["experts_moved"] == 1.5
+    assert doc["batches"] == "3:5" and doc["max_imbalance_ratio"] == 1.5 and doc["experts_moved"] == 1.5
     assert doc["prediction_accuracy"] == 0.5 and doc["per_layer_accuracy"] == [None, 0.5]
     assert doc["balancedness"] == 0.733333

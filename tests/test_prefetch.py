@@ -119,7 +119,7 @@ def cases(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int, float]:
         hosted[rng.choice(G, size=int(rng.integers(1, G + 1)), replace=False), e] = True
     hi = draw(st.integers(1, 12))
     demand = rng.integers(0, hi, size=(G, E)) * (rng.random((G, E)) < draw(st.sampled_from([0.3, 0.7, 1.0])))
-    return demand.astype(np.int64), hosted, draw(st.integers(0, 4)), draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
+    return demand.astype(np.int64), hosted, draw(st.integers(0, min(4, E))), draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -353,3 +353,9 @@ def test_bad_inputs_of_prefetch_layers() -> None:
         prefetch_layers(d, h, 2, 2.0)
     with pytest.raises(InputError, match="n "):
         prefetch_layers(d, h, -3, 0.5)
+    # more extras than experts cannot be meant (and must not allocate a buffer of that size first)
+    with pytest.raises(InputError, match=r"n \(7\) exceeds the 6 experts of a layer"):
+        prefetch_layers(d, h, 7, 0.5)
+    with pytest.raises(InputError, match=r"n \(4000000000\) exceeds the 6 experts"):
+        prefetch(FIG6, HOMES, 4_000_000_000, 0.5)
+    assert (prefetch(FIG6, HOMES, 6, 0.5)[0] >= -1).all()  # n = E is allowed

@@ -171,6 +171,8 @@ def _run(rank: int, world_size: int, group: Any) -> dict[str, Any]:
         "order": (xs[0], 0, _with_extra(base, 0, 0, [E - 1], reorder=True)),
         "step": (xs[0], 7 if rank == 1 else 0, None),
         "plans_differ": (xs[0], 0, _with_extra(base, 0, 0, [E - 1]) if rank == 1 else _with_extra(base, 0, 0, [E - 2])),
+        # layer 0 starts layer 1's copies: ranks whose plans differ only there must fail before posting them
+        "next_differs": (xs[0], 0, _with_extra(base, 1, 0, [E - 1]) if rank == 1 else _with_extra(base, 1, 0, [E - 2])),
     }
     for fixed in (False, True):
         cfg = EPConfig(router="rebalance", max_tokens_per_rank=max(TOKENS[world_size]) if fixed else None)
@@ -295,7 +297,8 @@ ERRORS = {
     "order": ("PlanError", r"^rank 0: the per-batch plan's layer 0, GPU 0 lists \[1, 0, .*\], which does not start "
                            r"with the base plan's \[0, 1(, \d+)*\]; "),
     "step": ("PlanError", r"^the ranks disagree on the step: rank 0 is at step 0 but rank 1 at step 7; "),
-    "plans_differ": ("PlanError", r"^the ranks disagree on the plan: rank 1's plan of this layer differs from rank 0's"),
+    "plans_differ": ("PlanError", r"^the ranks disagree on the plan: rank 1's plan of this layer .*differs from rank 0's"),
+    "next_differs": ("PlanError", r"^the ranks disagree on the plan: rank 1's plan of this layer \(or of the next"),
     "too_many": ("InputError", r"^rank 1 has \d+ tokens but max_tokens_per_rank is \d+; raise it or send fewer"),
 }
 
@@ -331,7 +334,7 @@ def test_batch_plan_checks_give_one_line_errors() -> None:
         (_with_extra(base, 0, 0, [6, 6]), 2, r"adds expert 6 to GPU 0 in layer 0, which already holds it"),
         (_with_extra(base, 0, 0, [], reorder=True), 2, r"layer 0, GPU 0 lists \[1, 0, 2, 3\], which does not start "
                                                        r"with the base plan's \[0, 1, 2, 3\]"),
-        (_with_extra(base, 0, 0, [5]), 0, r"holds at most 0"),
+        (_with_extra(base, 0, 0, [5]), 0, r"no prefetch buffer; build them with prefetcher=ExpertPrefetcher\(N\)"),
         (_base(4), 2, r"the per-batch plan has 3 layers x 8 experts on 4 GPUs but the base plan 3 x 8 on 2"),
     ]
     for plan, slots, message in bad:

@@ -148,7 +148,7 @@ def prefetch(demand: np.ndarray, hosted: np.ndarray, n: int, alpha: float) -> tu
     ``N = 2, alpha = 0.5``: phase 1 gives GPU 0 expert 2 (and GPU 1 its own favourite remote expert).
     """
     d, h = _arrays(demand, hosted, 2)
-    n_local = _check(n, alpha)
+    n_local = _check(n, alpha, d.shape[1])
     extras = np.full((d.shape[0], n), -1, dtype=np.int64)
     load = np.zeros(d.shape[0])
     _prefetch(d, h, n, n_local, extras, load)
@@ -158,7 +158,7 @@ def prefetch(demand: np.ndarray, hosted: np.ndarray, n: int, alpha: float) -> tu
 def prefetch_layers(demand: np.ndarray, hosted: np.ndarray, n: int, alpha: float) -> np.ndarray:
     """``extras [L, G, N]``: :func:`prefetch` on every layer of ``demand [L, G, E]`` and ``hosted [L, G, E]``."""
     d, h = _arrays(demand, hosted, 3)
-    n_local = _check(n, alpha)
+    n_local = _check(n, alpha, d.shape[2])
     L, G, _ = d.shape
     extras = np.full((L, G, n), -1, dtype=np.int64)
     load = np.zeros(G)
@@ -183,9 +183,12 @@ def _arrays(demand: np.ndarray, hosted: np.ndarray, ndim: int) -> tuple[np.ndarr
     return d, h
 
 
-def _check(n: int, alpha: float) -> int:
+def _check(n: int, alpha: float, num_experts: int) -> int:
     if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
         raise InputError(f"n ({n!r}) must be a non-negative integer (extra experts per GPU and layer)")
+    if n > num_experts:
+        raise InputError(f"n ({n}) exceeds the {num_experts} experts of a layer: a GPU cannot take more extra experts "
+                         "than there are; give a smaller n")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0.0 <= alpha <= 1.0:
         raise InputError(f"alpha ({alpha!r}) must be a number in [0, 1] (the locality share of n)")
     return phase1_count(int(n), float(alpha))

@@ -139,8 +139,10 @@ def cmd_predict(args: argparse.Namespace) -> None:
 # ----- online --------------------------------------------------------------------------------------------------
 
 def policy_params(params: dict[str, Any], policy: str, policies: Sequence[str]) -> dict[str, Any]:
-    """The ``--set`` items for ``policy``: plain ``key=value`` go to every policy, ``policy.key=value`` to one."""
+    """The ``--set`` items for ``policy``: plain ``key=value`` go to every policy, ``policy.key=value`` to one (and
+    win over a plain value of the same key)."""
     mine: dict[str, Any] = {}
+    qualified: dict[str, Any] = {}
     for key, value in params.items():
         owner, dot, name = key.partition(".")
         if not dot:
@@ -148,8 +150,8 @@ def policy_params(params: dict[str, Any], policy: str, policies: Sequence[str]) 
         elif owner not in policies:
             raise InputError(f"--set {key}: {owner!r} is not among --policy {','.join(policies)}")
         elif owner == policy:
-            mine[name] = value
-    return mine
+            qualified[name] = value
+    return {**mine, **qualified}  # a policy's own value wins over a plain one, whatever the order
 
 
 def cmd_online(args: argparse.Namespace) -> None:
@@ -201,10 +203,18 @@ def cmd_online(args: argparse.Namespace) -> None:
             mine = policy_params(params, p, policies)
             if args.groups is not None and p == "eplb":
                 mine["num_groups"] = args.groups
-            results.append(replay(load, cluster, budget, p, mine, warmup=warm,
-                                  batches=served, router=router, replan_every=args.replan_every, window=args.window,
-                                  seed=args.seed, hidden=hidden, model=model, build=build,
-                                  progress=advance))
+            # with several policies the re-plan knobs go to the static ones (a dynamic policy replans every batch)
+            periodic = len(policies) == 1 or p not in DYNAMIC_POLICIES
+            try:
+                results.append(replay(load, cluster, budget, p, mine, warmup=warm, batches=served, router=router,
+                                      replan_every=args.replan_every if periodic else None,
+                                      window=args.window if periodic else None, seed=args.seed, hidden=hidden,
+                                      model=model, build=build, progress=advance))
+            except InputError as exc:
+                if len(policies) > 1 and "has no parameter" in str(exc):
+                    raise InputError(f"{exc} (with several policies, --set {p}.KEY=VALUE gives an option to {p} "
+                                     "only)") from None
+                raise
     title = (f"{args.load}: batches {served[0]}:{served[1]} served one at a time after warm-up {warm[0]}:{warm[1]}, "
              f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}")
     docs = [r.as_dict() for r in results]

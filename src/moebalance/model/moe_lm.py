@@ -297,7 +297,7 @@ class MoELM(nn.Module):
 #: ``python -m moebalance.model.train``).
 BUNDLED_CHECKPOINT = "moe_lm.safetensors"
 #: Every checkpoint shipped in the package: the first, and 8 MoE layers of 32 experts, top-4, trained with the
-#: auxiliary-loss-free balancing bias (docs/results/moe_lm_8x32.md).
+#: auxiliary-loss-free balancing bias (docs/results/libra.md, "The model").
 BUNDLED_CHECKPOINTS = (BUNDLED_CHECKPOINT, "moe_lm_8x32.safetensors")
 #: What ``moebalance capture`` runs by default: the model with enough layers, experts and balance to study
 #: prediction on (``run`` and the lookahead predictor pick the bundled model of a plan's or capture's shape).

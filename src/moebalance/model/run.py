@@ -134,8 +134,11 @@ class RunReport:
                 "counts_match_simulator": self.counts_match, "balancedness": round(self.balancedness, 6),
                 "seconds": round(self.seconds, 2), "ranks": [r.as_dict() for r in self.ranks],
                 **({} if self.rebalancer_hidden is None else
-                   {"two_stage": True, "rebalancer_hidden_per_batch": [round(v, 4) for v in
-                                                                       self.hidden_per_batch() or []]})}
+                   {"two_stage": True,
+                    # forwards that ran the router in the thread (every (batch, layer, rank) when it qualifies)
+                    "two_stage_forwards": int((self.rebalancer_hidden >= 0).sum()),
+                    "rebalancer_hidden_forwards": int((self.rebalancer_hidden == 1).sum()),
+                    "rebalancer_hidden_per_batch": [round(v, 4) for v in self.hidden_per_batch() or []]})}
 
 
 def check_plan(plan: Placement, model: MoELM, world_size: int) -> None:

@@ -84,8 +84,10 @@ class TrainConfig:
             raise InputError(f"batch_size ({self.batch_size}) must be even: half the sequences come from each domain")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise InputError(f"lr ({self.lr}) must be a positive number")
-        if self.aux_loss_coef < 0 or self.weight_decay < 0 or self.warmup < 0 or self.bias_update < 0:
-            raise InputError("aux_loss_coef, bias_update, weight_decay and warmup must be >= 0")
+        for name in ("aux_loss_coef", "bias_update", "weight_decay", "warmup"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise InputError(f"{name} ({v!r}) must be a finite number >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -93,7 +93,7 @@ class OnlineResult:
             "experts_moved": round(self.experts_moved, 3),
             "replica_slots_per_gpu": round(self.replica_slots_per_gpu, 3),
             "replans": self.replans,
-            "batches": [int(self.batches[0]), int(self.batches[-1]) + 1],
+            "batches": f"{int(self.batches[0])}:{int(self.batches[-1]) + 1}",
             "params": self.params,
         }
         if self.per_layer_accuracy is not None:
@@ -233,8 +233,9 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
     slots = base.extra_replicas / G + buffer_slots(config)
     params = {**dataclasses.asdict(config), "phase1": config.phase1, "buffer_slots_per_gpu": buffer_slots(config),
               "base_extra_replicas": base.extra_replicas}
+    # without tokens there is no per-token accuracy: nan per layer (null in JSON), the predictor still named
     return _result("libra", router, served, imb, bal, moved, slots, 0,
-                   per_layer_acc if trace is not None else None, params)
+                   per_layer_acc if trace is not None else np.full(L, np.nan), params)
 
 
 def _result(policy: str, router: Router, served: tuple[int, int], imb: np.ndarray, bal: np.ndarray, moved: np.ndarray,

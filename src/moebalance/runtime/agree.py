@@ -61,9 +61,11 @@ class RankCheck:
     digest: int
 
 
-def plan_digest(layer: int, top_k: int, gpu_experts: Sequence[Sequence[int]]) -> int:
-    """A 64-bit digest of one layer's plan, the same in every process (integer tuples hash deterministically)."""
-    h = hash((layer, top_k, tuple(tuple(e) for e in gpu_experts)))
+def plan_digest(layer: int, top_k: int, gpu_experts: Sequence[Sequence[int]],
+                next_layer: Sequence[Sequence[int]] = ()) -> int:
+    """A 64-bit digest of one layer's plan and, with a per-batch plan, of the next layer's lists (whose copies
+    this forward starts), the same in every process (integer tuples hash deterministically)."""
+    h = hash((layer, top_k, tuple(tuple(e) for e in gpu_experts), tuple(tuple(e) for e in next_layer)))
     return (h + 2**63) % 2**64 - 2**63
 
 
@@ -85,14 +87,17 @@ def _raise(code: int, message: str, cause: BaseException | None) -> NoReturn:
     raise _CLASSES[code - 1](message) from cause
 
 
-def _fail(headers: torch.Tensor, error: BaseException | None, rank: int, group: Any) -> NoReturn:
+def _fail(headers: torch.Tensor, error: BaseException | None, rank: int, group: Any,
+          device: torch.device) -> NoReturn:
     """Every rank: gather the failing ranks' messages and raise the lowest one's error (a collective)."""
     mine = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
     if error is not None:
         raw = _one_line(error).encode("utf-8")[:MESSAGE_BYTES]
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    mine = mine.to(device)  # the device the routing travelled on: NCCL gathers CUDA tensors only
     bufs = [torch.empty_like(mine) for _ in range(headers.shape[0])]
     dist.all_gather(bufs, mine, group=group)
+    bufs = [b.cpu() for b in bufs]
     failed = [r for r in range(headers.shape[0]) if int(headers[r, 0]) != 0]
     first = failed[0]
     texts = {r: bytes(bufs[r].tolist()).rstrip(b"\0").decode("utf-8", errors="replace") for r in failed}
@@ -112,7 +117,8 @@ def _check_same(headers: torch.Tensor) -> None:
         if any(v != values[0] for v in values):
             other = next(r for r, v in enumerate(values) if v != values[0])
             shown = (f"rank 0 is at step {values[0]} but rank {other} at step {values[other]}" if col == 2
-                     else f"rank {other}'s plan of this layer differs from rank 0's")
+                     else f"rank {other}'s plan of this layer (or of the next, whose copies it starts) differs "
+                          "from rank 0's")
             raise PlanError(f"the ranks disagree on the {what}: {shown}; {fix}")
 
 
@@ -147,7 +153,7 @@ def agreed_gather(routing_TX: torch.Tensor, check: RankCheck, group: Any = None,
         dist.all_gather(bufs, buf, group=group)
         headers = torch.stack([b[:h].reshape(-1)[:8].contiguous().view(torch.int64) for b in bufs]).cpu()
     if bool((headers[:, 0] != 0).any()):
-        _fail(headers, error, rank, group)
+        _fail(headers, error, rank, group, src.device)
     _check_same(headers)
     counts = [int(c) for c in headers[:, 1].tolist()]
     if max_rows is not None:

@@ -96,6 +96,14 @@ class DispatchMeta:
     #: Picks of the received rows (rows in the order received: by source rank, then token).
     remote: ExpertWork
 
+    def to(self, device: torch.device | str) -> DispatchMeta:
+        """The same decisions with every tensor on ``device``."""
+        def work(w: ExpertWork) -> ExpertWork:
+            return ExpertWork(w.pick_row.to(device), w.pick_slot.to(device), w.pick_weight.to(device), w.num_rows)
+
+        return DispatchMeta(self.rank, self.send_token.to(device), self.send_counts, self.recv_counts,
+                            self.local_token.to(device), work(self.local), work(self.remote))
+
     @property
     def num_local_picks(self) -> int:
         return int(self.local.pick_row.numel())

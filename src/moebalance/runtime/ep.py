@@ -389,7 +389,7 @@ class ExpertParallelMoE:
             raise InputError(f"x has dtype {x_TH.dtype}; give floating-point hidden states")
         if x_TH.device != self.gate_HE.device:
             raise InputError(f"x is on {x_TH.device} but the layer's weights on {self.gate_HE.device}; move x there")
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**62:
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 0 <= step < 2**62:
             raise InputError(f"step ({step!r}) must be a non-negative integer")
         layer_plan, slot_of = self.layer_plan, self.slot_of
         if batch_plan is not None:
@@ -403,7 +403,10 @@ class ExpertParallelMoE:
         # float32 carries the ids exactly (below 2**24) and the weights as the experts use them (float32)
         encoded = torch.where(gate.kept, gate.topk_ids, -1 - gate.topk_ids).float()
         routing = torch.cat([encoded, gate.topk_weights.float()], dim=1)
-        digest = plan_digest(self.layer, self.gate_config.top_k, layer_plan.gpu_experts[0])
+        # the next layer's lists too: this forward posts their copies, so the ranks must agree on them first
+        nxt = (batch_plan.gpu_experts[self.layer + 1]
+               if batch_plan is not None and self.layer + 1 < batch_plan.num_layers else ())
+        digest = plan_digest(self.layer, self.gate_config.top_k, layer_plan.gpu_experts[0], nxt)
         return _Prepared(gate, routing, layer_plan, slot_of, batch_plan, digest)
 
     def forward(self, x_TH: torch.Tensor, *, step: int | None = None,
@@ -415,7 +418,7 @@ class ExpertParallelMoE:
         rank's prefetch buffer before the layer computes. A bad input or plan on any rank makes every rank raise
         the same one-line error (:mod:`moebalance.runtime.agree`).
         """
-        step = self._step if step is None else step
+        step = self._step if step is None else (int(step) if isinstance(step, np.integer) else step)
         K = self.gate_config.top_k
         prep: _Prepared | None = None
         error: Exception | None = None
@@ -446,10 +449,10 @@ class ExpertParallelMoE:
         layer_plan, slot_of, x = prep.layer_plan, prep.slot_of, x_TH
         rng = np.random.default_rng((self.config.router_seed, self.layer, step))
 
-        def route() -> tuple[np.ndarray, DispatchMeta, float, float]:
+        def route(device: torch.device) -> tuple[np.ndarray, DispatchMeta, float, float]:
             t = time.perf_counter()
             dest = route_picks(layer_plan, self.config.router, ids, kept, tokens_per_rank, rng)
-            meta = build_dispatch(dest, ids, allr[:, K:], tokens_per_rank, self.rank, slot_of, x.device)
+            meta = build_dispatch(dest, ids, allr[:, K:], tokens_per_rank, self.rank, slot_of, device)
             end = time.perf_counter()
             return dest, meta, end - t, end
 
@@ -461,7 +464,8 @@ class ExpertParallelMoE:
             lo = sum(tokens_per_rank[:self.rank])
             hi = lo + tokens_per_rank[self.rank]
             has_EG = layer_plan.copies[0] > 0
-            future = _router_pool().submit(route)
+            # the thread stays on the host: a copy to the GPU there would queue behind the local kernels
+            future = _router_pool().submit(route, torch.device("cpu"))
             t_local = time.perf_counter()
             here = kept[lo:hi] & has_EG[ids[lo:hi], self.rank]
             local_token, local_work = build_local(here, ids[lo:hi], allr[lo:hi, K:], slot_of, x.device)
@@ -471,6 +475,7 @@ class ExpertParallelMoE:
             local_end = time.perf_counter()
             dest, meta, router_seconds, router_end = future.result()
             hidden = clock.busy() if clock.cuda else router_end <= local_end
+            meta = meta.to(x.device)
             local_seconds = local_end - t_local
             _check_kept_local(dest, ids, kept, has_EG, tokens_per_rank, get_router(self.config.router).name)
             assert torch.equal(meta.local_token, local_token)  # follows from the check just made
@@ -479,7 +484,7 @@ class ExpertParallelMoE:
             remote_out = self._compute(received, meta.remote, pf.weights)
             clock.stop(t)
         else:
-            dest, meta, router_seconds, _ = route()
+            dest, meta, router_seconds, _ = route(x.device)
             pending = self.dispatcher.dispatch(x, meta, async_op=self.config.local_first)
             first = None
             if self.config.local_first:  # Libra 3.1: MoE_local while the dispatch is in flight

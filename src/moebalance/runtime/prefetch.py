@@ -102,6 +102,9 @@ def batch_extras(base: Placement, batch: Any, num_slots: int) -> Extras:
                                 f"with the base plan's {list(b)}; list the base experts first, in their order, "
                                 "then the extras")
             extra = tuple(p[len(b):])
+            if len(extra) > num_slots and num_slots == 0:
+                raise PlanError(f"the per-batch plan adds experts {list(extra)} to GPU {g} in layer {li} but the "
+                                "layers have no prefetch buffer; build them with prefetcher=ExpertPrefetcher(N)")
             if len(extra) > num_slots:
                 raise PlanError(f"the per-batch plan adds {len(extra)} experts {list(extra)} to GPU {g} in layer "
                                 f"{li}; the prefetch buffer holds at most {num_slots} (ExpertPrefetcher num_slots)")
