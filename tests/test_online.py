@@ -905,3 +905,57 @@ def test_online_result_is_what_the_cli_reports() -> None:
     assert doc["batches"] == "3:5" and doc["max_imbalance_ratio"] == 1.5 and doc["experts_moved"] == 1.5
     assert doc["prediction_accuracy"] == 0.5 and doc["per_layer_accuracy"] == [None, 0.5]
     assert doc["balancedness"] == 0.733333
+
+
+# ----------------------------------------------------------------------------------------------------------
+# no predictor sees what a server would not yet have
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_predictors_do_not_see_the_future(seed: int) -> None:
+    """The prediction of layer ``l`` of batch ``b`` must not change when the routing it predicts changes: for
+    path, the batch's picks in layers ``>= l`` (and later batches); for history, batch ``b`` and later; for
+    lookahead, the picks anywhere and the hidden states of layers ``>= l``. Scrambling exactly those must leave
+    the prediction bit for bit alone, and scrambling what the predictor may see must (here) change it."""
+    L, E, K, G, B, T = 4, 12, 2, 3, 4, 40
+    tr = random_trace(seed, batches=B, tokens=T, layers=L, experts=E, top_k=K, gpus=G)
+    build = random_trace(seed + 100, batches=2, tokens=200, layers=L, experts=E, top_k=K, gpus=G)
+    rng = np.random.default_rng(seed)
+    b = 2
+    lo, hi = b * T, (b + 1) * T
+
+    def scrambled(ids: np.ndarray, rows: slice, layers: slice) -> RoutingTrace:
+        out = ids.copy()
+        part = out[rows, layers]
+        out[rows, layers] = np.argsort(rng.random((*part.shape[:2], E)), axis=2)[:, :, :K]
+        return RoutingTrace(out, tr.src_gpu, tr.batch, num_experts=E)
+
+    D = 5
+    hidden = rng.standard_normal((B * T, L, D)).astype(np.float16)
+    gates = rng.standard_normal((L, D, E)).astype(np.float32)
+    look = LookaheadPredictor(gates, None, GateConfig(top_k=K), hidden)
+    for layer in range(1, L):
+        path = PathPredictor([build], depth=2)
+        base = path.predict(tr, b, G).topk_ids[:, layer]
+        future = scrambled(tr.topk_ids, slice(lo, None), slice(layer, None))  # this layer and later, later batches
+        assert np.array_equal(path.predict(future, b, G).topk_ids[:, layer], base)
+        past = scrambled(tr.topk_ids, slice(lo, hi), slice(layer - 1, layer))  # the previous layer: what it keys on
+        assert not np.array_equal(path.predict(past, b, G).topk_ids[:, layer], base)
+
+        want = look.predict(tr, b, G).topk_ids[:, layer]
+        h2 = hidden.copy()
+        h2[:, layer:] = rng.standard_normal(h2[:, layer:].shape)
+        other = LookaheadPredictor(gates, None, GateConfig(top_k=K), h2)
+        anything = scrambled(tr.topk_ids, slice(None), slice(None))
+        assert np.array_equal(other.predict(anything, b, G).topk_ids[:, layer], want)
+        h3 = hidden.copy()
+        h3[lo:hi, layer - 1] = rng.standard_normal((hi - lo, D))
+        assert not np.array_equal(LookaheadPredictor(gates, None, GateConfig(top_k=K), h3)
+                                  .predict(tr, b, G).topk_ids[:, layer], want)
+    hist = HistoryPredictor(window=2)
+    base_pred = hist.predict(tr, b, G)
+    now_and_later = scrambled(tr.topk_ids, slice(lo, None), slice(None))
+    again = hist.predict(now_and_later, b, G)
+    assert np.array_equal(again.topk_ids, base_pred.topk_ids) and np.array_equal(again.demand, base_pred.demand)
+    earlier = scrambled(tr.topk_ids, slice(0, lo), slice(None))
+    assert not np.array_equal(hist.predict(earlier, b, G).demand, base_pred.demand)
