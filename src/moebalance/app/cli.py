@@ -28,14 +28,14 @@ from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.errors import InputError, MoebalanceError
 from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix, parse_batch_range, read_load, write_load
-from moebalance.core.plan import read_plan, write_plan
+from moebalance.core.plan import write_plan
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES, Budget, make_plan
 from moebalance.routing import get_router
 from moebalance.routing.simulate import evaluate
 
 __all__ = ["main"]
 
-from moebalance.app import lm_commands, online_commands
+from moebalance.app import engine_commands, lm_commands, online_commands
 from moebalance.app.console import check_out as _check_out
 from moebalance.app.console import err, out
 from moebalance.app.console import progress as _progress
@@ -78,6 +78,13 @@ def _replicas(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
+
+
+def _read_load(args: argparse.Namespace) -> LoadMatrix:
+    """``--load`` in its detected format, or ``--format``'s (moebalance, SGLang or TensorRT-LLM files)."""
+    from moebalance.engines import read_any_load
+
+    return read_any_load(args.load, getattr(args, "format", None))
 
 
 def _budget(args: argparse.Namespace) -> Budget:
@@ -147,7 +154,7 @@ def cmd_synth(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     dest = _check_out(args.out, ".json")
-    load = read_load(args.load)
+    load = _read_load(args)
     start, stop = parse_batch_range(args.batches, load.num_batches)
     load = load.select_batches(start, stop)
     params = _parse_set(args.set)
@@ -166,13 +173,21 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
+    from moebalance.engines import read_any_plan
+
     router = _router(args)  # a bad name or option fails before any file is read
-    plan = read_plan(args.plan)
+    if (args.nodes is None) != (args.gpus_per_node is None):
+        raise InputError("give both --nodes and --gpus-per-node (the cluster an engine's placement file is laid out on)")
+    load = _read_load(args)
+    given = None if args.nodes is None else Cluster(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    plan = read_any_plan(args.plan, given, args.plan_format, load)
+    if given is not None and (plan.cluster.num_nodes, plan.cluster.gpus_per_node) != (args.nodes, args.gpus_per_node):
+        raise InputError(f"the plan is for {plan.cluster.num_nodes}x{plan.cluster.gpus_per_node} GPUs but --nodes "
+                         f"{args.nodes} --gpus-per-node {args.gpus_per_node} were given; drop them for a moebalance plan")
     if _links(args):  # plan files record the topology, not the links: the time model takes them from here
         c = plan.cluster
         plan = dataclasses.replace(plan, cluster=Cluster(num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
                                                          **_links(args)))
-    load = read_load(args.load)
     start, stop = parse_batch_range(args.batches, load.num_batches)
     load = load.select_batches(start, stop)
     score = evaluate(plan, load, router, seed=args.seed,
@@ -199,7 +214,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     if unknown:
         raise InputError(f"unknown policy {unknown[0]!r}; choose from: {', '.join(POLICIES)}")
     routers = _routers(args)
-    load = read_load(args.load)
+    load = _read_load(args)
     params = _parse_set(args.set)
     per_policy: dict[str, dict[str, Any]] = {p: {} for p in policies}
     if args.groups is not None and "eplb" in per_policy:
@@ -276,7 +291,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
         replicas = [int(r) for r in args.replicas_per_gpu.split(",") if r.strip()]
     except ValueError:
         raise InputError(f"--replicas-per-gpu {args.replicas_per_gpu!r} must be integers like 0,1,2,4,8") from None
-    load = read_load(args.load)
+    load = _read_load(args)
     cluster = _cluster(args)
     steps = sweep_steps(load, cluster, policies, replicas) if policies else 0
     with _progress() as progress:
@@ -308,12 +323,14 @@ def cmd_sweep(args: argparse.Namespace) -> None:
 def cmd_stats(args: argparse.Namespace) -> None:
     from moebalance.workloads.stats import layer_skew
 
-    load = read_load(args.load)
+    load = _read_load(args)
     skew = layer_skew(load.counts)
     if args.json:
         doc = {k: np.asarray(getattr(skew, k)).tolist() for k in ("peak_to_mean", "top2_share", "cv", "drift",
                                                                    "hot_experts", "high_skew")}
-        sys.stdout.write(dumps({"shape": list(load.counts.shape), "preset": load.preset, **doc}))
+        dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist()
+        sys.stdout.write(dumps({"shape": list(load.counts.shape), "preset": load.preset, "dense_layers": dense,
+                                **doc}))
         return
     out.print(_stats_table(load, skew))
     _print_trace_stats(load)
@@ -328,7 +345,11 @@ def _stats_table(load: LoadMatrix, skew: Any) -> Table:
         table.add_column(col, justify="right")
     ptm = np.asarray(skew.peak_to_mean)
     scale = max(float(np.nanmax(ptm)), 1.0)
+    dense = load.counts.sum(axis=(0, 2)) == 0
     for layer in range(L):
+        if dense[layer]:  # no token reached an expert: a dense layer in the model's numbering (scores skip it)
+            table.add_row(str(layer), "-", "-", "-", "-", "-", "[dim]dense (no load)[/]")
+            continue
         bar = "█" * max(1, round(20 * float(ptm[layer]) / scale))
         table.add_row(str(layer), f"{ptm[layer]:.1f}", f"{100 * skew.top2_share[layer]:.1f}%", f"{skew.cv[layer]:.2f}",
                       f"{skew.drift[layer]:.3f}", str(int(skew.hot_experts[layer])),
@@ -387,6 +408,14 @@ def _add_cluster(p: argparse.ArgumentParser, budget_required: bool = True) -> No
     _add_links(p)
 
 
+def _add_format(p: argparse.ArgumentParser) -> None:
+    from moebalance.engines import LOAD_FORMATS
+
+    p.add_argument("--format", choices=LOAD_FORMATS,
+                   help="the --load file's format (default: detected; SGLang .pt/.json dumps, TensorRT-LLM "
+                        "statistics folders, moebalance .npy/.npz)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moebalance", description="Plan, score and compare expert placements for MoE inference.")
     parser.add_argument("--version", action="version", version="moebalance 0.1.0")
@@ -403,15 +432,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("plan", help="compute a placement plan")
-    p.add_argument("--load", required=True, help=".npy [L, E] / [B, L, E], .npz with counts, or bundled:NAME")
+    p.add_argument("--load", required=True, help=".npy [L, E] / [B, L, E], .npz with counts, bundled:NAME, or an "
+                                                 "engine's dump (SGLang .pt/.json, TensorRT-LLM statistics folder)")
     p.add_argument("--policy", required=True, help=f"one of: {', '.join(POLICIES)}")
     _add_cluster(p)
     p.add_argument("--batches", help="plan on batches a:b only")
     p.add_argument("--out", required=True, help="output plan .json")
+    _add_format(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("evaluate", help="score a plan by replaying a load through it")
-    p.add_argument("--plan", required=True)
+    p.add_argument("--plan", required=True, help="a moebalance plan, or an engine's placement: SGLang "
+                                                 "(physical_to_logical_map .json/.pt), TensorRT-LLM load-balancer YAML")
+    p.add_argument("--plan-format", choices=("moebalance", "sglang", "trtllm"), help="default: detected")
+    p.add_argument("--nodes", type=int, help="nodes the engine's placement is laid out on (engine files only)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (engine files only)")
     p.add_argument("--load", required=True)
     _add_router(p)
     p.add_argument("--batches", help="score batches a:b only (e.g. the held-out ones)")
@@ -420,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype-bytes", type=_positive, default=2)
     _add_links(p)
     p.add_argument("--json", action="store_true")
+    _add_format(p)
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("compare", help="plan with several policies and score them on held-out batches")
@@ -431,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write comparison.md, comparison.json, a PNG and the plans here")
+    _add_format(p)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("sweep", help="balancedness against extra replicas per GPU (CRAFT Figures 1 and 8)")
@@ -443,16 +480,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-frac", type=float, default=0.5)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write sweep.md, sweep.json and sweep.png here")
+    _add_format(p)
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("stats", help="per-layer skew of a load or trace")
     p.add_argument("--load", required=True)
     p.add_argument("--json", action="store_true")
+    _add_format(p)
     p.set_defaults(func=cmd_stats)
 
     p = sub.add_parser("demo", help="compare every policy on bundled DeepSeek-V3-like data")
     p.add_argument("--out-dir", default="demo-out")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("import", help="convert an engine's routing dump into a moebalance load (.npz), once")
+    p.add_argument("--load", required=True, help="SGLang stat dump (.pt/.json) or TensorRT-LLM statistics folder")
+    p.add_argument("--out", required=True, help="output .npz")
+    _add_format(p)
+    p.set_defaults(func=engine_commands.cmd_import)
+
+    p = sub.add_parser("export", help="write a plan in the form an engine loads (SGLang, TensorRT-LLM, vLLM)")
+    p.add_argument("--plan", required=True)
+    p.add_argument("--format", required=True, choices=tuple(engine_commands.EXPORT_FORMATS),
+                   help="sglang: --init-expert-location JSON; trtllm: load-balancer YAML; vllm: per-MoE-layer "
+                        "physical-to-logical JSON")
+    p.add_argument("--out", required=True, help="output file (.json, or .yaml for trtllm)")
+    p.add_argument("--pad", action="store_true",
+                   help="fill GPUs up to the plan's largest slot count with the copies that balance best (needs --load)")
+    p.add_argument("--load", help="the load the plan was made on (for --pad)")
+    p.add_argument("--load-format", choices=("moebalance", "sglang", "trtllm"), help="--load's format (default: detected)")
+    p.add_argument("--dense-layers", metavar="L1,L2,...",
+                   help="layers to leave out of trtllm and vllm files (default: those the plan's load had no load in)")
+    p.add_argument("--layer-updates-per-iter", type=_non_negative, default=0,
+                   help="trtllm: layers updated online per iteration (0: static)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=engine_commands.cmd_export)
 
     p = sub.add_parser("predict", help="how much of each token's routing a predictor foresees (Libra's accuracy)")
     p.add_argument("--load", required=True, help="token-level trace to predict (a capture, for lookahead with "
@@ -466,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="the model that made the capture (lookahead; default: the bundled model of "
                                         "the capture's shape)")
     p.add_argument("--json", action="store_true")
+    _add_format(p)
     p.set_defaults(func=online_commands.cmd_predict)
 
     p = sub.add_parser("online", help="replay a trace batch by batch as a server would: static, periodic and "
@@ -489,6 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write online.md, online.json and online.png (imbalance per batch) here")
+    _add_format(p)
     p.set_defaults(func=online_commands.cmd_online)
 
     p = sub.add_parser("capture", help="run the bundled MoE LM on text and write its token-level routing trace")

@@ -18,7 +18,8 @@ from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_write_text, dumps
-from moebalance.core.load import LoadMatrix, parse_batch_range, read_load
+from moebalance.core.load import LoadMatrix, parse_batch_range
+from moebalance.engines import read_any_load
 
 __all__ = ["cmd_online", "cmd_predict", "plot_online", "policy_params"]
 
@@ -58,7 +59,7 @@ def _model(checkpoint: str | None, load: LoadMatrix) -> Any:
 
 
 def _builds(paths: Sequence[str] | None) -> list[LoadMatrix]:
-    builds = [read_load(p) for p in paths or ()]
+    builds = [read_any_load(p) for p in paths or ()]
     for p, b in zip(paths or (), builds, strict=True):
         if b.trace is None:
             raise InputError(f"--build {p!r} has counts only; the path table needs a token-level trace")
@@ -82,7 +83,7 @@ def cmd_predict(args: argparse.Namespace) -> None:
         if key not in known:
             hint = f"its options: {', '.join(known)}" if known else "it takes none"
             raise InputError(f"predictor {args.predictor!r} has no option {key!r}; {hint}")
-    load = read_load(args.load)
+    load = read_any_load(args.load, args.format)
     trace = load.trace
     if trace is None:
         raise InputError(f"{args.load!r} has counts only; accuracy is per token: give a token-level trace "
@@ -173,7 +174,7 @@ def cmd_online(args: argparse.Namespace) -> None:
     out_dir = None if args.out_dir is None else Path(args.out_dir)
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out-dir {args.out_dir!r} is a file; give a folder")
-    load = read_load(args.load)
+    load = read_any_load(args.load, args.format)
     warm = parse_batch_range(args.warmup, load.num_batches)
     served = (warm[1], load.num_batches) if args.batches is None else parse_batch_range(args.batches, load.num_batches)
     cluster = Cluster(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node)

@@ -158,6 +158,9 @@ def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix,
     params_out = {**budget.as_params(), **config.as_params(), **diagnostics.as_params(), **dict(plan.params)}
     if used.note is not None:
         params_out["budget_note"] = used.note
+    dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)
+    if dense.size:  # layers without load: dense layers in an engine's numbering, left out of its MoE-layer files
+        params_out["dense_layers"] = [int(x) for x in dense]
     return PlanResult(plan.with_params(params_out, policy=policy.name), config, diagnostics, used, seconds)
 
 

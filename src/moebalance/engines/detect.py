@@ -1,0 +1,98 @@
+"""Read any supported load or placement file: moebalance's own, SGLang's, TensorRT-LLM's.
+
+Detection (``--format`` overrides it): a folder with ``meta_info.json`` is TensorRT-LLM statistics; ``.pt`` and
+``.json`` files are SGLang's (``logical_count``: a load; ``physical_to_logical_map``: a placement; a moebalance
+plan JSON has ``"format": "moebalance.plan"``); ``.yaml``/``.yml`` is TensorRT-LLM's load-balancer config;
+``.npy``, ``.npz`` and ``bundled:NAME`` are moebalance loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load
+from moebalance.core.plan import Placement, read_plan
+
+__all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "detect_load", "read_any_load", "read_any_plan"]
+
+#: ``--format`` values of a load.
+LOAD_FORMATS = ("moebalance", "sglang", "trtllm")
+#: ``--format`` values of a plan.
+PLAN_FORMATS = ("moebalance", "sglang", "trtllm")
+
+
+def detect_load(path: str | os.PathLike[str]) -> str:
+    """The format of a load file or folder (module docstring)."""
+    text = str(path)
+    if text.startswith(BUNDLED_PREFIX):
+        return "moebalance"
+    p = Path(path)
+    if p.is_dir():
+        if (p / "meta_info.json").is_file():
+            return "trtllm"
+        raise InputError(f"{text!r} is a folder without meta_info.json; give a load file, or a TensorRT-LLM "
+                         "statistics folder (EXPERT_STATISTIC_PATH)")
+    if p.suffix in (".pt", ".json"):
+        return "sglang"
+    return "moebalance"
+
+
+def read_any_load(path: str | os.PathLike[str], fmt: str | None = None) -> LoadMatrix:
+    """The load in ``path``, of format ``fmt`` (default: detected)."""
+    kind = detect_load(path) if fmt is None else fmt
+    if kind not in LOAD_FORMATS:
+        raise InputError(f"unknown load format {kind!r}; choose one of: {', '.join(LOAD_FORMATS)}")
+    if not str(path).startswith(BUNDLED_PREFIX) and not Path(path).exists():
+        raise InputError(f"load file {str(path)!r} does not exist")
+    if kind == "sglang":
+        from moebalance.engines.sglang import read_stat
+
+        return read_stat(path)
+    if kind == "trtllm":
+        from moebalance.engines.trtllm import read_statistics
+
+        if not Path(path).is_dir():
+            raise InputError(f"{str(path)!r} is a file; TensorRT-LLM statistics are a folder (meta_info.json and "
+                             "rank*.safetensors)")
+        return read_statistics(path)
+    return read_load(path)
+
+
+def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, fmt: str | None = None,
+                  load: LoadMatrix | None = None) -> Placement:
+    """The plan in ``path``: a moebalance plan, or an engine's placement file laid out on ``cluster`` (needed for
+    engine files, which do not record the topology); ``load`` gives the layers and experts to align with."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"plan file {str(p)!r} does not exist")
+    kind = fmt
+    if kind is None:
+        if p.suffix in (".yaml", ".yml"):
+            kind = "trtllm"
+        elif p.suffix == ".pt":
+            kind = "sglang"
+        else:
+            try:
+                head = json.loads(p.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                head = None
+            kind = "sglang" if isinstance(head, dict) and "physical_to_logical_map" in head else "moebalance"
+    if kind not in PLAN_FORMATS:
+        raise InputError(f"unknown plan format {kind!r}; choose one of: {', '.join(PLAN_FORMATS)}")
+    if kind == "moebalance":
+        return read_plan(p)
+    if cluster is None:
+        raise InputError(f"{str(p)!r} is a {kind} placement, which does not record the cluster; give --nodes and "
+                         "--gpus-per-node")
+    E = None if load is None else load.num_experts
+    if kind == "sglang":
+        from moebalance.engines.sglang import read_placement
+
+        return read_placement(p, cluster, E)
+    from moebalance.engines.trtllm import read_config
+
+    return read_config(p, cluster, None if load is None else load.num_layers, E)

@@ -1,0 +1,108 @@
+"""Plans as engines load them: the same number of slots on every GPU and in every layer.
+
+Legend: ``L`` layers, ``E`` experts, ``G`` GPUs, ``S`` slots per GPU, ``P = G * S`` physical slots.
+
+SGLang, vLLM and TensorRT-LLM describe a placement as a physical-to-logical map ``[L, P]``: slot ``p`` holds
+expert ``map[l, p]``, and rank ``r`` owns the contiguous block of slots ``r * S .. (r + 1) * S - 1``. So every
+GPU holds ``S`` experts in every layer. A plan with unequal slots (CRAFT spends its replicas where they help,
+so its layers differ) cannot be written as it is: :func:`slot_table` refuses it with the reason, and
+:func:`pad_plan` fills every GPU up to the largest count with the extra copies that buy the most balance
+(each time the copy of the expert with the most load per copy, onto the least loaded GPU with a free slot
+that lacks it), reporting what the padding costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moebalance.core.errors import PlanError
+from moebalance.core.plan import Placement
+
+__all__ = ["Padding", "SlotTable", "pad_plan", "slot_table"]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotTable:
+    """A plan as a physical-to-logical map. Example: 2 GPUs, 2 slots each, expert 0 replicated::
+
+        phy2log = [[0, 1, 0, 2]]  (rank 0 holds experts 0 and 1, rank 1 experts 0 and 2)
+    """
+
+    #: ``int64 [L, P]``.
+    phy2log: np.ndarray
+    slots_per_gpu: int
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.phy2log.shape[1])
+
+
+def slot_table(plan: Placement) -> SlotTable:
+    """The plan's ``[L, P]`` map; a :class:`PlanError` naming the first GPU and layer whose slot count differs."""
+    S = len(plan.gpu_experts[0][0])
+    for layer, row in enumerate(plan.gpu_experts):
+        for g, experts in enumerate(row):
+            if len(experts) != S:
+                raise PlanError(f"engines need the same slots on every GPU and in every layer, but GPU {g} holds "
+                                f"{len(experts)} experts in layer {layer} and GPU 0 holds {S} in layer 0 (policy "
+                                f"{plan.policy!r}); give --pad (with --load) to fill every GPU up to "
+                                f"{plan.max_slots_per_gpu} slots with the copies that balance best")
+    if S == 0:
+        raise PlanError("the plan holds no experts on GPU 0; there is nothing to write")
+    phy2log = np.asarray([[e for experts in row for e in experts] for row in plan.gpu_experts], dtype=np.int64)
+    return SlotTable(phy2log, S)
+
+
+@dataclass(frozen=True, slots=True)
+class Padding:
+    """What :func:`pad_plan` added: ``slots`` copies in all, at most ``per_gpu_layer`` on one GPU in one layer."""
+
+    plan: Placement
+    slots: int
+    slots_per_gpu: int
+
+    def describe(self, plan: Placement) -> str:
+        L, G = plan.num_layers, plan.num_gpus
+        return (f"padding added {self.slots} expert copies ({self.slots / (L * G):.2f} per GPU and layer, "
+                f"{self.slots / G:.1f} per GPU over {L} layers) to give every GPU {self.slots_per_gpu} slots in "
+                "every layer")
+
+
+def pad_plan(plan: Placement, counts: np.ndarray) -> Padding:
+    """Fill every GPU of every layer up to the plan's largest slot count, from ``counts [B, L, E]`` (the load the
+    plan was made on): each added copy is of the expert with the most load per copy that the chosen GPU lacks,
+    on the GPU with the least expected load (load split evenly over copies); ties to the lower id."""
+    L, E, G = plan.num_layers, plan.num_experts, plan.num_gpus
+    if counts.ndim != 3 or counts.shape[1:] != (L, E):
+        raise PlanError(f"the load has shape {counts.shape[1:]} per batch but the plan [L, E] = [{L}, {E}]; pad with "
+                        "the load the plan was made on")
+    S = plan.max_slots_per_gpu
+    load = counts.sum(axis=0).astype(np.float64)  # [L, E]
+    lists = [[list(x) for x in row] for row in plan.gpu_experts]
+    added = 0
+    for layer in range(L):
+        has = np.zeros((G, E), dtype=bool)
+        for g in range(G):
+            has[g, lists[layer][g]] = True
+        copies = has.sum(axis=0).astype(np.float64)
+        while True:
+            free = [g for g in range(G) if len(lists[layer][g]) < S]
+            if not free:
+                break
+            share = load[layer] / copies  # [E]
+            gpu_load = (has * share[None, :]).sum(axis=1)
+            g = min(free, key=lambda x: (gpu_load[x], x))
+            candidates = np.flatnonzero(~has[g])
+            if candidates.size == 0:  # the GPU already holds every expert: a second copy there adds nothing
+                raise PlanError(f"GPU {g} already holds all {E} experts of layer {layer} and has room for more; "
+                                f"a plan with {S} slots per GPU cannot be padded usefully (fewer slots than experts)")
+            e = int(candidates[np.lexsort((candidates, -share[candidates]))[0]])  # most load per copy
+            lists[layer][g].append(e)
+            has[g, e] = True
+            copies[e] += 1
+            added += 1
+    padded = Placement(lists, E, plan.cluster, policy=plan.policy,
+                       params={**plan.params, "padded_slots": added}, weights=None)
+    return Padding(padded, added, S)
