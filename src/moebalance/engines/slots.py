@@ -7,8 +7,9 @@ expert ``map[l, p]``, and rank ``r`` owns the contiguous block of slots ``r * S 
 GPU holds ``S`` experts in every layer. A plan with unequal slots (CRAFT spends its replicas where they help,
 so its layers differ) cannot be written as it is: :func:`slot_table` refuses it with the reason, and
 :func:`pad_plan` fills every GPU up to the largest count with the extra copies that buy the most balance
-(each time the copy of the expert with the most load per copy, onto the least loaded GPU with a free slot
-that lacks it), reporting what the padding costs.
+(each time, onto the least loaded GPU with a free slot, the copy that leaves the busiest GPU least loaded,
+ties to the expert with the most load per copy), reporting what the padding costs. Loads are the plan's load
+summed over batches and split evenly over copies.
 """
 
 from __future__ import annotations
@@ -72,8 +73,7 @@ class Padding:
 
 def pad_plan(plan: Placement, counts: np.ndarray) -> Padding:
     """Fill every GPU of every layer up to the plan's largest slot count, from ``counts [B, L, E]`` (the load the
-    plan was made on): each added copy is of the expert with the most load per copy that the chosen GPU lacks,
-    on the GPU with the least expected load (load split evenly over copies); ties to the lower id."""
+    plan was made on; module docstring); ties to the lower id."""
     L, E, G = plan.num_layers, plan.num_experts, plan.num_gpus
     if counts.ndim != 3 or counts.shape[1:] != (L, E):
         raise PlanError(f"the load has shape {counts.shape[1:]} per batch but the plan [L, E] = [{L}, {E}]; pad with "
@@ -98,7 +98,14 @@ def pad_plan(plan: Placement, counts: np.ndarray) -> Padding:
             if candidates.size == 0:  # the GPU already holds every expert: a second copy there adds nothing
                 raise PlanError(f"GPU {g} already holds all {E} experts of layer {layer} and has room for more; "
                                 f"a plan with {S} slots per GPU cannot be padded usefully (fewer slots than experts)")
-            e = int(candidates[np.lexsort((candidates, -share[candidates]))[0]])  # most load per copy
+            # the copy that leaves the busiest GPU least loaded: e's copies each lose to the new one
+            new_share = load[layer][candidates] / (copies[candidates] + 1)
+            peak = np.empty(candidates.size)
+            for i, c in enumerate(candidates):
+                after = gpu_load - has[:, c] * (share[c] - new_share[i])
+                after[g] += new_share[i]
+                peak[i] = after.max()
+            e = int(candidates[np.lexsort((candidates, -share[candidates], peak))[0]])
             lists[layer][g].append(e)
             has[g, e] = True
             copies[e] += 1

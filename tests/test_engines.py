@@ -1,0 +1,312 @@
+"""Engines' files in and out: written here exactly as the engines write them, field by field.
+
+Sources (also in the modules' docstrings and docs/formats.md): SGLang ``python/sglang/srt/eplb/expert_distribution.py``
+(the ``stat`` dump: ``torch.save({"rank", "logical_count" int32 [B, L, E], "average_utilization_rate_over_window"})``)
+and ``expert_location.py`` (``--init-expert-location``: ``physical_to_logical_map [L, P]``, the only key);
+TensorRT-LLM ``tensorrt_llm/_torch/expert_statistic.py`` (``meta_info.json`` and ``rank{r}.safetensors`` keyed
+``"{iter}_{layer}"``, int64 ``[E]``) and ``MoeLoadBalancerConfig`` (``num_slots``, ``initial_global_assignments``,
+``layer_updates_per_iter``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.numpy import save_file
+
+from moebalance.app.cli import main
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError, PlanError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement, read_plan, write_plan
+from moebalance.engines import pad_plan, read_any_load, read_any_plan, slot_table
+from moebalance.engines.sglang import read_stat
+from moebalance.engines.trtllm import read_statistics
+from moebalance.policies import Budget, make_plan
+from moebalance.routing.simulate import evaluate
+
+DATA = Path(__file__).parent / "data" / "sglang-deepseek-v3"
+L, E, DENSE = 5, 8, (0, 1)  # a model of 5 decoder layers, the first two dense
+
+
+def _counts(seed: int, batches: int = 4) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    c = rng.integers(0, 50, size=(batches, L, E)) * (rng.random((1, 1, E)) < 0.8) + rng.integers(0, 3, (batches, L, E))
+    c[:, list(DENSE)] = 0
+    return c.astype(np.int64)
+
+
+def run_cli(argv: Sequence[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exc:
+        rc = 0 if exc.code is None else int(exc.code)
+    got = capsys.readouterr()
+    return rc, got.out, got.err
+
+
+def user_error(argv: Sequence[Any], capsys: pytest.CaptureFixture[str], fragment: str) -> None:
+    rc, out, err = run_cli(argv, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("moebalance: error:"), err
+    assert "Traceback" not in err and not out
+    assert fragment in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------------------------------------------- SGLang
+
+def write_stat_dump(path: Path, counts: np.ndarray, ring: int = 0) -> None:
+    """As SGLang's rank 0 writes a stat dump: the ring buffer (``ring`` passes that never ran are zero rows, the
+    order rotated), int32, summed over ranks."""
+    rows = np.concatenate([np.zeros((ring, *counts.shape[1:]), np.int64), counts])
+    rows = np.roll(rows, 2, axis=0)
+    torch.save({"rank": 0, "logical_count": torch.from_numpy(rows.astype(np.int32)),
+                "average_utilization_rate_over_window": None}, path)
+
+
+def test_sglang_stat_dump_pt(tmp_path: Path) -> None:
+    counts = _counts(0)
+    path = tmp_path / "expert_distribution_recorder_1719999999.123.pt"
+    write_stat_dump(path, counts, ring=3)
+    load = read_any_load(path)
+    # the passes that never ran are dropped; the order is the ring's (rotated); dense layers stay zero rows
+    assert load.counts.shape == (4, L, E) and load.counts.dtype == np.int64
+    assert sorted(map(tuple, load.counts.reshape(4, -1))) == sorted(map(tuple, counts.reshape(4, -1)))
+    assert (load.counts[:, list(DENSE)] == 0).all()
+    assert np.array_equal(load.counts.sum(axis=0), counts.sum(axis=0))
+
+
+def test_sglang_logical_count_json_and_2d(tmp_path: Path) -> None:
+    counts = _counts(1)
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({"logical_count": counts.sum(axis=0).tolist()}))  # [L, E], as the published files
+    load = read_any_load(path)
+    assert load.counts.shape == (1, L, E) and np.array_equal(load.counts[0], counts.sum(axis=0))
+
+
+@pytest.mark.parametrize("name", ["prefill_in1024.json", "decode_in1000out1000.json"])
+def test_sglang_published_files_load_as_they_are(name: str) -> None:
+    load = read_any_load(DATA / name)
+    assert load.counts.shape == (1, 61, 256)
+    per_layer = load.counts[0].sum(axis=1)
+    assert (per_layer[:3] == 0).all()  # DeepSeek-V3's dense layers 0-2
+    assert len(set(per_layer[3:].tolist())) == 1 and per_layer[3] % 8 == 0  # top-8: every MoE layer sums to 8 x tokens
+
+
+def test_sglang_placement_round_trip_scores_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Plan on the published prefill statistics, export for SGLang, read the file back as a plan: identical
+    placement and identical score on the decode statistics."""
+    plan_path, out = tmp_path / "ep.json", tmp_path / "init.json"
+    rc, _, err = run_cli(["plan", "--load", DATA / "prefill_in1024.json", "--policy", "eplb", "--nodes", 2,
+                          "--gpus-per-node", 8, "--slots-per-gpu", 18, "--out", plan_path], capsys)
+    assert rc == 0, err
+    rc, text, err = run_cli(["export", "--plan", plan_path, "--format", "sglang", "--out", out], capsys)
+    assert rc == 0, err
+    assert "--ep-size 16 --ep-num-redundant-experts 32" in text
+    doc = json.loads(out.read_text())
+    assert list(doc) == ["physical_to_logical_map"]  # SGLang passes the dict as keyword arguments: that key only
+    m = np.asarray(doc["physical_to_logical_map"])
+    assert m.shape == (61, 288)  # every decoder layer, P = 256 + 32
+    plan = read_plan(plan_path)
+    cluster = Cluster(num_nodes=2, gpus_per_node=8)
+    back = read_any_plan(out, cluster)
+    assert back.gpu_experts == plan.gpu_experts
+    for g in range(16):  # rank r owns the contiguous slots r * 18 .. r * 18 + 17
+        assert list(m[5, g * 18:(g + 1) * 18]) == list(plan.gpu_experts[5][g])
+    decode = read_any_load(DATA / "decode_in1000out1000.json")
+    assert evaluate(back, decode).as_dict() == evaluate(plan, decode).as_dict()
+    rc, text, err = run_cli(["evaluate", "--plan", out, "--nodes", 2, "--gpus-per-node", 8, "--load",
+                             DATA / "decode_in1000out1000.json", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(text)["balancedness"] == round(evaluate(plan, decode).balancedness, 6)
+    # a .pt placement, as torch.save writes one, reads the same
+    torch.save({"physical_to_logical_map": torch.from_numpy(m)}, tmp_path / "init.pt")
+    assert read_any_plan(tmp_path / "init.pt", cluster).gpu_experts == plan.gpu_experts
+
+
+class Evil:
+    """Anything torch.load(weights_only=True) refuses: code, not data."""
+
+
+def test_sglang_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.save({"logical_count": torch.zeros(2, 3, dtype=torch.int32), "obj": Evil()}, tmp_path / "pickle.pt")
+    torch.save({"counts": torch.zeros(1, 3, 4, dtype=torch.int32)}, tmp_path / "key.pt")
+    torch.save({"logical_count": torch.zeros(7, dtype=torch.int32)}, tmp_path / "shape.pt")
+    torch.save({"logical_count": torch.tensor([[[1, -2]]], dtype=torch.int32)}, tmp_path / "neg.pt")
+    (tmp_path / "trunc.pt").write_bytes(b"PK\x03\x04 not really")
+    (tmp_path / "ragged.json").write_text(json.dumps({"logical_count": [[1, 2], [3]]}))
+    (tmp_path / "place.json").write_text(json.dumps({"physical_to_logical_map": [[0, 1]]}))
+    for name, fragment in (("pickle.pt", "never unpickles"), ("key.pt", "has no 'logical_count'"),
+                           ("shape.pt", "logical_count has shape (7,)"), ("neg.pt", "logical_count"),
+                           ("trunc.pt", "cannot read"), ("ragged.json", "not a rectangular array"),
+                           ("place.json", "is an SGLang placement")):
+        user_error(["stats", "--load", tmp_path / name], capsys, fragment)
+    counts = tmp_path / "c.npy"
+    np.save(counts, _counts(2))
+    (tmp_path / "p.json").write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 3, 4, 5, 6]] * L}))
+    user_error(["evaluate", "--plan", tmp_path / "p.json", "--load", counts], capsys, "give --nodes and --gpus-per-node")
+    user_error(["evaluate", "--plan", tmp_path / "p.json", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+               capsys, "7 physical slots do not split evenly over 2 GPUs")
+
+
+# ---------------------------------------------------------------------------------------------------- TensorRT-LLM
+
+def write_statistics(folder: Path, per_rank: list[np.ndarray], iters: range, layers: Sequence[int], k: int = 2) -> None:
+    """As TensorRT-LLM writes expert statistics: rank 0's meta_info.json, every rank's counts per
+    ``"{iter}_{layer}"`` (int64 ``[E]``), MoE layers only."""
+    folder.mkdir()
+    (folder / "meta_info.json").write_text(json.dumps({"num_experts": E, "num_experts_per_token": k}))
+    for r, counts in enumerate(per_rank):  # counts [I, L, E]
+        save_file({f"{it}_{layer}": counts[i, layer].astype(np.int64) for i, it in enumerate(iters) for layer in layers},
+                  str(folder / f"rank{r}.safetensors"))
+
+
+def test_trtllm_statistics(tmp_path: Path) -> None:
+    a, b = _counts(3, 3), _counts(4, 3)
+    folder = tmp_path / "expert_statistic"
+    write_statistics(folder, [a, b], range(100, 103), [2, 3, 4])
+    load = read_any_load(folder)
+    assert load.counts.shape == (3, L, E)
+    assert np.array_equal(load.counts, a + b)  # the ranks summed; layers 0-1 (no keys: dense) zero rows
+
+
+def test_trtllm_bad_statistics(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = _counts(5, 2)
+    write_statistics(tmp_path / "disagree", [a, a], range(2), [2, 3, 4])
+    save_file({"0_2": a[0, 2]}, str(tmp_path / "disagree" / "rank1.safetensors"))
+    user_error(["stats", "--load", tmp_path / "disagree"], capsys, "the ranks disagree")
+    write_statistics(tmp_path / "key", [a], range(2), [2])
+    save_file({"iteration0": a[0, 2]}, str(tmp_path / "key" / "rank0.safetensors"))
+    user_error(["stats", "--load", tmp_path / "key"], capsys, "has key 'iteration0'")
+    write_statistics(tmp_path / "shape", [a], range(2), [2])
+    save_file({"0_2": np.zeros(3, np.int64)}, str(tmp_path / "shape" / "rank0.safetensors"))
+    user_error(["stats", "--load", tmp_path / "shape"], capsys, "has shape (3,)")
+    (tmp_path / "meta").mkdir()
+    (tmp_path / "meta" / "meta_info.json").write_text("{}")
+    user_error(["stats", "--load", tmp_path / "meta"], capsys, "num_experts")
+    (tmp_path / "empty").mkdir()
+    user_error(["stats", "--load", tmp_path / "empty"], capsys, "folder without meta_info.json")
+
+
+def test_trtllm_yaml_export_parses_and_reads_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    counts = tmp_path / "c.npy"
+    np.save(counts, _counts(6))
+    plan_path, out = tmp_path / "plan.json", tmp_path / "lb.yaml"
+    rc, _, err = run_cli(["plan", "--load", counts, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 4,
+                          "--slots-per-gpu", 3, "--set", "num_groups=1", "--out", plan_path], capsys)
+    assert rc == 0, err
+    plan = read_plan(plan_path)
+    assert plan.params["dense_layers"] == list(DENSE)
+    rc, _, err = run_cli(["export", "--plan", plan_path, "--format", "trtllm", "--out", out,
+                          "--layer-updates-per-iter", 0], capsys)
+    assert rc == 0, err
+    doc = yaml.safe_load(out.read_text())
+    assert set(doc) == {"num_slots", "initial_global_assignments", "layer_updates_per_iter"}
+    assert doc["num_slots"] == 12 and doc["layer_updates_per_iter"] == 0
+    assign = doc["initial_global_assignments"]
+    assert sorted(assign) == [2, 3, 4]  # decoder-layer ids of the MoE layers; dense layers left out
+    for layer, ids in assign.items():
+        assert len(ids) == 12 and set(ids) == set(range(E))  # every expert at least once
+        assert ids == [e for g in range(4) for e in plan.gpu_experts[layer][g]]  # rank r: the r-th block of 3
+    back = read_any_plan(out, plan.cluster, load=LoadMatrix(np.load(counts)))
+    assert [back.gpu_experts[layer] for layer in (2, 3, 4)] == [plan.gpu_experts[layer] for layer in (2, 3, 4)]
+    assert evaluate(back, LoadMatrix(np.load(counts))).balancedness == evaluate(plan, LoadMatrix(np.load(counts))).balancedness
+
+
+def test_trtllm_bad_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    counts = tmp_path / "c.npy"
+    np.save(counts, _counts(7))
+    cases = {"unknown.yaml": ({"num_slots": 8, "initial_global_assignments": {2: list(range(8))}, "extra": 1},
+                              "unknown keys ['extra']"),
+             "length.yaml": ({"num_slots": 8, "initial_global_assignments": {2: [0, 1]}}, "must list 8"),
+             "missing.yaml": ({"num_slots": 8, "initial_global_assignments": {2: [0] * 8}},
+                              "does not hold every expert"),
+             "layer.yaml": ({"num_slots": 8, "initial_global_assignments": {9: list(range(8))}}, "places layer 9")}
+    for name, (doc, fragment) in cases.items():
+        (tmp_path / name).write_text(yaml.safe_dump(doc))
+        user_error(["evaluate", "--plan", tmp_path / name, "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+                   capsys, fragment)
+    (tmp_path / "broken.yaml").write_text("num_slots: [1\n")
+    user_error(["evaluate", "--plan", tmp_path / "broken.yaml", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+               capsys, "cannot read")
+
+
+# ------------------------------------------------------------------------------------- vLLM, slots and padding
+
+def test_vllm_map_lists_moe_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    counts = tmp_path / "c.npy"
+    np.save(counts, _counts(8))
+    plan_path, out = tmp_path / "plan.json", tmp_path / "map.json"
+    assert run_cli(["plan", "--load", counts, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2, "--slots-per-gpu",
+                    5, "--set", "num_groups=1", "--out", plan_path], capsys)[0] == 0
+    rc, text, err = run_cli(["export", "--plan", plan_path, "--format", "vllm", "--out", out, "--json"], capsys)
+    assert rc == 0, err
+    rows = json.loads(out.read_text())
+    plan = read_plan(plan_path)
+    assert rows == [slot_table(plan).phy2log[layer].tolist() for layer in (2, 3, 4)]
+    assert json.loads(text)["num_redundant_experts"] == 2 and json.loads(text)["moe_layers"] == [2, 3, 4]
+    rc, _, err = run_cli(["export", "--plan", plan_path, "--format", "vllm", "--out", out, "--dense-layers", "0"],
+                         capsys)
+    assert rc == 0 and len(json.loads(out.read_text())) == 4
+
+
+def test_unequal_slots_are_refused_or_padded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    counts = _counts(9)
+    load = LoadMatrix(counts)
+    cluster = Cluster(num_nodes=1, gpus_per_node=4)
+    plan, _ = make_plan("craft", load, cluster, Budget(replicas_per_gpu=2))
+    assert len({len(x) for row in plan.gpu_experts for x in row}) > 1  # CRAFT: per-layer counts differ
+    with pytest.raises(PlanError, match="give --pad"):
+        slot_table(plan)
+    padding = pad_plan(plan, counts)
+    padded = padding.plan
+    S = plan.max_slots_per_gpu
+    assert {len(x) for row in padded.gpu_experts for x in row} == {S}
+    added = 0
+    for old_row, new_row in zip(plan.gpu_experts, padded.gpu_experts, strict=True):
+        for old, new in zip(old_row, new_row, strict=True):
+            assert new[:len(old)] == old and len(set(new)) == len(new)  # the plan's lists, then new experts
+            added += len(new) - len(old)
+    assert padding.slots == added > 0 and "padding added" in padding.describe(plan)
+    # forced copies can cost balance in a layer where the plan chose none, but chosen copies beat filling each GPU
+    # with its lowest missing expert ids, on the load the padding plans on (measured: 5 of 5 seeds)
+    summed = LoadMatrix(counts.sum(axis=0, keepdims=True))
+    naive = Placement([[list(x) + [e for e in range(E) if e not in x][:S - len(x)] for x in row]
+                       for row in plan.gpu_experts], E, cluster)
+    assert evaluate(padded, summed).balancedness > evaluate(naive, summed).balancedness
+    plan_path, npy = tmp_path / "craft.json", tmp_path / "c.npy"
+    write_plan(plan_path, plan)
+    np.save(npy, counts)
+    user_error(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "x.json"], capsys,
+               "give --pad")
+    assert not (tmp_path / "x.json").exists()
+    user_error(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "x.json", "--pad"], capsys,
+               "--pad needs --load")
+    rc, _, err = run_cli(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "x.json", "--pad",
+                          "--load", npy], capsys)
+    assert rc == 0 and "padding added" in err
+    assert np.asarray(json.loads((tmp_path / "x.json").read_text())["physical_to_logical_map"]).shape == (L, 4 * S)
+
+
+def test_stats_and_import_mark_dense_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "dump.pt"
+    write_stat_dump(path, _counts(10))
+    rc, text, err = run_cli(["stats", "--load", path, "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(text)["dense_layers"] == list(DENSE)
+    rc, text, err = run_cli(["stats", "--load", path], capsys)
+    assert rc == 0 and text.count("dense (no load)") == 2
+    rc, text, err = run_cli(["import", "--load", path, "--out", tmp_path / "t.npz"], capsys)
+    assert rc == 0 and "dense layers (no load, kept as zero rows): 0, 1" in text
+    assert np.array_equal(np.load(tmp_path / "t.npz")["counts"], read_stat(path).counts)
+    with pytest.raises(InputError, match="unknown load format"):
+        read_any_load(path, "nope")
+    assert read_statistics  # imported for the module's public API
