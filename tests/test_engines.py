@@ -310,3 +310,24 @@ def test_stats_and_import_mark_dense_layers(tmp_path: Path, capsys: pytest.Captu
     with pytest.raises(InputError, match="unknown load format"):
         read_any_load(path, "nope")
     assert read_statistics  # imported for the module's public API
+
+
+def test_compare_scores_an_engine_placement_as_a_baseline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    counts = tmp_path / "c.npy"
+    np.save(counts, _counts(11, batches=6))
+    plan_path = tmp_path / "plan.json"
+    assert run_cli(["plan", "--load", counts, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 4, "--slots-per-gpu",
+                    3, "--set", "num_groups=1", "--batches", "0:3", "--out", plan_path], capsys)[0] == 0
+    assert run_cli(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "init.json"], capsys)[0] == 0
+    assert run_cli(["export", "--plan", plan_path, "--format", "trtllm", "--out", tmp_path / "lb.yaml"], capsys)[0] == 0
+    rc, text, err = run_cli(["compare", "--load", counts, "--policies", "greedy", "--nodes", 1, "--gpus-per-node", 4,
+                             "--slots-per-gpu", 3, "--baseline", tmp_path / "init.json", "--baseline",
+                             tmp_path / "lb.yaml", "--json"], capsys)
+    assert rc == 0, err
+    rows = {r["policy"]: r for r in json.loads(text)["rows"]}
+    held_out = LoadMatrix(np.load(counts)[3:])  # compare scores the second half
+    want = round(evaluate(read_plan(plan_path), held_out).balancedness, 6)
+    assert rows["baseline init.json"]["balancedness"] == rows["baseline lb.yaml"]["balancedness"] == want
+    assert rows["baseline init.json"]["plan_seconds"] == 0
+    user_error(["compare", "--load", counts, "--policies", "greedy", "--nodes", 1, "--gpus-per-node", 5,
+                "--slots-per-gpu", 5, "--baseline", tmp_path / "init.json"], capsys, "12 physical slots do not split evenly")

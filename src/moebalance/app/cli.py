@@ -232,6 +232,19 @@ def cmd_compare(args: argparse.Namespace) -> None:
     several = len(routers) > 1
     scenarios = [Scenario(p, budget, per_policy[p], r, label=f"{p} + {r.label}" if several else None,
                           plan_name=p) for p in policies for r in routers]
+    for path in args.baseline or ():  # what an engine runs today, scored on the same held-out batches
+        from moebalance.engines import read_any_plan
+
+        fixed = read_any_plan(path, _cluster(args), args.baseline_format, load)
+        if (fixed.num_layers, fixed.num_experts) != (load.num_layers, load.num_experts):
+            raise InputError(f"--baseline {path!r} has {fixed.num_layers} layers x {fixed.num_experts} experts but the "
+                             f"load {load.num_layers} x {load.num_experts}; give the placement of this model")
+        if fixed.num_gpus != _cluster(args).num_gpus:
+            raise InputError(f"--baseline {path!r} is for {fixed.num_gpus} GPUs but the comparison has "
+                             f"{_cluster(args).num_gpus} (--nodes x --gpus-per-node)")
+        name = f"baseline {Path(path).name}"
+        scenarios += [Scenario(fixed.policy, budget, {}, r, label=f"{name} + {r.label}" if several else name,
+                               plan_name=f"baseline-{Path(path).stem}", fixed=fixed) for r in routers]
     rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed)
     title = _title(load, Path(args.load).name, _cluster(args), budget, args.train_frac,
                    "per row" if several else routers[0].label)
@@ -467,6 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write comparison.md, comparison.json, a PNG and the plans here")
+    p.add_argument("--baseline", action="append", metavar="FILE",
+                   help="also score this placement as it is (a moebalance plan, SGLang's --init-expert-location "
+                        "file, TensorRT-LLM's load-balancer YAML; repeatable): what the engine runs today")
+    p.add_argument("--baseline-format", choices=("moebalance", "sglang", "trtllm"), help="default: detected")
     _add_format(p)
     p.set_defaults(func=cmd_compare)
 

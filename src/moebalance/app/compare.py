@@ -40,6 +40,8 @@ class Scenario:
     label: str | None = None
     plan_name: str | None = None
     shown: bool = True
+    #: A plan made elsewhere (``compare --baseline``: what an engine runs today), scored as it is: no planning.
+    fixed: Placement | None = None
 
     @property
     def name(self) -> str:
@@ -71,10 +73,13 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
     plans: dict[str, Placement] = {}
     made: dict[str, tuple[Placement, float]] = {}
     for sc in scenarios:
-        key = repr((sc.policy, sorted(sc.params.items()), sc.budget))
-        if key not in made:
-            made[key] = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
-        plan, seconds = made[key]
+        if sc.fixed is not None:
+            plan, seconds = sc.fixed, 0.0
+        else:
+            key = repr((sc.policy, sorted(sc.params.items()), sc.budget))
+            if key not in made:
+                made[key] = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
+            plan, seconds = made[key]
         score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True)
         rows[sc.name] = ComparisonRow(sc.name, score, seconds, plan.warnings)
         if sc.shown:
