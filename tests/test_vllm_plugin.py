@@ -1,0 +1,193 @@
+"""The vLLM plug-in: moebalance behind vLLM's EPLB policy interface.
+
+vLLM cannot be installed here (its wheels pin another torch and need CUDA packages), so its interface is pinned
+from the source read (vllm-project/vllm ``vllm/distributed/eplb/policy/abstract.py``, ``default.py``,
+``__init__.py``; ``vllm/plugins/__init__.py``): the classmethod ``rebalance_experts(weight [L, E], num_replicas,
+num_groups, num_nodes, num_ranks, old_global_expert_indices=None) -> phy2log [L, P]`` of newer releases, the
+five-argument form returning ``(phy2log, log2phy, logcnt)`` of older ones, the ``EPLB_POLICIES`` registry whose
+``"default"`` entry vLLM's EPLB uses, and the ``vllm.general_plugins`` entry-point group. The registry tests
+build a module of that shape under ``vllm.distributed.eplb.policy``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from collections.abc import Iterator
+from importlib.metadata import entry_points
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from moebalance.core.errors import InputError
+from moebalance.engines import vllm_plugin
+from moebalance.engines.vllm_plugin import balancedness, make_policy, move_aware
+from moebalance.eplb import rebalance_experts
+
+L, E, P, R = 3, 16, 24, 4  # 3 MoE layers of 16 experts, 24 slots on 4 ranks
+
+
+def _weight(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(L, E, generator=g) ** 4 * 1000).round()
+
+
+def _moves(old: np.ndarray, new: np.ndarray) -> int:
+    """Copies a rank must load: experts in a rank's new block that its old block lacks (multisets)."""
+    S = P // R
+    total = 0
+    for a, b in zip(old.reshape(-1, S), new.reshape(-1, S), strict=True):
+        have = list(a)
+        for e in b:
+            if e in have:
+                have.remove(e)
+            else:
+                total += 1
+    return total
+
+
+def test_signature_is_vllms() -> None:
+    cls = make_policy("eplb")
+    params = list(inspect.signature(cls.rebalance_experts).parameters)
+    assert params == ["weight", "num_replicas", "num_groups", "num_nodes", "num_ranks", "old_global_expert_indices"]
+    assert inspect.signature(cls.rebalance_experts).parameters["old_global_expert_indices"].default is None
+
+
+def test_eplb_variant_is_the_reference() -> None:
+    w = _weight(0)
+    got = make_policy("eplb").rebalance_experts(w, P, 4, 1, R)
+    assert got.dtype == torch.int64 and got.shape == (L, P)
+    assert torch.equal(got, rebalance_experts(w, P, 4, 1, R)[0])
+
+
+def test_no_duplicates_variant() -> None:
+    w = _weight(1)
+    plain = make_policy("eplb").rebalance_experts(w, P, 1, 1, R).numpy()
+    fixed = make_policy("eplb-no-duplicates").rebalance_experts(w, P, 1, 1, R).numpy()
+    S = P // R
+
+    def dups(m: np.ndarray) -> int:
+        return sum(len(b) - len(set(b)) for b in m.reshape(-1, S).tolist())
+
+    assert dups(fixed) < dups(plain) or dups(plain) == 0
+    assert dups(fixed) == 0
+    for layer in range(L):  # the same copies of every expert, moved between GPUs only
+        assert np.array_equal(np.bincount(fixed[layer], minlength=E), np.bincount(plain[layer], minlength=E))
+
+
+def test_move_aware_keeps_a_good_placement_and_moves_little_otherwise() -> None:
+    w = _weight(2)
+    policy = make_policy("move-aware")
+    fresh = policy.rebalance_experts(w, P, 1, 1, R)
+    # the current placement is the fresh plan with ranks relabelled: as balanced, so nothing moves
+    relabelled = fresh.reshape(L, R, -1)[:, [2, 0, 3, 1]].reshape(L, P)
+    assert torch.equal(policy.rebalance_experts(w, P, 1, 1, R, relabelled), relabelled)
+    # a poor placement (experts in id order, redundant slots on the hottest experts of layer 0 only) is replaced
+    old = np.tile(np.concatenate([np.arange(E), np.arange(P - E)]), (L, 1))
+    assert (balancedness(old, w.double().numpy(), R) < 0.9 * balancedness(fresh.numpy(), w.double().numpy(), R)).all()
+    got = policy.rebalance_experts(w, P, 1, 1, R, torch.from_numpy(old)).numpy()
+    wn = w.double().numpy()
+    np.testing.assert_allclose(balancedness(got, wn, R), balancedness(fresh.numpy(), wn, R))  # as balanced as fresh
+    assert _moves(old, got) <= _moves(old, fresh.numpy())  # and no more moves than taking the fresh plan as it is
+    for layer in range(L):  # an expert that stays on its rank stays in its slot
+        for r in range(R):
+            o, n = old[layer, r * 6:(r + 1) * 6], got[layer, r * 6:(r + 1) * 6]
+            for i in range(6):
+                if o[i] in n:
+                    assert n[i] == o[i] or list(n).count(o[i]) < list(o).count(o[i])
+
+
+def test_move_aware_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = _weight(3)
+    wn = w.double().numpy()
+    fresh = make_policy("eplb").rebalance_experts(w, P, 1, 1, R).numpy()
+    old = np.tile(np.concatenate([np.arange(E), np.arange(P - E)]), (L, 1))
+    ratio = float((balancedness(old, wn, R) / balancedness(fresh, wn, R)).max())
+    monkeypatch.setenv(vllm_plugin.TOLERANCE_ENV, str(1.0 - ratio + 1e-6))  # loose enough for the best layer
+    got = make_policy("move-aware").rebalance_experts(w, P, 1, 1, R, torch.from_numpy(old)).numpy()
+    best = int(np.argmax(balancedness(old, wn, R) / balancedness(fresh, wn, R)))
+    assert np.array_equal(got[best], old[best])
+    monkeypatch.setenv(vllm_plugin.TOLERANCE_ENV, "2")
+    with pytest.raises(InputError, match="must be in"):
+        make_policy("move-aware")
+    with pytest.raises(InputError, match=r"old_global_expert_indices has shape"):
+        move_aware(old[:, :P - 4], fresh, wn, R, 0.02)
+
+
+def test_unknown_variant() -> None:
+    with pytest.raises(InputError, match="MOEBALANCE_VLLM_EPLB='nope' is not a moebalance EPLB variant"):
+        make_policy("nope")
+
+
+def test_entry_point_is_declared() -> None:
+    found = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "moebalance_eplb"]
+    assert len(found) == 1 and found[0].value == "moebalance.engines.vllm_plugin:register"
+    assert found[0].load() is vllm_plugin.register
+
+
+@pytest.fixture
+def vllm_registry() -> Iterator[dict[str, Any]]:
+    """A module shaped as vLLM's ``vllm.distributed.eplb.policy`` (the registry and the abstract class)."""
+    saved = {k: v for k, v in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
+    mod = types.ModuleType("vllm.distributed.eplb.policy")
+
+    class AbstractEplbPolicy:
+        pass
+
+    class DefaultEplbPolicy(AbstractEplbPolicy):
+        @classmethod
+        def rebalance_experts(cls, weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int,
+                              old_global_expert_indices: Any = None) -> Any:
+            raise NotImplementedError
+
+    mod.AbstractEplbPolicy = AbstractEplbPolicy  # type: ignore[attr-defined]
+    mod.EPLB_POLICIES = {"default": DefaultEplbPolicy}  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.eplb"):
+        sys.modules[name] = types.ModuleType(name)
+    sys.modules["vllm.distributed.eplb"].policy = mod  # type: ignore[attr-defined]
+    sys.modules["vllm.distributed.eplb.policy"] = mod
+    yield mod.EPLB_POLICIES  # type: ignore[attr-defined]
+    for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+
+
+def test_register_does_nothing_unless_asked(vllm_registry: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    before = vllm_registry["default"]
+    vllm_plugin.register()
+    assert vllm_registry["default"] is before
+
+
+def test_register_replaces_the_default_policy(vllm_registry: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(vllm_plugin.ENV, "eplb")
+    vllm_plugin.register()
+    cls = vllm_registry["default"]
+    assert cls.variant == "eplb" and issubclass(cls, sys.modules["vllm.distributed.eplb.policy"].AbstractEplbPolicy)
+    w = _weight(4)
+    assert torch.equal(cls.rebalance_experts(w, P, 1, 1, R), rebalance_experts(w, P, 1, 1, R)[0])
+
+
+def test_register_on_an_older_vllm_returns_the_three_maps(vllm_registry: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    class Old:
+        @classmethod
+        def rebalance_experts(cls, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
+                              num_ranks: int) -> Any:
+            raise NotImplementedError
+
+    vllm_registry["default"] = Old
+    monkeypatch.setenv(vllm_plugin.ENV, "eplb")
+    vllm_plugin.register()
+    w = _weight(5)
+    got = vllm_registry["default"].rebalance_experts(w, P, 1, 1, R)
+    want = rebalance_experts(w, P, 1, 1, R)
+    assert len(got) == 3
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    for layer in range(L):  # the same slots per expert (the reference orders a replica's slots by rank)
+        for e in range(E):
+            assert sorted(x for x in got[1][layer, e].tolist() if x >= 0) == \
+                sorted(x for x in want[1][layer, e].tolist() if x >= 0)
