@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ROOT", "fold_ranks", "machine", "median_seconds"]
+__all__ = ["ROOT", "esft_batches", "esft_folder", "esft_sequences", "fold_ranks", "machine", "median_seconds"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,3 +57,32 @@ def fold_ranks(load, num_gpus: int):  # type: ignore[no-untyped-def]
     src = tr.src_gpu * num_gpus // ranks
     folded = RoutingTrace(tr.topk_ids, src, tr.batch, num_experts=tr.num_experts, num_batches=tr.num_batches)
     return LoadMatrix(load.counts, folded, load.preset)
+
+
+def esft_folder(given: Path | None) -> Path | None:
+    """The folder of DeepSeek's ESFT routing (``law_topk.npz``, ``translation_topk.npz``): ``given``, else
+    ``$MOEBALANCE_ESFT_DIR``; ``None`` when the files are not there."""
+    folder = given if given is not None else (Path(os.environ["MOEBALANCE_ESFT_DIR"])
+                                              if os.environ.get("MOEBALANCE_ESFT_DIR") else None)
+    if folder is None or not all((folder / f"{t}_topk.npz").is_file() for t in ("law", "translation")):
+        return None
+    return folder
+
+
+def esft_sequences(path: Path) -> list[np.ndarray]:
+    """One ESFT task's sequences, each ``int64 [T, L, K]``, picks in gate order (restored from the weights)."""
+    import itertools
+
+    with np.load(path, allow_pickle=False) as f:
+        ids, weights, offsets = f["expert_ids"].astype(np.int64), f["gate_weights"], f["seq_offsets"]
+    order = np.argsort(-weights, axis=2, kind="stable")  # picks in gate order: the top-1 first
+    ids = np.take_along_axis(ids, order, axis=2).transpose(1, 0, 2)  # [L, T, K] -> [T, L, K]
+    return [ids[a:b] for a, b in itertools.pairwise(offsets)]
+
+
+def esft_batches(seqs: list[np.ndarray], batch_tokens: int, gpus: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The sequences' tokens concatenated and cut into batches of ``batch_tokens``, each batch's tokens dealt to
+    the ``gpus`` ranks in contiguous blocks: ``[(topk_ids [T, L, K], src_gpu [T])]`` (a partial tail is dropped)."""
+    ids = np.concatenate(seqs)
+    src = np.arange(batch_tokens) * gpus // batch_tokens
+    return [(ids[i * batch_tokens:(i + 1) * batch_tokens], src) for i in range(len(ids) // batch_tokens)]

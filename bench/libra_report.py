@@ -34,14 +34,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from _common import ROOT, machine, median_seconds
+from _common import ROOT, esft_batches, esft_folder, esft_sequences, machine, median_seconds
 
 from moebalance.algorithms.prefetch import prefetch
 from moebalance.core.budget import Budget
@@ -119,27 +118,13 @@ def model_workload() -> dict[str, Any]:
             "domains": DOMAINS}
 
 
-def _esft_sequences(path: Path) -> list[np.ndarray]:
-    with np.load(path, allow_pickle=False) as f:
-        ids, weights, offsets = f["expert_ids"].astype(np.int64), f["gate_weights"], f["seq_offsets"]
-    order = np.argsort(-weights, axis=2, kind="stable")  # picks in gate order: the top-1 first
-    ids = np.take_along_axis(ids, order, axis=2).transpose(1, 0, 2)  # [L, T, K] -> [T, L, K]
-    return [ids[a:b] for a, b in itertools.pairwise(offsets)]
-
-
-def _esft_batches(seqs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
-    ids = np.concatenate(seqs)
-    src = np.arange(ESFT_BATCH) * G // ESFT_BATCH
-    return [(ids[i * ESFT_BATCH:(i + 1) * ESFT_BATCH], src) for i in range(len(ids) // ESFT_BATCH)]
-
-
 def esft_workload(folder: Path) -> dict[str, Any]:
     tasks = ("law", "translation")
     build, evals = {}, {}
     for t in tasks:
-        seqs = _esft_sequences(folder / f"{t}_topk.npz")
+        seqs = esft_sequences(folder / f"{t}_topk.npz")
         k = int(len(seqs) * 0.4)
-        build[t], evals[t] = _esft_batches(seqs[:k]), _esft_batches(seqs[k:])
+        build[t], evals[t] = esft_batches(seqs[:k], ESFT_BATCH, G), esft_batches(seqs[k:], ESFT_BATCH, G)
     parts, labels, _ = _shifting(build, evals, np.random.default_rng(SEED))
     E = 64
     return {"load": _trace(parts, E), "labels": labels, "build": _trace([b for t in tasks for b in build[t]], E),
@@ -285,13 +270,15 @@ def _router_note(lm: dict[str, OnlineResult], es: dict[str, OnlineResult]) -> li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--esft", type=Path, default=os.environ.get("MOEBALANCE_ESFT_DIR") or None,
+    parser.add_argument("--esft", type=Path,
                         help="folder with law_topk.npz and translation_topk.npz (default: $MOEBALANCE_ESFT_DIR)")
     args = parser.parse_args()
-    if args.esft is None or not all((args.esft / f"{t}_topk.npz").is_file() for t in ("law", "translation")):
-        print(f"libra_report: skipped, no ESFT routing ({args.esft or 'give --esft DIR or MOEBALANCE_ESFT_DIR'}); "
+    folder = esft_folder(args.esft)
+    if folder is None:
+        print("libra_report: skipped, no ESFT routing (give --esft DIR or MOEBALANCE_ESFT_DIR); "
               "docs/results/libra.md left as it is")
         return
+    args.esft = folder
     t0 = time.perf_counter()
     res = ROOT / "docs" / "results"
     record = json.loads(bundled_checkpoint(CHECKPOINT).with_suffix(".json").read_text())
