@@ -331,3 +331,47 @@ def test_compare_scores_an_engine_placement_as_a_baseline(tmp_path: Path, capsys
     assert rows["baseline init.json"]["plan_seconds"] == 0
     user_error(["compare", "--load", counts, "--policies", "greedy", "--nodes", 1, "--gpus-per-node", 5,
                 "--slots-per-gpu", 5, "--baseline", tmp_path / "init.json"], capsys, "12 physical slots do not split evenly")
+
+
+def write_pass_dumps(folder: Path, per_rank: list[dict[int, np.ndarray]], phy2log: np.ndarray,
+                     per_token: bool = False) -> None:
+    """As SGLang's per_pass / per_token recorder writes them: one file per rank, a record per forward pass with
+    this rank's physical-slot counts ``int32 [L, P]`` (per_token adds physical top-k ids padded to 8 with -1)."""
+    folder.mkdir()
+    for rank, passes in enumerate(per_rank):
+        records = []
+        for fid, phys in passes.items():
+            rec: dict[str, Any] = {"forward_pass_id": fid, "rank": rank, "gatherer_key": "primary",
+                                   "global_physical_count": torch.from_numpy(phys.astype(np.int32))}
+            if per_token:
+                rec.update(input_ids=[1, 2, 3], positions=[0, 1, 2], extend_seq_lens=[3], forward_mode=1,
+                           topk_ids_of_layer=torch.full((phys.shape[0], 3, 8), -1, dtype=torch.int32), misc_objects=[])
+            records.append(rec)
+        torch.save({"records": records, "last_physical_to_logical_map": torch.from_numpy(phy2log)},
+                   folder / f"expert_distribution_recorder_1719999999.123_{rank}.pt")
+
+
+def test_sglang_per_pass_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    P = E + 2  # slots 8 and 9 are second copies of experts 3 and 5
+    phy2log = np.tile(np.concatenate([np.arange(E), [3, 5]]), (L, 1)).astype(np.int64)
+    rng = np.random.default_rng(12)
+    per_rank = [{fid: rng.integers(0, 20, size=(L, P)) * (np.arange(L)[:, None] >= 2) for fid in (7, 8, 9)}
+                for _ in range(2)]
+    for per_token in (False, True):
+        folder = tmp_path / f"dumps{int(per_token)}"
+        write_pass_dumps(folder, per_rank, phy2log, per_token)
+        load = read_any_load(folder)
+        assert load.counts.shape == (3, L, E)
+        for b, fid in enumerate((7, 8, 9)):
+            phys = per_rank[0][fid] + per_rank[1][fid]
+            want = phys[:, :E].copy()
+            want[:, 3] += phys[:, 8]
+            want[:, 5] += phys[:, 9]  # each slot's picks counted for its logical expert, the ranks summed
+            assert np.array_equal(load.counts[b], want)
+        assert (load.counts[:, :2] == 0).all()  # dense layers: zero rows
+    other = [per_rank[0], {7: per_rank[1][7]}]
+    write_pass_dumps(tmp_path / "disagree", other, phy2log)
+    user_error(["stats", "--load", tmp_path / "disagree"], capsys, "record different forward passes")
+    (tmp_path / "mixed").mkdir()
+    torch.save({"logical_count": torch.zeros(1, L, E, dtype=torch.int32)}, tmp_path / "mixed" / "x.pt")
+    user_error(["stats", "--load", tmp_path / "mixed"], capsys, "give the file, not the folder")

@@ -1,6 +1,7 @@
 """Read any supported load or placement file: moebalance's own, SGLang's, TensorRT-LLM's.
 
-Detection (``--format`` overrides it): a folder with ``meta_info.json`` is TensorRT-LLM statistics; ``.pt`` and
+Detection (``--format`` overrides it): a folder with ``meta_info.json`` is TensorRT-LLM statistics, a folder of
+``.pt`` files SGLang's per-rank per_pass/per_token dumps; ``.pt`` and
 ``.json`` files are SGLang's (``logical_count``: a load; ``physical_to_logical_map``: a placement; a moebalance
 plan JSON has ``"format": "moebalance.plan"``); ``.yaml``/``.yml`` is TensorRT-LLM's load-balancer config;
 ``.npy``, ``.npz`` and ``bundled:NAME`` are moebalance loads.
@@ -34,8 +35,10 @@ def detect_load(path: str | os.PathLike[str]) -> str:
     if p.is_dir():
         if (p / "meta_info.json").is_file():
             return "trtllm"
-        raise InputError(f"{text!r} is a folder without meta_info.json; give a load file, or a TensorRT-LLM "
-                         "statistics folder (EXPERT_STATISTIC_PATH)")
+        if any(p.glob("*.pt")):
+            return "sglang"
+        raise InputError(f"{text!r} is a folder without meta_info.json or .pt files; give a load file, a TensorRT-LLM "
+                         "statistics folder (EXPERT_STATISTIC_PATH) or a folder of SGLang per-rank dumps")
     if p.suffix in (".pt", ".json"):
         return "sglang"
     return "moebalance"
@@ -49,9 +52,9 @@ def read_any_load(path: str | os.PathLike[str], fmt: str | None = None) -> LoadM
     if not str(path).startswith(BUNDLED_PREFIX) and not Path(path).exists():
         raise InputError(f"load file {str(path)!r} does not exist")
     if kind == "sglang":
-        from moebalance.engines.sglang import read_stat
+        from moebalance.engines.sglang import read_dumps, read_stat
 
-        return read_stat(path)
+        return read_dumps(path) if Path(path).is_dir() else read_stat(path)
     if kind == "trtllm":
         from moebalance.engines.trtllm import read_statistics
 

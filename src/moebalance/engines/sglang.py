@@ -18,7 +18,16 @@ docs/formats.md has the field-by-field account):
   ``P % ep_size == 0`` and rank ``r`` owns the contiguous slots ``r * P / ep_size .. (r + 1) * P / ep_size - 1``.
   The team's published DeepSeek-V3 statistics are such ``logical_count`` JSON files.
 
+- **per-pass and per-token dumps** (``per_pass`` / ``per_token`` modes): every rank ``r`` writes
+  ``expert_distribution_recorder_{time}_{r}.pt``, ``{"records": [one dict per forward pass: "forward_pass_id",
+  "rank", "gatherer_key", "global_physical_count" int32 [L, P] (this rank's picks per physical slot), and in
+  per_token mode also "topk_ids_of_layer" int32 [L, tokens, 8] (physical ids, -1 padded), "input_ids",
+  "positions", ...], "last_physical_to_logical_map": int64 [L, P]}``.
+
 Reading a stat dump keeps the dense layers as zero rows (the model's numbering) and drops the all-zero passes.
+A folder of per-pass or per-token dumps is read as counts: each pass's physical counts mapped to logical experts
+with the dump's map (the map at dump time: a rebalance while recording would mix maps) and summed over ranks, one
+batch per forward pass. (The per-token ids are not yet read as a token-level trace.)
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from moebalance.core.load import LoadMatrix, check_counts
 from moebalance.core.plan import Placement
 from moebalance.engines.slots import slot_table
 
-__all__ = ["plan_from_map", "read_placement", "read_stat", "read_torch", "write_placement"]
+__all__ = ["plan_from_map", "read_dumps", "read_placement", "read_stat", "read_torch", "write_placement"]
 
 
 def read_torch(path: Path) -> Any:
@@ -105,6 +114,58 @@ def read_stat(path: str | os.PathLike[str]) -> LoadMatrix:
         counts = counts[ran]  # ring-buffer rows of passes that never ran
     else:
         counts = counts[:1]
+    return LoadMatrix(counts)
+
+
+def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
+    """A folder of per-rank ``per_pass``/``per_token`` dumps as a load ``[passes, L, E]`` (module docstring)."""
+    d = Path(folder)
+    files = sorted(d.glob("*.pt"))
+    if not files:
+        raise InputError(f"{str(d)!r} has no .pt files; SGLang's per_pass/per_token dumps are one "
+                         "expert_distribution_recorder_*_{rank}.pt per rank")
+    maps: list[np.ndarray] = []
+    passes: list[dict[int, np.ndarray]] = []
+    for f in files:
+        doc = read_torch(f)
+        if not isinstance(doc, dict) or "records" not in doc or "last_physical_to_logical_map" not in doc:
+            keys = sorted(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__
+            raise InputError(f"{str(f)!r} has {keys}; a per_pass/per_token dump holds 'records' and "
+                             "'last_physical_to_logical_map' (a stat dump is one file: give the file, not the folder)")
+        m = _array(doc["last_physical_to_logical_map"], "last_physical_to_logical_map", str(f))
+        if m.ndim != 2 or not np.issubdtype(m.dtype, np.integer) or (m < 0).any():
+            raise InputError(f"{str(f)!r}: last_physical_to_logical_map must be non-negative integer ids [L, P], got "
+                             f"{m.dtype} {m.shape}")
+        maps.append(m.astype(np.int64))
+        got: dict[int, np.ndarray] = {}
+        for rec in doc["records"]:
+            if not isinstance(rec, dict) or "forward_pass_id" not in rec or "global_physical_count" not in rec:
+                raise InputError(f"{str(f)!r}: each record needs 'forward_pass_id' and 'global_physical_count'")
+            c = _array(rec["global_physical_count"], "global_physical_count", str(f))
+            if c.shape != m.shape:
+                raise InputError(f"{str(f)!r}: global_physical_count has shape {c.shape} but the map {m.shape}; "
+                                 "both are [L, P]")
+            got[int(rec["forward_pass_id"])] = check_counts(c[None], "global_physical_count")[0]
+        passes.append(got)
+    for f, m in zip(files[1:], maps[1:], strict=True):
+        if m.shape != maps[0].shape or not np.array_equal(m, maps[0]):
+            raise InputError(f"the ranks disagree: {f.name} and {files[0].name} hold different "
+                             "last_physical_to_logical_map; use the dumps of one run")
+    ids = sorted(passes[0])
+    for f, got in zip(files[1:], passes[1:], strict=True):
+        if sorted(got) != ids:
+            raise InputError(f"the ranks disagree: {f.name} and {files[0].name} record different forward passes; use "
+                             "the dumps of one recording")
+    if not ids:
+        raise InputError(f"{str(d)!r}: the dumps hold no records; record at least one forward pass")
+    m = maps[0]
+    L, P = m.shape
+    E = int(m.max()) + 1
+    counts = np.zeros((len(ids), L, E), dtype=np.int64)
+    rows = np.repeat(np.arange(L), P)
+    for got in passes:
+        for b, fid in enumerate(ids):
+            np.add.at(counts[b], (rows, m.ravel()), got[fid].ravel())
     return LoadMatrix(counts)
 
 
