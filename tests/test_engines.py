@@ -375,3 +375,78 @@ def test_sglang_per_pass_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (tmp_path / "mixed").mkdir()
     torch.save({"logical_count": torch.zeros(1, L, E, dtype=torch.int32)}, tmp_path / "mixed" / "x.pt")
     user_error(["stats", "--load", tmp_path / "mixed"], capsys, "give the file, not the folder")
+
+
+def vllm_response(*requests: np.ndarray) -> dict[str, Any]:
+    """An OpenAI-style response as recent vLLM returns it: each choice's routed_experts a base64-encoded .npy."""
+    import base64
+    import io
+
+    def b64(a: np.ndarray) -> str:
+        buf = io.BytesIO()
+        np.save(buf, a)
+        return base64.b64encode(buf.getvalue()).decode()
+
+    return {"id": "cmpl-1", "object": "text_completion",
+            "choices": [{"index": i, "text": "...", "routed_experts": b64(a)} for i, a in enumerate(requests)]}
+
+
+def _routed(seed: int, tokens: int, dtype: Any = np.uint8) -> np.ndarray:
+    """``[tokens, L, 2]`` distinct picks per token; layers 0 and 1 dense: zeros, as vLLM's capture buffer leaves them."""
+    rng = np.random.default_rng(seed)
+    out = np.zeros((tokens, L, 2), dtype=dtype)
+    for t in range(tokens):
+        for layer in range(2, L):
+            out[t, layer] = rng.choice(E, size=2, replace=False)
+    return out
+
+
+def test_vllm_routed_experts_to_a_token_level_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    reqs = [_routed(20, 5), _routed(21, 3), _routed(22, 4, np.int32)]
+    (tmp_path / "resp.json").write_text(json.dumps(vllm_response(reqs[0], reqs[1])))
+    np.save(tmp_path / "req2.npy", reqs[2])
+    folder = tmp_path / "responses"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps(vllm_response(reqs[0], reqs[1])))
+    (folder / "b.json").write_text(json.dumps([vllm_response(reqs[2])]))
+    load = read_any_load(folder, gpus=2, batch_tokens=8, num_experts=E)
+    tr = load.trace
+    assert tr is not None and load.layer_ids is not None
+    assert load.layer_ids.tolist() == [2, 3, 4]  # dense layers left out, the model's numbering kept
+    assert np.array_equal(tr.topk_ids, np.concatenate(reqs)[:, 2:].astype(np.int64))
+    # requests 0 and 1 (8 tokens) fill batch 0 on ranks 0 and 1; request 2 opens batch 1 on rank 0
+    assert tr.batch.tolist() == [0] * 8 + [1] * 4 and tr.src_gpu.tolist() == [0] * 5 + [1] * 3 + [0] * 4
+    assert read_any_load(tmp_path / "resp.json").counts.shape == (1, 3, E)
+    assert read_any_load(tmp_path / "req2.npy", "vllm").trace is not None
+    # import, plan, export: the engine files line up with the model's layers again
+    rc, text, err = run_cli(["import", "--load", folder, "--gpus", 2, "--batch-tokens", 8, "--experts", E, "--out",
+                             tmp_path / "t.npz"], capsys)
+    assert rc == 0 and "the model's layer ids kept: 2,3,4" in text, err
+    assert np.load(tmp_path / "t.npz")["layer_ids"].tolist() == [2, 3, 4]
+    rc, text, err = run_cli(["stats", "--load", tmp_path / "t.npz", "--json"], capsys)
+    assert rc == 0 and json.loads(text)["layer_ids"] == [2, 3, 4]
+    plan_path = tmp_path / "plan.json"
+    assert run_cli(["plan", "--load", tmp_path / "t.npz", "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2,
+                    "--slots-per-gpu", 5, "--set", "num_groups=1", "--out", plan_path], capsys)[0] == 0
+    plan = read_plan(plan_path)
+    assert plan.params["layer_ids"] == [2, 3, 4]
+    assert run_cli(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "i.json"], capsys)[0] == 0
+    m = np.asarray(json.loads((tmp_path / "i.json").read_text())["physical_to_logical_map"])
+    assert m.shape == (5, 10)  # every decoder layer up to the last MoE one
+    assert (m[:2] == np.arange(10) % E).all()  # dense rows: SGLang's own trivial layout
+    assert np.array_equal(m[2:], slot_table(plan).phy2log)
+    assert run_cli(["export", "--plan", plan_path, "--format", "trtllm", "--out", tmp_path / "lb.yaml"], capsys)[0] == 0
+    assert sorted(yaml.safe_load((tmp_path / "lb.yaml").read_text())["initial_global_assignments"]) == [2, 3, 4]
+    # and both files read back against the import give the plan's placement
+    imported = read_any_load(tmp_path / "t.npz")
+    for f in ("i.json", "lb.yaml"):
+        assert read_any_plan(tmp_path / f, plan.cluster, load=imported).gpu_experts == plan.gpu_experts
+
+
+def test_vllm_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "nob64.json").write_text(json.dumps({"choices": [{"routed_experts": "@@@"}]}))
+    (tmp_path / "none.json").write_text(json.dumps({"choices": [{"text": "hi"}]}))
+    (tmp_path / "shapes.json").write_text(json.dumps(vllm_response(_routed(1, 2), _routed(2, 2)[:, :3])))
+    for name, fragment in (("nob64.json", "not base64"), ("none.json", "--enable-return-routed-experts"),
+                           ("shapes.json", "disagree on [layers, top-k]")):
+        user_error(["stats", "--load", tmp_path / name, "--format", "vllm"], capsys, fragment)

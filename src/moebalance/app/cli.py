@@ -342,8 +342,9 @@ def cmd_stats(args: argparse.Namespace) -> None:
         doc = {k: np.asarray(getattr(skew, k)).tolist() for k in ("peak_to_mean", "top2_share", "cv", "drift",
                                                                    "hot_experts", "high_skew")}
         dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist()
+        ids = None if load.layer_ids is None else load.layer_ids.tolist()
         sys.stdout.write(dumps({"shape": list(load.counts.shape), "preset": load.preset, "dense_layers": dense,
-                                **doc}))
+                                "layer_ids": ids, **doc}))
         return
     out.print(_stats_table(load, skew))
     _print_trace_stats(load)
@@ -364,7 +365,7 @@ def _stats_table(load: LoadMatrix, skew: Any) -> Table:
             table.add_row(str(layer), "-", "-", "-", "-", "-", "[dim]dense (no load)[/]")
             continue
         bar = "█" * max(1, round(20 * float(ptm[layer]) / scale))
-        table.add_row(str(layer), f"{ptm[layer]:.1f}", f"{100 * skew.top2_share[layer]:.1f}%", f"{skew.cv[layer]:.2f}",
+        table.add_row(str(layer if load.layer_ids is None else int(load.layer_ids[layer])), f"{ptm[layer]:.1f}", f"{100 * skew.top2_share[layer]:.1f}%", f"{skew.cv[layer]:.2f}",
                       f"{skew.drift[layer]:.3f}", str(int(skew.hot_experts[layer])),
                       f"[red]{bar}[/]" if skew.high_skew[layer] else bar)
     return table
@@ -426,7 +427,7 @@ def _add_format(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--format", choices=LOAD_FORMATS,
                    help="the --load file's format (default: detected; SGLang .pt/.json dumps, TensorRT-LLM "
-                        "statistics folders, moebalance .npy/.npz)")
+                        "statistics folders, vLLM routed experts, moebalance .npy/.npz)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -511,8 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("import", help="convert an engine's routing dump into a moebalance load (.npz), once")
-    p.add_argument("--load", required=True, help="SGLang stat dump (.pt/.json) or TensorRT-LLM statistics folder")
+    p.add_argument("--load", required=True, help="SGLang dump (.pt/.json, or a folder of per-rank dumps), TensorRT-LLM "
+                                                 "statistics folder, vLLM routed experts (JSON responses, .npy, folder)")
     p.add_argument("--out", required=True, help="output .npz")
+    p.add_argument("--gpus", type=_positive, default=1, help="vLLM: data-parallel ranks the requests go to")
+    p.add_argument("--batch-tokens", type=_positive, default=4096, help="vLLM: tokens per batch (whole requests)")
+    p.add_argument("--experts", type=_positive, help="vLLM: experts per layer (default: the largest id seen + 1)")
     _add_format(p)
     p.set_defaults(func=engine_commands.cmd_import)
 

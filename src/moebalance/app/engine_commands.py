@@ -14,7 +14,7 @@ from moebalance.core.io import dumps
 from moebalance.core.load import write_load
 from moebalance.core.plan import read_plan
 
-__all__ = ["EXPORT_FORMATS", "cmd_export", "cmd_import", "moe_layers"]
+__all__ = ["EXPORT_FORMATS", "cmd_export", "cmd_import", "engine_layers"]
 
 #: ``export --format`` values and the file each writes.
 EXPORT_FORMATS = {"sglang": ".json", "trtllm": ".yaml", "vllm": ".json"}
@@ -24,29 +24,42 @@ def cmd_import(args: argparse.Namespace) -> None:
     from moebalance.engines import read_any_load
 
     dest = _check_out(args.out, ".npz")
-    load = read_any_load(args.load, args.format)
+    load = read_any_load(args.load, args.format, gpus=args.gpus, batch_tokens=args.batch_tokens,
+                         num_experts=args.experts)
     write_load(dest, load)
     B, L, E = load.counts.shape
     dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)
     out.print(f"wrote {dest}: [B, L, E] = [{B}, {L}, {E}]"
               + (f", token-level ({load.trace.num_tokens:,} tokens)" if load.trace is not None else "")
-              + (f"; dense layers (no load, kept as zero rows): {', '.join(map(str, dense))}" if dense.size else ""))
+              + (f"; dense layers (no load, kept as zero rows): {', '.join(map(str, dense))}" if dense.size else "")
+              + ("" if load.layer_ids is None else "; dense layers left out, the model's layer ids kept: "
+                 + ",".join(map(str, load.layer_ids.tolist()))))
 
 
-def moe_layers(plan_params: dict[str, object], num_layers: int, given: str | None) -> list[int]:
-    """The layers an engine file lists: ``--dense-layers`` if given, else the plan's record of dense layers."""
+def engine_layers(plan_params: dict[str, object], num_layers: int, given: str | None) -> tuple[list[int], list[int]]:
+    """``(engine layer id of every plan layer, the plan layers an MoE-layer file lists)``.
+
+    A plan made on a load that left dense layers out records the model's layer ids (``layer_ids``); otherwise plan
+    layer ``l`` is engine layer ``l``. The dense layers are ``--dense-layers`` (engine numbering) if given, else the
+    plan's layers without load (``dense_layers``).
+    """
+    recorded = plan_params.get("layer_ids")
+    ids = [int(x) for x in recorded] if isinstance(recorded, list) and len(recorded) == num_layers else \
+        list(range(num_layers))
     if given is not None:
         try:
-            dense = {int(x) for x in given.split(",") if x.strip()}
+            dense_ids = {int(x) for x in given.split(",") if x.strip()}
         except ValueError:
             raise InputError(f"--dense-layers {given!r} must be comma-separated layer numbers, like 0,1,2") from None
+        unknown = sorted(dense_ids - set(ids))
+        if unknown:
+            raise InputError(f"--dense-layers names layer {unknown[0]} but the plan's layers are {ids[0]}..{ids[-1]}")
+        rows = [r for r in range(num_layers) if ids[r] not in dense_ids]
     else:
-        recorded = plan_params.get("dense_layers", [])
-        dense = {int(x) for x in recorded} if isinstance(recorded, list) else set()
-    bad = sorted(d for d in dense if not 0 <= d < num_layers)
-    if bad:
-        raise InputError(f"--dense-layers names layer {bad[0]} but the plan has {num_layers} layers")
-    return [layer for layer in range(num_layers) if layer not in dense]
+        zero = plan_params.get("dense_layers", [])
+        dense_rows = {int(x) for x in zero} if isinstance(zero, list) else set()
+        rows = [r for r in range(num_layers) if r not in dense_rows]
+    return ids, rows
 
 
 def cmd_export(args: argparse.Namespace) -> None:
@@ -70,16 +83,17 @@ def cmd_export(args: argparse.Namespace) -> None:
         plan, note = padding.plan, padding.describe(plan)
     elif args.load is not None:
         raise InputError("--load is used only with --pad")
-    layers = moe_layers(dict(plan.params), plan.num_layers, args.dense_layers)
+    ids, rows = engine_layers(dict(plan.params), plan.num_layers, args.dense_layers)
+    layers = [ids[r] for r in rows]
     if args.format == "sglang":
-        info = write_placement(dest, plan)
+        info = write_placement(dest, plan, ids)
         how = (f"sglang ... --init-expert-location {dest} --ep-size {info['ep_size']} "
                f"--ep-num-redundant-experts {info['ep_num_redundant_experts']}")
     elif args.format == "trtllm":
-        info = write_config(dest, plan, layers, args.layer_updates_per_iter)
+        info = write_config(dest, plan, [(r, ids[r]) for r in rows], args.layer_updates_per_iter)
         how = f"moe_config.load_balancer: {dest} (num_slots {info['num_slots']}, ep_size {info['ep_size']})"
     else:
-        info = write_map(dest, plan, layers)
+        info = write_map(dest, plan, rows)
         how = (f"{len(layers)} MoE layers x {info['num_slots']} slots; vLLM's EPLB with num_redundant_experts "
                f"{info['num_redundant_experts']} on {info['ep_size']} EP ranks (a released vLLM reads no placement "
                "file yet)")

@@ -74,10 +74,21 @@ class LoadMatrix:
     #: Name of the model the data was generated for or captured from, if any (a key of
     #: :data:`moebalance.models.MODELS` for synthetic traces); stored in ``.npz`` files as ``preset``.
     preset: str | None = None
+    #: ``int64 [L]``: the model's decoder-layer index of each layer, strictly increasing, when the load leaves dense
+    #: layers out (token-level engine dumps); ``None``: layer ``l`` is the model's layer ``l`` (dense layers, if
+    #: any, are all-zero rows). Stored in ``.npz`` files as ``layer_ids``.
+    layer_ids: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         counts = check_counts(self.counts)
         object.__setattr__(self, "counts", counts)
+        if self.layer_ids is not None:
+            ids = np.asarray(self.layer_ids)
+            if ids.ndim != 1 or ids.size != counts.shape[1] or not np.issubdtype(ids.dtype, np.integer) \
+                    or (ids.size and (ids.min() < 0 or np.any(np.diff(ids) <= 0))):
+                raise InputError(f"layer_ids {ids.tolist()} must be {counts.shape[1]} increasing non-negative "
+                                 "integers: the model's layer index of each layer")
+            object.__setattr__(self, "layer_ids", ids.astype(np.int64))
         if self.trace is not None:
             tr = self.trace
             if (tr.num_batches, tr.num_layers, tr.num_experts) != counts.shape:
@@ -127,7 +138,7 @@ class LoadMatrix:
                 f"batch range {start}:{stop} is empty; the load has {self.num_batches} batches (valid: 0:{self.num_batches})"
             )
         trace = None if self.trace is None else self.trace.select_batches(start, stop)
-        return LoadMatrix(self.counts[start:stop], trace, self.preset)
+        return LoadMatrix(self.counts[start:stop], trace, self.preset, self.layer_ids)
 
     def split(self, train_frac: float) -> tuple[LoadMatrix, LoadMatrix]:
         """Split into (planning, held-out scoring) batches, the first ``train_frac`` for planning (CRAFT 5.1).
@@ -154,6 +165,8 @@ class LoadMatrix:
             out["batch"] = self.trace.batch
         if self.preset is not None:
             out["preset"] = np.array(self.preset)
+        if self.layer_ids is not None:
+            out["layer_ids"] = self.layer_ids
         return out
 
     @classmethod
@@ -185,8 +198,8 @@ class LoadMatrix:
             trace = RoutingTrace(ids, arrays["src_gpu"], arrays["batch"], num_experts=num_experts, num_batches=num_batches)
             if counts is None:
                 counts = trace.counts()
-            return cls(counts, trace, preset)
-        return cls(arrays["counts"], None, preset)
+            return cls(counts, trace, preset, arrays.get("layer_ids"))
+        return cls(arrays["counts"], None, preset, arrays.get("layer_ids"))
 
 
 #: Prefix naming a trace shipped with the package: ``bundled:mixtral-8x7b-tokens``.

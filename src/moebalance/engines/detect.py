@@ -4,7 +4,8 @@ Detection (``--format`` overrides it): a folder with ``meta_info.json`` is Tenso
 ``.pt`` files SGLang's per-rank per_pass/per_token dumps; ``.pt`` and
 ``.json`` files are SGLang's (``logical_count``: a load; ``physical_to_logical_map``: a placement; a moebalance
 plan JSON has ``"format": "moebalance.plan"``); ``.yaml``/``.yml`` is TensorRT-LLM's load-balancer config;
-``.npy``, ``.npz`` and ``bundled:NAME`` are moebalance loads.
+``.npy``, ``.npz`` and ``bundled:NAME`` are moebalance loads; JSON responses with ``routed_experts`` (or a folder
+of them) are vLLM's, and a ``.npy`` of one request's routed experts needs ``--format vllm``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from moebalance.core.plan import Placement, read_plan
 __all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "detect_load", "read_any_load", "read_any_plan"]
 
 #: ``--format`` values of a load.
-LOAD_FORMATS = ("moebalance", "sglang", "trtllm")
+LOAD_FORMATS = ("moebalance", "sglang", "trtllm", "vllm")
 #: ``--format`` values of a plan.
 PLAN_FORMATS = ("moebalance", "sglang", "trtllm")
 
@@ -37,15 +38,25 @@ def detect_load(path: str | os.PathLike[str]) -> str:
             return "trtllm"
         if any(p.glob("*.pt")):
             return "sglang"
+        if any(p.glob("*.json")):
+            return "vllm"
         raise InputError(f"{text!r} is a folder without meta_info.json or .pt files; give a load file, a TensorRT-LLM "
                          "statistics folder (EXPERT_STATISTIC_PATH) or a folder of SGLang per-rank dumps")
-    if p.suffix in (".pt", ".json"):
+    if p.suffix == ".pt":
         return "sglang"
+    if p.suffix == ".json":
+        try:
+            head = p.read_text()[:4096]
+        except (OSError, UnicodeDecodeError):
+            return "sglang"
+        return "vllm" if '"routed_experts"' in head or '"choices"' in head else "sglang"
     return "moebalance"
 
 
-def read_any_load(path: str | os.PathLike[str], fmt: str | None = None) -> LoadMatrix:
-    """The load in ``path``, of format ``fmt`` (default: detected)."""
+def read_any_load(path: str | os.PathLike[str], fmt: str | None = None, *, gpus: int = 1, batch_tokens: int = 4096,
+                  num_experts: int | None = None) -> LoadMatrix:
+    """The load in ``path``, of format ``fmt`` (default: detected); ``gpus``, ``batch_tokens`` and ``num_experts``
+    lay out vLLM's per-request routed experts (:func:`moebalance.engines.vllm.read_routed_experts`)."""
     kind = detect_load(path) if fmt is None else fmt
     if kind not in LOAD_FORMATS:
         raise InputError(f"unknown load format {kind!r}; choose one of: {', '.join(LOAD_FORMATS)}")
@@ -55,6 +66,10 @@ def read_any_load(path: str | os.PathLike[str], fmt: str | None = None) -> LoadM
         from moebalance.engines.sglang import read_dumps, read_stat
 
         return read_dumps(path) if Path(path).is_dir() else read_stat(path)
+    if kind == "vllm":
+        from moebalance.engines.vllm import read_routed_experts
+
+        return read_routed_experts(path, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts)
     if kind == "trtllm":
         from moebalance.engines.trtllm import read_statistics
 
@@ -92,10 +107,20 @@ def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, 
         raise InputError(f"{str(p)!r} is a {kind} placement, which does not record the cluster; give --nodes and "
                          "--gpus-per-node")
     E = None if load is None else load.num_experts
+    ids = None if load is None else load.layer_ids
     if kind == "sglang":
         from moebalance.engines.sglang import read_placement
 
-        return read_placement(p, cluster, E)
-    from moebalance.engines.trtllm import read_config
+        plan = read_placement(p, cluster, E)
+    else:
+        from moebalance.engines.trtllm import read_config
 
-    return read_config(p, cluster, None if load is None else load.num_layers, E)
+        plan = read_config(p, cluster, None if load is None or ids is not None else load.num_layers, E)
+    if ids is None:
+        return plan
+    # the load left dense layers out: keep the engine's rows of the load's layers (the model's numbering)
+    if int(ids[-1]) >= plan.num_layers:
+        raise InputError(f"{str(p)!r} places {plan.num_layers} layers but the load has layer {int(ids[-1])}; give "
+                         "the placement of this model")
+    return Placement([plan.gpu_experts[int(i)] for i in ids], plan.num_experts, plan.cluster, policy=plan.policy,
+                     params={**plan.params, "layer_ids": [int(i) for i in ids]})

@@ -204,11 +204,21 @@ def read_placement(path: str | os.PathLike[str], cluster: Cluster, num_experts: 
     return plan_from_map(m, cluster, num_experts, source=str(p))
 
 
-def write_placement(path: str | os.PathLike[str], plan: Placement) -> dict[str, Any]:
+def write_placement(path: str | os.PathLike[str], plan: Placement, layer_ids: list[int] | None = None) -> dict[str, Any]:
     """Write ``{"physical_to_logical_map": [L, P]}`` JSON for ``--init-expert-location`` (atomically); returns what
-    an SGLang launch needs to match it (``ep_size``, ``ep_num_redundant_experts``)."""
+    an SGLang launch needs to match it (``ep_size``, ``ep_num_redundant_experts``).
+
+    ``layer_ids`` gives the model's layer index of each plan layer when the plan's load left dense layers out: the
+    file has a row for every decoder layer up to the last one, and the rows of layers the plan lacks (dense ones,
+    which SGLang never routes) hold SGLang's own trivial layout, slot ``p`` holding expert ``p mod E``."""
     table = slot_table(plan)
-    atomic_write_text(Path(path), json.dumps({"physical_to_logical_map": table.phy2log.tolist()},
+    rows = table.phy2log
+    if layer_ids is not None and list(layer_ids) != list(range(plan.num_layers)):
+        trivial = np.arange(table.num_slots) % plan.num_experts
+        full = np.tile(trivial, (max(layer_ids) + 1, 1))
+        full[np.asarray(layer_ids)] = rows
+        rows = full
+    atomic_write_text(Path(path), json.dumps({"physical_to_logical_map": rows.tolist()},
                                              separators=(",", ":")) + "\n")
     return {"ep_size": plan.num_gpus, "ep_num_redundant_experts": table.num_slots - plan.num_experts,
             "num_slots": table.num_slots}

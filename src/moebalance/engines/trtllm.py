@@ -147,17 +147,17 @@ def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int 
     return plan_from_map(m, cluster, E, source=str(p), policy="trtllm")
 
 
-def write_config(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequence[int],
+def write_config(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequence[tuple[int, int]],
                  layer_updates_per_iter: int = 0) -> dict[str, Any]:
-    """Write the load-balancer YAML for the plan's ``moe_layers`` (decoder-layer ids; dense layers left out),
-    atomically; returns ``num_slots`` and ``ep_size``."""
+    """Write the load-balancer YAML for ``moe_layers``, ``(plan layer, its decoder-layer id)`` pairs (dense layers
+    left out), atomically; returns ``num_slots`` and ``ep_size``."""
     import yaml
 
     table = slot_table(plan)
     if not moe_layers:
         raise PlanError("no MoE layer to write: every layer of the plan is dense (no load)")
     doc = {"num_slots": table.num_slots,
-           "initial_global_assignments": {int(layer): [int(e) for e in table.phy2log[layer]] for layer in moe_layers},
+           "initial_global_assignments": {int(lid): [int(e) for e in table.phy2log[row]] for row, lid in moe_layers},
            "layer_updates_per_iter": int(layer_updates_per_iter)}
     text = yaml.safe_dump(doc, default_flow_style=None, sort_keys=False, width=10**6)
     atomic_write_text(Path(path), text)

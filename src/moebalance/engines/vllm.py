@@ -1,4 +1,4 @@
-"""vLLM: a per-MoE-layer physical-to-logical map, the form vLLM's EPLB keeps its placement in.
+"""vLLM: routed experts in (``--enable-return-routed-experts``), a per-MoE-layer physical-to-logical map out.
 
 Legend: ``L_moe`` MoE layers (vLLM's EPLB numbers only those), ``P`` physical slots (``E +
 num_redundant_experts``), rank ``r`` owning the contiguous slots ``r * P / ep_size ..``.
@@ -8,22 +8,115 @@ interface returns one (``rebalance_experts(weight [L_moe, E], num_replicas, num_
 No released vLLM reads a placement from a file yet: the open pull request that adds
 ``eplb_config.initial_expert_map_path`` (vllm-project/vllm#49572) reads a JSON list of per-MoE-layer lists of
 ``P`` expert ids, which is what :func:`write_map` writes.
+
+**Routed experts** (read; ``--enable-return-routed-experts``, ``vllm/model_executor/layers/fused_moe/
+routed_experts_capturer.py``): each request's ``routed_experts`` is ``[tokens, L, k]``, token-major; the Python API
+returns it as a numpy array (``CompletionOutput.routed_experts``), recent HTTP responses as a base64-encoded
+``.npy`` string in each choice (``"routed_experts"``; uint8 or uint16 in recent releases, int32 in older ones:
+the ``.npy`` header says). ``L`` has been the model's ``num_hidden_layers``, with dense layers as all-zero rows;
+:func:`read_routed_experts` takes a layer whose every token picks one expert ``k`` times (zeros) as dense and
+leaves it out, recording the model's layer index of each kept layer (``LoadMatrix.layer_ids``). Requests become
+a token-level trace: in the order read, packed into batches of at least ``batch_tokens`` tokens, request ``j`` of
+a batch on rank ``j mod gpus`` (a data-parallel server spreads requests).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from moebalance.core.errors import PlanError
+import numpy as np
+
+from moebalance.core.errors import InputError, PlanError
 from moebalance.core.io import atomic_write_text
+from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
 from moebalance.engines.slots import slot_table
 
-__all__ = ["write_map"]
+__all__ = ["read_routed_experts", "write_map"]
+
+
+def _npy(data: bytes, source: str) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise InputError(f"{source}: routed_experts is not a .npy array ({str(exc).splitlines()[0][:120]})") from None
+
+
+def _requests(path: Path) -> list[np.ndarray]:
+    """Every request's ``[tokens, L, k]`` array in ``path`` (a .npy, a JSON response or list of them, a folder)."""
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.suffix in (".npy", ".json"))
+        if not files:
+            raise InputError(f"{str(path)!r} has no .npy or .json files of vLLM routed experts")
+        return [a for f in files for a in _requests(f)]
+    if path.suffix == ".npy":
+        return [_npy(path.read_bytes(), str(path))]
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"cannot read {str(path)!r} as JSON: {exc}") from None
+    out: list[np.ndarray] = []
+    for item in doc if isinstance(doc, list) else [doc]:
+        choices = item.get("choices", [item]) if isinstance(item, dict) else None
+        if not isinstance(choices, list):
+            raise InputError(f"{str(path)!r}: expected vLLM responses (objects with 'choices') or choices")
+        for c in choices:
+            value = c.get("routed_experts") if isinstance(c, dict) else None
+            if not isinstance(value, str):
+                raise InputError(f"{str(path)!r}: a choice has no base64 'routed_experts' string; start vLLM with "
+                                 "--enable-return-routed-experts")
+            try:
+                data = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise InputError(f"{str(path)!r}: routed_experts is not base64") from None
+            out.append(_npy(data, str(path)))
+    return out
+
+
+def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_tokens: int = 4096,
+                        num_experts: int | None = None) -> LoadMatrix:
+    """vLLM's routed experts (module docstring) as a token-level load, dense layers left out."""
+    p = Path(path)
+    reqs = _requests(p)
+    if not reqs:
+        raise InputError(f"{str(p)!r} holds no request")
+    shapes = {a.shape[1:] for a in reqs}
+    for a in reqs:
+        if a.ndim != 3 or not np.issubdtype(a.dtype, np.integer):
+            raise InputError(f"{str(p)!r}: routed_experts must be integer [tokens, layers, top-k], got {a.dtype} "
+                             f"{a.shape}")
+    if len(shapes) != 1:
+        raise InputError(f"{str(p)!r}: the requests disagree on [layers, top-k]: {sorted(shapes)}; one model's output")
+    ids = np.concatenate([a.astype(np.int64) for a in reqs])
+    if ids.size and ids.min() < 0:
+        raise InputError(f"{str(p)!r}: routed_experts holds a negative expert id")
+    K = ids.shape[2]
+    same = (ids == ids[:, :, :1]).all(axis=2)  # every pick of a token the same expert
+    dense = same.all(axis=0) & ((ids[:, :, 0] == 0).all(axis=0) if K == 1 else True)
+    keep = np.flatnonzero(~dense)
+    if keep.size == 0:
+        raise InputError(f"{str(p)!r}: every layer looks dense (each token picks one expert {K} times)")
+    E = int(ids.max()) + 1 if num_experts is None else num_experts
+    if ids.max() >= E:
+        raise InputError(f"{str(p)!r}: expert id {int(ids.max())} is not below --experts {E}")
+    lengths = [len(a) for a in reqs]
+    batch, src, b, filled, j = [], [], 0, 0, 0
+    for n in lengths:
+        batch.append(np.full(n, b))
+        src.append(np.full(n, j % gpus))
+        filled, j = filled + n, j + 1
+        if filled >= batch_tokens:
+            b, filled, j = b + 1, 0, 0
+    tr = RoutingTrace(ids[:, keep], np.concatenate(src), np.concatenate(batch), num_experts=E)
+    return LoadMatrix(tr.counts(), tr, None, keep if dense.any() else None)
 
 
 def write_map(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequence[int]) -> dict[str, Any]:

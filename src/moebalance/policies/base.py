@@ -158,6 +158,8 @@ def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix,
     params_out = {**budget.as_params(), **config.as_params(), **diagnostics.as_params(), **dict(plan.params)}
     if used.note is not None:
         params_out["budget_note"] = used.note
+    if load.layer_ids is not None:  # the model's layer index of each plan layer (engine exports line up with it)
+        params_out["layer_ids"] = [int(x) for x in load.layer_ids]
     dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)
     if dense.size:  # layers without load: dense layers in an engine's numbering, left out of its MoE-layer files
         params_out["dense_layers"] = [int(x) for x in dense]
