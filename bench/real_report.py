@@ -5,7 +5,8 @@ Two sources of routing no one here wrote:
 1. **SGLang's published DeepSeek-V3 statistics** (``tests/data/sglang-deepseek-v3``: per-layer per-expert counts
    of a prefill and a decode workload, 61 layers of which 0-2 are dense, 256 experts, top-8), read as SGLang
    writes them. Counts only, one batch each: each workload is planned on and scored on in full. 4 nodes x 8 GPUs,
-   9 slots per GPU (one extra per GPU and layer); CRAFT gets the same total of extra replicas (58 per GPU).
+   9 slots per GPU (one extra per GPU and layer); CRAFT gets 58 extra replicas per GPU, one per MoE layer (EPLB's
+   count also includes copies in the three dense layers).
 2. **DeepSeek-V2-Lite routing from DeepSeek's ESFT release** (``law`` and ``translation``, 26 MoE layers of 64
    experts, top-6; token level). Each task's sequences in order; the first half plans, the second half scores
    (so the same task is scored held out); tokens in batches of 512 dealt to the ranks in contiguous blocks.
@@ -104,6 +105,7 @@ def esft_section(folder: Path, results: dict[tuple[str, str], dict[Any, float]],
     for label, policy, budget, params in policies:
         plans: dict[str, Placement] = {t: make_plan(policy, loads[t], cluster, budget, **params)[0] for t in tasks}
         single = all(p.extra_replicas == 0 for p in plans.values())  # one copy each: every router is the same
+        results[label, "extra per GPU"] = {(0, 0): plans["law"].extra_replicas / G}
         for r in routers[:1] if single else routers:
             got = {(a, b): evaluate(plans[a], scores[b], r, bytes_per_copy=2048 * 2) for a, b in cols}
             results[label, r] = {c: got[c].balancedness for c in cols}
@@ -149,8 +151,9 @@ def main() -> None:
     gr = sg_r["eplb (global)", "rebalance"]
     e = es_r["eplb (global)", "uniform"]
     lp, lo = es_r["libra (path)", "rebalance"], es_r["libra (oracle)", "rebalance"]
+    es_extra = f"{es_r['eplb (global)', 'extra per GPU'][0, 0]:g}"
     cross = [("law", "translation"), ("translation", "law")]
-    notes = [
+    notes: list[str] = [
         f"- **A plan made for one workload loses most of its gain on another.** Global EPLB scores "
         f"{g['prefill_in1024', 'prefill_in1024']:.3f} and {g['decode_in1000out1000', 'decode_in1000out1000']:.3f} "
         f"on the SGLang workload it was planned on (in sample: each file is one batch), and {g['prefill_in1024', 'decode_in1000out1000']:.3f} and "
@@ -162,7 +165,7 @@ def main() -> None:
         f"{gr['decode_in1000out1000', 'prefill_in1024']:.3f} across workloads.",
         f"- **Replanning per batch removes the dependence on the planning workload**: Libra with the batch's true "
         f"routing keeps {min(lo[c] for c in cross):.3f} or more across tasks with 8 buffer slots per GPU (against "
-        f"EPLB's 26 replicas per GPU); with its path predictor, built on the planning task, "
+        f"EPLB's {es_extra} replicas per GPU); with its path predictor, built on the planning task, "
         f"{lp['law', 'translation']:.3f} / {lp['translation', 'law']:.3f}: the table carries over between tasks "
         "only in part.",
         "- Plans without replicas (contiguous, greedy, MoETuner's placement) leave routers nothing to choose; "

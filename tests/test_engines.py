@@ -28,7 +28,6 @@ from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement, read_plan, write_plan
 from moebalance.engines import pad_plan, read_any_load, read_any_plan, slot_table
 from moebalance.engines.sglang import read_stat
-from moebalance.engines.trtllm import read_statistics
 from moebalance.policies import Budget, make_plan
 from moebalance.routing.simulate import evaluate
 
@@ -146,7 +145,7 @@ def test_sglang_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     (tmp_path / "place.json").write_text(json.dumps({"physical_to_logical_map": [[0, 1]]}))
     for name, fragment in (("pickle.pt", "never unpickles"), ("key.pt", "has no 'logical_count'"),
                            ("shape.pt", "logical_count has shape (7,)"), ("neg.pt", "logical_count"),
-                           ("trunc.pt", "cannot read"), ("ragged.json", "not a rectangular array"),
+                           ("trunc.pt", "is not a torch.save file"), ("ragged.json", "not a rectangular array"),
                            ("place.json", "is an SGLang placement")):
         user_error(["stats", "--load", tmp_path / name], capsys, fragment)
     counts = tmp_path / "c.npy"
@@ -159,7 +158,8 @@ def test_sglang_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 # ---------------------------------------------------------------------------------------------------- TensorRT-LLM
 
-def write_statistics(folder: Path, per_rank: list[np.ndarray], iters: range, layers: Sequence[int], k: int = 2) -> None:
+def write_statistics(folder: Path, per_rank: list[np.ndarray], iters: Sequence[int], layers: Sequence[int],
+                     k: int = 2) -> None:
     """As TensorRT-LLM writes expert statistics: rank 0's meta_info.json, every rank's counts per
     ``"{iter}_{layer}"`` (int64 ``[E]``), MoE layers only."""
     folder.mkdir()
@@ -309,7 +309,6 @@ def test_stats_and_import_mark_dense_layers(tmp_path: Path, capsys: pytest.Captu
     assert np.array_equal(np.load(tmp_path / "t.npz")["counts"], read_stat(path).counts)
     with pytest.raises(InputError, match="unknown load format"):
         read_any_load(path, "nope")
-    assert read_statistics  # imported for the module's public API
 
 
 def test_compare_scores_an_engine_placement_as_a_baseline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -450,3 +449,53 @@ def test_vllm_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     for name, fragment in (("nob64.json", "not base64"), ("none.json", "--enable-return-routed-experts"),
                            ("shapes.json", "disagree on [layers, top-k]")):
         user_error(["stats", "--load", tmp_path / name, "--format", "vllm"], capsys, fragment)
+
+
+def test_review_cases_fail_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    counts = tmp_path / "c.npy"
+    np.save(counts, _counts(13))
+    (tmp_path / "strings.json").write_text(json.dumps({"physical_to_logical_map": [["a"] * 8] * L}))
+    user_error(["evaluate", "--plan", tmp_path / "strings.json", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+               capsys, "must hold numbers")
+    (tmp_path / "text.pt").write_text("not a torch file at all")
+    user_error(["stats", "--load", tmp_path / "text.pt"], capsys, "is not a torch.save file")
+    (tmp_path / "lc.json").write_text(json.dumps({"logical_count": [[1] * E] * L}))
+    user_error(["evaluate", "--plan", tmp_path / "lc.json", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+               capsys, "is an SGLang load (logical_count), not a placement")
+    (tmp_path / "dumps").mkdir()
+    torch.save({"records": 5, "last_physical_to_logical_map": torch.zeros(L, E, dtype=torch.int64)},
+               tmp_path / "dumps" / "x_0.pt")
+    user_error(["stats", "--load", tmp_path / "dumps"], capsys, "'records' must be a list")
+    # TensorRT-LLM: a MoE layer (one with load) left out, booleans as ids, iterations with gaps
+    (tmp_path / "partial.yaml").write_text(yaml.safe_dump({"num_slots": 8, "initial_global_assignments":
+                                                           {2: list(range(8)), 3: list(range(8))}}))
+    user_error(["evaluate", "--plan", tmp_path / "partial.yaml", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+               capsys, "does not place layer 4, which carries load")
+    (tmp_path / "bools.yaml").write_text(yaml.safe_dump({"num_slots": 2, "initial_global_assignments":
+                                                         {2: [True, False]}}))
+    user_error(["evaluate", "--plan", tmp_path / "bools.yaml", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+               capsys, "non-negative expert ids")
+    a = _counts(14, 3)
+    write_statistics(tmp_path / "gaps", [a], (0, 1, 5), [2, 3, 4])
+    user_error(["stats", "--load", tmp_path / "gaps"], capsys, "with gaps")
+
+
+def test_duplicate_baseline_names_and_dense_layers_from_the_whole_load(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    c = _counts(15, 4)
+    c[:2, 3] = 0  # an MoE layer idle in the planning window only
+    counts = tmp_path / "c.npy"
+    np.save(counts, c)
+    plan_path = tmp_path / "plan.json"
+    assert run_cli(["plan", "--load", counts, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2, "--slots-per-gpu",
+                    5, "--set", "num_groups=1", "--batches", "0:2", "--out", plan_path], capsys)[0] == 0
+    assert read_plan(plan_path).params["dense_layers"] == list(DENSE)  # layer 3 is not dense: it has load later
+    assert run_cli(["export", "--plan", plan_path, "--format", "trtllm", "--out", tmp_path / "lb.yaml"], capsys)[0] == 0
+    assert sorted(yaml.safe_load((tmp_path / "lb.yaml").read_text())["initial_global_assignments"]) == [2, 3, 4]
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        assert run_cli(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / d / "x.json"],
+                       capsys)[0] == 0
+    user_error(["compare", "--load", counts, "--policies", "greedy", "--nodes", 1, "--gpus-per-node", 2,
+                "--slots-per-gpu", 5, "--baseline", tmp_path / "a" / "x.json", "--baseline", tmp_path / "b" / "x.json"],
+               capsys, "two --baseline files are named 'x.json'")

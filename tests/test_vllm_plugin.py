@@ -24,7 +24,7 @@ import torch
 
 from moebalance.core.errors import InputError
 from moebalance.engines import vllm_plugin
-from moebalance.engines.vllm_plugin import balancedness, make_policy, move_aware
+from moebalance.engines.vllm_plugin import balancedness, keep_slots, make_policy, move_aware, returns_tuple
 from moebalance.eplb import rebalance_experts
 
 L, E, P, R = 3, 16, 24, 4  # 3 MoE layers of 16 experts, 24 slots on 4 ranks
@@ -113,8 +113,8 @@ def test_move_aware_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vllm_plugin.TOLERANCE_ENV, "2")
     with pytest.raises(InputError, match="must be in"):
         make_policy("move-aware")
-    with pytest.raises(InputError, match=r"old_global_expert_indices has shape"):
-        move_aware(old[:, :P - 4], fresh, wn, R, 0.02)
+    # elastic EP changed the slot count: the old map says nothing about the new slots, the fresh plan is taken
+    assert np.array_equal(move_aware(old[:, :P - 4], fresh, wn, R, 0.02), fresh)
 
 
 def test_unknown_variant() -> None:
@@ -191,3 +191,70 @@ def test_register_on_an_older_vllm_returns_the_three_maps(vllm_registry: dict[st
         for e in range(E):
             assert sorted(x for x in got[1][layer, e].tolist() if x >= 0) == \
                 sorted(x for x in want[1][layer, e].tolist() if x >= 0)
+
+
+def test_every_variant_keeps_staying_experts_in_their_slots() -> None:
+    w = _weight(6)
+    fresh = make_policy("eplb").rebalance_experts(w, P, 1, 1, R).numpy()
+    rng = np.random.default_rng(0)
+    old = fresh.copy()
+    for layer in range(L):  # the same sets per rank, shuffled within each rank's block
+        for r in range(R):
+            rng.shuffle(old[layer, r * 6:(r + 1) * 6])
+    got = make_policy("eplb").rebalance_experts(w, P, 1, 1, R, torch.from_numpy(old)).numpy()
+    assert np.array_equal(got, old)  # nothing moves, not even within a GPU
+    assert np.array_equal(keep_slots(old, fresh, R), old)
+
+
+def test_returns_tuple_reads_the_three_forms() -> None:
+    class Five:
+        @classmethod
+        def rebalance_experts(cls, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
+                              num_ranks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            raise NotImplementedError
+
+    class SixTuple:  # the release that passes the old map and still unpacks three tensors
+        @classmethod
+        def rebalance_experts(cls, weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int,
+                              old_global_expert_indices: torch.Tensor | None = None,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            raise NotImplementedError
+
+    class SixMap:
+        @classmethod
+        def rebalance_experts(cls, weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int,
+                              old_global_expert_indices: torch.Tensor | None = None) -> torch.Tensor:
+            raise NotImplementedError
+
+    assert returns_tuple(Five) and returns_tuple(SixTuple) and not returns_tuple(SixMap)
+
+
+def test_register_on_the_six_argument_tuple_release(vllm_registry: dict[str, Any],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    class SixTuple:
+        @classmethod
+        def rebalance_experts(cls, weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int,
+                              old_global_expert_indices: Any = None) -> tuple[Any, Any, Any]:
+            raise NotImplementedError
+
+    vllm_registry["default"] = SixTuple
+    monkeypatch.setenv(vllm_plugin.ENV, "eplb")
+    vllm_plugin.register()
+    w = _weight(7)
+    old = rebalance_experts(w, P, 1, 1, R)[0]
+    phy2log, log2phy, logcnt = vllm_registry["default"].rebalance_experts(w, P, 1, 1, R, old)  # positional, as called
+    assert torch.equal(phy2log, old) and log2phy.shape[:2] == (L, E) and logcnt.shape == (L, E)
+
+
+def test_register_without_vllm_policies_says_what_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = {k: v for k, v in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.eplb"):
+        sys.modules[name] = types.ModuleType(name)  # an older vLLM: eplb without the policy package
+    monkeypatch.setenv(vllm_plugin.ENV, "eplb")
+    try:
+        with pytest.raises(ImportError, match="needs a vLLM whose EPLB has pluggable policies"):
+            vllm_plugin.register()
+    finally:
+        for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)

@@ -155,14 +155,19 @@ def cmd_synth(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     dest = _check_out(args.out, ".json")
     load = _read_load(args)
+    # dense layers: no load in the whole file, not merely in the planning window (engine exports leave them out)
+    dense = [int(x) for x in np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)]
     start, stop = parse_batch_range(args.batches, load.num_batches)
     load = load.select_batches(start, stop)
     params = _parse_set(args.set)
     if args.groups is not None:
         params["num_groups"] = args.groups
     plan, seconds = make_plan(args.policy, load, _cluster(args), _budget(args), **params)
+    extra = {"planned_on_batches": f"{start}:{stop}", "dense_layers": dense}
+    kept = {k: v for k, v in plan.params.items() if k != "dense_layers"}
     plan = type(plan)(plan.gpu_experts, plan.num_experts, plan.cluster, policy=plan.policy,
-                      params={**plan.params, "planned_on_batches": f"{start}:{stop}"}, weights=plan.weights)
+                      params={**kept, **(extra if dense else {"planned_on_batches": f"{start}:{stop}"})},
+                      weights=plan.weights)
     score = evaluate(plan, load)  # before writing: a load that cannot be scored leaves no plan behind
     write_plan(dest, plan)
     for w in plan.warnings:
@@ -243,6 +248,9 @@ def cmd_compare(args: argparse.Namespace) -> None:
             raise InputError(f"--baseline {path!r} is for {fixed.num_gpus} GPUs but the comparison has "
                              f"{_cluster(args).num_gpus} (--nodes x --gpus-per-node)")
         name = f"baseline {Path(path).name}"
+        if any(sc.label == name or sc.label == f"{name} + {routers[0].label}" for sc in scenarios):
+            raise InputError(f"two --baseline files are named {Path(path).name!r}; rename one (rows are labelled by "
+                             "file name)")
         scenarios += [Scenario(fixed.policy, budget, {}, r, label=f"{name} + {r.label}" if several else name,
                                plan_name=f"baseline-{Path(path).stem}", fixed=fixed) for r in routers]
     rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed)

@@ -14,6 +14,8 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load
@@ -98,6 +100,8 @@ def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, 
                 head = json.loads(p.read_text())
             except (OSError, UnicodeDecodeError, json.JSONDecodeError):
                 head = None
+            if isinstance(head, dict) and "logical_count" in head:
+                raise InputError(f"{str(p)!r} is an SGLang load (logical_count), not a placement; give it as --load")
             kind = "sglang" if isinstance(head, dict) and "physical_to_logical_map" in head else "moebalance"
     if kind not in PLAN_FORMATS:
         raise InputError(f"unknown plan format {kind!r}; choose one of: {', '.join(PLAN_FORMATS)}")
@@ -115,7 +119,13 @@ def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, 
     else:
         from moebalance.engines.trtllm import read_config
 
-        plan = read_config(p, cluster, None if load is None or ids is not None else load.num_layers, E)
+        if load is None:
+            moe: list[int] = []
+        elif ids is not None:
+            moe = [int(i) for i in ids]
+        else:
+            moe = [int(x) for x in np.flatnonzero(load.counts.sum(axis=(0, 2)) > 0)]
+        plan = read_config(p, cluster, None if load is None or ids is not None else load.num_layers, E, moe)
     if ids is None:
         return plan
     # the load left dense layers out: keep the engine's rows of the load's layers (the model's numbering)

@@ -55,13 +55,17 @@ def read_torch(path: Path) -> Any:
     """``torch.load(path, map_location="cpu", weights_only=True)``, with a one-line error for what it refuses."""
     import torch
 
+    if path.is_file() and not zipfile.is_zipfile(path):
+        raise InputError(f"{str(path)!r} is not a torch.save file (torch.save writes a zip archive); give the dump as "
+                         "SGLang wrote it")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "not plain tensors"
         raise InputError(f"{str(path)!r} holds pickled objects that are not plain tensors, lists or numbers, and "
                          f"moebalance never unpickles code ({first[:160]}); save plain tensors with torch.save") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+            zipfile.BadZipFile) as exc:  # torch's legacy reader fails in many ways on a file it did not write
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(f"cannot read {str(path)!r} with torch.load: {first[:200]} (is it a torch.save file?)") from None
 
@@ -90,6 +94,8 @@ def _array(value: Any, name: str, source: str) -> np.ndarray:
         raise InputError(f"{source}: {name} is not a rectangular array of numbers ({exc})") from None
     if arr.dtype == object:
         raise InputError(f"{source}: {name} is not a rectangular array of numbers (rows of different lengths?)")
+    if arr.dtype.kind not in "iuf":
+        raise InputError(f"{source}: {name} holds {arr.dtype} values; it must hold numbers")
     return arr
 
 
@@ -138,6 +144,8 @@ def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
                              f"{m.dtype} {m.shape}")
         maps.append(m.astype(np.int64))
         got: dict[int, np.ndarray] = {}
+        if not isinstance(doc["records"], list):
+            raise InputError(f"{str(f)!r}: 'records' must be a list of per-pass records")
         for rec in doc["records"]:
             if not isinstance(rec, dict) or "forward_pass_id" not in rec or "global_physical_count" not in rec:
                 raise InputError(f"{str(f)!r}: each record needs 'forward_pass_id' and 'global_physical_count'")

@@ -88,6 +88,9 @@ def read_statistics(folder: str | os.PathLike[str]) -> LoadMatrix:
     if not keys:
         raise InputError(f"{str(files[0])!r} holds no counts; record at least one iteration")
     iters = sorted({i for i, _ in keys})
+    if iters != list(range(iters[0], iters[-1] + 1)):
+        raise InputError(f"{str(d)!r} records iterations {iters[0]}..{iters[-1]} with gaps; TensorRT-LLM writes one "
+                         "contiguous range (EXPERT_STATISTIC_ITER_RANGE): use the files of one run")
     layers = sorted({layer for _, layer in keys})
     if len(keys) != len(iters) * len(layers):
         raise InputError(f"{str(d)!r} does not record every MoE layer in every iteration ({len(keys)} keys for "
@@ -101,7 +104,7 @@ def read_statistics(folder: str | os.PathLike[str]) -> LoadMatrix:
 
 
 def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int | None = None,
-                num_experts: int | None = None) -> Placement:
+                num_experts: int | None = None, moe_layers: Sequence[int] = ()) -> Placement:
     """A load-balancer YAML as a plan of ``num_layers`` layers (default: up to the last listed one); layers it
     does not list (dense ones) get the engine's default order, slot ``p`` holding expert ``p mod E``."""
     import yaml
@@ -128,7 +131,8 @@ def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int 
     for key, ids in assign.items():
         if isinstance(key, bool) or not isinstance(key, int) or key < 0:
             raise InputError(f"{str(p)!r}: layer id {key!r} must be a non-negative integer")
-        if not isinstance(ids, list) or len(ids) != slots or not all(isinstance(e, int) and e >= 0 for e in ids):
+        if not isinstance(ids, list) or len(ids) != slots or \
+                not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
             raise InputError(f"{str(p)!r}: layer {key} must list {slots} (num_slots) non-negative expert ids")
         rows[key] = ids
     E = num_experts if num_experts is not None else max(max(r) for r in rows.values()) + 1
@@ -140,6 +144,10 @@ def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int 
         if set(ids) != set(range(E)):
             raise PlanError(f"{str(p)!r}: layer {layer} does not hold every expert 0..{E - 1} at least once "
                             "(TensorRT-LLM requires it)")
+    missing = sorted(set(moe_layers) - set(rows))
+    if missing:
+        raise PlanError(f"{str(p)!r} does not place layer {missing[0]}, which carries load: TensorRT-LLM requires every "
+                        "MoE layer in initial_global_assignments")
     default = [p_ % E for p_ in range(slots)]
     m = np.asarray([rows.get(layer, default) for layer in range(L)], dtype=np.int64)
     from moebalance.engines.sglang import plan_from_map

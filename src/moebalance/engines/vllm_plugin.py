@@ -6,9 +6,11 @@ vLLM loads every entry point of the ``vllm.general_plugins`` group in every proc
 (``vllm/plugins/__init__.py``, ``load_general_plugins``). Its EPLB picks the policy class
 ``EPLB_POLICIES[eplb_config.policy]`` (``vllm/distributed/eplb/policy/__init__.py``; only ``"default"`` exists)
 and calls the classmethod ``rebalance_experts(weight [L, E], num_replicas, num_groups, num_nodes, num_ranks)``,
-which returns the physical-to-logical map ``[L, P]`` (rank ``r`` owning slots ``r * P / R ..``). Releases differ:
-older ones call it with five arguments and unpack ``(phy2log, log2phy, logcnt)``; newer ones add
-``old_global_expert_indices`` (the current ``[L, P]`` map, or ``None``) and take ``phy2log`` alone. No public hook
+which returns the physical-to-logical map ``[L, P]`` (rank ``r`` owning slots ``r * P / R ..``). Releases differ in
+three ways: the oldest call it with five arguments and unpack ``(phy2log, log2phy, logcnt)``; one passes the
+current map as ``old_global_expert_indices`` and still unpacks the three; newer ones pass it and take ``phy2log``
+alone (:func:`returns_tuple` tells them apart by the default policy's return annotation). When the current map is
+given, every variant keeps an expert that stays on its rank in its old slot, as vLLM's default does. No public hook
 registers another policy, so :func:`register` replaces the ``"default"`` entry, and only when
 ``MOEBALANCE_VLLM_EPLB`` names a variant:
 
@@ -18,9 +20,11 @@ registers another policy, so :func:`register` replaces the ``"default"`` entry, 
   balances nothing;
 - ``move-aware``: honours ``old_global_expert_indices`` (vLLM RFC #31671 asks for migration-aware placement):
   the current placement is kept, no expert moved, while its balancedness is within ``MOEBALANCE_VLLM_EPLB_TOLERANCE``
-  (default 0.02, relative) of a fresh EPLB plan's; otherwise the fresh plan is laid out to move as little as it
-  can: its per-GPU sets are matched to the ranks that already hold most of them (an assignment problem per layer),
-  and an expert staying on a rank keeps its slot.
+  (default 0.02, relative) of a fresh EPLB plan's; otherwise the fresh plan's per-GPU sets are matched to the ranks
+  that already hold most of their experts (an assignment problem per layer: no more moves than the fresh plan
+  as laid out, often far fewer) and an expert staying on a rank keeps its slot. The matching may move a GPU's set
+  to another node, which leaves the balance as it is but not hierarchical EPLB's group-to-node packing. When the
+  slot count changed (elastic EP), the fresh plan is taken as it is.
 
 Balancedness here is vLLM's: ``mean / max`` of per-rank load, each expert's load split evenly over its copies.
 """
@@ -35,7 +39,8 @@ import numpy as np
 
 from moebalance.core.errors import InputError
 
-__all__ = ["ENV", "TOLERANCE_ENV", "VARIANTS", "balancedness", "make_policy", "move_aware", "plan_slots", "register"]
+__all__ = ["ENV", "TOLERANCE_ENV", "VARIANTS", "balancedness", "keep_slots", "make_policy", "move_aware", "plan_slots",
+           "register", "returns_tuple"]
 
 #: The environment variable that chooses the variant; unset, the plug-in does nothing.
 ENV = "MOEBALANCE_VLLM_EPLB"
@@ -79,9 +84,8 @@ def move_aware(old: np.ndarray, fresh: np.ndarray, weight: np.ndarray, num_ranks
     their old slots (module docstring)."""
     from scipy.optimize import linear_sum_assignment
 
-    if old.shape != fresh.shape:
-        raise InputError(f"old_global_expert_indices has shape {old.shape} but the plan {fresh.shape}; give the "
-                         "current physical-to-logical map [layers, num_replicas]")
+    if old.shape != fresh.shape or fresh.shape[1] % num_ranks:  # elastic EP changed the slots: nothing to keep
+        return fresh
     P = fresh.shape[1]
     S = P // num_ranks
     keep = balancedness(old, weight, num_ranks) >= (1.0 - tolerance) * balancedness(fresh, weight, num_ranks)
@@ -98,6 +102,16 @@ def move_aware(old: np.ndarray, fresh: np.ndarray, weight: np.ndarray, num_ranks
         blocks, ranks = linear_sum_assignment(-overlap)
         for b, r in zip(blocks, ranks, strict=True):
             out[layer, r * S:(r + 1) * S] = _keep_slots(old_blocks[r], new_blocks[b])
+    return out
+
+
+def keep_slots(old: np.ndarray, fresh: np.ndarray, num_ranks: int) -> np.ndarray:
+    """``fresh [L, P]`` with, in every rank block, the experts that were already there kept in their old slots."""
+    S = fresh.shape[1] // num_ranks
+    out = fresh.copy()
+    for layer in range(fresh.shape[0]):
+        for r in range(num_ranks):
+            out[layer, r * S:(r + 1) * S] = _keep_slots(old[layer, r * S:(r + 1) * S], fresh[layer, r * S:(r + 1) * S])
     return out
 
 
@@ -131,10 +145,13 @@ def make_policy(variant: str, base: type | None = None) -> type:
 
         w = weight.detach().cpu().double().numpy() if isinstance(weight, torch.Tensor) else np.asarray(weight, float)
         fresh = plan_slots(w, num_replicas, num_groups, num_nodes, num_ranks, variant == "eplb-no-duplicates")
-        if variant == "move-aware" and old_global_expert_indices is not None:
+        if old_global_expert_indices is not None:
             old = old_global_expert_indices
-            old_np = old.detach().cpu().numpy() if isinstance(old, torch.Tensor) else np.asarray(old)
-            fresh = move_aware(old_np.astype(np.int64), fresh, w, num_ranks, tolerance)
+            old_np = (old.detach().cpu().numpy() if isinstance(old, torch.Tensor) else np.asarray(old)).astype(np.int64)
+            if variant == "move-aware":
+                fresh = move_aware(old_np, fresh, w, num_ranks, tolerance)
+            elif old_np.shape == fresh.shape and fresh.shape[1] % num_ranks == 0:
+                fresh = keep_slots(old_np, fresh, num_ranks)  # as vLLM's default: experts staying keep their slot
         return torch.from_numpy(np.ascontiguousarray(fresh))
 
     rebalance_experts.__doc__ = (f"moebalance {variant}: ``phy2log [L, num_replicas]`` for ``weight [L, E]`` "
@@ -150,10 +167,10 @@ def _tuple_returning(policy: type) -> type:
     inner = getattr(policy, "rebalance_experts")  # noqa: B009 (a classmethod set by make_policy)
 
     def rebalance_experts(cls: type, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
-                          num_ranks: int, *old: Any) -> Any:
+                          num_ranks: int, old_global_expert_indices: Any = None) -> Any:
         from moebalance.core.plan import _log2phy
 
-        phy2log = inner(weight, num_replicas, num_groups, num_nodes, num_ranks, *old[:1])
+        phy2log = inner(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices)
         E = int(weight.shape[1])
         log2phy = _log2phy(phy2log.numpy(), E)
         logcnt = np.stack([np.bincount(row, minlength=E) for row in phy2log.numpy()])
@@ -168,12 +185,30 @@ def register() -> None:
     variant = os.environ.get(ENV)
     if not variant:
         return
-    from vllm.distributed.eplb import policy as vllm_policy  # only reached inside vLLM, with the variable set
-
+    try:  # only reached inside vLLM, with the variable set
+        from vllm.distributed.eplb import policy as vllm_policy
+    except ImportError:
+        raise ImportError(f"{ENV}={variant} needs a vLLM whose EPLB has pluggable policies "
+                          "(vllm.distributed.eplb.policy, EPLB_POLICIES); upgrade vLLM or unset the variable") from None
     registry = vllm_policy.EPLB_POLICIES
     default = registry["default"]
     base = getattr(vllm_policy, "AbstractEplbPolicy", None)
     cls = make_policy(variant, base)
-    if "old_global_expert_indices" not in inspect.signature(default.rebalance_experts).parameters:
+    if returns_tuple(default):
         cls = _tuple_returning(cls)
     registry["default"] = cls
+
+
+def returns_tuple(default: Any) -> bool:
+    """Whether vLLM's default policy returns ``(phy2log, log2phy, logcnt)`` rather than ``phy2log`` alone: from its
+    return annotation (a release takes ``old_global_expert_indices`` and still returns the three), else from its
+    parameters (releases without ``old_global_expert_indices`` return the three)."""
+    sig = inspect.signature(default.rebalance_experts)
+    ann = sig.return_annotation
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+    if ann is not inspect.Signature.empty:
+        if "tuple" in str(text).lower() or "Tuple" in repr(ann):
+            return True
+        if "Tensor" in str(text) or "Tensor" in repr(ann):
+            return False
+    return "old_global_expert_indices" not in sig.parameters
