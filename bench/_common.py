@@ -12,7 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ROOT", "esft_batches", "esft_folder", "esft_sequences", "fold_ranks", "machine", "median_seconds"]
+__all__ = [
+    "ROOT",
+    "batches_load",
+    "esft_batches",
+    "esft_folder",
+    "esft_from_args",
+    "esft_sequences",
+    "fold_ranks",
+    "machine",
+    "median_seconds",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,3 +96,30 @@ def esft_batches(seqs: list[np.ndarray], batch_tokens: int, gpus: int) -> list[t
     ids = np.concatenate(seqs)
     src = np.arange(batch_tokens) * gpus // batch_tokens
     return [(ids[i * batch_tokens:(i + 1) * batch_tokens], src) for i in range(len(ids) // batch_tokens)]
+
+
+def batches_load(parts: list[tuple[np.ndarray, np.ndarray]], num_experts: int):  # type: ignore[no-untyped-def]
+    """A token-level load from ``(topk_ids [T, L, K], src_gpu [T])`` batches, in order."""
+    from moebalance.core.load import LoadMatrix
+    from moebalance.core.trace import RoutingTrace
+
+    ids = np.concatenate([p[0] for p in parts])
+    src = np.concatenate([p[1] for p in parts])
+    batch = np.repeat(np.arange(len(parts)), [len(p[0]) for p in parts])
+    tr = RoutingTrace(ids, src, batch, num_experts=num_experts)
+    return LoadMatrix(tr.counts(), tr)
+
+
+def esft_from_args(doc: str, report: str) -> Path | None:
+    """``--esft DIR`` (default ``$MOEBALANCE_ESFT_DIR``) from the command line; ``None``, having said that
+    ``report`` is left as it is, when the ESFT files are not there."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--esft", type=Path,
+                        help="folder with law_topk.npz and translation_topk.npz (default: $MOEBALANCE_ESFT_DIR)")
+    folder = esft_folder(parser.parse_args().esft)
+    if folder is None:
+        print(f"{Path(sys.argv[0]).stem}: skipped, no ESFT routing (give --esft DIR or MOEBALANCE_ESFT_DIR); "
+              f"{report} left as it is")
+    return folder

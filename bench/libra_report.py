@@ -31,7 +31,6 @@ Writes docs/results/libra.md, libra_model.png, libra_esft.png. Run: .venv/bin/py
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import time
@@ -40,14 +39,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import ROOT, esft_batches, esft_folder, esft_sequences, machine, median_seconds
+from _common import (
+    ROOT,
+    batches_load,
+    esft_batches,
+    esft_from_args,
+    esft_sequences,
+    machine,
+    median_seconds,
+)
 
 from moebalance.algorithms.prefetch import prefetch
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.io import save_png
 from moebalance.core.load import LoadMatrix
-from moebalance.core.trace import RoutingTrace
 from moebalance.model.capture import capture
 from moebalance.model.data import DOMAINS, domain_tokens
 from moebalance.model.moe_lm import bundled_checkpoint, load_checkpoint
@@ -62,15 +68,6 @@ SEED = 0
 
 
 # ----- workloads ------------------------------------------------------------------------------------------------
-
-def _trace(parts: list[tuple[np.ndarray, np.ndarray]], num_experts: int) -> LoadMatrix:
-    """A load from ``(topk_ids [T, L, K], src_gpu [T])`` batches, in order."""
-    ids = np.concatenate([p[0] for p in parts])
-    src = np.concatenate([p[1] for p in parts])
-    batch = np.repeat(np.arange(len(parts)), [len(p[0]) for p in parts])
-    tr = RoutingTrace(ids, src, batch, num_experts=num_experts)
-    return LoadMatrix(tr.counts(), tr)
-
 
 def _batches(load: LoadMatrix) -> list[tuple[np.ndarray, np.ndarray]]:
     tr = load.trace
@@ -113,8 +110,8 @@ def model_workload() -> dict[str, Any]:
     parts, labels, hidden = _shifting(build, evals, np.random.default_rng(SEED), hid)
     E = model.config.num_experts
     assert hidden is not None
-    return {"model": model, "caps": caps, "load": _trace(parts, E), "labels": labels,
-            "hidden": np.concatenate(hidden), "build": _trace([b for d in DOMAINS for b in build[d]], E),
+    return {"model": model, "caps": caps, "load": batches_load(parts, E), "labels": labels,
+            "hidden": np.concatenate(hidden), "build": batches_load([b for d in DOMAINS for b in build[d]], E),
             "domains": DOMAINS}
 
 
@@ -127,8 +124,8 @@ def esft_workload(folder: Path) -> dict[str, Any]:
         build[t], evals[t] = esft_batches(seqs[:k], ESFT_BATCH, G), esft_batches(seqs[k:], ESFT_BATCH, G)
     parts, labels, _ = _shifting(build, evals, np.random.default_rng(SEED))
     E = 64
-    return {"load": _trace(parts, E), "labels": labels, "build": _trace([b for t in tasks for b in build[t]], E),
-            "evals": {t: _trace(evals[t], E) for t in tasks}, "domains": tasks,
+    return {"load": batches_load(parts, E), "labels": labels, "build": batches_load([b for t in tasks for b in build[t]], E),
+            "evals": {t: batches_load(evals[t], E) for t in tasks}, "domains": tasks,
             "tokens": {t: sum(len(b[0]) for b in build[t] + evals[t]) for t in tasks}}
 
 
@@ -269,16 +266,9 @@ def _router_note(lm: dict[str, OnlineResult], es: dict[str, OnlineResult]) -> li
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--esft", type=Path,
-                        help="folder with law_topk.npz and translation_topk.npz (default: $MOEBALANCE_ESFT_DIR)")
-    args = parser.parse_args()
-    folder = esft_folder(args.esft)
+    folder = esft_from_args(__doc__, "docs/results/libra.md")
     if folder is None:
-        print("libra_report: skipped, no ESFT routing (give --esft DIR or MOEBALANCE_ESFT_DIR); "
-              "docs/results/libra.md left as it is")
         return
-    args.esft = folder
     t0 = time.perf_counter()
     res = ROOT / "docs" / "results"
     record = json.loads(bundled_checkpoint(CHECKPOINT).with_suffix(".json").read_text())
@@ -291,7 +281,7 @@ def main() -> None:
     _plot(lm_runs, lm["labels"], "moe_lm_8x32 (8 MoE layers x 32 experts, top-4), code and prose batches shuffled, "
                                  "1 x 8 GPUs, n = 2", res / "libra_model.png")
 
-    es = esft_workload(args.esft)
+    es = esft_workload(folder)
     es_acc = accuracy_table(es["evals"], es["build"], None, None)
     es_runs = online_runs(es, "path", 4, None, None)
     _plot(es_runs, es["labels"], "DeepSeek-V2-Lite routing (ESFT law and translation), batches shuffled, 1 x 8 GPUs, "

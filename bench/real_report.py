@@ -19,19 +19,15 @@ ESFT files are described in docs/results/libra.md). Without them the script says
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from _common import ROOT, esft_batches, esft_folder, esft_sequences, machine
+from _common import ROOT, batches_load, esft_batches, esft_from_args, esft_sequences, machine
 
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
-from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
-from moebalance.core.trace import RoutingTrace
 from moebalance.engines import read_any_load
 from moebalance.online.replay import replay
 from moebalance.policies import make_plan
@@ -40,14 +36,6 @@ from moebalance.routing.simulate import evaluate
 SGLANG = ROOT / "tests" / "data" / "sglang-deepseek-v3"
 BATCH = 512
 MOETUNER_LIMIT = 20.0  # seconds per MILP: the 61 x 256 model does not prove optimality quickly
-
-
-def _load(parts: list[tuple[np.ndarray, np.ndarray]], E: int) -> LoadMatrix:
-    ids = np.concatenate([p[0] for p in parts])
-    src = np.concatenate([p[1] for p in parts])
-    batch = np.repeat(np.arange(len(parts)), [len(p[0]) for p in parts])
-    tr = RoutingTrace(ids, src, batch, num_experts=E)
-    return LoadMatrix(tr.counts(), tr)
 
 
 def sglang_section(results: dict[tuple[str, str], dict[Any, float]]) -> tuple[list[str], float]:
@@ -90,8 +78,8 @@ def esft_section(folder: Path, results: dict[tuple[str, str], dict[Any, float]],
         half = len(seqs) // 2
         plan_part[t] = esft_batches(seqs[:half], BATCH, G)
         score_part[t] = esft_batches(seqs[half:], BATCH, G)
-    loads = {t: _load(plan_part[t], E) for t in tasks}
-    scores = {t: _load(score_part[t], E) for t in tasks}
+    loads = {t: batches_load(plan_part[t], E) for t in tasks}
+    scores = {t: batches_load(score_part[t], E) for t in tasks}
     slots, plain = Budget(slots_per_gpu=9), Budget(slots_per_gpu=8)
     policies: list[tuple[str, str, Budget, dict[str, Any]]] = [
         ("contiguous", "contiguous", plain, {}), ("greedy", "greedy", plain, {}),
@@ -119,7 +107,7 @@ def esft_section(folder: Path, results: dict[tuple[str, str], dict[Any, float]],
     for predictor in ("path", "oracle"):  # Libra: base and path table from the planning task, then one batch at a time
         cells = []
         for a, b in cols:
-            both = _load(plan_part[a] + score_part[b], E)
+            both = batches_load(plan_part[a] + score_part[b], E)
             res = replay(both, cluster, plain, "libra", {"predictor": predictor, "n": 4, "base": "contiguous"},
                          warmup=(0, len(plan_part[a])))
             cells.append(f"{res.balancedness:.3f}")
@@ -133,14 +121,8 @@ def esft_section(folder: Path, results: dict[tuple[str, str], dict[Any, float]],
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--esft", type=Path, help="folder with law_topk.npz and translation_topk.npz "
-                                                  "(default: $MOEBALANCE_ESFT_DIR)")
-    args = parser.parse_args()
-    folder = esft_folder(args.esft)
+    folder = esft_from_args(__doc__, "docs/results/real.md")
     if folder is None:
-        print("real_report: skipped, no ESFT routing (give --esft DIR or MOEBALANCE_ESFT_DIR); "
-              "docs/results/real.md left as it is")
         return
     t0 = time.perf_counter()
     sg_r: dict[tuple[str, str], dict[Any, float]] = {}
