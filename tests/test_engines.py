@@ -332,19 +332,21 @@ def test_compare_scores_an_engine_placement_as_a_baseline(tmp_path: Path, capsys
                 "--slots-per-gpu", 5, "--baseline", tmp_path / "init.json"], capsys, "12 physical slots do not split evenly")
 
 
-def write_pass_dumps(folder: Path, per_rank: list[dict[int, np.ndarray]], phy2log: np.ndarray,
+def write_pass_dumps(folder: Path, per_rank: list[dict[int, Any]], phy2log: np.ndarray,
                      per_token: bool = False) -> None:
     """As SGLang's per_pass / per_token recorder writes them: one file per rank, a record per forward pass with
     this rank's physical-slot counts ``int32 [L, P]`` (per_token adds physical top-k ids padded to 8 with -1)."""
     folder.mkdir()
     for rank, passes in enumerate(per_rank):
         records = []
-        for fid, phys in passes.items():
+        for fid, item in passes.items():
+            phys, topk = item if per_token else (item, None)  # per_token: (counts, topk ids [L, T, 8])
             rec: dict[str, Any] = {"forward_pass_id": fid, "rank": rank, "gatherer_key": "primary",
                                    "global_physical_count": torch.from_numpy(phys.astype(np.int32))}
-            if per_token:
-                rec.update(input_ids=[1, 2, 3], positions=[0, 1, 2], extend_seq_lens=[3], forward_mode=1,
-                           topk_ids_of_layer=torch.full((phys.shape[0], 3, 8), -1, dtype=torch.int32), misc_objects=[])
+            if topk is not None:
+                T = topk.shape[1]
+                rec.update(input_ids=list(range(T)), positions=list(range(T)), extend_seq_lens=[T], forward_mode=1,
+                           topk_ids_of_layer=torch.from_numpy(topk.astype(np.int32)), misc_objects=[])
             records.append(rec)
         torch.save({"records": records, "last_physical_to_logical_map": torch.from_numpy(phy2log)},
                    folder / f"expert_distribution_recorder_1719999999.123_{rank}.pt")
@@ -356,7 +358,7 @@ def test_sglang_per_pass_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str
     rng = np.random.default_rng(12)
     per_rank = [{fid: rng.integers(0, 20, size=(L, P)) * (np.arange(L)[:, None] >= 2) for fid in (7, 8, 9)}
                 for _ in range(2)]
-    for per_token in (False, True):
+    for per_token in (False,):
         folder = tmp_path / f"dumps{int(per_token)}"
         write_pass_dumps(folder, per_rank, phy2log, per_token)
         load = read_any_load(folder)
@@ -499,3 +501,31 @@ def test_duplicate_baseline_names_and_dense_layers_from_the_whole_load(tmp_path:
     user_error(["compare", "--load", counts, "--policies", "greedy", "--nodes", 1, "--gpus-per-node", 2,
                 "--slots-per-gpu", 5, "--baseline", tmp_path / "a" / "x.json", "--baseline", tmp_path / "b" / "x.json"],
                capsys, "two --baseline files are named 'x.json'")
+
+
+def test_sglang_per_token_dumps_are_a_token_level_trace(tmp_path: Path) -> None:
+    P, K, T = E + 2, 2, 5
+    phy2log = np.tile(np.concatenate([np.arange(E), [3, 5]]), (L, 1)).astype(np.int64)
+    rng = np.random.default_rng(16)
+    per_rank, truth = [], {}
+    for rank in range(2):
+        passes = {}
+        for fid in (4, 5):
+            topk = np.full((L, T, 8), -1, dtype=np.int64)  # SGLang pads to 8; dense layers 0-1 never written
+            for layer in range(2, L):
+                for t in range(T):  # K distinct logical experts, each served by one of its physical copies
+                    for j, e in enumerate(rng.choice(E, size=K, replace=False)):
+                        topk[layer, t, j] = rng.choice(np.flatnonzero(phy2log[layer] == e))
+            phys = np.zeros((L, P), dtype=np.int64)
+            np.add.at(phys, (np.repeat(np.arange(L), T * K), np.clip(topk[:, :, :K], 0, None).ravel()),
+                      (topk[:, :, :K] >= 0).ravel())
+            passes[fid] = (phys, topk)
+            truth[fid, rank] = phy2log[0][topk[2:, :, :K]].transpose(1, 0, 2)  # logical ids [T, 3, K]
+        per_rank.append(passes)
+    write_pass_dumps(tmp_path / "tok", per_rank, phy2log, per_token=True)
+    load = read_any_load(tmp_path / "tok")
+    tr = load.trace
+    assert tr is not None and load.layer_ids is not None and load.layer_ids.tolist() == [2, 3, 4]
+    assert tr.batch.tolist() == [0] * 10 + [1] * 10 and tr.src_gpu.tolist() == ([0] * 5 + [1] * 5) * 2
+    want = np.concatenate([truth[4, 0], truth[4, 1], truth[5, 0], truth[5, 1]])
+    assert np.array_equal(tr.topk_ids, want)

@@ -27,7 +27,10 @@ docs/formats.md has the field-by-field account):
 Reading a stat dump keeps the dense layers as zero rows (the model's numbering) and drops the all-zero passes.
 A folder of per-pass or per-token dumps is read as counts: each pass's physical counts mapped to logical experts
 with the dump's map (the map at dump time: a rebalance while recording would mix maps) and summed over ranks, one
-batch per forward pass. (The per-token ids are not yet read as a token-level trace.)
+batch per forward pass. When every record carries ``topk_ids_of_layer`` (per_token mode), the folder is read as a
+token-level trace instead: one batch per forward pass, source GPU = rank, tokens rank-major, physical ids mapped to
+logical experts, the ``-1`` padding beyond ``k`` dropped, and dense layers (no pick at all) left out with the
+model's layer ids kept (``LoadMatrix.layer_ids``).
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
                          "expert_distribution_recorder_*_{rank}.pt per rank")
     maps: list[np.ndarray] = []
     passes: list[dict[int, np.ndarray]] = []
+    picks: list[dict[int, np.ndarray]] = []  # per_token mode: each pass's physical top-k ids [L, tokens, 8]
     for f in files:
         doc = read_torch(f)
         if not isinstance(doc, dict) or "records" not in doc or "last_physical_to_logical_map" not in doc:
@@ -144,6 +148,7 @@ def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
                              f"{m.dtype} {m.shape}")
         maps.append(m.astype(np.int64))
         got: dict[int, np.ndarray] = {}
+        ids_of: dict[int, np.ndarray] = {}
         if not isinstance(doc["records"], list):
             raise InputError(f"{str(f)!r}: 'records' must be a list of per-pass records")
         for rec in doc["records"]:
@@ -154,7 +159,15 @@ def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
                 raise InputError(f"{str(f)!r}: global_physical_count has shape {c.shape} but the map {m.shape}; "
                                  "both are [L, P]")
             got[int(rec["forward_pass_id"])] = check_counts(c[None], "global_physical_count")[0]
+            if "topk_ids_of_layer" in rec:
+                t = _array(rec["topk_ids_of_layer"], "topk_ids_of_layer", str(f))
+                if t.ndim != 3 or t.shape[0] != m.shape[0] or t.dtype.kind not in "iu" or (t < -1).any() \
+                        or (t >= m.shape[1]).any():
+                    raise InputError(f"{str(f)!r}: topk_ids_of_layer must be physical slot ids [L, tokens, 8] "
+                                     f"(-1 padded), got {t.dtype} {t.shape}")
+                ids_of[int(rec["forward_pass_id"])] = t.astype(np.int64)
         passes.append(got)
+        picks.append(ids_of)
     for f, m in zip(files[1:], maps[1:], strict=True):
         if m.shape != maps[0].shape or not np.array_equal(m, maps[0]):
             raise InputError(f"the ranks disagree: {f.name} and {files[0].name} hold different "
@@ -169,12 +182,44 @@ def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
     m = maps[0]
     L, P = m.shape
     E = int(m.max()) + 1
+    if all(len(ids_of) == len(ids) for ids_of in picks):
+        return _token_level(picks, ids, m, E, str(d))
     counts = np.zeros((len(ids), L, E), dtype=np.int64)
     rows = np.repeat(np.arange(L), P)
     for got in passes:
         for b, fid in enumerate(ids):
             np.add.at(counts[b], (rows, m.ravel()), got[fid].ravel())
     return LoadMatrix(counts)
+
+
+def _token_level(picks: list[dict[int, np.ndarray]], passes: list[int], m: np.ndarray, E: int,
+                 source: str) -> LoadMatrix:
+    """The per_token dumps as a token-level trace: batch = forward pass, source GPU = rank, tokens rank-major within
+    a pass; physical ids mapped to logical experts; layers without picks (dense: all -1) left out, the model's
+    layer ids kept."""
+    from moebalance.core.trace import RoutingTrace
+
+    parts, src, batch = [], [], []
+    for b, fid in enumerate(passes):
+        for rank, ids_of in enumerate(picks):
+            t = ids_of[fid]  # [L, T, 8]
+            parts.append(t.transpose(1, 0, 2))
+            src.append(np.full(t.shape[1], rank))
+            batch.append(np.full(t.shape[1], b))
+    phys = np.concatenate(parts)  # [N, L, 8]
+    used = (phys >= 0).any(axis=(0, 2))
+    keep = np.flatnonzero(used)
+    if keep.size == 0:
+        raise InputError(f"{source}: topk_ids_of_layer holds no pick in any layer")
+    k = (phys[:, keep] >= 0).sum(axis=2)
+    K = int(k.max()) if k.size else 0
+    if k.size and (k != K).any():
+        raise InputError(f"{source}: tokens pick different numbers of experts ({int(k.min())} to {K}) in the MoE layers")
+    phys = phys[:, keep, :K]
+    logical = m[keep][np.arange(keep.size)[None, :, None], phys]  # [N, L', K]: each slot's logical expert
+    trace = RoutingTrace(logical, np.concatenate(src), np.concatenate(batch), num_experts=E,
+                         num_batches=len(passes))
+    return LoadMatrix(trace.counts(), trace, None, keep if keep.size < m.shape[0] else None)
 
 
 def plan_from_map(phy2log: np.ndarray, cluster: Cluster, num_experts: int | None = None,
