@@ -57,7 +57,7 @@ from moebalance.core.load import LoadMatrix
 from moebalance.model.capture import capture
 from moebalance.model.data import DOMAINS, domain_tokens
 from moebalance.model.moe_lm import bundled_checkpoint, load_checkpoint
-from moebalance.online.predictors import accuracy, make_predictor
+from moebalance.online.predictors import AccuracyTally, make_predictor
 from moebalance.online.replay import OnlineResult, replay
 
 CHECKPOINT = "moe_lm_8x32.safetensors"
@@ -148,14 +148,13 @@ def accuracy_table(evals: dict[str, LoadMatrix], build: LoadMatrix, hidden: dict
             name = label.split()[0]
             p = make_predictor(name, build=[build.trace], hidden=None if hidden is None else hidden[d], model=model,
                                **kw)
-            total, n = 0.0, 0
+            tally = AccuracyTally(tr.num_layers)
             for b in range(tr.num_batches):
                 lo, hi = np.searchsorted(tr.batch, [b, b + 1])
-                a = accuracy(p.predict(tr, b, G), tr.topk_ids[lo:hi])
-                ok = np.isfinite(a)
-                total += float(a[ok].sum()) * (hi - lo)
-                n += int(ok.sum()) * (hi - lo)
-            rows.setdefault(label, {})[d] = total / n
+                tally.add(p.predict(tr, b, G), tr.topk_ids[lo:hi])
+            overall = tally.overall()
+            assert overall is not None
+            rows.setdefault(label, {})[d] = overall
     return rows
 
 

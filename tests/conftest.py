@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 from moebalance.models import ModelSpec
@@ -35,3 +38,32 @@ def tiny_model_spec(**changes: object) -> ModelSpec:
                                      num_groups=1, source="https://example.org/config.json")
     fields.update(changes)
     return ModelSpec(**fields)  # type: ignore[arg-type]
+
+
+def run_cli(argv: Sequence[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``(exit code, stdout, stderr)`` of ``moebalance argv`` in process; argparse's SystemExit counts as the exit
+    code."""
+    from moebalance.app.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse reports its errors by raising SystemExit(2)
+        rc = 0 if exc.code is None else exc.code  # type: ignore[assignment]
+    captured = capsys.readouterr()
+    return int(rc), captured.out, captured.err
+
+
+def assert_user_error(argv: Sequence[Any], capsys: pytest.CaptureFixture[str], *fragments: str) -> str:
+    """A user mistake: exit code 2, nothing on stdout, exactly one stderr line ``moebalance: error: ...`` holding
+    every fragment, no traceback. Returns the line."""
+    rc, out, err = run_cli(argv, capsys)
+    assert "Traceback" not in err, err
+    assert not out, out
+    lines = err.strip().splitlines()
+    assert rc == 2, f"exit code {rc}, stderr: {err!r}"
+    assert len(lines) == 1, f"expected exactly one stderr line, got: {err!r}"
+    assert lines[0].startswith("moebalance: error:"), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
-from moebalance.app.cli import main
 from moebalance.core.plan import read_plan
 
 L, E, K, B, TOKENS = 3, 16, 2, 4, 32
@@ -31,17 +31,6 @@ CLUSTER = ["--nodes", str(NODES), "--gpus-per-node", str(GPN)]
 
 
 # ----- helpers -------------------------------------------------------------------------------------------------
-
-def run_cli(argv: Sequence[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``(exit code, stdout, stderr)`` of ``moebalance argv``; argparse's SystemExit counts as the exit code."""
-    capsys.readouterr()
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse reports its errors by raising SystemExit(2)
-        rc = 0 if exc.code is None else exc.code  # type: ignore[assignment]
-    captured = capsys.readouterr()
-    return int(rc), captured.out, captured.err
-
 
 def tree(root: Path) -> list[str]:
     """Every path under ``root`` (hidden temporary files included), relative and sorted."""

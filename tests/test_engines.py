@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import assert_user_error, run_cli
 from safetensors.numpy import save_file
 
-from moebalance.app.cli import main
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.load import LoadMatrix
@@ -40,24 +40,6 @@ def _counts(seed: int, batches: int = 4) -> np.ndarray:
     c = rng.integers(0, 50, size=(batches, L, E)) * (rng.random((1, 1, E)) < 0.8) + rng.integers(0, 3, (batches, L, E))
     c[:, list(DENSE)] = 0
     return c.astype(np.int64)
-
-
-def run_cli(argv: Sequence[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = 0 if exc.code is None else int(exc.code)
-    got = capsys.readouterr()
-    return rc, got.out, got.err
-
-
-def user_error(argv: Sequence[Any], capsys: pytest.CaptureFixture[str], fragment: str) -> None:
-    rc, out, err = run_cli(argv, capsys)
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("moebalance: error:"), err
-    assert "Traceback" not in err and not out
-    assert fragment in lines[0], lines[0]
 
 
 # ---------------------------------------------------------------------------------------------------------- SGLang
@@ -147,12 +129,12 @@ def test_sglang_bad_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
                            ("shape.pt", "logical_count has shape (7,)"), ("neg.pt", "logical_count"),
                            ("trunc.pt", "is not a torch.save file"), ("ragged.json", "not a rectangular array"),
                            ("place.json", "is an SGLang placement")):
-        user_error(["stats", "--load", tmp_path / name], capsys, fragment)
+        assert_user_error(["stats", "--load", tmp_path / name], capsys, fragment)
     counts = tmp_path / "c.npy"
     np.save(counts, _counts(2))
     (tmp_path / "p.json").write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 3, 4, 5, 6]] * L}))
-    user_error(["evaluate", "--plan", tmp_path / "p.json", "--load", counts], capsys, "give --nodes and --gpus-per-node")
-    user_error(["evaluate", "--plan", tmp_path / "p.json", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+    assert_user_error(["evaluate", "--plan", tmp_path / "p.json", "--load", counts], capsys, "give --nodes and --gpus-per-node")
+    assert_user_error(["evaluate", "--plan", tmp_path / "p.json", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
                capsys, "7 physical slots do not split evenly over 2 GPUs")
 
 
@@ -182,18 +164,18 @@ def test_trtllm_bad_statistics(tmp_path: Path, capsys: pytest.CaptureFixture[str
     a = _counts(5, 2)
     write_statistics(tmp_path / "disagree", [a, a], range(2), [2, 3, 4])
     save_file({"0_2": a[0, 2]}, str(tmp_path / "disagree" / "rank1.safetensors"))
-    user_error(["stats", "--load", tmp_path / "disagree"], capsys, "the ranks disagree")
+    assert_user_error(["stats", "--load", tmp_path / "disagree"], capsys, "the ranks disagree")
     write_statistics(tmp_path / "key", [a], range(2), [2])
     save_file({"iteration0": a[0, 2]}, str(tmp_path / "key" / "rank0.safetensors"))
-    user_error(["stats", "--load", tmp_path / "key"], capsys, "has key 'iteration0'")
+    assert_user_error(["stats", "--load", tmp_path / "key"], capsys, "has key 'iteration0'")
     write_statistics(tmp_path / "shape", [a], range(2), [2])
     save_file({"0_2": np.zeros(3, np.int64)}, str(tmp_path / "shape" / "rank0.safetensors"))
-    user_error(["stats", "--load", tmp_path / "shape"], capsys, "has shape (3,)")
+    assert_user_error(["stats", "--load", tmp_path / "shape"], capsys, "has shape (3,)")
     (tmp_path / "meta").mkdir()
     (tmp_path / "meta" / "meta_info.json").write_text("{}")
-    user_error(["stats", "--load", tmp_path / "meta"], capsys, "num_experts")
+    assert_user_error(["stats", "--load", tmp_path / "meta"], capsys, "num_experts")
     (tmp_path / "empty").mkdir()
-    user_error(["stats", "--load", tmp_path / "empty"], capsys, "folder without meta_info.json")
+    assert_user_error(["stats", "--load", tmp_path / "empty"], capsys, "folder without meta_info.json")
 
 
 def test_trtllm_yaml_export_parses_and_reads_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -232,10 +214,10 @@ def test_trtllm_bad_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
              "layer.yaml": ({"num_slots": 8, "initial_global_assignments": {9: list(range(8))}}, "places layer 9")}
     for name, (doc, fragment) in cases.items():
         (tmp_path / name).write_text(yaml.safe_dump(doc))
-        user_error(["evaluate", "--plan", tmp_path / name, "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+        assert_user_error(["evaluate", "--plan", tmp_path / name, "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
                    capsys, fragment)
     (tmp_path / "broken.yaml").write_text("num_slots: [1\n")
-    user_error(["evaluate", "--plan", tmp_path / "broken.yaml", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+    assert_user_error(["evaluate", "--plan", tmp_path / "broken.yaml", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
                capsys, "cannot read")
 
 
@@ -285,10 +267,10 @@ def test_unequal_slots_are_refused_or_padded(tmp_path: Path, capsys: pytest.Capt
     plan_path, npy = tmp_path / "craft.json", tmp_path / "c.npy"
     write_plan(plan_path, plan)
     np.save(npy, counts)
-    user_error(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "x.json"], capsys,
+    assert_user_error(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "x.json"], capsys,
                "give --pad")
     assert not (tmp_path / "x.json").exists()
-    user_error(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "x.json", "--pad"], capsys,
+    assert_user_error(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "x.json", "--pad"], capsys,
                "--pad needs --load")
     rc, _, err = run_cli(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "x.json", "--pad",
                           "--load", npy], capsys)
@@ -328,7 +310,7 @@ def test_compare_scores_an_engine_placement_as_a_baseline(tmp_path: Path, capsys
     want = round(evaluate(read_plan(plan_path), held_out).balancedness, 6)
     assert rows["baseline init.json"]["balancedness"] == rows["baseline lb.yaml"]["balancedness"] == want
     assert rows["baseline init.json"]["plan_seconds"] == 0
-    user_error(["compare", "--load", counts, "--policies", "greedy", "--nodes", 1, "--gpus-per-node", 5,
+    assert_user_error(["compare", "--load", counts, "--policies", "greedy", "--nodes", 1, "--gpus-per-node", 5,
                 "--slots-per-gpu", 5, "--baseline", tmp_path / "init.json"], capsys, "12 physical slots do not split evenly")
 
 
@@ -372,10 +354,10 @@ def test_sglang_per_pass_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert (load.counts[:, :2] == 0).all()  # dense layers: zero rows
     other = [per_rank[0], {7: per_rank[1][7]}]
     write_pass_dumps(tmp_path / "disagree", other, phy2log)
-    user_error(["stats", "--load", tmp_path / "disagree"], capsys, "record different forward passes")
+    assert_user_error(["stats", "--load", tmp_path / "disagree"], capsys, "record different forward passes")
     (tmp_path / "mixed").mkdir()
     torch.save({"logical_count": torch.zeros(1, L, E, dtype=torch.int32)}, tmp_path / "mixed" / "x.pt")
-    user_error(["stats", "--load", tmp_path / "mixed"], capsys, "give the file, not the folder")
+    assert_user_error(["stats", "--load", tmp_path / "mixed"], capsys, "give the file, not the folder")
 
 
 def vllm_response(*requests: np.ndarray) -> dict[str, Any]:
@@ -450,36 +432,36 @@ def test_vllm_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     (tmp_path / "shapes.json").write_text(json.dumps(vllm_response(_routed(1, 2), _routed(2, 2)[:, :3])))
     for name, fragment in (("nob64.json", "not base64"), ("none.json", "--enable-return-routed-experts"),
                            ("shapes.json", "disagree on [layers, top-k]")):
-        user_error(["stats", "--load", tmp_path / name, "--format", "vllm"], capsys, fragment)
+        assert_user_error(["stats", "--load", tmp_path / name, "--format", "vllm"], capsys, fragment)
 
 
 def test_review_cases_fail_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     counts = tmp_path / "c.npy"
     np.save(counts, _counts(13))
     (tmp_path / "strings.json").write_text(json.dumps({"physical_to_logical_map": [["a"] * 8] * L}))
-    user_error(["evaluate", "--plan", tmp_path / "strings.json", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+    assert_user_error(["evaluate", "--plan", tmp_path / "strings.json", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
                capsys, "must hold numbers")
     (tmp_path / "text.pt").write_text("not a torch file at all")
-    user_error(["stats", "--load", tmp_path / "text.pt"], capsys, "is not a torch.save file")
+    assert_user_error(["stats", "--load", tmp_path / "text.pt"], capsys, "is not a torch.save file")
     (tmp_path / "lc.json").write_text(json.dumps({"logical_count": [[1] * E] * L}))
-    user_error(["evaluate", "--plan", tmp_path / "lc.json", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+    assert_user_error(["evaluate", "--plan", tmp_path / "lc.json", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
                capsys, "is an SGLang load (logical_count), not a placement")
     (tmp_path / "dumps").mkdir()
     torch.save({"records": 5, "last_physical_to_logical_map": torch.zeros(L, E, dtype=torch.int64)},
                tmp_path / "dumps" / "x_0.pt")
-    user_error(["stats", "--load", tmp_path / "dumps"], capsys, "'records' must be a list")
+    assert_user_error(["stats", "--load", tmp_path / "dumps"], capsys, "'records' must be a list")
     # TensorRT-LLM: a MoE layer (one with load) left out, booleans as ids, iterations with gaps
     (tmp_path / "partial.yaml").write_text(yaml.safe_dump({"num_slots": 8, "initial_global_assignments":
                                                            {2: list(range(8)), 3: list(range(8))}}))
-    user_error(["evaluate", "--plan", tmp_path / "partial.yaml", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+    assert_user_error(["evaluate", "--plan", tmp_path / "partial.yaml", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
                capsys, "does not place layer 4, which carries load")
     (tmp_path / "bools.yaml").write_text(yaml.safe_dump({"num_slots": 2, "initial_global_assignments":
                                                          {2: [True, False]}}))
-    user_error(["evaluate", "--plan", tmp_path / "bools.yaml", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
+    assert_user_error(["evaluate", "--plan", tmp_path / "bools.yaml", "--load", counts, "--nodes", 1, "--gpus-per-node", 2],
                capsys, "non-negative expert ids")
     a = _counts(14, 3)
     write_statistics(tmp_path / "gaps", [a], (0, 1, 5), [2, 3, 4])
-    user_error(["stats", "--load", tmp_path / "gaps"], capsys, "with gaps")
+    assert_user_error(["stats", "--load", tmp_path / "gaps"], capsys, "with gaps")
 
 
 def test_duplicate_baseline_names_and_dense_layers_from_the_whole_load(tmp_path: Path,
@@ -498,7 +480,7 @@ def test_duplicate_baseline_names_and_dense_layers_from_the_whole_load(tmp_path:
         (tmp_path / d).mkdir()
         assert run_cli(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / d / "x.json"],
                        capsys)[0] == 0
-    user_error(["compare", "--load", counts, "--policies", "greedy", "--nodes", 1, "--gpus-per-node", 2,
+    assert_user_error(["compare", "--load", counts, "--policies", "greedy", "--nodes", 1, "--gpus-per-node", 2,
                 "--slots-per-gpu", 5, "--baseline", tmp_path / "a" / "x.json", "--baseline", tmp_path / "b" / "x.json"],
                capsys, "two --baseline files are named 'x.json'")
 

@@ -9,15 +9,15 @@ Distributed tests launch real gloo process groups (:func:`moebalance.runtime.lau
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 
-from moebalance.app.cli import main
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix, read_load
 from moebalance.core.plan import Placement, write_plan
@@ -243,28 +243,18 @@ def test_train_command_writes_checkpoint_json_and_plot(tmp_path: Path) -> None:
 
 # ----- the command line -------------------------------------------------------------------------------------
 
-def _cli(argv: Sequence[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = 0 if exc.code is None else int(exc.code)
-    got = capsys.readouterr()
-    return rc, got.out, got.err
-
-
 def test_capture_plan_run_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "code.npz"
-    rc, out, err = _cli(["capture", "--domain", "code", "--tokens", 2048, "--gpus", 2, "--batch-tokens", 1024,
+    rc, out, err = run_cli(["capture", "--domain", "code", "--tokens", 2048, "--gpus", 2, "--batch-tokens", 1024,
                          "--out", trace], capsys)
     assert rc == 0, err
     assert read_load(trace).trace is not None
     plan = tmp_path / "plan.json"
-    rc, _, err = _cli(["plan", "--load", trace, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2,
+    rc, _, err = run_cli(["plan", "--load", trace, "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2,
                        "--slots-per-gpu", 17, "--out", plan], capsys)  # the default capture model: 32 experts
     assert rc == 0, err
     for router in (["random"], ["rebalance", "--router-set", "eps=0.01", "--two-stage"]):
-        rc, out, err = _cli(["run", "--world-size", 2, "--plan", plan, "--domain", "prose", "--tokens", RUN_TOKENS,
+        rc, out, err = run_cli(["run", "--world-size", 2, "--plan", plan, "--domain", "prose", "--tokens", RUN_TOKENS,
                              "--batch-tokens", RUN_BATCH, "--router", *router, "--json"], capsys)
         assert rc == 0, err
         doc = json.loads(out)
@@ -296,7 +286,7 @@ def test_run_command_rejects_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFi
             (["run", "--world-size", 4, "--plan", four, "--domain", "prose", "--tokens", 10**6], "--tokens"),
             (["capture", "--domain", "code", "--tokens", 1000, "--gpus", 2, "--batch-tokens", 1000, "--out",
               tmp_path / "x.npz"], "multiple of the sequence length")):
-        rc, _, err = _cli(argv, capsys)
+        rc, _, err = run_cli(argv, capsys)
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and lines[0].startswith("moebalance: error:"), err
         assert fragment in lines[0], lines[0]

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import assert_user_error, run_cli
 
-from moebalance.app.cli import main
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
@@ -650,34 +650,10 @@ NODES, GPN = 2, 2
 CLUSTER = ["--nodes", str(NODES), "--gpus-per-node", str(GPN)]
 
 
-def run_cli(argv: Sequence[Any], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``(exit code, stdout, stderr)`` of ``moebalance argv``; argparse's SystemExit counts as the exit code."""
-    capsys.readouterr()
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = 0 if exc.code is None else exc.code  # type: ignore[assignment]
-    captured = capsys.readouterr()
-    return int(rc), captured.out, captured.err
-
-
 def run_json(argv: Sequence[Any], capsys: pytest.CaptureFixture[str]) -> Any:
     rc, out, err = run_cli([*argv, "--json"], capsys)
     assert rc == 0, err
     return json.loads(out)
-
-
-def assert_user_error(argv: Sequence[Any], capsys: pytest.CaptureFixture[str], *fragments: str) -> str:
-    rc, out, err = run_cli(argv, capsys)
-    assert "Traceback" not in err, err
-    assert not out, out
-    lines = err.strip().splitlines()
-    assert rc == 2, f"exit code {rc}, stderr: {err!r}"
-    assert len(lines) == 1, f"expected exactly one stderr line, got: {err!r}"
-    assert lines[0].startswith("moebalance: error:"), lines[0]
-    for fragment in fragments:
-        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
-    return lines[0]
 
 
 def _write_trace(path: Path, seed: int) -> Path:

@@ -69,8 +69,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     from moebalance.engines.vllm import write_map
 
     suffix = EXPORT_FORMATS[args.format]
-    dest = _check_out(args.out, suffix) if args.format != "trtllm" or not args.out.endswith(".yml") else \
-        _check_out(args.out, ".yml")
+    dest = _check_out(args.out, ".yml" if args.format == "trtllm" and args.out.endswith(".yml") else suffix)
     plan = read_plan(args.plan)
     note = None
     if args.pad:

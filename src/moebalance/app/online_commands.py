@@ -73,7 +73,7 @@ def _builds(paths: Sequence[str] | None) -> list[LoadMatrix]:
 # ----- predict -------------------------------------------------------------------------------------------------
 
 def cmd_predict(args: argparse.Namespace) -> None:
-    from moebalance.online.predictors import PREDICTORS, accuracy, make_predictor
+    from moebalance.online.predictors import PREDICTORS, AccuracyTally, make_predictor
 
     if args.predictor not in PREDICTORS:
         raise InputError(f"unknown predictor {args.predictor!r}; choose one of: {', '.join(PREDICTORS)}")
@@ -101,24 +101,19 @@ def cmd_predict(args: argparse.Namespace) -> None:
     predictor = make_predictor(args.predictor, build=[b.trace for b in builds if b.trace is not None], hidden=hidden,
                                model=model, **params)
     G = int(trace.src_gpu.max()) + 1 if trace.num_tokens else 1
-    L = load.num_layers
-    acc_sum, acc_n = np.zeros(L), np.zeros(L)
+    tally = AccuracyTally(load.num_layers)
     with _progress() as progress:
         task = progress.add_task(f"predict ({args.predictor})", total=stop - start)
         for b in range(start, stop):
-            pred = predictor.predict(trace, b, G)
             lo, hi = np.searchsorted(trace.batch, [b, b + 1], side="left")
-            per_layer = accuracy(pred, trace.topk_ids[lo:hi])
-            ok = np.isfinite(per_layer)
-            acc_sum[ok] += per_layer[ok] * (hi - lo)
-            acc_n[ok] += hi - lo
+            tally.add(predictor.predict(trace, b, G), trace.topk_ids[lo:hi])
             progress.advance(task)
-    if not acc_n.any():
+    overall = tally.overall()
+    if overall is None:
         raise InputError(f"the {args.predictor} predictor predicts nothing on batches {start}:{stop} (history needs "
                          "earlier batches; lookahead and path need two or more layers); give other --batches")
-    with np.errstate(invalid="ignore", divide="ignore"):
-        per_layer = np.where(acc_n > 0, acc_sum / np.where(acc_n > 0, acc_n, 1), np.nan)
-    overall = float((acc_sum.sum()) / acc_n.sum())
+    per_layer = tally.per_layer()
+    acc_n = tally.tokens
     doc: dict[str, Any] = {"predictor": args.predictor, **predictor.describe(), "accuracy": round(overall, 6),
                            "per_layer_accuracy": [None if not np.isfinite(v) else round(float(v), 6)
                                                   for v in per_layer],

@@ -43,7 +43,7 @@ import numpy as np
 from moebalance.core.errors import InputError
 from moebalance.core.trace import RoutingTrace
 
-__all__ = ["PREDICTORS", "HistoryPredictor", "LookaheadPredictor", "OraclePredictor", "PathPredictor",
+__all__ = ["PREDICTORS", "AccuracyTally", "HistoryPredictor", "LookaheadPredictor", "OraclePredictor", "PathPredictor",
            "Prediction", "Predictor", "accuracy", "demand_of", "make_predictor", "topk_accuracy"]
 
 #: Predictor names (the ``--predictor`` choices and ``libra``'s ``predictor`` option).
@@ -91,6 +91,33 @@ def accuracy(pred: Prediction, true_TLK: np.ndarray) -> np.ndarray:
     for layer in np.flatnonzero(pred.layers):
         out[layer] = float(topk_accuracy(pred.topk_ids[:, layer], true_TLK[:, layer]).mean())
     return out
+
+
+class AccuracyTally:
+    """Libra's accuracy accumulated over batches, token-weighted per layer.
+
+    Example: ``t = AccuracyTally(L); t.add(pred, true_ids)`` per batch, then ``t.per_layer()`` (nan where nothing
+    was predicted) and ``t.overall()`` (over every (token, layer) with a prediction, ``None`` if there is none).
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.total = np.zeros(num_layers)
+        #: ``[L]``: tokens with a prediction in each layer.
+        self.tokens = np.zeros(num_layers)
+
+    def add(self, pred: Prediction, true_TLK: np.ndarray) -> None:
+        per_layer = accuracy(pred, true_TLK)
+        ok = np.isfinite(per_layer)
+        n = true_TLK.shape[0]
+        self.total[ok] += per_layer[ok] * n
+        self.tokens[ok] += n
+
+    def per_layer(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.tokens > 0, self.total / np.where(self.tokens > 0, self.tokens, 1), np.nan)
+
+    def overall(self) -> float | None:
+        return float(self.total.sum() / self.tokens.sum()) if self.tokens.any() else None
 
 
 def _ranked_topk(scores_XE: np.ndarray, k: int) -> np.ndarray:

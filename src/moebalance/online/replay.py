@@ -23,6 +23,7 @@ balancedness ``mean_g / max_g`` (docs/design.md, "Metrics"); a batch's imbalance
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
-from moebalance.online.predictors import HistoryPredictor, Predictor, accuracy, make_predictor
+from moebalance.online.predictors import AccuracyTally, HistoryPredictor, Predictor, make_predictor
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES, make_plan
 from moebalance.policies.libra import LibraConfig, batch_plan, buffer_slots
 from moebalance.routing import Router, get_router
@@ -204,7 +205,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
     imb = np.full((d - c, L), np.nan)
     bal = np.full((d - c, L), np.nan)
     moved = np.zeros(d - c)
-    acc_sum, acc_n = np.zeros(L), np.zeros(L)
+    tally = AccuracyTally(L)
     for i, bt in enumerate(range(c, d)):
         if trace is not None and predictor is not None:
             pred = predictor.predict(trace, bt, G)
@@ -212,12 +213,8 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
             if not pred.layers.all():
                 prev = fallback.predict(trace, bt, G)
                 demand = np.where(pred.layers[:, None, None], demand, prev.demand)
-            rows = slice(*(int(x) for x in np.searchsorted(trace.batch, [bt, bt + 1], side="left")))
-            per_layer = accuracy(pred, trace.topk_ids[rows])
-            ok = np.isfinite(per_layer)
-            n = rows.stop - rows.start
-            acc_sum[ok] += per_layer[ok] * n
-            acc_n[ok] += n
+            lo, hi = (int(x) for x in np.searchsorted(trace.batch, [bt, bt + 1], side="left"))
+            tally.add(pred, trace.topk_ids[lo:hi])
         elif config.predictor == "oracle":
             demand = np.repeat(load.counts[bt][:, None, :] / G, G, axis=1).astype(float)
         else:
@@ -228,8 +225,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
         imb[i], bal[i] = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt)
         if progress is not None:
             progress(1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        per_layer_acc = np.where(acc_n > 0, acc_sum / np.where(acc_n > 0, acc_n, 1), np.nan)
+    per_layer_acc = tally.per_layer()
     slots = base.extra_replicas / G + buffer_slots(config)
     params = {**dataclasses.asdict(config), "phase1": config.phase1, "buffer_slots_per_gpu": buffer_slots(config),
               "base_extra_replicas": base.extra_replicas}
@@ -242,13 +238,10 @@ def _result(policy: str, router: Router, served: tuple[int, int], imb: np.ndarra
             slots: float, replans: int, acc: np.ndarray | None, params: dict[str, Any]) -> OnlineResult:
     if not np.isfinite(imb).any():
         raise InputError("the served batches carry no load in any layer; there is nothing to score")
-    with np.errstate(invalid="ignore"):
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            per_imb = np.nanmean(imb, axis=1)
-            per_bal = np.nanmean(bal, axis=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a batch whose layers all had no load: nan
+        per_imb = np.nanmean(imb, axis=1)
+        per_bal = np.nanmean(bal, axis=1)
     return OnlineResult(policy=policy, router=router.label, batches=np.arange(*served), per_batch_imbalance=per_imb,
                         per_batch_balancedness=per_bal, per_batch_moved=moved, replica_slots_per_gpu=float(slots),
                         replans=replans, per_layer_accuracy=acc, params=params,

@@ -20,7 +20,6 @@ static policy that places the homes, planned once on the warm-up batches under t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import numpy as np
 
@@ -77,7 +76,6 @@ class DynamicPolicy:
 
     name: str
     config: type[LibraConfig]
-    kind: ClassVar[str] = "dynamic"
 
 
 LIBRA = DynamicPolicy("libra", LibraConfig)
