@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import zipfile
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -138,7 +139,16 @@ class LoadMatrix:
                 f"batch range {start}:{stop} is empty; the load has {self.num_batches} batches (valid: 0:{self.num_batches})"
             )
         trace = None if self.trace is None else self.trace.select_batches(start, stop)
-        return LoadMatrix(self.counts[start:stop], trace, self.preset, self.layer_ids)
+        return LoadMatrix._checked(self.counts[start:stop], trace, self.preset, self.layer_ids)
+
+    @classmethod
+    def _checked(cls, counts: np.ndarray, trace: RoutingTrace | None, preset: str | None,
+                 layer_ids: np.ndarray | None) -> LoadMatrix:
+        """A load from parts of a validated one (a batch range): counts are not recounted from the trace."""
+        load = object.__new__(cls)
+        for name, value in (("counts", counts), ("trace", trace), ("preset", preset), ("layer_ids", layer_ids)):
+            object.__setattr__(load, name, value)
+        return load
 
     def split(self, train_frac: float) -> tuple[LoadMatrix, LoadMatrix]:
         """Split into (planning, held-out scoring) batches, the first ``train_frac`` for planning (CRAFT 5.1).
@@ -240,14 +250,88 @@ def read_load(path: str | os.PathLike[str]) -> LoadMatrix:
         if p.suffix == ".npy":
             arrays = {"counts": np.asarray(np.load(p, allow_pickle=False))}
         else:
-            with np.load(p, allow_pickle=False) as data:
-                arrays = {k: data[k] for k in data.files}
+            arrays = _read_npz(p)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as exc:
         raise InputError(f"cannot read {str(p)!r}: {_why(exc)}") from None
     except MemoryError:
         raise InputError(f"cannot read {str(p)!r}: its header claims an array larger than memory "
                          "(is the file damaged?)") from None
     return LoadMatrix.from_arrays(arrays, source=str(p))
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    """Every array of an ``.npz``; ``topk_ids`` read by :func:`_read_ids` (compact, in pieces or memory-mapped)."""
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {k: data[k] for k in data.files if k != "topk_ids"}
+        if "topk_ids" in data.files:
+            counts = arrays.get("counts")
+            num_experts = int(counts.shape[-1]) if counts is not None and counts.ndim in (2, 3) else None
+            arrays["topk_ids"] = _read_ids(path, data.zip, "topk_ids.npy", num_experts)
+    return arrays
+
+
+_CHUNK_BYTES = 1 << 26  # a wide id array is converted 64 MB of the file at a time
+
+
+def _read_ids(path: Path, zf: zipfile.ZipFile, member: str, num_experts: int | None) -> np.ndarray:
+    """The ``topk_ids`` member of an ``.npz`` without holding it in a wider type than the trace keeps.
+
+    - stored uncompressed (``numpy.savez``) as ``int16``/``int32``: memory-mapped, read-only, no copy;
+    - stored as 64-bit integers: converted piece by piece into the compact type of ``num_experts``
+      (:func:`moebalance.core.tally.id_dtype`; without ``counts`` in the file, ``E`` is the largest id + 1,
+      found in a first pass), so a large ``int64`` trace never sits in memory at full width;
+    - anything else: read as it is (``RoutingTrace`` then checks and converts it).
+    """
+    from moebalance.core.tally import id_dtype
+
+    info = zf.getinfo(member)
+    with zf.open(info) as fh:
+        version = np.lib.format.read_magic(fh)
+        if version not in ((1, 0), (2, 0)):
+            return _plain(zf, member)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(fh)
+        header_len = fh.tell()
+    if fortran or dtype.hasobject or dtype.kind not in "iu" or len(shape) != 3:
+        return _plain(zf, member)
+    native = dtype.newbyteorder("=") == dtype
+    if dtype.itemsize <= 4:
+        if info.compress_type == zipfile.ZIP_STORED and native and not info.flag_bits & 0x1:
+            with open(path, "rb") as raw:  # the member's data starts after its local header (fixed 30 bytes + names)
+                raw.seek(info.header_offset + 26)
+                name_len, extra_len = np.frombuffer(raw.read(4), dtype="<u2")
+            offset = info.header_offset + 30 + int(name_len) + int(extra_len) + header_len
+            return np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape))
+        return _plain(zf, member)
+    rows = max(1, _CHUNK_BYTES // max(1, dtype.itemsize * int(np.prod(shape[1:]))))
+
+    def pieces() -> Iterator[np.ndarray]:
+        with zf.open(info) as fh:
+            fh.seek(header_len)
+            for lo in range(0, shape[0], rows):
+                n = min(rows, shape[0] - lo)
+                yield np.frombuffer(fh.read(n * dtype.itemsize * int(np.prod(shape[1:]))), dtype=dtype).reshape(
+                    (n, *shape[1:]))
+
+    if num_experts is None:  # no counts to say E: the largest id says it
+        hi = max((int(piece.max()) for piece in pieces() if piece.size), default=0)
+        num_experts = hi + 1
+    target = id_dtype(max(1, num_experts))
+    lo_ok, hi_ok = np.iinfo(target).min, np.iinfo(target).max
+    out = np.empty(shape, dtype=target)
+    row = 0
+    for piece in pieces():
+        if piece.size and (int(piece.min()) < lo_ok or int(piece.max()) > hi_ok):
+            bad = int(piece.min()) if int(piece.min()) < lo_ok else int(piece.max())
+            raise InputError(f"{str(path)!r}: topk_ids holds expert id {bad}; ids must lie in [0, {num_experts})")
+        out[row:row + piece.shape[0]] = piece
+        row += piece.shape[0]
+    return out
+
+
+def _plain(zf: zipfile.ZipFile, member: str) -> np.ndarray:
+    with zf.open(member) as fh:
+        return np.asarray(np.lib.format.read_array(fh, allow_pickle=False))
 
 
 def _why(exc: BaseException) -> str:

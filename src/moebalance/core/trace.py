@@ -12,10 +12,12 @@ GRACE, the cross-layer transition counts ``[L-1, E, E]`` used by MoETuner, and t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from moebalance.core import tally
 from moebalance.core.errors import InputError
 
 __all__ = ["RoutingTrace"]
@@ -27,7 +29,7 @@ def _int_array(value: object, name: str, ndim: int) -> np.ndarray:
         raise InputError(f"{name} has dtype {arr.dtype}; it must hold integers (expert ids, ranks, batch ids)")
     if arr.ndim != ndim:
         raise InputError(f"{name} has shape {arr.shape}; expected {ndim} dimensions")
-    return arr.astype(np.int64, copy=False)
+    return arr
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +41,14 @@ class RoutingTrace:
         RoutingTrace(topk_ids=[[[0, 3]], [[3, 1]]], src_gpu=[0, 0], batch=[0, 0], num_experts=4)
 
     has ``counts() == [[[1, 1, 0, 2]]]``.
+
+    Expert ids are held compactly (``int16`` up to 32,767 experts, else ``int32``: a quarter or half of
+    ``int64``), and every statistic below is counted in one pass over the picks with no trace-sized
+    temporary (:mod:`moebalance.core.tally`), so memory grows with the trace only by the ids themselves.
     """
 
-    #: ``int64 [T, L, K]``: the experts token ``t`` picked in layer ``l`` (distinct within a token).
+    #: ``int16 | int32 [T, L, K]``: the experts token ``t`` picked in layer ``l`` (distinct within a token); the
+    #: dtype is :func:`moebalance.core.tally.id_dtype` of ``num_experts``, whatever integer type was given.
     topk_ids: np.ndarray
     #: ``int64 [T]``: the GPU (data-parallel rank) token ``t`` lives on.
     src_gpu: np.ndarray
@@ -54,8 +61,8 @@ class RoutingTrace:
 
     def __post_init__(self) -> None:
         topk = _int_array(self.topk_ids, "topk_ids", 3)
-        src = _int_array(self.src_gpu, "src_gpu", 1)
-        batch = _int_array(self.batch, "batch", 1)
+        src = _int_array(self.src_gpu, "src_gpu", 1).astype(np.int64, copy=False)
+        batch = _int_array(self.batch, "batch", 1).astype(np.int64, copy=False)
         num_tokens = topk.shape[0]
         if src.shape[0] != num_tokens or batch.shape[0] != num_tokens:
             raise InputError(
@@ -67,11 +74,9 @@ class RoutingTrace:
         num_experts = int(self.num_experts)
         if num_experts < 1:
             raise InputError(f"num_experts ({num_experts}) must be positive")
+        topk = tally.as_ids(topk.astype(np.int8) if topk.dtype == bool else topk, num_experts)
         if num_tokens:
-            lo, hi = int(topk.min()), int(topk.max())
-            if lo < 0 or hi >= num_experts:
-                bad = lo if lo < 0 else hi
-                raise InputError(f"topk_ids holds expert id {bad}; ids must lie in [0, {num_experts})")
+            tally.check_picks(topk, num_experts)
             if int(src.min()) < 0:
                 raise InputError(f"src_gpu holds rank {int(src.min())}; ranks must be >= 0")
             if int(batch.min()) < 0:
@@ -79,13 +84,7 @@ class RoutingTrace:
             if np.any(np.diff(batch) < 0):
                 first = int(np.argmax(np.diff(batch) < 0)) + 1
                 raise InputError(f"batch must be non-decreasing, but token {first} goes back to an earlier batch")
-            if topk.shape[2] > 1:
-                srt = np.sort(topk, axis=2)
-                dup = np.any(srt[:, :, 1:] == srt[:, :, :-1], axis=2)
-                if dup.any():
-                    t, layer = (int(i) for i in np.argwhere(dup)[0])
-                    raise InputError(f"token {t} picks the same expert twice in layer {layer}; top-k picks are distinct")
-        max_batch = int(batch.max()) + 1 if num_tokens else 0
+        max_batch = int(batch[-1]) + 1 if num_tokens else 0
         num_batches = max_batch if self.num_batches < 0 else int(self.num_batches)
         if num_batches < max_batch:
             raise InputError(f"batch holds id {max_batch - 1} but there are only {num_batches} batches")
@@ -94,6 +93,16 @@ class RoutingTrace:
         object.__setattr__(self, "batch", batch)
         object.__setattr__(self, "num_experts", num_experts)
         object.__setattr__(self, "num_batches", num_batches)
+
+    @classmethod
+    def _checked(cls, topk_ids: np.ndarray, src_gpu: np.ndarray, batch: np.ndarray, num_experts: int,
+                 num_batches: int) -> RoutingTrace:
+        """A trace from arrays already validated in these dtypes (a slice of a trace): no second check."""
+        trace = object.__new__(cls)
+        for name, value in (("topk_ids", topk_ids), ("src_gpu", src_gpu), ("batch", batch),
+                            ("num_experts", num_experts), ("num_batches", num_batches)):
+            object.__setattr__(trace, name, value)
+        return trace
 
     @property
     def num_tokens(self) -> int:
@@ -109,21 +118,14 @@ class RoutingTrace:
 
     def counts(self) -> np.ndarray:
         """``int64 [B, L, E]``: tokens routed to each expert of each layer in each batch."""
-        B, L, E = self.num_batches, self.num_layers, self.num_experts
-        layer = np.arange(L, dtype=np.int64)[None, :, None]
-        flat = (self.batch[:, None, None] * L + layer) * E + self.topk_ids
-        return np.bincount(flat.ravel(), minlength=B * L * E).reshape(B, L, E)
+        return tally.count_picks(self.topk_ids, self.batch, self.num_batches, self.num_experts)
 
     def coactivation(self) -> np.ndarray:
         """``int64 [L, E, E]``: ``A[l, i, j]`` tokens that picked both ``i`` and ``j`` in layer ``l``.
 
         The diagonal ``A[l, i, i]`` is expert ``i``'s load (GRACE Section 4.1's affinity before normalising).
         """
-        L, E = self.num_layers, self.num_experts
-        ids = self.topk_ids
-        layer = np.arange(L, dtype=np.int64)[None, :, None, None]
-        flat = (layer * E + ids[:, :, :, None]) * E + ids[:, :, None, :]
-        return np.bincount(flat.ravel(), minlength=L * E * E).reshape(L, E, E)
+        return tally.pair_counts(self.topk_ids, self.num_experts)
 
     def transitions(self) -> np.ndarray:
         """``int64 [L-1, E, E]``: ``R[l, i, j]`` (token, pick) pairs going from ``i`` in ``l`` to ``j`` in ``l+1``.
@@ -131,21 +133,12 @@ class RoutingTrace:
         A token that picked ``i`` in layer ``l`` and ``j`` in layer ``l + 1`` adds one to ``R[l, i, j]``
         (MoETuner Section 3's cross-layer routing dependency); each token adds ``K * K`` pairs per layer pair.
         """
-        L, E = self.num_layers, self.num_experts
-        if L < 2:
-            return np.zeros((0, E, E), dtype=np.int64)
-        ids = self.topk_ids
-        layer = np.arange(L - 1, dtype=np.int64)[None, :, None, None]
-        flat = (layer * E + ids[:, :-1, :, None]) * E + ids[:, 1:, None, :]
-        return np.bincount(flat.ravel(), minlength=(L - 1) * E * E).reshape(L - 1, E, E)
+        return tally.transition_counts(self.topk_ids, self.num_experts)
 
     def demand(self, num_gpus: int) -> np.ndarray:
         """``int64 [L, G, E]``: tokens living on GPU ``g`` that picked expert ``e`` in layer ``l``."""
         self.check_gpus(num_gpus)
-        L, E = self.num_layers, self.num_experts
-        layer = np.arange(L, dtype=np.int64)[None, :, None]
-        flat = (layer * num_gpus + self.src_gpu[:, None, None]) * E + self.topk_ids
-        return np.bincount(flat.ravel(), minlength=L * num_gpus * E).reshape(L, num_gpus, E)
+        return tally.demand_counts(self.topk_ids, self.src_gpu, num_gpus, self.num_experts)
 
     def check_gpus(self, num_gpus: int) -> None:
         """Raise if a token lives on a rank the cluster does not have."""
@@ -156,12 +149,24 @@ class RoutingTrace:
             )
 
     def select_batches(self, start: int, stop: int) -> RoutingTrace:
-        """The tokens of batches ``start <= b < stop``, renumbered from 0."""
+        """The tokens of batches ``start <= b < stop``, renumbered from 0 (views of the ids: no copy)."""
         lo, hi = np.searchsorted(self.batch, [start, stop], side="left")
-        return RoutingTrace(
-            topk_ids=self.topk_ids[lo:hi],
-            src_gpu=self.src_gpu[lo:hi],
-            batch=self.batch[lo:hi] - start,
-            num_experts=self.num_experts,
-            num_batches=stop - start,
-        )
+        return RoutingTrace._checked(self.topk_ids[lo:hi], self.src_gpu[lo:hi], self.batch[lo:hi] - start,
+                                     self.num_experts, stop - start)
+
+    def batch_chunks(self, max_picks: int = 1 << 24) -> Iterator[tuple[int, int]]:
+        """Consecutive batch ranges ``(start, stop)`` covering every batch, each of at most ``max_picks`` picks
+        (``T * L * K`` of its tokens) unless one batch alone holds more.
+
+        Replaying a trace one such chunk at a time bounds the per-pick temporaries (a router's destination
+        GPUs, ``int64``) by the chunk, not by the trace; a trace of at most ``max_picks`` picks is one chunk.
+        """
+        per_token = self.num_layers * self.top_k
+        bounds = np.searchsorted(self.batch, np.arange(self.num_batches + 1), side="left")
+        start = 0
+        while start < self.num_batches:
+            stop = start + 1
+            while stop < self.num_batches and (int(bounds[stop + 1]) - int(bounds[start])) * per_token <= max_picks:
+                stop += 1
+            yield start, stop
+            start = stop

@@ -47,7 +47,8 @@ def _kept(plan: Placement, trace: RoutingTrace, kept: np.ndarray, rng: np.random
     has = plan.copies > 0
     dest = np.empty(trace.topk_ids.shape, dtype=np.int64)
     for layer in range(trace.num_layers):
-        dest[:, layer, :] = kernel.route_tokens(np.ascontiguousarray(trace.topk_ids[:, layer, :]), trace.src_gpu,
+        ids = np.ascontiguousarray(trace.topk_ids[:, layer, :], dtype=np.int64)
+        dest[:, layer, :] = kernel.route_tokens(ids, trace.src_gpu,
                                                 starts, has[layer], plan.cluster.gpus_per_node,
                                                 np.ascontiguousarray(kept[:, layer, :]))
     return dest

@@ -68,7 +68,8 @@ def _kept(config: RebalanceConfig, plan: Placement, trace: RoutingTrace, kept: n
     starts = batch_starts(trace)
     dest = np.empty(trace.topk_ids.shape, dtype=np.int64)
     for layer in range(trace.num_layers):
-        dest[:, layer, :] = kernel.route_tokens(np.ascontiguousarray(trace.topk_ids[:, layer, :]), trace.src_gpu,
+        ids = np.ascontiguousarray(trace.topk_ids[:, layer, :], dtype=np.int64)
+        dest[:, layer, :] = kernel.route_tokens(ids, trace.src_gpu,
                                                 starts, plan.copies[layer], plan.cluster.gpus_per_node, config.eps,
                                                 config.strict, np.ascontiguousarray(kept[:, layer, :]))
     return dest

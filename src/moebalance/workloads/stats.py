@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moebalance.core import tally
 from moebalance.core.errors import InputError
 
 __all__ = ["HIGH_SKEW_PEAK_TO_MEAN", "LayerSkew", "coactivation_strength", "layer_skew", "locality",
@@ -111,6 +112,7 @@ def _drift(w: np.ndarray) -> np.ndarray:
 # ----- token-level statistics ------------------------------------------------------------------------------
 
 def _topk(topk_ids: object, num_experts: int) -> np.ndarray:
+    """``topk_ids`` checked (shape, range) and in the compact id type that the counting kernels take."""
     if isinstance(num_experts, bool) or not isinstance(num_experts, int | np.integer) or num_experts < 1:
         raise InputError(f"num_experts ({num_experts!r}) must be a positive integer")
     ids = np.asarray(topk_ids)
@@ -121,7 +123,7 @@ def _topk(topk_ids: object, num_experts: int) -> np.ndarray:
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_experts:
         raise InputError(f"topk_ids holds expert id {lo if lo < 0 else hi}; ids must lie in [0, {num_experts})")
-    return ids.astype(np.int64, copy=False)
+    return tally.as_ids(ids, int(num_experts))
 
 
 def locality(topk_ids: np.ndarray, src_gpu: np.ndarray, num_experts: int) -> np.ndarray:
@@ -145,10 +147,7 @@ def locality(topk_ids: np.ndarray, src_gpu: np.ndarray, num_experts: int) -> np.
     if int(src.min()) < 0:
         raise InputError(f"src_gpu holds rank {int(src.min())}; ranks must be >= 0")
     src = src.astype(np.int64)
-    num_layers, num_gpus = ids.shape[1], int(src.max()) + 1
-    flat = (np.arange(num_layers)[None, :, None] * num_gpus + src[:, None, None]) * num_experts + ids
-    demand = np.bincount(flat.reshape(-1), minlength=num_layers * num_gpus * num_experts)
-    demand = demand.reshape(num_layers, num_gpus, num_experts).astype(np.float64)  # [L, G, E]
+    demand = tally.demand_counts(ids, src, int(src.max()) + 1, int(num_experts)).astype(np.float64)  # [L, G, E]
     per_gpu = demand.sum(axis=2, keepdims=True)
     p_g = demand / np.maximum(per_gpu, 1.0)
     p = demand.sum(axis=1, keepdims=True) / demand.sum(axis=(1, 2), keepdims=True)
@@ -178,18 +177,13 @@ def coactivation_strength(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
     are picked together give more. ``K = 1`` gives 0.
     """
     ids = _topk(topk_ids, num_experts)
-    num_layers, k = ids.shape[1], ids.shape[2]
-    out = np.zeros(num_layers)
-    if k < 2:
-        return out
-    first, second = np.triu_indices(k, 1)
-    for layer in range(num_layers):
-        picks = np.ascontiguousarray(ids[:, layer])  # [N, K]
-        code = picks[:, first] * num_experts + picks[:, second]
-        joint = np.bincount(code.reshape(-1), minlength=num_experts * num_experts)
-        joint = joint.reshape(num_experts, num_experts).astype(np.float64)
-        out[layer] = _mutual_information(joint + joint.T)
-    return out
+    if ids.shape[2] < 2:
+        return np.zeros(ids.shape[1])
+    joint = tally.pair_counts(ids, int(num_experts))  # [L, E, E]: ordered pairs of a token's picks, (k, k) too
+    load = tally.count_picks(ids, np.zeros(ids.shape[0], dtype=np.int64), 1, int(num_experts))[0]  # [L, E]
+    diagonal = np.arange(num_experts)
+    joint[:, diagonal, diagonal] -= load  # a pick with itself is not a pair (a repeated expert still is)
+    return _mutual_information(joint.astype(np.float64))
 
 
 def transition_strength(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
@@ -200,13 +194,6 @@ def transition_strength(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
     about 0 (finite-sample bias aside).
     """
     ids = _topk(topk_ids, num_experts)
-    num_layers = ids.shape[1]
-    out = np.zeros(max(0, num_layers - 1))
-    picks = np.ascontiguousarray(ids[:, 0]) * num_experts  # [N, K]
-    for layer in range(num_layers - 1):
-        following = np.ascontiguousarray(ids[:, layer + 1])
-        code = picks[:, :, None] + following[:, None, :]  # [N, K, K]: every (layer l, layer l+1) pair
-        joint = np.bincount(code.reshape(-1), minlength=num_experts * num_experts)
-        out[layer] = _mutual_information(joint.reshape(num_experts, num_experts).astype(np.float64))
-        picks = following * num_experts
-    return out
+    if ids.shape[1] < 2:
+        return np.zeros(0)
+    return _mutual_information(tally.transition_counts(ids, int(num_experts)).astype(np.float64))

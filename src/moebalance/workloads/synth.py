@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moebalance.core.errors import InputError
+from moebalance.core.tally import count_picks, id_dtype
 from moebalance.models import MODELS, ModelSpec, get_model
 
 __all__ = ["PROFILES", "RoutingProfile", "routing_profile", "synthesize"]
@@ -526,7 +527,7 @@ def _token_level(model: ModelSpec, prof: RoutingProfile, structure: _Structure, 
     L, E, K = model.num_layers, model.num_experts, model.top_k
     S = prof.num_route_states
     n_total = num_batches * tokens
-    topk_ids = np.empty((n_total, L, K), dtype=np.int16 if E < 32768 else np.int32)
+    topk_ids = np.empty((n_total, L, K), dtype=id_dtype(E))
     rank_of = (np.arange(tokens) * num_gpus // tokens).astype(np.int32)
     src_gpu = np.tile(rank_of, num_batches)
     batch = np.repeat(np.arange(num_batches, dtype=np.int32), tokens)
@@ -569,6 +570,5 @@ def _token_level(model: ModelSpec, prof: RoutingProfile, structure: _Structure, 
                 z = np.where(keep, structure.route_perm[layer, z], rng.integers(0, S, hi - lo))
         if progress is not None:
             progress(nb)
-    flat = (batch.astype(np.int64)[:, None, None] * L + np.arange(L)[None, :, None]) * E + topk_ids
-    counts = np.bincount(flat.reshape(-1), minlength=num_batches * L * E).reshape(num_batches, L, E)
-    return {"counts": counts.astype(np.int64), "topk_ids": topk_ids, "src_gpu": src_gpu, "batch": batch}
+    counts = count_picks(topk_ids, batch.astype(np.int64), num_batches, E)
+    return {"counts": counts, "topk_ids": topk_ids, "src_gpu": src_gpu, "batch": batch}

@@ -80,19 +80,10 @@ def blas_single_thread() -> contextlib.AbstractContextManager[Any]:
 def affinity(trace: RoutingTrace) -> np.ndarray:
     """``int64 [L, E, E]``: tokens that picked both ``i`` and ``j`` in layer ``l``, with a zero diagonal.
 
-    Equal to ``trace.coactivation()`` off the diagonal, computed one layer at a time (``T * K * K`` indices
-    per layer instead of ``T * L * K * K`` at once, which bounds the memory by one layer's indices).
+    ``trace.coactivation()`` without its diagonal (which is each expert's load, not an affinity).
     """
-    L, E, K = trace.num_layers, trace.num_experts, trace.top_k
-    out = np.zeros((L, E, E), dtype=np.int64)
-    if trace.num_tokens == 0 or K < 2:
-        return out
-    dtype = np.int32 if E * E < 2**31 else np.int64
-    for layer in range(L):
-        ids: np.ndarray = trace.topk_ids[:, layer, :].astype(dtype)
-        flat = (ids[:, :, None] * E + ids[:, None, :]).ravel()
-        out[layer] = np.bincount(flat, minlength=E * E).reshape(E, E)
-    idx = np.arange(E)
+    out = trace.coactivation()
+    idx = np.arange(trace.num_experts)
     out[:, idx, idx] = 0
     return out
 

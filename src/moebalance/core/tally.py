@@ -1,0 +1,133 @@
+"""Counting over token-level traces in one pass, with no temporary the size of the trace.
+
+Legend: ``T`` tokens, ``L`` MoE layers, ``K`` picks per token (top-k), ``E`` experts per layer, ``B`` batches,
+``G`` GPUs.
+
+A trace of a million tokens of a DeepSeek-V3-like model holds ``T * L * K`` = 464M picks. Counting them the
+numpy way (a flat ``int64`` index per pick, then ``bincount``) makes an index array of 3.7 GB, and the pair
+counts of co-activation and cross-layer transitions ``K`` times more. These kernels walk the picks once and add
+into the result directly (numba, compiled once into numba's cache; they release the GIL), so memory is the
+result alone and time is a few nanoseconds per pick.
+
+Expert ids are stored compactly (:func:`id_dtype`: ``int16`` up to 32,767 experts, else ``int32``);
+:func:`as_ids` converts other integer arrays once, so the kernels are compiled for those two types only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from moebalance.core.errors import InputError
+
+__all__ = ["as_ids", "check_picks", "count_picks", "demand_counts", "id_dtype", "pair_counts", "transition_counts"]
+
+
+def id_dtype(num_experts: int) -> np.dtype:
+    """The compact dtype of expert ids in ``[0, num_experts)``: ``int16`` up to 32,767 experts, else ``int32``."""
+    if num_experts > np.iinfo(np.int32).max:
+        raise InputError(f"num_experts ({num_experts}) is above 2**31 - 1; expert ids are stored as 32-bit integers")
+    return np.dtype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
+
+
+def as_ids(topk_ids: np.ndarray, num_experts: int, name: str = "topk_ids") -> np.ndarray:
+    """``topk_ids`` in the compact dtype of ``num_experts``, C-contiguous (a copy only when needed).
+
+    The range is checked before the cast, so an id that the compact type cannot hold is an error, never a wrap.
+    """
+    arr = np.asarray(topk_ids)
+    if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(f"{name} has dtype {arr.dtype}; it must hold integer expert ids")
+    target = id_dtype(num_experts)
+    if arr.dtype != target and arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= num_experts:
+            raise InputError(f"{name} holds expert id {lo if lo < 0 else hi}; ids must lie in [0, {num_experts})")
+    return np.ascontiguousarray(arr, dtype=target)
+
+
+@njit(cache=True, nogil=True)
+def _check_picks(ids: np.ndarray, num_experts: int) -> tuple[int, int, int, int]:  # pragma: no cover - numba
+    T, L, K = ids.shape
+    seen = np.zeros(num_experts, dtype=np.int64)  # stamp of the (token, layer) that last picked each expert
+    stamp = 0
+    for t in range(T):
+        for layer in range(L):
+            stamp += 1
+            for k in range(K):
+                e = ids[t, layer, k]
+                if e < 0 or e >= num_experts:
+                    return 1, t, layer, k
+                if seen[e] == stamp:
+                    return 2, t, layer, k
+                seen[e] = stamp
+    return 0, 0, 0, 0
+
+
+def check_picks(ids_TLK: np.ndarray, num_experts: int) -> None:
+    """Raise :class:`InputError` naming the first pick out of ``[0, E)`` or repeated within a token's layer."""
+    code, t, layer, k = _check_picks(ids_TLK, num_experts)
+    if code == 1:
+        raise InputError(f"topk_ids holds expert id {int(ids_TLK[t, layer, k])} (token {t}, layer {layer}); "
+                         f"ids must lie in [0, {num_experts})")
+    if code == 2:
+        raise InputError(f"token {t} picks the same expert twice in layer {layer}; top-k picks are distinct")
+
+
+@njit(cache=True, nogil=True)
+def count_picks(ids_TLK: np.ndarray, batch_T: np.ndarray, num_batches: int,
+                num_experts: int) -> np.ndarray:  # pragma: no cover - numba
+    """``int64 [B, L, E]``: picks of expert ``e`` in layer ``l`` by the tokens of batch ``b``."""
+    T, L, K = ids_TLK.shape
+    out = np.zeros((num_batches, L, num_experts), dtype=np.int64)
+    for t in range(T):
+        b = batch_T[t]
+        for layer in range(L):
+            for k in range(K):
+                out[b, layer, ids_TLK[t, layer, k]] += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def pair_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:  # pragma: no cover - numba
+    """``int64 [L, E, E]``: ordered pairs ``(i, j)`` of one token's picks in layer ``l``, ``i == j`` included.
+
+    The diagonal is each expert's load; off the diagonal, tokens that picked both (each pair in both orders).
+    """
+    T, L, K = ids_TLK.shape
+    out = np.zeros((L, num_experts, num_experts), dtype=np.int64)
+    for layer in range(L):  # layer outermost: one layer's [E, E] block stays in cache
+        for t in range(T):
+            for i in range(K):
+                a = ids_TLK[t, layer, i]
+                for j in range(K):
+                    out[layer, a, ids_TLK[t, layer, j]] += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def transition_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:  # pragma: no cover - numba
+    """``int64 [L-1, E, E]``: (token, pick) pairs from expert ``i`` in layer ``l`` to ``j`` in layer ``l + 1``."""
+    T, L, K = ids_TLK.shape
+    out = np.zeros((max(L - 1, 0), num_experts, num_experts), dtype=np.int64)
+    for layer in range(L - 1):
+        for t in range(T):
+            for i in range(K):
+                a = ids_TLK[t, layer, i]
+                for j in range(K):
+                    out[layer, a, ids_TLK[t, layer + 1, j]] += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def demand_counts(ids_TLK: np.ndarray, src_T: np.ndarray, num_gpus: int,
+                  num_experts: int) -> np.ndarray:  # pragma: no cover - numba
+    """``int64 [L, G, E]``: picks of expert ``e`` in layer ``l`` by the tokens living on GPU ``g``."""
+    T, L, K = ids_TLK.shape
+    out = np.zeros((L, num_gpus, num_experts), dtype=np.int64)
+    for t in range(T):
+        g = src_T[t]
+        for layer in range(L):
+            for k in range(K):
+                out[layer, g, ids_TLK[t, layer, k]] += 1
+    return out
