@@ -20,10 +20,11 @@ the warm-up with one extra slot per GPU and layer, the same EPLB re-planned ever
 predictor, ``rebalance`` sharding) and the oracle (the batch's true routing). Libra's buffer holds ``n`` experts
 per GPU and layer (``alpha = 0.5``), double-buffered: ``2 n`` slots per GPU.
 
-The real routing is not bundled: DeepSeek's ESFT repository (github.com/deepseek-ai/ESFT, MIT licence for the
-code, ``results/expert_scores/{law,translation}/expert_weights_{1..26}.txt``) as ``<task>_topk.npz`` files holding
-``expert_ids [26, T, 6]``, ``gate_weights [26, T, 6]`` and ``seq_offsets``. Without them the script says so and
-writes nothing.
+The real routing is read from outside the package: DeepSeek's ESFT repository (github.com/deepseek-ai/ESFT, MIT
+licence for the code, ``results/expert_scores/{law,translation}/expert_weights_{1..26}.txt``) as ``<task>_topk.npz``
+files holding ``expert_ids [26, T, 6]``, ``gate_weights [26, T, 6]`` and ``seq_offsets``. Only the law task is
+bundled (``bundled:esft-law``, batched differently), not the translation task. Without the files the script says so
+and writes nothing.
 
 Writes docs/results/libra.md, libra_model.png, libra_esft.png. Run: .venv/bin/python bench/libra_report.py
 --esft DIR (or MOEBALANCE_ESFT_DIR=DIR make bench), DIR holding law_topk.npz and translation_topk.npz.
@@ -304,7 +305,8 @@ def main() -> None:
           "579a7711e4b332b4c57b47e378a0cf240d85caa6, `results/expert_scores/{law,translation}/"
           "expert_weights_{1..26}.txt`, made by its `scripts/expert/get_expert_scores.py` with teacher-forced passes "
           "of ESFT-vanilla-lite, a DeepSeek-V2-Lite-architecture model, over samples of the tasks' training sets). "
-          "It is not bundled; the model workload needs nothing outside the repository.", "",
+          "Only the law task is bundled (`bundled:esft-law`, batched differently), so this report reads both tasks from "
+          "DIR; the model workload needs nothing outside the repository.", "",
           f"Machine: {machine()}; torch {torch.__version__}. Whole report: {seconds:.0f} s.", ""]
     m, r = record["model"], record["results"]
     w += ["## The model", "",

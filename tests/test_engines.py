@@ -97,9 +97,17 @@ def test_sglang_placement_round_trip_scores_exactly(tmp_path: Path, capsys: pyte
     m = np.asarray(doc["physical_to_logical_map"])
     assert m.shape == (61, 288)  # every decoder layer, P = 256 + 32
     plan = read_plan(plan_path)
+    assert plan.params["dense_layers"] == [0, 1, 2]
+    for layer in (0, 1, 2):  # DeepSeek-V3's dense layers hold no experts: written in SGLang's default order
+        assert list(m[layer]) == [p % 256 for p in range(288)]
+        assert plan.gpu_experts[layer] == tuple(tuple(range(16 * g, 16 * g + 16)) for g in range(16))
     cluster = Cluster(num_nodes=2, gpus_per_node=8)
-    back = read_any_plan(out, cluster)
+    prefill = read_any_load(DATA / "prefill_in1024.json")
+    back = read_any_plan(out, cluster, load=prefill)  # with the load, its dense rows are read as holding no copies
     assert back.gpu_experts == plan.gpu_experts
+    assert back.extra_replicas == plan.extra_replicas == 58 * 32
+    without = read_any_plan(out, cluster)  # without it, every row is a placement, the dense ones' copies included
+    assert without.gpu_experts[3:] == plan.gpu_experts[3:] and without.extra_replicas == 61 * 32
     for g in range(16):  # rank r owns the contiguous slots r * 18 .. r * 18 + 17
         assert list(m[5, g * 18:(g + 1) * 18]) == list(plan.gpu_experts[5][g])
     decode = read_any_load(DATA / "decode_in1000out1000.json")
@@ -110,7 +118,7 @@ def test_sglang_placement_round_trip_scores_exactly(tmp_path: Path, capsys: pyte
     assert json.loads(text)["balancedness"] == round(evaluate(plan, decode).balancedness, 6)
     # a .pt placement, as torch.save writes one, reads the same
     torch.save({"physical_to_logical_map": torch.from_numpy(m)}, tmp_path / "init.pt")
-    assert read_any_plan(tmp_path / "init.pt", cluster).gpu_experts == plan.gpu_experts
+    assert read_any_plan(tmp_path / "init.pt", cluster, load=prefill).gpu_experts == plan.gpu_experts
 
 
 class Evil:
@@ -251,7 +259,13 @@ def test_unequal_slots_are_refused_or_padded(tmp_path: Path, capsys: pytest.Capt
     padding = pad_plan(plan, counts)
     padded = padding.plan
     S = plan.max_slots_per_gpu
-    assert {len(x) for row in padded.gpu_experts for x in row} == {S}
+    assert plan.params["dense_layers"] == list(DENSE)  # planned without them: contiguous blocks, no copies
+    assert plan.slots()[list(DENSE)].max() == -(-E // 4) and plan.replica_counts()[list(DENSE)].max() == 1
+    moe = [layer for layer in range(L) if layer not in DENSE]
+    assert {len(x) for layer in moe for x in padded.gpu_experts[layer]} == {S}
+    for layer in DENSE:  # no experts in the engine: not padded (written in the engine's default order)
+        assert padded.gpu_experts[layer] == plan.gpu_experts[layer]
+    assert slot_table(padded).phy2log[list(DENSE)].tolist() == [[p % E for p in range(4 * S)]] * len(DENSE)
     added = 0
     for old_row, new_row in zip(plan.gpu_experts, padded.gpu_experts, strict=True):
         for old, new in zip(old_row, new_row, strict=True):

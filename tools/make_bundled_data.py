@@ -1,7 +1,8 @@
 """Regenerate the traces bundled in ``src/moebalance/workloads/data`` (``--load bundled:NAME``), bit for bit.
 
-Every bundled trace is synthetic (``moebalance.workloads.synth``, docs/synth.md) and fully determined by the recipe
-below; arrays are stored in the narrowest integer type that holds them, so the files stay small.
+Every bundled trace but one is synthetic (``moebalance.workloads.synth``, docs/synth.md) and fully determined by the
+recipe below; arrays are stored in the narrowest integer type that holds them, so the files stay small. The real
+one, ``esft-law`` (DeepSeek's ESFT routing), is made by ``bench/make_bundled_esft.py`` instead.
 Run: .venv/bin/python tools/make_bundled_data.py [NAME ...]
 """
 

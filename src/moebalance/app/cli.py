@@ -162,12 +162,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
     params = _parse_set(args.set)
     if args.groups is not None:
         params["num_groups"] = args.groups
-    plan, seconds = make_plan(args.policy, load, _cluster(args), _budget(args), **params)
-    extra = {"planned_on_batches": f"{start}:{stop}", "dense_layers": dense}
-    kept = {k: v for k, v in plan.params.items() if k != "dense_layers"}
-    plan = type(plan)(plan.gpu_experts, plan.num_experts, plan.cluster, policy=plan.policy,
-                      params={**kept, **(extra if dense else {"planned_on_batches": f"{start}:{stop}"})},
-                      weights=plan.weights)
+    plan, seconds = make_plan(args.policy, load, _cluster(args), _budget(args), dense_layers=dense, **params)
+    plan = plan.with_params({**plan.params, "planned_on_batches": f"{start}:{stop}"})
     score = evaluate(plan, load)  # before writing: a load that cannot be scored leaves no plan behind
     write_plan(dest, plan)
     for w in plan.warnings:

@@ -109,8 +109,8 @@ def sweep(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas:
                 elif policy == "uniform":
                     plan, _ = make_plan("craft", train, cluster, budget, allocation="uniform")
                 elif policy == "eplb":
-                    plan, _ = make_plan("eplb", train, cluster, budget,
-                                        **({} if num_groups is None else {"num_groups": num_groups}))
+                    plan, _ = (make_plan("eplb", train, cluster, budget) if num_groups is None
+                               else make_plan("eplb", train, cluster, budget, num_groups=num_groups))
                 else:
                     plan, _ = make_plan(policy, train, cluster, budget)
             except BudgetError as exc:

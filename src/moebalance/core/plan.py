@@ -35,7 +35,7 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.io import atomic_path
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "EplbTensors", "Placement", "read_plan", "write_plan"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "EplbTensors", "Placement", "read_plan", "with_dense_layers", "write_plan"]
 
 PLAN_FORMAT = "moebalance.plan"
 PLAN_VERSION = 1
@@ -325,6 +325,36 @@ def _log2phy(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
     out = np.full((L, num_experts, R), -1, dtype=np.int64)
     out[np.repeat(np.arange(L), P), sorted_log.ravel(), rank_sorted.ravel()] = order.ravel()
     return out
+
+
+def with_dense_layers(plan: Placement, dense: Sequence[int]) -> Placement:
+    """``plan`` with the layers ``dense`` (an engine's dense layers: no experts there) in contiguous blocks, no copies.
+
+    A plan keeps a row for a dense layer only to follow the model's numbering, so the row costs the least it can:
+    ``E / G`` consecutive experts per GPU, the ``E mod G`` one-larger blocks on the GPUs that hold the fewest slots
+    over the plan's other layers so far (ties to the lower id), so per-GPU memory stays as even as the plan made it;
+    weights 1. The layers are recorded in ``params["dense_layers"]``.
+    """
+    dense = sorted({int(x) for x in dense})
+    if not dense:
+        return plan
+    E, G = plan.num_experts, plan.num_gpus
+    q, m = divmod(E, G)
+    dense_set = set(dense)
+    total = np.array([sum(len(row[g]) for layer, row in enumerate(plan.gpu_experts) if layer not in dense_set)
+                      for g in range(G)])
+    rows: list[Any] = list(plan.gpu_experts)
+    weights: list[Any] | None = None if plan.weights is None else list(plan.weights)
+    for layer in dense:
+        sizes = np.full(G, q)
+        sizes[np.argsort(total, kind="stable")[:m]] += 1
+        total += sizes
+        ends = np.cumsum(sizes)
+        rows[layer] = [list(range(int(end - n), int(end))) for end, n in zip(ends, sizes, strict=True)]
+        if weights is not None:
+            weights[layer] = [[1.0] * int(n) for n in sizes]
+    return Placement(rows, E, plan.cluster, policy=plan.policy, params={**plan.params, "dense_layers": dense},
+                     weights=weights)
 
 
 def write_plan(path: str | os.PathLike[str], plan: Placement) -> None:

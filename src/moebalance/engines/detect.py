@@ -19,7 +19,7 @@ import numpy as np
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load
-from moebalance.core.plan import Placement, read_plan
+from moebalance.core.plan import Placement, read_plan, with_dense_layers
 
 __all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "detect_load", "read_any_load", "read_any_plan"]
 
@@ -126,8 +126,10 @@ def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, 
         else:
             moe = [int(x) for x in np.flatnonzero(load.counts.sum(axis=(0, 2)) > 0)]
         plan = read_config(p, cluster, None if load is None or ids is not None else load.num_layers, E, moe)
-    if ids is None:
-        return plan
+    if ids is None:  # the engine's rows of dense layers (no load) hold no experts there: no copies, whatever they list
+        dense = [] if load is None or load.num_layers != plan.num_layers else \
+            np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist()
+        return with_dense_layers(plan, dense) if len(dense) < plan.num_layers else plan
     # the load left dense layers out: keep the engine's rows of the load's layers (the model's numbering)
     if int(ids[-1]) >= plan.num_layers:
         raise InputError(f"{str(p)!r} places {plan.num_layers} layers but the load has layer {int(ids[-1])}; give "

@@ -21,7 +21,7 @@ import numpy as np
 from moebalance.core.errors import PlanError
 from moebalance.core.plan import Placement
 
-__all__ = ["Padding", "SlotTable", "pad_plan", "slot_table"]
+__all__ = ["Padding", "SlotTable", "dense_rows", "pad_plan", "slot_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +40,36 @@ class SlotTable:
         return int(self.phy2log.shape[1])
 
 
+def dense_rows(plan: Placement) -> set[int]:
+    """The plan's layers without load (``params["dense_layers"]``): engines hold no experts there."""
+    listed = plan.params.get("dense_layers", [])
+    return {int(x) for x in listed} if isinstance(listed, list) else set()
+
+
 def slot_table(plan: Placement) -> SlotTable:
-    """The plan's ``[L, P]`` map; a :class:`PlanError` naming the first GPU and layer whose slot count differs."""
-    S = len(plan.gpu_experts[0][0])
-    for layer, row in enumerate(plan.gpu_experts):
-        for g, experts in enumerate(row):
+    """The plan's ``[L, P]`` map; a :class:`PlanError` naming the first GPU and layer whose slot count differs.
+
+    A dense layer (no load when the plan was made, so no experts in the engine) has a row only to keep the
+    model's numbering: it is written in the engines' default order, slot ``p`` holding expert ``p mod E``.
+    """
+    dense = dense_rows(plan)
+    moe = [layer for layer in range(plan.num_layers) if layer not in dense]
+    if not moe:
+        raise PlanError("every layer of the plan is dense (no load): there is no MoE layer to write")
+    first = moe[0]
+    S = len(plan.gpu_experts[first][0])
+    for layer in moe:
+        for g, experts in enumerate(plan.gpu_experts[layer]):
             if len(experts) != S:
                 raise PlanError(f"engines need the same slots on every GPU and in every layer, but GPU {g} holds "
-                                f"{len(experts)} experts in layer {layer} and GPU 0 holds {S} in layer 0 (policy "
-                                f"{plan.policy!r}); give --pad (with --load) to fill every GPU up to "
+                                f"{len(experts)} experts in layer {layer} and GPU 0 holds {S} in layer {first} "
+                                f"(policy {plan.policy!r}); give --pad (with --load) to fill every GPU up to "
                                 f"{plan.max_slots_per_gpu} slots with the copies that balance best")
     if S == 0:
         raise PlanError("the plan holds no experts on GPU 0; there is nothing to write")
-    phy2log = np.asarray([[e for experts in row for e in experts] for row in plan.gpu_experts], dtype=np.int64)
+    default = np.arange(S * plan.num_gpus) % plan.num_experts
+    phy2log = np.asarray([default if layer in dense else [e for experts in row for e in experts]
+                          for layer, row in enumerate(plan.gpu_experts)], dtype=np.int64)
     return SlotTable(phy2log, S)
 
 
@@ -65,10 +82,10 @@ class Padding:
     slots_per_gpu: int
 
     def describe(self, plan: Placement) -> str:
-        L, G = plan.num_layers, plan.num_gpus
+        L, G = plan.num_layers - len(dense_rows(plan)), plan.num_gpus
         return (f"padding added {self.slots} expert copies ({self.slots / (L * G):.2f} per GPU and layer, "
-                f"{self.slots / G:.1f} per GPU over {L} layers) to give every GPU {self.slots_per_gpu} slots in "
-                "every layer")
+                f"{self.slots / G:.1f} per GPU over {L} MoE layers) to give every GPU {self.slots_per_gpu} slots in "
+                "every MoE layer")
 
 
 def pad_plan(plan: Placement, counts: np.ndarray) -> Padding:
@@ -78,11 +95,16 @@ def pad_plan(plan: Placement, counts: np.ndarray) -> Padding:
     if counts.ndim != 3 or counts.shape[1:] != (L, E):
         raise PlanError(f"the load has shape {counts.shape[1:]} per batch but the plan [L, E] = [{L}, {E}]; pad with "
                         "the load the plan was made on")
-    S = plan.max_slots_per_gpu
     load = counts.sum(axis=0).astype(np.float64)  # [L, E]
     lists = [[list(x) for x in row] for row in plan.gpu_experts]
     added = 0
+    dense = dense_rows(plan)
+    if len(dense) == L:
+        raise PlanError("every layer of the plan is dense (no load): there is nothing to pad")
+    S = max(len(experts) for layer in range(L) if layer not in dense for experts in plan.gpu_experts[layer])
     for layer in range(L):
+        if layer in dense:  # no experts in the engine: its row is written in default order whatever it holds
+            continue
         has = np.zeros((G, E), dtype=bool)
         for g in range(G):
             has[g, lists[layer][g]] = True

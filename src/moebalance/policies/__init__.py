@@ -9,7 +9,7 @@ Each policy has a frozen config dataclass (its ``--set`` options) and returns ty
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from moebalance.core.budget import Budget, Capacity, resolve_budget
@@ -79,16 +79,20 @@ def get_policy(policy: str | Policy[Any] | PolicyFn) -> tuple[str, Policy[Any] |
         raise InputError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}") from None
 
 
-def plan_with(policy: str | Policy[Any] | PolicyFn, load: LoadMatrix, cluster: Cluster, budget: Budget,
-              **params: Any) -> PlanResult:
+def plan_with(policy: str | Policy[Any] | PolicyFn, load: LoadMatrix, cluster: Cluster, budget: Budget, *,
+              dense_layers: Sequence[int] | None = None, **params: Any) -> PlanResult:
     """Run ``policy`` with ``params`` (its config's fields) under ``budget``: the plan, its config, typed
-    diagnostics, the capacity it was checked against, and the seconds it took."""
+    diagnostics, the capacity it was checked against, and the seconds it took.
+
+    Layers without load, or ``dense_layers`` when given, are an engine's dense layers: not planned, placed in
+    contiguous blocks without copies (:func:`moebalance.policies.base.run_policy`).
+    """
     _, fn = get_policy(policy)
-    return run_policy(fn, load, cluster, budget, params)
+    return run_policy(fn, load, cluster, budget, params, dense_layers)
 
 
-def make_plan(policy: str | Policy[Any] | PolicyFn, load: LoadMatrix, cluster: Cluster, budget: Budget,
-              **params: Any) -> tuple[Placement, float]:
+def make_plan(policy: str | Policy[Any] | PolicyFn, load: LoadMatrix, cluster: Cluster, budget: Budget, *,
+              dense_layers: Sequence[int] | None = None, **params: Any) -> tuple[Placement, float]:
     """Run ``policy`` and check its plan against the budget; returns ``(plan, seconds)``."""
-    result = plan_with(policy, load, cluster, budget, **params)
+    result = plan_with(policy, load, cluster, budget, dense_layers=dense_layers, **params)
     return result.placement, result.seconds

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -27,7 +27,8 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.options import Options
-from moebalance.core.plan import Placement
+from moebalance.core.plan import Placement, with_dense_layers
+from moebalance.core.trace import RoutingTrace
 
 __all__ = [
     "Diagnostics",
@@ -134,8 +135,60 @@ def _check_keywords(name: str, fn: Callable[..., Placement], params: Mapping[str
 
 
 def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix, cluster: Cluster, budget: Budget,
-               params: Mapping[str, Any]) -> PlanResult:
-    """Run a registered policy (config from ``params``) or a plain callable (``params`` passed as keywords)."""
+               params: Mapping[str, Any], dense_layers: Sequence[int] | None = None) -> PlanResult:
+    """Run a registered policy (config from ``params``) or a plain callable (``params`` passed as keywords).
+
+    Layers without load (an engine's dense layers, kept as zero rows in its numbering) are not planned: the policy
+    sees the MoE layers only, so its budget goes where tokens are, and each dense layer gets contiguous blocks (no
+    copies, no memory beyond one slot per expert); the plan records them as ``params["dense_layers"]``.
+    ``dense_layers`` names them instead (a layer idle in a planning window may carry load later: the CLI passes
+    the layers without load in the whole file).
+    """
+    has_load = load.counts.sum(axis=(0, 2)) > 0
+    if dense_layers is not None:
+        listed = np.asarray(list(dense_layers), dtype=np.int64)
+        if listed.size and (listed.min() < 0 or listed.max() >= load.num_layers):
+            raise InputError(f"dense_layers {listed.tolist()} must lie in 0..{load.num_layers - 1}")
+        has_load = np.ones(load.num_layers, dtype=bool)
+        has_load[listed] = False
+    moe = np.flatnonzero(has_load)
+    if moe.size == load.num_layers:
+        return _run_policy(policy, load, cluster, budget, params)
+    if moe.size == 0:  # nothing to plan around: the policy's plan as it is, every layer marked dense
+        result = _run_policy(policy, load, cluster, budget, params)
+        marked = result.placement.with_params({**result.placement.params,
+                                               "dense_layers": list(range(load.num_layers))})
+        return dataclasses.replace(result, placement=marked)
+    sub = LoadMatrix(load.counts[:, moe], None if load.trace is None else _trace_layers(load.trace, moe), load.preset,
+                     None if load.layer_ids is None else load.layer_ids[moe])
+    result = _run_policy(policy, sub, cluster, budget, params)
+    plan = result.placement
+    rows: list[Any] = [plan.gpu_experts[0]] * load.num_layers  # dense rows are replaced below
+    weights: list[Any] | None = None if plan.weights is None else [plan.weights[0]] * load.num_layers
+    for i, layer in enumerate(moe):
+        rows[layer] = plan.gpu_experts[i]
+        if weights is not None and plan.weights is not None:
+            weights[layer] = plan.weights[i]
+    params_out = dict(plan.params)
+    if load.layer_ids is not None:
+        params_out["layer_ids"] = [int(x) for x in load.layer_ids]
+    full = Placement(rows, load.num_experts, plan.cluster, policy=plan.policy, params=params_out, weights=weights)
+    full = with_dense_layers(full, np.flatnonzero(~has_load).tolist())
+    # the capacity of the whole model: dense layers add at most ceil(E / G) slots per GPU each, and no copies
+    used = result.capacity
+    extra_slots = (load.num_layers - moe.size) * used.placement_slots
+    used = dataclasses.replace(used, num_layers=load.num_layers, max_slots_total=None if used.max_slots_total is None
+                               else used.max_slots_total + extra_slots)
+    used.check(full, chosen_replicas_per_gpu=result.diagnostics.chosen_replicas_per_gpu)
+    return PlanResult(full, result.config, result.diagnostics, used, result.seconds)
+
+
+def _trace_layers(trace: RoutingTrace, layers: np.ndarray) -> RoutingTrace:
+    return RoutingTrace(trace.topk_ids[:, layers], trace.src_gpu, trace.batch, trace.num_experts, trace.num_batches)
+
+
+def _run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix, cluster: Cluster, budget: Budget,
+                params: Mapping[str, Any]) -> PlanResult:
     capacity = resolve_budget(budget, load.num_experts, cluster.num_gpus, load.num_layers)
     if not isinstance(policy, Policy):
         name = getattr(policy, "__name__", "custom")
@@ -160,9 +213,6 @@ def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix,
         params_out["budget_note"] = used.note
     if load.layer_ids is not None:  # the model's layer index of each plan layer (engine exports line up with it)
         params_out["layer_ids"] = [int(x) for x in load.layer_ids]
-    dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)
-    if dense.size:  # layers without load: dense layers in an engine's numbering, left out of its MoE-layer files
-        params_out["dense_layers"] = [int(x) for x in dense]
     return PlanResult(plan.with_params(params_out, policy=policy.name), config, diagnostics, used, seconds)
 
 

@@ -55,6 +55,9 @@ from moebalance.routing import Router, get_router
 from moebalance.routing.base import check_routes
 from moebalance.routing.minmax import least_max_load
 
+#: Picks routed at once when a token-level trace is replayed (bounds the per-pick temporaries; 128 MB of GPU ids).
+_CHUNK_PICKS = 1 << 24
+
 __all__ = ["Score", "Traffic", "a2a_seconds", "evaluate", "gpu_loads", "layer_metrics", "replay_loads", "traffic"]
 
 
@@ -123,6 +126,16 @@ class Traffic:
     matrix: np.ndarray
     #: ``float64 [B, L]``: all-to-all seconds (dispatch + combine) per batch and layer; ``None`` without bytes.
     a2a_seconds: np.ndarray | None = None
+
+    @staticmethod
+    def total(parts: list[Traffic]) -> Traffic:
+        """The traffic of consecutive batch ranges together (copies summed, per-batch times one after another)."""
+        seconds = [p.a2a_seconds for p in parts if p.a2a_seconds is not None]
+        return Traffic(
+            local=sum(p.local for p in parts), intra_node=sum(p.intra_node for p in parts),
+            inter_node=sum(p.inter_node for p in parts), inter_node_dedup=sum(p.inter_node_dedup for p in parts),
+            matrix=np.sum([p.matrix for p in parts], axis=0),
+            a2a_seconds=np.concatenate(seconds, axis=0) if len(seconds) == len(parts) else None)
 
     def as_dict(self, bytes_per_copy: int | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"local": self.local, "intra_node": self.intra_node, "inter_node": self.inter_node,
@@ -246,27 +259,40 @@ class Score:
         return out
 
 
-def replay_loads(plan: Placement, load: LoadMatrix, router: Router,
-                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray | None, bool]:
-    """``(gpu_load [B, L, G], dest [T, L, K] or None, whole_tokens)``: ``load`` replayed through ``plan``.
+def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.random.Generator, *,
+                 with_traffic: bool = False, bytes_per_copy: int | None = None,
+                 ) -> tuple[np.ndarray, Traffic | None, bool]:
+    """``(gpu_load [B, L, G], traffic or None, whole_tokens)``: ``load`` replayed through ``plan``.
 
-    A token-level load is routed per token (``dest``: the GPU serving each pick, checked against the plan);
-    the loads then count whole picks, except for ``uniform``, whose loads stay its exact fractional split
-    (``whole_tokens`` False).
+    A token-level load is routed per token (each pick's GPU, checked against the plan); the loads then count
+    whole picks, except for ``uniform``, whose loads stay its exact fractional split (``whole_tokens``
+    False). With ``with_traffic`` the same picks are counted as all-to-all copies (:func:`traffic`).
+
+    The trace is routed a few batches at a time (:meth:`RoutingTrace.batch_chunks`), so the per-pick
+    temporaries (``int64`` GPUs) are bounded by a chunk whatever the trace's length; a trace of up to 16M
+    picks is one chunk. The ``random`` family draws its picks chunk after chunk from the one ``rng``.
     """
     trace = load.trace
-    dest = None
-    if trace is not None:
-        trace.check_gpus(plan.num_gpus)
-        dest = router.assign_tokens(plan, trace, rng)
+    if trace is None:
+        return router.split_counts(plan, load.counts, rng), None, False
+    trace.check_gpus(plan.num_gpus)
+    whole_tokens = router.name != "uniform"
+    B, L, G = load.num_batches, load.num_layers, plan.num_gpus
+    loads = np.zeros((B, L, G)) if whole_tokens else None
+    parts = []
+    for start, stop in trace.batch_chunks(_CHUNK_PICKS):
+        sub = trace.select_batches(start, stop)
+        dest = router.assign_tokens(plan, sub, rng)
         for layer in range(plan.num_layers):  # a custom router's answer is checked before it is counted
-            check_routes(dest[:, layer, :], trace.topk_ids[:, layer, :], plan.copies[layer], router.name)
-    whole_tokens = dest is not None and trace is not None and router.name != "uniform"
-    if whole_tokens and dest is not None and trace is not None:
-        B, L, G = load.num_batches, load.num_layers, plan.num_gpus
-        flat = (trace.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest
-        return np.bincount(flat.ravel(), minlength=B * L * G).reshape(B, L, G).astype(np.float64), dest, True
-    return router.split_counts(plan, load.counts, rng), dest, False
+            check_routes(dest[:, layer, :], sub.topk_ids[:, layer, :], plan.copies[layer], router.name)
+        if loads is not None:
+            flat = (sub.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest
+            loads[start:stop] = np.bincount(flat.ravel(), minlength=(stop - start) * L * G).reshape(-1, L, G)
+        if with_traffic:
+            parts.append(traffic(plan, sub, dest, bytes_per_copy))
+    if loads is None:
+        loads = router.split_counts(plan, load.counts, rng)
+    return loads, (Traffic.total(parts) if with_traffic else None), whole_tokens
 
 
 def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform", *, seed: int = 0,
@@ -281,8 +307,8 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
     """
     check_compatible(plan, load)
     r = get_router(router)
-    loads, dest, whole_tokens = replay_loads(plan, load, r, np.random.default_rng(seed))
-    trace = load.trace
+    loads, moved, whole_tokens = replay_loads(plan, load, r, np.random.default_rng(seed), with_traffic=True,
+                                              bytes_per_copy=bytes_per_copy)
     m = layer_metrics(loads, load.counts, plan.replica_counts())
     if not np.any(np.isfinite(m.balancedness)):
         raise InputError("the load is zero in every batch and layer; there is nothing to score")
@@ -307,7 +333,7 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
         max_slots_per_gpu=plan.max_slots_per_gpu,
         num_batches=load.num_batches,
         router=r.name,
-        traffic=None if dest is None or trace is None else traffic(plan, trace, dest, bytes_per_copy),
+        traffic=moved,
         bytes_per_copy=bytes_per_copy,
         routing_gap=gap_to_minmax,
         router_params=r.params,
