@@ -12,7 +12,7 @@ is dropped: 16 batches, 8,192 tokens), and each batch's tokens dealt to 8 data-p
 of 64. Written through the library as a token-level load with ``preset = "deepseek-v2-lite"`` and ``layer_ids``
 1..26 (the model's decoder-layer index of each MoE layer; layer 0 is dense).
 
-Run: .venv/bin/python bench/make_bundled_esft.py --esft /work/shared/real-traces/esft-deepseek-v2-lite
+Run: .venv/bin/python bench/make_bundled_esft.py --esft DIR (the folder holding law_topk.npz)
 (or set MOEBALANCE_ESFT_DIR). ``--check`` compares the bundled file with the source instead of writing it.
 """
 

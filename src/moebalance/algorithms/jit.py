@@ -1,12 +1,14 @@
-"""Compiled kernels: a warm-up that compiles every numba kernel of the routers once, into numba's cache.
+"""Compiled kernels: a warm-up that compiles every numba kernel once, into numba's cache.
 
-The load-aware routers (``rebalance``, ``minmax``) run numba kernels (``@njit(cache=True)``). The first call
+The load-aware routers (``rebalance``, ``minmax``) and the trace counters (``moebalance.core.tally``: every
+token-level load is checked and counted by them) run numba kernels (``@njit(cache=True)``). The first call
 of a kernel in a fresh install compiles it, which takes seconds; later processes load the compiled code from
 numba's cache (``__pycache__`` beside the sources, or a user-wide folder where that is read-only). Calling
 :func:`warm_up` once after installing -- ``make install`` does, ``python -m moebalance.algorithms.jit`` by
 hand -- moves that cost out of the first evaluation and out of every rank of a multi-process run, which would
 otherwise each compile the same code at once. It compiles the signatures the routers use: C-contiguous
-``int64`` loads and ids, ``bool`` copy masks, ``int64`` copy counts.
+``int64`` loads and ids, ``bool`` copy masks, ``int64`` copy counts; and the counters' for ``int16`` and
+``int32`` expert ids (the two compact types a trace holds).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import numpy as np
 
 from moebalance.algorithms import minmax, rebalance
+from moebalance.core import tally
 
 __all__ = ["warm_up"]
 
@@ -35,8 +38,15 @@ def warm_up() -> float:
     minmax.route_tokens(ids, src, starts, np.ascontiguousarray(has[0]), 1, kept)
     rebalance.split_counts(counts, copies, 0.0, False)
     rebalance.route_tokens(ids, src, starts, np.ascontiguousarray(copies[0]), 1, 0.0, False, kept)
+    for dtype in (tally.id_dtype(3), tally.id_dtype(1 << 15)):  # int16 ids, then int32
+        picks = ids[:, :, None].astype(dtype)  # [T=4, L=1, K=1], E = 3
+        tally.check_picks(picks, 3)
+        tally.count_picks(picks, np.zeros(4, dtype=np.int64), 1, 3)
+        tally.pair_counts(picks, 3)
+        tally.transition_counts(picks, 3)
+        tally.demand_counts(picks, src, 2, 3)
     return time.perf_counter() - t0
 
 
 if __name__ == "__main__":
-    print(f"router kernels compiled or loaded from numba's cache in {warm_up():.1f} s")
+    print(f"numba kernels compiled or loaded from numba's cache in {warm_up():.1f} s")

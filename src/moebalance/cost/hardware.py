@@ -1,0 +1,65 @@
+"""Published peak numbers of the GPUs the cost model knows, each with its source.
+
+``bf16_tflops`` is the dense BF16 tensor-core peak (no structured sparsity), ``memory_gib`` the device memory as the
+driver reports it, ``memory_bandwidth`` the peak device-memory bandwidth in GB/s. These are peaks: a calibration
+file measured on a real GPU (``moebalance cost-fit``) replaces them with fitted numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moebalance.core.errors import InputError
+
+__all__ = ["GPUS", "GpuSpec", "get_gpu"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class GpuSpec:
+    """One GPU model's peaks. Example: ``GPUS["h100-80gb"].bf16_tflops == 989.0``."""
+
+    name: str
+    display_name: str
+    #: Dense BF16 tensor-core peak, TFLOP/s.
+    bf16_tflops: float
+    #: Device memory, GiB.
+    memory_gib: float
+    #: Peak device-memory bandwidth, GB/s.
+    memory_bandwidth: float
+    #: Where the numbers come from.
+    source: str
+
+    def __post_init__(self) -> None:
+        for field in ("bf16_tflops", "memory_gib", "memory_bandwidth"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise InputError(f"GpuSpec.{field} ({value!r}) must be a positive number")
+
+
+GPUS: dict[str, GpuSpec] = {g.name: g for g in (
+    # A100 SXM 80GB: BF16 tensor 312 TFLOPS dense (624 with sparsity), HBM2e 80 GB, 2,039 GB/s.
+    GpuSpec(name="a100-80gb", display_name="A100-SXM4-80GB", bf16_tflops=312.0, memory_gib=80.0,
+            memory_bandwidth=2039.0, source="NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB column)"),
+    # H100 SXM 80GB: BF16 tensor 1,979 TFLOPS with sparsity -> 989 dense, HBM3 80 GB, 3.35 TB/s.
+    GpuSpec(name="h100-80gb", display_name="H100-SXM5-80GB", bf16_tflops=989.0, memory_gib=80.0,
+            memory_bandwidth=3350.0, source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)"),
+    # H200 SXM: BF16 tensor 1,979 TFLOPS with sparsity -> 989 dense, HBM3e 141 GB, 4.8 TB/s.
+    GpuSpec(name="h200", display_name="H200-SXM-141GB", bf16_tflops=989.0, memory_gib=141.0,
+            memory_bandwidth=4800.0, source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)"),
+    # B200 (HGX B200, 8 GPUs): BF16 tensor 36 PFLOPS with sparsity in all -> 2.25 PFLOPS dense per GPU,
+    # 1.4 TB HBM3e in all -> 180 GB per GPU, 64 TB/s in all -> 8 TB/s per GPU.
+    GpuSpec(name="b200", display_name="B200-180GB", bf16_tflops=2250.0, memory_gib=180.0,
+            memory_bandwidth=8000.0, source="NVIDIA HGX B200 specifications (8-GPU totals divided by 8)"),
+    # GeForce RTX 4090: BF16 tensor with FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity),
+    # 24 GB GDDR6X, 1,008 GB/s.
+    GpuSpec(name="rtx4090", display_name="GeForce RTX 4090", bf16_tflops=165.2, memory_gib=24.0,
+            memory_bandwidth=1008.0, source="NVIDIA Ada Lovelace GPU architecture whitepaper, Appendix A (RTX 4090)"),
+)}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    """The GPU called ``name`` (a key of :data:`GPUS`); an unknown name raises :class:`InputError`."""
+    spec = GPUS.get(name)
+    if spec is None:
+        raise InputError(f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(GPUS))}")
+    return spec

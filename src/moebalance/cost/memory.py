@@ -1,0 +1,153 @@
+"""Memory per GPU: weights as the engine shards them, expert replicas, the KV cache left, the concurrency it allows.
+
+Legend: ``G`` GPUs, ``L`` MoE layers, ``E`` routed experts per layer, ``S_g`` experts GPU ``g`` hosts over all
+layers (replicas included).
+
+An engine (SGLang, vLLM) reserves a fraction ``f`` of each GPU's memory for weights and the KV-cache pool and
+gives the KV cache what the weights leave (SGLang: ``mem_fraction_static``; vLLM: ``gpu_memory_utilization``)::
+
+    kv_cache[g] = f * memory - weights[g] - reserve
+    weights[g]  = S_g * expert_bytes + non_expert_bytes / shards
+
+A GPU's KV cache is set by the GPU hosting the most experts (engines size every rank's pool alike, and the
+smallest one bounds the batch: CRAFT Section 4.2.2, Challenge 2). Replicas cost ``(max_g S_g - L * ceil(E / G))
+* expert_bytes``; the KV-cache reduction is that memory over the KV cache of the same deployment without
+replicas. Concurrency is how many requests of ``context`` tokens the KV cache holds: ``kv_cache /
+(context * kv_bytes_per_token)`` per attention data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from moebalance.core.errors import InputError
+from moebalance.cost.architecture import ModelArch
+from moebalance.cost.hardware import GpuSpec
+
+__all__ = ["GIB", "EngineMemory", "MemoryReport", "memory_per_gpu"]
+
+GIB = float(1 << 30)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EngineMemory:
+    """How an engine lays weights and KV cache out on a GPU (defaults: SGLang with data-parallel attention over
+    expert parallelism, as CRAFT Section 5.1 runs it; ``docs/design.md``, "Cost model", gives the sources)."""
+
+    #: Share of GPU memory for weights and the KV pool (SGLang's ``mem_fraction_static`` default for 16 or more
+    #: GPUs in a model instance).
+    memory_fraction: float = 0.79
+    #: GiB per GPU held inside that share besides weights and KV cache (CUDA graphs, communication buffers).
+    reserve_gib: float = 0.0
+    #: GPUs that split the attention weights (tensor-parallel attention within a data-parallel rank); ``None``:
+    #: the cluster's ``gpus_per_node`` (one data-parallel rank per node); 1: replicated on every GPU.
+    attention_tp: int | None = None
+    #: GPUs that split the other non-expert weights (dense layers' MLP, shared experts, router, embeddings and
+    #: LM head); 1: replicated on every GPU.
+    dense_tp: int = 1
+    #: Bytes per weight (bf16: 2) and per KV-cache number.
+    weight_bytes: int = 2
+    kv_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise InputError(f"memory_fraction ({self.memory_fraction}) must be in (0, 1]")
+        if not self.reserve_gib >= 0.0 or not math.isfinite(self.reserve_gib):
+            raise InputError(f"reserve_gib ({self.reserve_gib}) must be a finite number >= 0")
+        for name in ("dense_tp", "weight_bytes", "kv_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InputError(f"{name} ({value!r}) must be a positive integer")
+        tp = self.attention_tp
+        if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+            raise InputError(f"attention_tp ({tp!r}) must be a positive integer or None (a node)")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Memory per GPU of one deployment (GiB); the ``moebalance cost`` keys."""
+
+    #: Every weight on the fullest GPU: its experts (replicas included) and its share of the rest.
+    weights_gb_per_gpu: float
+    #: The fullest GPU's replica memory: experts beyond ``L * ceil(E / G)``.
+    replica_gb_per_gpu: float
+    kv_cache_gb_per_gpu: float
+    #: ``replica_gb_per_gpu / kv cache without replicas`` (1.0 or more: the replicas leave no KV cache).
+    kv_cache_reduction: float
+    #: Requests of ``context_tokens`` the whole deployment holds in its KV cache at once.
+    max_concurrency: int
+    context_tokens: int
+    #: Experts the fullest GPU hosts over all layers, and without replicas.
+    experts_per_gpu: int
+    experts_per_gpu_no_replicas: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in (
+            ("weights_gb_per_gpu", self.weights_gb_per_gpu), ("replica_gb_per_gpu", self.replica_gb_per_gpu),
+            ("kv_cache_gb_per_gpu", self.kv_cache_gb_per_gpu), ("kv_cache_reduction", self.kv_cache_reduction),
+            ("max_concurrency", self.max_concurrency), ("context_tokens", self.context_tokens),
+            ("experts_per_gpu", self.experts_per_gpu),
+            ("experts_per_gpu_no_replicas", self.experts_per_gpu_no_replicas))}
+
+
+def non_expert_gib_per_gpu(arch: ModelArch, engine: EngineMemory, gpus_per_node: int) -> float:
+    """GiB of non-expert weights on one GPU: attention split over ``attention_tp``, the rest over ``dense_tp``."""
+    parts = arch.non_expert_params()
+    attention_tp = gpus_per_node if engine.attention_tp is None else engine.attention_tp
+    params = parts["attention"] / attention_tp + (sum(parts.values()) - parts["attention"]) / engine.dense_tp
+    return params * engine.weight_bytes / GIB
+
+
+def memory_per_gpu(arch: ModelArch, gpu: GpuSpec, *, num_gpus: int, gpus_per_node: int,
+                   experts_per_gpu: int | np.ndarray | None = None, replicas_per_gpu: int = 0,
+                   engine: EngineMemory | None = None, context_tokens: int = 4096) -> MemoryReport:
+    """Memory per GPU of ``arch`` on ``num_gpus`` GPUs of ``gpu``.
+
+    ``experts_per_gpu`` is what each GPU hosts over all MoE layers (``int [G]`` from a plan's slots, or the most
+    any GPU hosts); without it every GPU hosts ``L * ceil(E / G)`` plus ``replicas_per_gpu``.
+    """
+    engine = EngineMemory() if engine is None else engine
+    if num_gpus < 1 or gpus_per_node < 1 or num_gpus % gpus_per_node:
+        raise InputError(f"num_gpus ({num_gpus}) must be a positive multiple of gpus_per_node ({gpus_per_node})")
+    if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
+        raise InputError(f"context_tokens ({context_tokens!r}) must be a positive integer")
+    s = arch.spec
+    base = s.num_layers * math.ceil(s.num_experts / num_gpus)
+    if experts_per_gpu is None:
+        if replicas_per_gpu < 0:
+            raise InputError(f"replicas_per_gpu ({replicas_per_gpu}) must be >= 0")
+        hosted = base + int(replicas_per_gpu)
+    else:
+        hosted = int(np.max(experts_per_gpu))
+    expert_gib = arch.expert_params() * engine.weight_bytes / GIB
+    fixed = non_expert_gib_per_gpu(arch, engine, gpus_per_node)
+    budget = engine.memory_fraction * gpu.memory_gib - engine.reserve_gib
+    kv_without = budget - fixed - base * expert_gib
+    if kv_without <= 0:
+        raise InputError(f"{s.display_name} does not fit on {num_gpus} x {gpu.display_name}: its weights take "
+                         f"{fixed + base * expert_gib:.1f} GiB per GPU of the {budget:.1f} GiB the engine gives "
+                         "weights and KV cache; use more GPUs or a larger memory_fraction")
+    replica_gib = max(0, hosted - base) * expert_gib
+    kv = kv_without - replica_gib
+    attention_tp = gpus_per_node if engine.attention_tp is None else engine.attention_tp
+    per_request = context_tokens * arch.kv_bytes_per_token(engine.kv_bytes) / GIB
+    # each data-parallel rank (attention_tp GPUs) holds its own requests; MLA's latent cache is not split by heads,
+    # so every GPU of the rank holds the rank's whole cache: a rank's requests fit in one GPU's pool
+    if arch.attention == "mla":
+        per_rank = max(0.0, kv) / per_request
+    else:
+        per_rank = max(0.0, kv) * attention_tp / per_request
+    ranks = num_gpus // attention_tp if num_gpus >= attention_tp else 1
+    return MemoryReport(
+        weights_gb_per_gpu=fixed + hosted * expert_gib,
+        replica_gb_per_gpu=replica_gib,
+        kv_cache_gb_per_gpu=max(0.0, kv),
+        kv_cache_reduction=replica_gib / kv_without,
+        max_concurrency=int(math.floor(per_rank)) * ranks,
+        context_tokens=context_tokens,
+        experts_per_gpu=hosted,
+        experts_per_gpu_no_replicas=base,
+    )
