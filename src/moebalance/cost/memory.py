@@ -146,7 +146,7 @@ def memory_per_gpu(arch: ModelArch, gpu: GpuSpec, *, num_gpus: int, gpus_per_nod
         replica_gb_per_gpu=replica_gib,
         kv_cache_gb_per_gpu=max(0.0, kv),
         kv_cache_reduction=replica_gib / kv_without,
-        max_concurrency=int(math.floor(per_rank)) * ranks,
+        max_concurrency=math.floor(per_rank) * ranks,
         context_tokens=context_tokens,
         experts_per_gpu=hosted,
         experts_per_gpu_no_replicas=base,
