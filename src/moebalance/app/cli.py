@@ -35,7 +35,7 @@ from moebalance.routing.simulate import evaluate
 
 __all__ = ["main"]
 
-from moebalance.app import engine_commands, lm_commands, online_commands
+from moebalance.app import cost_commands, engine_commands, lm_commands, online_commands
 from moebalance.app.console import check_out as _check_out
 from moebalance.app.console import err, out
 from moebalance.app.console import progress as _progress
@@ -541,6 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trtllm: layers updated online per iteration (0: static)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=engine_commands.cmd_export)
+
+    cost_commands.add_cost_parser(sub)
 
     p = sub.add_parser("predict", help="how much of each token's routing a predictor foresees (Libra's accuracy)")
     p.add_argument("--load", required=True, help="token-level trace to predict (a capture, for lookahead with "

@@ -40,8 +40,11 @@ class EngineMemory:
     #: Share of GPU memory for weights and the KV pool (SGLang's ``mem_fraction_static`` default for 16 or more
     #: GPUs in a model instance).
     memory_fraction: float = 0.79
-    #: GiB per GPU held inside that share besides weights and KV cache (CUDA graphs, communication buffers).
-    reserve_gib: float = 0.0
+    #: GiB per GPU held inside that share besides weights and KV cache (CUDA graphs, communication buffers,
+    #: activation workspace). Engines publish no single number for it: the default is fitted once, to CRAFT's
+    #: KV-cache reduction of EPLB on DeepSeek-R1 over 8 nodes of A100-80GB (19%, CRAFT Section 5.3), by
+    #: ``bench/cost_report.py``; the paper's three Kimi-K2 numbers are then predictions.
+    reserve_gib: float = 5.85
     #: GPUs that split the attention weights (tensor-parallel attention within a data-parallel rank); ``None``:
     #: the cluster's ``gpus_per_node`` (one data-parallel rank per node); 1: replicated on every GPU.
     attention_tp: int | None = None
@@ -53,6 +56,9 @@ class EngineMemory:
     kv_bytes: int = 2
 
     def __post_init__(self) -> None:
+        for name in ("memory_fraction", "reserve_gib"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int | float):
+                raise InputError(f"{name} ({getattr(self, name)!r}) must be a number")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise InputError(f"memory_fraction ({self.memory_fraction}) must be in (0, 1]")
         if not self.reserve_gib >= 0.0 or not math.isfinite(self.reserve_gib):

@@ -1,0 +1,97 @@
+"""Time of an MoE layer and of a step: a roofline of the experts' grouped GEMM, the all-to-all, the rest.
+
+Legend: ``H`` hidden size, ``F`` a routed expert's FFN size, ``G`` GPUs, ``n_g`` picks (token, expert pairs) a
+GPU serves in a layer, ``u_g`` distinct experts those picks touch on it.
+
+**Experts.** One pick runs a gated FFN, three ``H x F`` matrix products: ``6 H F`` FLOPs. A GPU's grouped GEMM
+reads the weights of every expert it touches once, and its picks' inputs and outputs::
+
+    flops_g = 6 H F n_g                      bytes_g = u_g * 3 H F w + 2 n_g H a
+    t_g = launch + max(flops_g / (peak_flops * flops_eff), bytes_g / (bandwidth * bandwidth_eff))
+
+(``w`` bytes per weight, ``a`` per activation.) Few tokens per expert (decode) leave it bound by the experts
+touched; many (prefill) by FLOPs. The layer waits for its slowest GPU (the straggler model), then for the
+all-to-all (:func:`moebalance.routing.simulate.a2a_seconds`: busiest link, dispatch and combine)::
+
+    layer = max_g t_g + a2a
+
+**The rest of a step** (attention, dense layers, shared experts, embeddings, router) runs on every GPU for its
+data-parallel rank's tokens: a roofline of its non-expert weights' FLOPs (``2`` per weight and token) against
+reading those weights once and, in decode, every request's KV cache.
+
+``flops_eff``, ``bandwidth_eff`` and ``launch`` default to peak (1, 1, 0): a calibration measured on a GPU
+(``bench/bench_gemm.py``, fitted by ``moebalance cost --fit``) replaces them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from moebalance.core.errors import InputError
+from moebalance.cost.architecture import ModelArch
+from moebalance.cost.hardware import GpuSpec
+from moebalance.cost.memory import EngineMemory
+
+__all__ = ["Calibration", "expert_seconds", "rest_seconds"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Calibration:
+    """Achieved shares of the GPU's peaks and a fixed cost per grouped GEMM; defaults: the published peaks."""
+
+    flops_efficiency: float = 1.0
+    bandwidth_efficiency: float = 1.0
+    launch_us: float = 0.0
+    #: Where the numbers come from ("published peaks", or the measurement file they were fitted on).
+    source: str = "published peaks"
+
+    def __post_init__(self) -> None:
+        for name in ("flops_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise InputError(f"{name} ({value}) must be in (0, 1]: a share of the GPU's peak")
+        if not self.launch_us >= 0.0 or not math.isfinite(self.launch_us):
+            raise InputError(f"launch_us ({self.launch_us}) must be a finite number >= 0")
+
+
+def expert_seconds(picks: np.ndarray | float, touched: np.ndarray | float, arch: ModelArch, gpu: GpuSpec,
+                   calibration: Calibration | None = None, *, weight_bytes: int = 2,
+                   activation_bytes: int = 2) -> np.ndarray:
+    """Seconds of one GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast).
+
+    Example (by hand): H100, H = 7168, F = 2048, one pick on one expert: 88 MB of weights at 3.35 TB/s is 26.3 us,
+    the 88 MFLOPs take 0.09 us, so the pick costs the weight read.
+    """
+    cal = Calibration() if calibration is None else calibration
+    n = np.asarray(picks, dtype=np.float64)
+    u = np.asarray(touched, dtype=np.float64)
+    if np.any(n < 0) or np.any(u < 0):
+        raise InputError("picks and experts touched must be >= 0")
+    H, F = arch.spec.hidden_size, arch.spec.moe_intermediate_size
+    flops = 6.0 * H * F * n
+    traffic = u * 3.0 * H * F * weight_bytes + 2.0 * n * H * activation_bytes
+    t = np.maximum(flops / (gpu.bf16_tflops * 1e12 * cal.flops_efficiency),
+                   traffic / (gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency))
+    return np.where(n > 0, t + cal.launch_us * 1e-6, 0.0)
+
+
+def rest_seconds(tokens_per_rank: float, arch: ModelArch, gpu: GpuSpec, engine: EngineMemory, gpus_per_node: int, *,
+                 kv_tokens_per_rank: float = 0.0, calibration: Calibration | None = None) -> float:
+    """Seconds of everything but the routed experts in one step, on one GPU of a data-parallel rank that processes
+    ``tokens_per_rank`` tokens and reads ``kv_tokens_per_rank`` tokens of KV cache (decode: requests x context)."""
+    from moebalance.cost.memory import GIB, non_expert_gib_per_gpu
+
+    cal = Calibration() if calibration is None else calibration
+    if tokens_per_rank < 0 or kv_tokens_per_rank < 0:
+        raise InputError("tokens and KV tokens per rank must be >= 0")
+    if tokens_per_rank == 0:
+        return 0.0
+    weight_gib = non_expert_gib_per_gpu(arch, engine, gpus_per_node)
+    flops = 2.0 * weight_gib * GIB / engine.weight_bytes * tokens_per_rank
+    kv_bytes = kv_tokens_per_rank * arch.kv_bytes_per_token(engine.kv_bytes)
+    traffic = weight_gib * GIB + kv_bytes
+    return max(flops / (gpu.bf16_tflops * 1e12 * cal.flops_efficiency),
+               traffic / (gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency))
