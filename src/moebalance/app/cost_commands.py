@@ -104,8 +104,7 @@ def cmd_cost(args: argparse.Namespace) -> None:
         start, stop = parse_batch_range(args.batches, load.num_batches)
         cost = plan_cost(plan, load.select_batches(start, stop), arch, gpu, router=_router(args), engine=engine,
                          calibration=calibration, workload=workload, seed=args.seed)
-        result = cost.as_dict()
-        result["batches"] = f"{start}:{stop}"
+        result = {**cost.as_dict(), "batches": f"{start}:{stop}"}
         title = (f"{arch.spec.display_name}: {plan.policy} plan on {c.num_nodes} x {c.gpus_per_node} "
                  f"{gpu.display_name}, batches {start}:{stop}")
     result.update({"model": arch.spec.name, "gpu": gpu.name, "calibration": calibration.source})

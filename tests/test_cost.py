@@ -1,0 +1,216 @@
+"""The cost model: parameter counts, memory per GPU, the roofline time model, plan cost and goodput, the CLI.
+
+Hand-computed cases carry their arithmetic in comments; the time model is checked for monotonicity in tokens and in
+experts touched (hypothesis); CRAFT's four published KV-cache reductions are checked within 5 points.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import assert_user_error, run_cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement, write_plan
+from moebalance.cost.architecture import ARCHS, ModelArch, get_arch
+from moebalance.cost.goodput import Workload, a2a_estimate, plan_cost
+from moebalance.cost.hardware import GPUS, GpuSpec, get_gpu
+from moebalance.cost.memory import EngineMemory, memory_per_gpu
+from moebalance.cost.time import Calibration, expert_seconds, rest_seconds
+from moebalance.models import ModelSpec
+from moebalance.policies import make_plan
+
+MIB = 1 << 20
+
+# A tiny model: 2 MoE layers of 4 experts (top-2), H = 4, F = 8, GQA with 2 heads, 1 KV head of size 2, vocab 10.
+TINY = ModelArch(spec=ModelSpec(name="tiny", display_name="Tiny", num_layers=2, num_dense_layers=0, num_experts=4,
+                                top_k=2, hidden_size=4, moe_intermediate_size=8, num_shared_experts=0, num_groups=1,
+                                source="test"),
+                 vocab_size=10, dense_intermediate_size=8, attention="gqa", num_attention_heads=2, num_kv_heads=1,
+                 head_dim=2)
+# 1 MiB of memory, 1 TFLOP/s, 1 GB/s.
+SMALL_GPU = GpuSpec(name="small", display_name="Small", bf16_tflops=1.0, memory_gib=1 / 1024, memory_bandwidth=1.0,
+                    source="test")
+
+
+def test_tiny_parameter_counts_by_hand() -> None:
+    assert TINY.expert_params() == 96  # 3 * H * F = 3 * 4 * 8
+    assert TINY.attention_params() == 48  # q 4*2*2 + k,v 2*4*1*2 + o 2*2*4
+    assert TINY.non_expert_params() == {"attention": 96, "dense_mlp": 0, "shared_experts": 0, "router": 32,
+                                        "embeddings": 80}  # router L*H*E = 2*4*4; embeddings + head 2*10*4
+    assert TINY.routed_params() == 768 and TINY.total() == 976
+    assert TINY.kv_bytes_per_token() == 16  # 2 layers x (k + v) x 1 head x 2 numbers x 2 bytes
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_architectures_match_published_totals(name: str) -> None:
+    arch = get_arch(name)
+    assert arch.total() == pytest.approx(arch.total_params, rel=0.015)
+    assert arch.spec.num_layers * arch.spec.num_experts * arch.expert_params() == arch.routed_params()
+
+
+def test_mla_kv_bytes_by_hand() -> None:
+    # DeepSeek-V3: 61 decoder layers x (kv_lora_rank 512 + rope 64) x 2 bytes
+    assert get_arch("deepseek-v3").kv_bytes_per_token() == 61 * 576 * 2 == 70272
+    # Qwen3-235B (GQA): 94 layers x 2 x 4 KV heads x 128 x 2 bytes
+    assert get_arch("qwen3-235b-a22b").kv_bytes_per_token() == 94 * 2 * 4 * 128 * 2
+
+
+def test_memory_of_a_tiny_deployment_by_hand() -> None:
+    engine = EngineMemory(memory_fraction=0.5, reserve_gib=0.0, attention_tp=1, dense_tp=1)
+    report = memory_per_gpu(TINY, SMALL_GPU, num_gpus=2, gpus_per_node=2, replicas_per_gpu=1, engine=engine,
+                            context_tokens=4096)
+    # budget 0.5 MiB = 524,288 B; non-expert weights 208 params x 2 B = 416 B on every GPU (nothing split);
+    # without replicas each GPU hosts L * ceil(E / G) = 4 experts = 4 x 96 x 2 = 768 B; one replica 192 B
+    assert report.experts_per_gpu_no_replicas == 4 and report.experts_per_gpu == 5
+    kv_without = 524288 - 416 - 768
+    assert report.replica_gb_per_gpu * (1 << 30) == pytest.approx(192)
+    assert report.kv_cache_gb_per_gpu * (1 << 30) == pytest.approx(kv_without - 192)
+    assert report.kv_cache_reduction == pytest.approx(192 / kv_without)
+    assert report.weights_gb_per_gpu * (1 << 30) == pytest.approx(416 + 5 * 192)
+    # a request of 4096 tokens holds 4096 x 16 B = 65,536 B: 7 fit in 522,912 B, on each of 2 ranks
+    assert report.max_concurrency == 14
+
+
+def test_memory_from_a_plans_fullest_gpu_and_refusals() -> None:
+    engine = EngineMemory(memory_fraction=0.5, reserve_gib=0.0, attention_tp=1)
+    even = memory_per_gpu(TINY, SMALL_GPU, num_gpus=2, gpus_per_node=2, experts_per_gpu=np.array([4, 6]),
+                          engine=engine)
+    assert even.experts_per_gpu == 6 and even.replica_gb_per_gpu * (1 << 30) == pytest.approx(2 * 192)
+    with pytest.raises(InputError, match="does not fit"):
+        memory_per_gpu(TINY, SMALL_GPU, num_gpus=2, gpus_per_node=2, engine=EngineMemory(memory_fraction=0.0001))
+    with pytest.raises(InputError, match="memory_fraction"):
+        EngineMemory(memory_fraction=1.5)
+    with pytest.raises(InputError, match="multiple of gpus_per_node"):
+        memory_per_gpu(TINY, SMALL_GPU, num_gpus=3, gpus_per_node=2)
+
+
+def test_craft_kv_cache_reductions_within_five_points() -> None:
+    """CRAFT Section 5.3 (A100-80GB, 8 GPUs a node, bf16): EPLB takes 19% of the KV cache on DeepSeek-R1 over 8
+    nodes, 75% and 24% on Kimi-K2 over 6 and 12 nodes; CRAFT R = 8 takes 6% on Kimi-K2 over 6 nodes."""
+    a100 = get_gpu("a100-80gb")
+    for model, nodes, replicas, published in (("deepseek-r1", 8, 58, 0.19), ("kimi-k2", 6, 60, 0.75),
+                                              ("kimi-k2", 12, 60, 0.24), ("kimi-k2", 6, 8, 0.06)):
+        got = memory_per_gpu(get_arch(model), a100, num_gpus=8 * nodes, gpus_per_node=8,
+                             replicas_per_gpu=replicas).kv_cache_reduction
+        assert abs(got - published) <= 0.05, (model, nodes, replicas, got)
+
+
+def test_expert_time_by_hand() -> None:
+    arch, h100 = get_arch("deepseek-v3"), get_gpu("h100-80gb")
+    # one pick, one expert: 3 x 7168 x 2048 x 2 B of weights + 2 x 7168 x 2 B in and out, at 3.35 TB/s
+    one = float(expert_seconds(1, 1, arch, h100))
+    assert one == pytest.approx((3 * 7168 * 2048 * 2 + 2 * 7168 * 2) / 3.35e12)
+    # 4096 picks of one expert: 6 x 7168 x 2048 x 4096 FLOPs at 989 TFLOP/s (compute bound)
+    many = float(expert_seconds(4096, 1, arch, h100))
+    assert many == pytest.approx(6 * 7168 * 2048 * 4096 / 989e12)
+    assert float(expert_seconds(0, 0, arch, h100)) == 0.0
+    slow = float(expert_seconds(1, 1, arch, h100, Calibration(bandwidth_efficiency=0.5, launch_us=10.0)))
+    assert slow == pytest.approx(2 * one + 10e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0, 1e5), st.floats(0, 1e5), st.floats(0, 300), st.floats(0, 300), st.sampled_from(sorted(GPUS)))
+def test_expert_time_is_monotone_in_tokens_and_experts(n1: float, n2: float, u1: float, u2: float, gpu: str) -> None:
+    arch = get_arch("kimi-k2")
+    lo_n, hi_n, lo_u, hi_u = min(n1, n2), max(n1, n2), min(u1, u2), max(u1, u2)
+    t = lambda n, u: float(expert_seconds(n, u, arch, get_gpu(gpu)))  # noqa: E731
+    assert t(lo_n, lo_u) <= t(hi_n, lo_u) + 1e-15
+    assert t(lo_n, lo_u) <= t(lo_n, hi_u) + 1e-15
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(1, 1e5), st.floats(1, 1e5), st.floats(0, 1e7))
+def test_rest_of_step_is_monotone_in_tokens(a: float, b: float, kv: float) -> None:
+    arch, gpu, engine = get_arch("deepseek-v3"), get_gpu("h100-80gb"), EngineMemory()
+    lo, hi = min(a, b), max(a, b)
+    assert rest_seconds(lo, arch, gpu, engine, 8, kv_tokens_per_rank=kv) <= \
+        rest_seconds(hi, arch, gpu, engine, 8, kv_tokens_per_rank=kv) + 1e-15
+
+
+def test_a2a_estimate_by_hand() -> None:
+    cluster = Cluster(num_nodes=1, gpus_per_node=2, intra_node_bandwidth=2.0)
+    # picks [3, 1], tokens on either GPU with probability 1/2: GPU 0 receives 3/2 from GPU 1 and sends 1/2 to it
+    # (GPU 1: receives 1/2, sends 3/2): the busiest link moves 1.5 copies of 1000 B at 2 GB/s, twice (combine)
+    assert a2a_estimate(np.array([3.0, 1.0]), cluster, 1000) == pytest.approx(2 * 1000 * 1.5 / 2.0 / 1e9)
+    two = Cluster(num_nodes=2, gpus_per_node=1, intra_node_bandwidth=100.0, inter_node_bandwidth=1.0)
+    # two nodes of one GPU: every remote copy crosses the network; GPU 0 receives 3/2, GPU 1 sends 3/2
+    assert a2a_estimate(np.array([3.0, 1.0]), two, 1000) == pytest.approx(2 * 1000 * 1.5 / 1.0 / 1e9)
+
+
+def _tiny_plan_and_load() -> tuple[Placement, LoadMatrix]:
+    arch = get_arch("olmoe-1b-7b")
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 400, (6, arch.spec.num_layers, arch.spec.num_experts))
+    load = LoadMatrix(counts, preset="olmoe-1b-7b")
+    plan, _ = make_plan("eplb", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(slots_per_gpu=17))
+    return plan, load
+
+
+def test_plan_cost_layer_time_is_the_straggler_plus_all_to_all() -> None:
+    plan, load = _tiny_plan_and_load()
+    arch, gpu = get_arch("olmoe-1b-7b"), get_gpu("rtx4090")
+    cost = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1, reserve_gib=0.0))
+    from moebalance.routing.simulate import gpu_loads
+
+    loads = gpu_loads(plan, load.counts)  # uniform router
+    touched = np.einsum("ble,leg->blg", (load.counts > 0).astype(float), (plan.copies > 0).astype(float))
+    expect = expert_seconds(loads, touched, arch, gpu).max(axis=2) + a2a_estimate(loads, plan.cluster, 2048 * 2)
+    assert cost.modelled_layer_ms == pytest.approx(1e3 * expect.mean())
+    assert cost.modelled_goodput > 0 and cost.decode_step_ms > 0 and cost.prefill_step_ms > cost.decode_step_ms / 100
+    assert set(cost.as_dict()) >= {"weights_gb_per_gpu", "replica_gb_per_gpu", "kv_cache_gb_per_gpu",
+                                   "kv_cache_reduction", "max_concurrency", "modelled_layer_ms", "modelled_goodput"}
+
+
+def test_goodput_falls_when_the_kv_cache_is_taken() -> None:
+    """The same plan with a larger engine reserve holds fewer requests, so its goodput is lower."""
+    plan, load = _tiny_plan_and_load()
+    arch, gpu = get_arch("olmoe-1b-7b"), get_gpu("rtx4090")
+    roomy = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1, reserve_gib=0.0))
+    tight = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1, reserve_gib=10.0))
+    assert tight.memory.max_concurrency < roomy.memory.max_concurrency
+    assert tight.modelled_goodput < roomy.modelled_goodput
+    with pytest.raises(InputError, match="prompt_tokens"):
+        Workload(prompt_tokens=0)
+
+
+def test_cost_cli(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, text, err = run_cli(["cost", "--model", "kimi-k2", "--gpu", "a100-80gb", "--nodes", 6, "--gpus-per-node", 8,
+                             "--replicas-per-gpu", 60, "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(text)
+    assert {"weights_gb_per_gpu", "replica_gb_per_gpu", "kv_cache_gb_per_gpu", "kv_cache_reduction",
+            "max_concurrency"} <= set(doc)
+    assert doc["experts_per_gpu"] == 60 * 8 + 60 and abs(doc["kv_cache_reduction"] - 0.75) <= 0.05
+    plan, load = _tiny_plan_and_load()
+    write_plan(tmp_path / "p.json", plan)
+    np.save(tmp_path / "c.npy", load.counts)
+    rc, text, err = run_cli(["cost", "--model", "olmoe-1b-7b", "--gpu", "rtx4090", "--plan", tmp_path / "p.json",
+                             "--load", tmp_path / "c.npy", "--intra-link", "pcie4", "--inter-link", "eth25",
+                             "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(text)
+    assert doc["modelled_layer_ms"] > 0 and doc["modelled_goodput"] > 0 and doc["model"] == "olmoe-1b-7b"
+    rc, text, _ = run_cli(["cost", "--model", "olmoe-1b-7b", "--gpu", "rtx4090", "--nodes", 1, "--gpus-per-node", 4],
+                          capsys)
+    assert rc == 0 and "kv_cache_gb_per_gpu" in text
+
+
+def test_cost_cli_errors(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["cost", "--model", "kimi-k2", "--gpu", "a100-80gb"], capsys, "--nodes")
+    assert_user_error(["cost", "--model", "kimi-k2", "--gpu", "a100-80gb", "--nodes", 1, "--gpus-per-node", 8],
+                      capsys, "does not fit")
+    assert_user_error(["cost", "--model", "kimi-k2", "--gpu", "a100-80gb", "--plan", "x.json"], capsys, "--load")
+    assert_user_error(["cost", "--model", "nope", "--gpu", "a100-80gb"], capsys, "nope")
+    (tmp_path / "cal.json").write_text(json.dumps({"format": "moebalance.calibration", "flops_efficiency": 2.0}))
+    assert_user_error(["cost", "--model", "kimi-k2", "--gpu", "a100-80gb", "--nodes", 6, "--gpus-per-node", 8,
+                       "--calibration", tmp_path / "cal.json"], capsys, "flops_efficiency")
+    assert math.isfinite(get_gpu("b200").bf16_tflops)
