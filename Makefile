@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(PY) bench/moe_lm_report.py
 	$(PY) bench/libra_report.py  # needs MOEBALANCE_ESFT_DIR (docs/results/libra.md says what); skips without it
 	$(PY) bench/real_report.py  # the same
+	$(PY) bench/cost_report.py
 	$(PY) bench/bench_large.py  # a 1M-token trace: about 12 minutes, most of it synth
 
 # Refresh constraints.txt on purpose: the newest releases within pyproject's ranges, in a scratch venv; the lint
