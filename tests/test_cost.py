@@ -214,3 +214,23 @@ def test_cost_cli_errors(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert_user_error(["cost", "--model", "kimi-k2", "--gpu", "a100-80gb", "--nodes", 6, "--gpus-per-node", 8,
                        "--calibration", tmp_path / "cal.json"], capsys, "flops_efficiency")
     assert math.isfinite(get_gpu("b200").bf16_tflops)
+
+
+def test_compare_with_a_gpu_shows_kv_cache_and_goodput(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "--load", "bundled:olmoe-1b-7b-tokens", "--policies", "contiguous,eplb", "--nodes", 2,
+            "--gpus-per-node", 4, "--slots-per-gpu", 10, "--gpu", "rtx4090", "--attention-tp", 1, "--json"]
+    rc, text, err = run_cli(argv, capsys)
+    assert rc == 0, err
+    rows = json.loads(text)["rows"]
+    cost = {r["policy"]: r["cost"] for r in rows}
+    # 64 experts on 8 GPUs: contiguous hosts 8 per layer, eplb's 10 slots add 2 x 16 layers of replicas
+    assert cost["contiguous"]["experts_per_gpu"] == 128 and cost["eplb"]["experts_per_gpu"] == 160
+    assert cost["eplb"]["kv_cache_gb_per_gpu"] < cost["contiguous"]["kv_cache_gb_per_gpu"]
+    assert all(c["modelled_goodput"] > 0 and c["modelled_layer_ms"] > 0 for c in cost.values())
+    rc, text, _ = run_cli(argv[:-1], capsys)
+    assert rc == 0 and "goodput" in text and "KV cache" in text
+    assert_user_error(["compare", "--load", "bundled:olmoe-1b-7b-tokens", "--policies", "eplb", "--nodes", 2,
+                       "--gpus-per-node", 4, "--slots-per-gpu", 10, "--gpu", "rtx4090", "--model", "kimi-k2"],
+                      capsys, "give the load's --model")
+    assert_user_error(["compare", "--load", "bundled:olmoe-1b-7b-tokens", "--policies", "eplb", "--nodes", 2,
+                       "--gpus-per-node", 4, "--slots-per-gpu", 10, "--model", "olmoe-1b-7b"], capsys, "--gpu")

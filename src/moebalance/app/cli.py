@@ -249,20 +249,46 @@ def cmd_compare(args: argparse.Namespace) -> None:
                              "file name)")
         scenarios += [Scenario(fixed.policy, budget, {}, r, label=f"{name} + {r.label}" if several else name,
                                plan_name=f"baseline-{Path(path).stem}", fixed=fixed) for r in routers]
-    rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed)
+    rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed, _cost_fn(args, load))
     title = _title(load, Path(args.load).name, _cluster(args), budget, args.train_frac,
                    "per row" if several else routers[0].label)
+    if args.gpu is not None:
+        title += f"; modelled on {args.gpu} ({cost_commands.calibration_from(args).source})"
     _emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)
 
 
+def _cost_fn(args: argparse.Namespace, load: LoadMatrix) -> Any:
+    """``(plan, held-out load, router) -> PlanCost`` for ``--gpu`` (with ``--model`` or the load's own), else None."""
+    if getattr(args, "gpu", None) is None:
+        if getattr(args, "model", None) is not None:
+            raise InputError("--model is used with --gpu (the cost model); give --gpu too")
+        return None
+    from moebalance.cost.architecture import get_arch
+    from moebalance.cost.goodput import plan_cost
+    from moebalance.cost.hardware import get_gpu
+
+    name = args.model or load.preset
+    if name is None:
+        raise InputError("the load names no model; give --model with --gpu (e.g. --model deepseek-v3)")
+    arch, gpu = get_arch(name), get_gpu(args.gpu)
+    if (arch.spec.num_layers, arch.spec.num_experts) != (load.num_layers, load.num_experts):
+        raise InputError(f"{arch.spec.display_name} has {arch.spec.num_layers} MoE layers x {arch.spec.num_experts} "
+                         f"experts but the load {load.num_layers} x {load.num_experts}; give the load's --model")
+    engine, workload = cost_commands.engine_from(args), cost_commands.workload_from(args)
+    calibration = cost_commands.calibration_from(args)
+    return lambda plan, test, router: plan_cost(plan, test, arch, gpu, router=router, engine=engine,
+                                                calibration=calibration, workload=workload, seed=args.seed)
+
+
 def _run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Any], train_frac: float,
-                   seed: int) -> tuple[dict[str, ComparisonRow], dict[str, Any]]:
+                   seed: int, cost: Any = None) -> tuple[dict[str, ComparisonRow], dict[str, Any]]:
     from moebalance.app.compare import run_comparison
 
     with _progress() as progress:
         task = progress.add_task("plan + score", total=len(scenarios))
         return run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
-                              bytes_per_copy=_bytes_per_copy(load, None, 2), on_done=lambda _: progress.advance(task))
+                              bytes_per_copy=_bytes_per_copy(load, None, 2), on_done=lambda _: progress.advance(task),
+                              cost=cost)
 
 
 def _title(load: LoadMatrix, source: str, cluster: Cluster, budget: Budget, train_frac: float, router: str) -> str:
@@ -489,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also score this placement as it is (a moebalance plan, SGLang's --init-expert-location "
                         "file, TensorRT-LLM's load-balancer YAML; repeatable): what the engine runs today")
     p.add_argument("--baseline-format", choices=("moebalance", "sglang", "trtllm"), help="default: detected")
+    p.add_argument("--model", help="with --gpu: the model served (default: the load's preset)")
+    cost_commands.add_cost_options(p, gpu_required=False)
     _add_format(p)
     p.set_defaults(func=cmd_compare)
 

@@ -17,6 +17,7 @@ from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.cost.goodput import PlanCost
 from moebalance.policies import make_plan
 from moebalance.routing import Router
 from moebalance.routing.simulate import evaluate
@@ -63,10 +64,13 @@ class Comparison:
 
 def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], *, train_frac: float = 0.5,
                    seed: int = 0, bytes_per_copy: int | None = None,
-                   on_done: Callable[[str], None] | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
+                   on_done: Callable[[str], None] | None = None,
+                   cost: Callable[[Placement, LoadMatrix, str | Router], PlanCost] | None = None,
+                   ) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """Plan and score every scenario; rows by label (in order) and plans by plan name.
 
-    Scenarios that differ only in their router share one plan (made once, its planning time on each row).
+    Scenarios that differ only in their router share one plan (made once, its planning time on each row). With
+    ``cost``, each row also carries ``cost(plan, held-out load, router)`` (``compare --gpu``).
     """
     train, test = load.split(train_frac)
     rows: dict[str, ComparisonRow] = {}
@@ -81,7 +85,8 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
                 made[key] = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
             plan, seconds = made[key]
         score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True)
-        rows[sc.name] = ComparisonRow(sc.name, score, seconds, plan.warnings)
+        modelled = None if cost is None else cost(plan, test, sc.router)
+        rows[sc.name] = ComparisonRow(sc.name, score, seconds, plan.warnings, modelled)
         if sc.shown:
             plans[sc.plan_name or sc.name] = plan
         if on_done is not None:

@@ -12,6 +12,7 @@ import numpy as np
 from rich.table import Table
 
 from moebalance.core.io import save_png
+from moebalance.cost.goodput import PlanCost
 from moebalance.routing.simulate import Score
 
 __all__ = ["ComparisonRow", "comparison_markdown", "comparison_table", "plot_per_layer",
@@ -26,12 +27,15 @@ class ComparisonRow:
     score: Score
     plan_seconds: float
     warnings: tuple[str, ...] = ()
+    #: The plan's modelled memory, time and goodput on the held-out batches (``compare --gpu``), if asked for.
+    cost: PlanCost | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = self.score.as_dict()
         d.pop("traffic_matrix", None)
+        extra = {} if self.cost is None else {"cost": self.cost.as_dict()}
         return {"policy": self.policy, "plan_seconds": round(self.plan_seconds, 6), **d,
-                "warnings": list(self.warnings)}
+                "warnings": list(self.warnings), **extra}
 
 
 _COLUMNS = ("policy", "extra replicas", "balancedness", "imbalance ratio", "gap to bound", "routing gap", "plan time")
@@ -50,6 +54,10 @@ def _cells(row: ComparisonRow) -> list[str]:
         cells += [f"{t.inter_node / 1e3:,.1f}k", f"{t.intra_node / 1e3:,.1f}k"]
         if t.a2a_seconds is not None:
             cells.append(f"{1e6 * float(t.a2a_seconds.mean()):.1f} us")
+    if row.cost is not None:
+        c = row.cost
+        cells += [f"{c.memory.kv_cache_gb_per_gpu:.1f} GiB -{100 * c.memory.kv_cache_reduction:.0f}%",
+                  f"{c.modelled_layer_ms:.3f} ms", f"{c.modelled_goodput:,.0f}"]
     return cells
 
 
@@ -59,6 +67,8 @@ def _columns(rows: Sequence[ComparisonRow]) -> list[str]:
         cols += ["inter-node copies", "intra-node copies"]
         if rows[0].score.traffic.a2a_seconds is not None:
             cols.append("all-to-all per layer")
+    if rows and rows[0].cost is not None:
+        cols += ["KV cache per GPU", "modelled layer", "modelled goodput tok/s"]
     return cols
 
 
