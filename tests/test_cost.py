@@ -234,3 +234,35 @@ def test_compare_with_a_gpu_shows_kv_cache_and_goodput(capsys: pytest.CaptureFix
                       capsys, "give the load's --model")
     assert_user_error(["compare", "--load", "bundled:olmoe-1b-7b-tokens", "--policies", "eplb", "--nodes", 2,
                        "--gpus-per-node", 4, "--slots-per-gpu", 10, "--model", "olmoe-1b-7b"], capsys, "--gpu")
+
+
+def test_calibration_fit_recovers_known_constants(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Times made by the roofline with 50% of the FLOP/s, 80% of the bandwidth and 20 us per call are fitted back."""
+    from moebalance.cost.calibrate import fit, read_measurements
+
+    arch, gpu = get_arch("deepseek-v3"), get_gpu("h100-80gb")
+    truth = Calibration(flops_efficiency=0.5, bandwidth_efficiency=0.8, launch_us=20.0)
+    lines = ["experts,tokens_per_expert,hidden_size,ffn_size,seconds"]
+    for experts in (1, 8, 32):
+        for tokens in (1, 4, 16, 64, 256, 1024, 2048):
+            t = float(expert_seconds(experts * tokens, experts, arch, gpu, truth))
+            lines.append(f"{experts},{tokens},7168,2048,{t!r}")
+    (tmp_path / "m.csv").write_text("\n".join(lines) + "\n")
+    got, error = fit(read_measurements(tmp_path / "m.csv"), gpu)
+    assert error < 0.02
+    assert got.flops_efficiency == pytest.approx(0.5, rel=0.05)
+    assert got.bandwidth_efficiency == pytest.approx(0.8, rel=0.05)
+    assert got.launch_us == pytest.approx(20.0, abs=5.0)
+    rc, _, err = run_cli(["calibrate", "--measurements", tmp_path / "m.csv", "--gpu", "h100-80gb", "--out",
+                          tmp_path / "cal.json"], capsys)
+    assert rc == 0, err
+    rc, text, err = run_cli(["cost", "--model", "kimi-k2", "--gpu", "h100-80gb", "--nodes", 6, "--gpus-per-node", 8,
+                             "--calibration", tmp_path / "cal.json", "--json"], capsys)
+    assert rc == 0 and json.loads(text)["calibration"] == "fitted to m.csv on h100-80gb"
+    (tmp_path / "bad.csv").write_text("experts,tokens_per_expert,hidden_size,seconds\n1,1,7168,0.1\n")
+    assert_user_error(["calibrate", "--measurements", tmp_path / "bad.csv", "--gpu", "h100-80gb", "--out",
+                       tmp_path / "c2.json"], capsys, "lacks column 'ffn_size'")
+    (tmp_path / "neg.csv").write_text("experts,tokens_per_expert,hidden_size,ffn_size,seconds\n1,1,7168,2048,-1\n")
+    assert_user_error(["calibrate", "--measurements", tmp_path / "neg.csv", "--gpu", "h100-80gb", "--out",
+                       tmp_path / "c3.json"], capsys, "line 2: seconds is -1.0")
+    assert not (tmp_path / "c2.json").exists() and not (tmp_path / "c3.json").exists()

@@ -571,6 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=engine_commands.cmd_export)
 
     cost_commands.add_cost_parser(sub)
+    cost_commands.add_calibrate_parser(sub)
 
     p = sub.add_parser("predict", help="how much of each token's routing a predictor foresees (Libra's accuracy)")
     p.add_argument("--load", required=True, help="token-level trace to predict (a capture, for lookahead with "

@@ -22,7 +22,8 @@ from moebalance.cost.hardware import GPUS, get_gpu
 from moebalance.cost.memory import EngineMemory, memory_per_gpu
 from moebalance.cost.time import Calibration
 
-__all__ = ["add_cost_options", "add_cost_parser", "calibration_from", "cmd_cost", "engine_from", "workload_from"]
+__all__ = ["add_cost_options", "add_cost_parser", "calibration_from", "cmd_calibrate", "cmd_cost", "engine_from",
+           "workload_from"]
 
 _ENGINE, _WORK = EngineMemory(), Workload()  # the defaults the options show
 
@@ -139,3 +140,30 @@ def add_cost_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true")
     _add_format(p)
     p.set_defaults(func=cmd_cost)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    """Fit the compute model's constants to measured grouped-GEMM times and write them as JSON."""
+    from moebalance.app.console import check_out
+    from moebalance.core.io import atomic_write_text
+    from moebalance.cost.calibrate import fit, read_measurements
+
+    dest = check_out(args.out, ".json")
+    gpu = get_gpu(args.gpu)
+    measured = read_measurements(args.measurements)
+    calibration, error = fit(measured, gpu, source=f"fitted to {Path(args.measurements).name} on {gpu.name}")
+    doc = {"format": "moebalance.calibration", **{f.name: getattr(calibration, f.name)
+                                                  for f in dataclasses.fields(calibration)}}
+    atomic_write_text(dest, dumps(doc))
+    out.print(f"wrote {dest}: {100 * calibration.flops_efficiency:.1f}% of {gpu.display_name}'s BF16 peak, "
+              f"{100 * calibration.bandwidth_efficiency:.1f}% of its memory bandwidth, "
+              f"{calibration.launch_us:.1f} us per grouped GEMM; mean |log error| {error:.3f} over "
+              f"{measured.seconds.size} runs. Use: moebalance cost ... --calibration {dest}")
+
+
+def add_calibrate_parser(sub: Any) -> None:
+    p = sub.add_parser("calibrate", help="fit the cost model's compute constants to measured grouped-GEMM times")
+    p.add_argument("--measurements", required=True, help="CSV from bench/bench_gemm.py")
+    p.add_argument("--gpu", required=True, choices=sorted(GPUS), help="the GPU that was measured")
+    p.add_argument("--out", required=True, help="calibration .json for cost/compare --calibration")
+    p.set_defaults(func=cmd_calibrate)

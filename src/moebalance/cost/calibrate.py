@@ -1,0 +1,85 @@
+"""Fit the compute model's constants to grouped-GEMM times measured on a GPU.
+
+A measurement file (CSV, written by ``bench/bench_gemm.py``) has one row per run with the columns
+``experts,tokens_per_expert,hidden_size,ffn_size,seconds``: ``experts`` gated FFNs of size ``hidden_size x ffn_size``
+each ran on ``tokens_per_expert`` tokens, and the whole grouped GEMM took ``seconds`` (a median of repeats).
+:func:`fit` chooses the :class:`~moebalance.cost.time.Calibration` whose roofline (:func:`expert_seconds`) best
+matches the times in relative terms: a grid over the two efficiencies, and for each the launch cost that centres
+the residuals; the error is the mean absolute log ratio of modelled to measured time.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moebalance.core.errors import InputError
+from moebalance.cost.hardware import GpuSpec
+from moebalance.cost.time import Calibration
+
+__all__ = ["COLUMNS", "Measurements", "fit", "read_measurements"]
+
+COLUMNS = ("experts", "tokens_per_expert", "hidden_size", "ffn_size", "seconds")
+_GRID = np.geomspace(0.01, 1.0, 121)  # efficiencies tried, 1% to 100% of peak
+
+
+@dataclass(frozen=True, slots=True)
+class Measurements:
+    """Columns of a measurement file, ``float64 [N]`` each."""
+
+    experts: np.ndarray
+    tokens_per_expert: np.ndarray
+    hidden_size: np.ndarray
+    ffn_size: np.ndarray
+    seconds: np.ndarray
+
+
+def read_measurements(path: str | Path) -> Measurements:
+    """Read a measurement CSV; a missing column, a non-number or a non-positive value is a one-line error."""
+    p = Path(path)
+    try:
+        with open(p, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise InputError(f"cannot read measurements {str(p)!r}: {exc}") from None
+    if not rows:
+        raise InputError(f"{str(p)!r} holds no measurements; expected a CSV with columns {','.join(COLUMNS)}")
+    missing = [c for c in COLUMNS if c not in rows[0]]
+    if missing:
+        raise InputError(f"{str(p)!r} lacks column {missing[0]!r}; expected {','.join(COLUMNS)} (bench/bench_gemm.py)")
+    cols: dict[str, list[float]] = {c: [] for c in COLUMNS}
+    for i, row in enumerate(rows, start=2):
+        for c in COLUMNS:
+            try:
+                value = float(row[c])
+            except (TypeError, ValueError):
+                raise InputError(f"{str(p)!r} line {i}: {c} is {row[c]!r}, not a number") from None
+            if not (value > 0 and math.isfinite(value)):
+                raise InputError(f"{str(p)!r} line {i}: {c} is {value}; it must be a positive number")
+            cols[c].append(value)
+    return Measurements(**{c: np.asarray(v) for c, v in cols.items()})
+
+
+def fit(m: Measurements, gpu: GpuSpec, *, weight_bytes: int = 2, source: str = "measurements") -> tuple[Calibration, float]:
+    """The calibration that best matches ``m`` on ``gpu`` and its mean absolute log error (module docstring)."""
+    n = m.experts * m.tokens_per_expert
+    flops = 6.0 * m.hidden_size * m.ffn_size * n
+    traffic = m.experts * 3.0 * m.hidden_size * m.ffn_size * weight_bytes + 2.0 * n * m.hidden_size * weight_bytes
+    compute = flops[None, :] / (gpu.bf16_tflops * 1e12 * _GRID[:, None])  # [grid, N]
+    memory = traffic[None, :] / (gpu.memory_bandwidth * 1e9 * _GRID[:, None])
+    best: tuple[float, float, float, float] = (math.inf, 1.0, 1.0, 0.0)
+    log_measured = np.log(m.seconds)
+    for i in range(_GRID.size):
+        roof = np.maximum(compute[i][None, :], memory)  # [grid (bandwidth), N]
+        launch = np.maximum(0.0, np.median(m.seconds[None, :] - roof, axis=1))  # [grid]
+        err = np.abs(np.log(roof + launch[:, None]) - log_measured[None, :]).mean(axis=1)
+        j = int(np.argmin(err))
+        if err[j] < best[0]:
+            best = (float(err[j]), float(_GRID[i]), float(_GRID[j]), float(launch[j]))
+    error, flops_eff, bandwidth_eff, launch_s = best
+    return Calibration(flops_efficiency=flops_eff, bandwidth_efficiency=bandwidth_eff, launch_us=launch_s * 1e6,
+                       source=source), error
