@@ -266,3 +266,36 @@ def test_calibration_fit_recovers_known_constants(tmp_path, capsys: pytest.Captu
     assert_user_error(["calibrate", "--measurements", tmp_path / "neg.csv", "--gpu", "h100-80gb", "--out",
                        tmp_path / "c3.json"], capsys, "line 2: seconds is -1.0")
     assert not (tmp_path / "c2.json").exists() and not (tmp_path / "c3.json").exists()
+
+
+def test_auto_by_goodput_picks_the_best_modelled_r(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--load", "bundled:deepseek-v3-8x8", "--policy", "craft", "--nodes", 8, "--gpus-per-node", 8,
+            "--replicas-per-gpu", "auto", "--gpu", "a100-80gb", "--inter-link", "efa-p4d", "--batches", ":50"]
+    picked = {}
+    for reserve in (0.0, 20.0):  # a roomy KV cache (25 GiB per GPU), and one that replicas eat into (9 GiB)
+        out = tmp_path / f"auto{reserve}.json"
+        rc, _, err = run_cli([*base, "--auto-by", "goodput", "--reserve-gib", reserve, "--out", out], capsys)
+        assert rc == 0, err
+        params = json.loads(out.read_text())["params"]
+        curve = {int(k): v for k, v in params["goodput_by_replicas_per_gpu"].items()}
+        assert sorted(curve) == [0, 1, 2, 4, 8, 16, 32, 58]  # placement only, powers of two, then L = 58
+        assert params["auto_by"] == "goodput" and params["replicas_per_gpu"] == "auto"
+        assert curve[params["chosen_replicas_per_gpu"]] == max(curve.values())
+        picked[reserve] = params["chosen_replicas_per_gpu"]
+    assert picked[20.0] < picked[0.0]  # the less KV cache there is, the fewer replicas pay (measured: 4 and 32)
+    assert_user_error([*base, "--auto-by", "goodput", "--out", tmp_path / "x.json", "--policy", "eplb"], capsys,
+                      "--auto-by goodput chooses craft's R")
+    assert_user_error(["plan", "--load", "bundled:olmoe-1b-7b-tokens", "--policy", "craft", "--nodes", 2,
+                       "--gpus-per-node", 4, "--replicas-per-gpu", "auto", "--auto-by", "goodput", "--out",
+                       tmp_path / "y.json"], capsys, "needs --gpu")
+
+
+def test_sweep_with_a_gpu_models_goodput(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, text, err = run_cli(["sweep", "--load", "bundled:olmoe-1b-7b-tokens", "--policies", "craft", "--nodes", 2,
+                             "--gpus-per-node", 4, "--replicas-per-gpu", "0,4,16", "--gpu", "rtx4090",
+                             "--attention-tp", 1, "--json"], capsys)
+    assert rc == 0, err
+    points = json.loads(text)["points"]
+    kv = [p["kv_cache_gb_per_gpu"] for p in points]
+    assert [p["replicas_per_gpu"] for p in points] == [0, 4, 16]
+    assert kv[0] > kv[1] > kv[2] and all(p["modelled_goodput"] > 0 for p in points)

@@ -162,7 +162,15 @@ def cmd_plan(args: argparse.Namespace) -> None:
     params = _parse_set(args.set)
     if args.groups is not None:
         params["num_groups"] = args.groups
-    plan, seconds = make_plan(args.policy, load, _cluster(args), _budget(args), dense_layers=dense, **params)
+    costing = _auto_by_goodput(args, load, [args.policy])
+    if costing is not None:
+        from moebalance.cost.auto import craft_by_goodput
+
+        t0 = time.perf_counter()
+        plan = craft_by_goodput(load, _cluster(args), costing, **params)
+        seconds = time.perf_counter() - t0
+    else:
+        plan, seconds = make_plan(args.policy, load, _cluster(args), _budget(args), dense_layers=dense, **params)
     plan = plan.with_params({**plan.params, "planned_on_batches": f"{start}:{stop}"})
     score = evaluate(plan, load)  # before writing: a load that cannot be scored leaves no plan behind
     write_plan(dest, plan)
@@ -249,12 +257,32 @@ def cmd_compare(args: argparse.Namespace) -> None:
                              "file name)")
         scenarios += [Scenario(fixed.policy, budget, {}, r, label=f"{name} + {r.label}" if several else name,
                                plan_name=f"baseline-{Path(path).stem}", fixed=fixed) for r in routers]
+    by_goodput = _auto_by_goodput(args, load, policies)
+    if by_goodput is not None:  # craft's R chosen on the planning batches, then scored like every other plan
+        from moebalance.cost.auto import craft_by_goodput
+
+        chosen = craft_by_goodput(load.split(args.train_frac)[0], _cluster(args), by_goodput, **per_policy["craft"])
+        scenarios = [dataclasses.replace(sc, fixed=chosen) if sc.policy == "craft" and sc.fixed is None else sc
+                     for sc in scenarios]
     rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed, _cost_fn(args, load))
     title = _title(load, Path(args.load).name, _cluster(args), budget, args.train_frac,
                    "per row" if several else routers[0].label)
     if args.gpu is not None:
         title += f"; modelled on {args.gpu} ({cost_commands.calibration_from(args).source})"
     _emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)
+
+
+def _auto_by_goodput(args: argparse.Namespace, load: LoadMatrix, policies: Sequence[str]) -> Any:
+    """``(plan, load) -> PlanCost`` when ``--auto-by goodput`` asks for it (checked), else None."""
+    if args.auto_by != "goodput":
+        return None
+    if args.replicas_per_gpu != "auto" or "craft" not in policies:
+        raise InputError("--auto-by goodput chooses craft's R: give --policy craft (or craft in --policies) with "
+                         "--replicas-per-gpu auto")
+    if args.gpu is None:
+        raise InputError("--auto-by goodput needs --gpu (and --model when the load names none): the cost model")
+    costing = _cost_fn(args, load)
+    return lambda plan, part: costing(plan, part, "uniform")
 
 
 def _cost_fn(args: argparse.Namespace, load: LoadMatrix) -> Any:
@@ -339,13 +367,16 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     steps = sweep_steps(load, cluster, policies, replicas) if policies else 0
     with _progress() as progress:
         task = progress.add_task("sweep", total=steps)
+        costing = _cost_fn(args, load)
         result = sweep(load, cluster, policies, replicas, train_frac=args.train_frac, num_groups=args.groups,
-                       on_step=lambda: progress.advance(task))
+                       on_step=lambda: progress.advance(task),
+                       cost=None if costing is None else (lambda plan, test: costing(plan, test, "uniform")))
     points = result.points
     train, test = load.split(args.train_frac)
     title = (f"{load.preset or Path(args.load).name}: {load.num_layers} layers x {load.num_experts} experts on "
              f"{args.nodes}x{args.gpus_per_node} GPUs, planned on {train.num_batches} batches, scored on "
-             f"{test.num_batches}{' held-out' if args.train_frac < 1 else ''}; gain over placement-only greedy")
+             f"{test.num_batches}{' held-out' if args.train_frac < 1 else ''}; gain over placement-only greedy"
+             + ("" if args.gpu is None else f"; modelled on {args.gpu}"))
     doc = {"title": title, "points": [p.as_dict() for p in points], "skipped": result.skipped}
     skipped_md = "".join(f"\nSkipped: {note}\n" for note in result.skipped)
     if args.out_dir:
@@ -449,6 +480,9 @@ def _add_cluster(p: argparse.ArgumentParser, budget_required: bool = True) -> No
                    help="extra expert slots per GPU over all layers (CRAFT's R; craft accepts auto)")
     p.add_argument("--groups", type=int, help="expert groups for eplb's hierarchical policy (default: the preset's)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="policy parameter (repeatable)")
+    p.add_argument("--auto-by", choices=("gain", "goodput"), default="gain",
+                   help="craft with --replicas-per-gpu auto: choose R by CRAFT's balancedness curve (gain) or by "
+                        "modelled goodput (needs --gpu)")
     _add_links(p)
 
 
@@ -482,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cluster(p)
     p.add_argument("--batches", help="plan on batches a:b only")
     p.add_argument("--out", required=True, help="output plan .json")
+    p.add_argument("--model", help="with --gpu: the model served (default: the load's preset)")
+    p.add_argument("--seed", type=_non_negative, default=0)
+    cost_commands.add_cost_options(p, gpu_required=False)
     _add_format(p)
     p.set_defaults(func=cmd_plan)
 
@@ -530,6 +567,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-frac", type=float, default=0.5)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write sweep.md, sweep.json and sweep.png here")
+    p.add_argument("--model", help="with --gpu: the model served (default: the load's preset)")
+    p.add_argument("--seed", type=_non_negative, default=0)
+    cost_commands.add_cost_options(p, gpu_required=False)
+    _add_links(p)
     _add_format(p)
     p.set_defaults(func=cmd_sweep)
 

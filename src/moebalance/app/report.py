@@ -145,20 +145,30 @@ def plot_per_layer(rows: Sequence[ComparisonRow], path: str | os.PathLike[str], 
 
 def sweep_markdown(points: Sequence[Any], title: str) -> str:
     """Markdown table of sweep points (``moebalance.app.sweep.SweepPoint``)."""
-    lines = [f"# {title}", "", "| policy | R (extra slots per GPU) | extra replicas | balancedness | imbalance ratio | gain over placement only |",
-             "|---|---|---|---|---|---|"]
+    costed = bool(points) and points[0].goodput is not None
+    lines = [f"# {title}", "", "| policy | R (extra slots per GPU) | extra replicas | balancedness | imbalance ratio | "
+             "gain over placement only |" + (" KV cache GiB per GPU | modelled goodput tok/s |" if costed else ""),
+             "|---|---|---|---|---|---|" + ("---|---|" if costed else "")]
     lines += [f"| {p.policy} | {p.replicas_per_gpu} | {p.extra_replicas} | {p.balancedness:.4f} | "
-              f"{p.imbalance_ratio:.3f} | {p.gain:+.4f} |" for p in points]
+              f"{p.imbalance_ratio:.3f} | {p.gain:+.4f} |" + (f" {p.kv_cache_gb:.2f} | {p.goodput:,.0f} |" if costed else "")
+              for p in points]
     return "\n".join(lines) + "\n"
 
 
 def sweep_table(points: Sequence[Any], title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for col in ("policy", "R", "extra replicas", "balancedness", "imbalance ratio", "gain"):
+    costed = bool(points) and points[0].goodput is not None
+    for col in ("policy", "R", "extra replicas", "balancedness", "imbalance ratio", "gain",
+                *(("KV cache/GPU", "goodput tok/s") if costed else ())):
         table.add_column(col, justify="left" if col == "policy" else "right")
+    best = max((p.goodput for p in points if p.goodput is not None), default=None)
     for p in points:
-        table.add_row(p.policy, str(p.replicas_per_gpu), str(p.extra_replicas), f"{p.balancedness:.4f}",
-                      f"{p.imbalance_ratio:.3f}", f"{p.gain:+.4f}")
+        cells = [p.policy, str(p.replicas_per_gpu), str(p.extra_replicas), f"{p.balancedness:.4f}",
+                 f"{p.imbalance_ratio:.3f}", f"{p.gain:+.4f}"]
+        if costed:
+            cells += [f"{p.kv_cache_gb:.2f} GiB", f"[bold green]{p.goodput:,.0f}[/]" if p.goodput == best
+                      else f"{p.goodput:,.0f}"]
+        table.add_row(*cells)
     return table
 
 

@@ -27,6 +27,8 @@ from moebalance.algorithms.craft import benefit_table, plan_from_table, replica_
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError, InputError
 from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.cost.goodput import PlanCost
 from moebalance.policies import Budget, make_plan
 from moebalance.routing.simulate import evaluate
 
@@ -46,11 +48,17 @@ class SweepPoint:
     imbalance_ratio: float
     #: Balancedness minus the placement-only (``greedy``) plan's, on the same held-out batches.
     gain: float
+    #: With a cost model (``sweep --gpu``): KV cache per GPU (GiB) and modelled goodput (tokens/s).
+    kv_cache_gb: float | None = None
+    goodput: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "replicas_per_gpu": self.replicas_per_gpu,
-                "extra_replicas": self.extra_replicas, "balancedness": round(self.balancedness, 6),
-                "imbalance_ratio": round(self.imbalance_ratio, 6), "gain": round(self.gain, 6)}
+        out = {"policy": self.policy, "replicas_per_gpu": self.replicas_per_gpu,
+               "extra_replicas": self.extra_replicas, "balancedness": round(self.balancedness, 6),
+               "imbalance_ratio": round(self.imbalance_ratio, 6), "gain": round(self.gain, 6)}
+        if self.goodput is not None and self.kv_cache_gb is not None:
+            out.update(kv_cache_gb_per_gpu=round(self.kv_cache_gb, 4), modelled_goodput=round(self.goodput, 3))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +98,10 @@ def sweep_steps(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], rep
 
 def sweep(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas: Sequence[int], *,
           train_frac: float = 0.5, num_groups: int | None = None,
-          on_step: Callable[[], None] | None = None) -> SweepResult:
-    """Score every policy at every ``R`` in ``replicas`` (plus ``R = L`` for eplb)."""
+          on_step: Callable[[], None] | None = None,
+          cost: Callable[[Placement, LoadMatrix], PlanCost] | None = None) -> SweepResult:
+    """Score every policy at every ``R`` in ``replicas`` (plus ``R = L`` for eplb); with ``cost``, also model each
+    plan's KV cache and goodput on the held-out batches."""
     _check(load, cluster, policies, replicas)
     train, test = load.split(train_frac)
     L = load.num_layers
@@ -117,8 +127,11 @@ def sweep(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas:
                 result.skipped.append(f"{policy} at R = {R}: {exc}")
             else:
                 score = evaluate(plan, test)
-                result.points.append(SweepPoint(policy, R, plan.extra_replicas, score.balancedness,
-                                                score.imbalance_ratio, score.balancedness - base))
+                modelled = None if cost is None else cost(plan, test)
+                result.points.append(SweepPoint(
+                    policy, R, plan.extra_replicas, score.balancedness, score.imbalance_ratio, score.balancedness - base,
+                    None if modelled is None else modelled.memory.kv_cache_gb_per_gpu,
+                    None if modelled is None else modelled.modelled_goodput))
             if on_step is not None:
                 on_step()
     return result
