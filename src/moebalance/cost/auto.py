@@ -38,7 +38,7 @@ def craft_by_goodput(load: LoadMatrix, cluster: Cluster, cost: Callable[[Placeme
     for R in candidates(load.num_layers):
         plan, _ = make_plan("craft", load, cluster, Budget(replicas_per_gpu=R), **params)
         tried.append((cost(plan, load).modelled_goodput, -R, plan))
-    goodput, neg_r, plan = max(tried, key=lambda t: (t[0], t[1]))  # the best goodput; ties to the smaller R
+    _, neg_r, plan = max(tried, key=lambda t: (t[0], t[1]))  # the best goodput; ties to the smaller R
     curve = {str(-r): round(g, 3) for g, r, _ in tried}
     out = plan.with_params({**plan.params, "replicas_per_gpu": "auto", "auto_by": "goodput",
                             "chosen_replicas_per_gpu": -neg_r, "goodput_by_replicas_per_gpu": curve})
