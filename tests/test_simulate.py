@@ -165,3 +165,21 @@ def test_evaluate_reports_idle_std_and_a2a_time() -> None:
     assert np.allclose(s.traffic.a2a_seconds, [[2 * 3 * 8 / 1e9]])
     no_bytes = evaluate(plan, load).traffic
     assert no_bytes is not None and no_bytes.a2a_seconds is None  # no bytes, no time
+
+
+def test_node_forwarding_sends_a_token_once_per_node() -> None:
+    """2 nodes x 2 GPUs; one token on GPU 0 picks experts served by GPUs 2 and 3 (both on node 1). A copy per GPU
+    sends 2 copies over GPU 0's NIC; node forwarding sends 1 (to GPU 2, the same local index on node 1), which GPU 2
+    forwards to GPU 3 over the node's link: half the network time when the network is the slow link."""
+    from moebalance.core.trace import RoutingTrace
+    from moebalance.routing.simulate import traffic
+
+    cluster = Cluster(num_nodes=2, gpus_per_node=2, intra_node_bandwidth=100.0, inter_node_bandwidth=1.0)
+    plan = Placement([[[0], [1], [2], [3]]], 4, cluster)
+    trace = RoutingTrace(np.array([[[2, 3]]]), [0], [0], num_experts=4)
+    dest = np.array([[[2, 3]]])
+    per_gpu = traffic(plan, trace, dest, bytes_per_copy=1000)
+    by_node = traffic(plan, trace, dest, bytes_per_copy=1000, node_forwarding=True)
+    assert (per_gpu.inter_node, per_gpu.inter_node_dedup) == (by_node.inter_node, by_node.inter_node_dedup) == (2, 1)
+    assert per_gpu.a2a_seconds[0, 0] == pytest.approx(2 * 1000 * 2 / 1.0 / 1e9)  # 2 copies over GPU 0's NIC, twice
+    assert by_node.a2a_seconds[0, 0] == pytest.approx(2 * 1000 * 1 / 1.0 / 1e9)  # 1 copy; the forward is fast

@@ -304,8 +304,10 @@ def _cost_fn(args: argparse.Namespace, load: LoadMatrix) -> Any:
                          f"experts but the load {load.num_layers} x {load.num_experts}; give the load's --model")
     engine, workload = cost_commands.engine_from(args), cost_commands.workload_from(args)
     calibration = cost_commands.calibration_from(args)
+    forwarding = args.dispatch == "node"
     return lambda plan, test, router: plan_cost(plan, test, arch, gpu, router=router, engine=engine,
-                                                calibration=calibration, workload=workload, seed=args.seed)
+                                                calibration=calibration, workload=workload, seed=args.seed,
+                                                node_forwarding=forwarding)
 
 
 def _run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Any], train_frac: float,

@@ -41,7 +41,10 @@ def add_cost_options(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
     p.add_argument("--output-tokens", type=int, default=_WORK.output_tokens)
     p.add_argument("--prefill-chunk", type=int, default=_WORK.prefill_chunk,
                    help="prompt tokens a data-parallel rank prefills per step")
-    p.add_argument("--calibration", help="JSON from 'moebalance cost --fit' (default: published peaks)")
+    p.add_argument("--calibration", help="JSON from 'moebalance calibrate' (default: published peaks)")
+    p.add_argument("--dispatch", choices=("gpu", "node"), default="gpu",
+                   help="all-to-all of token-level loads: a copy per destination GPU (gpu), or one per destination "
+                        "node forwarded inside it, as DeepEP and GRACE do (node)")
 
 
 def engine_from(args: argparse.Namespace) -> EngineMemory:
@@ -104,7 +107,8 @@ def cmd_cost(args: argparse.Namespace) -> None:
                                                          **_links(args)))
         start, stop = parse_batch_range(args.batches, load.num_batches)
         cost = plan_cost(plan, load.select_batches(start, stop), arch, gpu, router=_router(args), engine=engine,
-                         calibration=calibration, workload=workload, seed=args.seed)
+                         calibration=calibration, workload=workload, seed=args.seed,
+                         node_forwarding=args.dispatch == "node")
         result = {**cost.as_dict(), "batches": f"{start}:{stop}"}
         title = (f"{arch.spec.display_name}: {plan.policy} plan on {c.num_nodes} x {c.gpus_per_node} "
                  f"{gpu.display_name}, batches {start}:{stop}")

@@ -111,8 +111,12 @@ def a2a_estimate(gpu_load: np.ndarray, cluster: Cluster, bytes_per_copy: int) ->
 
 def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, *, router: str | Router = "uniform",
               engine: EngineMemory | None = None, calibration: Calibration | None = None,
-              workload: Workload | None = None, seed: int = 0) -> PlanCost:
-    """Model ``plan`` on ``load`` (held-out batches) for ``arch`` on GPUs ``gpu`` (module docstring)."""
+              workload: Workload | None = None, seed: int = 0, node_forwarding: bool = False) -> PlanCost:
+    """Model ``plan`` on ``load`` (held-out batches) for ``arch`` on GPUs ``gpu`` (module docstring).
+
+    ``node_forwarding`` times a token-level load's all-to-all with one network copy per destination node, forwarded
+    inside it (DeepEP's normal kernels, GRACE's dispatch; :func:`moebalance.routing.simulate.traffic`).
+    """
     check_compatible(plan, load)
     spec = arch.spec
     if (spec.num_layers, spec.num_experts) != (plan.num_layers, plan.num_experts):
@@ -128,7 +132,7 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
     bytes_per_copy = spec.hidden_size * engine.weight_bytes
     r = get_router(router)
     loads, moved, _ = replay_loads(plan, load, r, np.random.default_rng(seed), with_traffic=True,
-                                   bytes_per_copy=bytes_per_copy)
+                                   bytes_per_copy=bytes_per_copy, node_forwarding=node_forwarding)
     counts = load.counts.astype(np.float64)
     has = (plan.copies > 0).astype(np.float64)  # [L, E, G]
     touched = np.einsum("ble,leg->blg", (counts > 0).astype(np.float64), has)

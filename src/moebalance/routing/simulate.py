@@ -161,9 +161,16 @@ def a2a_seconds(pair_copies: np.ndarray, cluster: Cluster, bytes_per_copy: int) 
     return 2.0 * bytes_per_copy * np.maximum(t_intra, t_inter).max(axis=-1) / 1e9
 
 
-def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_copy: int | None = None) -> Traffic:
+def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_copy: int | None = None, *,
+            node_forwarding: bool = False) -> Traffic:
     """Count dispatch copies for ``dest [T, L, K]``, the GPU serving each (token, pick); with
-    ``bytes_per_copy``, also the all-to-all time of every ``(b, l)``."""
+    ``bytes_per_copy``, also the all-to-all time of every ``(b, l)``.
+
+    ``node_forwarding`` times the all-to-all as DeepEP's normal kernels and GRACE's dispatch move tokens: a token
+    crosses the network once per destination node, to the GPU of that node with its own local index (the same
+    rail), which forwards it to the node's other destination GPUs over the intra-node link. The copy counts
+    (``local``, ``intra_node``, ``inter_node``, ``inter_node_dedup``) are the same either way.
+    """
     cluster = plan.cluster
     G, gpn = cluster.num_gpus, cluster.gpus_per_node
     B, L = trace.num_batches, dest.shape[1]
@@ -187,7 +194,18 @@ def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_co
         pairs = (src[:, None] * G + d)[first]
         matrix += np.bincount(pairs, minlength=G * G)
         if seconds is not None and bytes_per_copy:
-            per_batch = ((trace.batch[:, None] * G + src[:, None]) * G + d)[first]
+            b = trace.batch[:, None]
+            if node_forwarding:
+                src_node, lane = (src // gpn)[:, None], (src % gpn)[:, None]
+                rail = (d // gpn) * gpn + lane  # the destination node's GPU on the token's rail
+                to_node = first_node & (nodes != src_node)
+                forward = first & ~same_node & (d != rail)
+                per_batch = np.concatenate([
+                    ((b * G + src[:, None]) * G + d)[first & same_node & ~same_gpu],  # inside the token's node
+                    ((b * G + src[:, None]) * G + nodes * gpn + lane)[to_node],  # once per remote node
+                    ((b * G + rail) * G + d)[forward]])  # from the rail GPU to the others on that node
+            else:
+                per_batch = ((b * G + src[:, None]) * G + d)[first]
             copies = np.bincount(per_batch, minlength=B * G * G).reshape(B, G, G)
             seconds[:, layer] = a2a_seconds(copies, cluster, bytes_per_copy)
     return Traffic(local, intra, inter, inter_dedup, matrix.reshape(G, G), seconds)
@@ -260,7 +278,7 @@ class Score:
 
 
 def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.random.Generator, *,
-                 with_traffic: bool = False, bytes_per_copy: int | None = None,
+                 with_traffic: bool = False, bytes_per_copy: int | None = None, node_forwarding: bool = False,
                  ) -> tuple[np.ndarray, Traffic | None, bool]:
     """``(gpu_load [B, L, G], traffic or None, whole_tokens)``: ``load`` replayed through ``plan``.
 
@@ -289,7 +307,7 @@ def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
             flat = (sub.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest
             loads[start:stop] = np.bincount(flat.ravel(), minlength=(stop - start) * L * G).reshape(-1, L, G)
         if with_traffic:
-            parts.append(traffic(plan, sub, dest, bytes_per_copy))
+            parts.append(traffic(plan, sub, dest, bytes_per_copy, node_forwarding=node_forwarding))
     if loads is None:
         loads = router.split_counts(plan, load.counts, rng)
     return loads, (Traffic.total(parts) if with_traffic else None), whole_tokens
