@@ -299,3 +299,21 @@ def test_sweep_with_a_gpu_models_goodput(capsys: pytest.CaptureFixture[str]) -> 
     kv = [p["kv_cache_gb_per_gpu"] for p in points]
     assert [p["replicas_per_gpu"] for p in points] == [0, 4, 16]
     assert kv[0] > kv[1] > kv[2] and all(p["modelled_goodput"] > 0 for p in points)
+
+
+def test_prefetch_time_by_hand_and_in_online(capsys: pytest.CaptureFixture[str]) -> None:
+    from moebalance.cost.time import prefetch_seconds
+
+    # one DeepSeek-V3 expert: 3 x 7168 x 2048 x 2 B = 88,080,384 B over 450 GB/s
+    assert float(prefetch_seconds(1, get_arch("deepseek-v3"), 450.0)) == pytest.approx(88_080_384 / 450e9)
+    rc, text, err = run_cli(["online", "--load", "bundled:olmoe-1b-7b-tokens", "--policy", "libra", "--nodes", 1,
+                             "--gpus-per-node", 8, "--slots-per-gpu", 10, "--warmup", "0:8", "--batches", "8:12",
+                             "--set", "predictor=oracle", "--model", "olmoe-1b-7b", "--intra-link", "pcie4", "--json"],
+                            capsys)
+    assert rc == 0, err
+    doc = json.loads(text)
+    expert_bytes = 3 * 2048 * 1024 * 2  # OLMoE: H = 2048, F = 1024, bf16
+    assert doc["modelled_prefetch"]["gb_per_batch"] == pytest.approx(doc["experts_moved"] * expert_bytes / 1e9,
+                                                                     rel=1e-5)
+    per = doc["experts_moved"] / (16 * 8) * expert_bytes / 32e9 * 1e3  # 16 layers x 8 GPUs, PCIe 4.0 at 32 GB/s
+    assert doc["modelled_prefetch"]["ms_per_gpu_and_layer"] == pytest.approx(per, rel=1e-4)

@@ -652,6 +652,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write online.md, online.json and online.png (imbalance per batch) here")
+    p.add_argument("--model", help="also model the copies each batch loads (prefetch GB, ms per GPU and layer over "
+                                   "--intra-link), for this model")
     _add_format(p)
     p.set_defaults(func=online_commands.cmd_online)
 

@@ -214,6 +214,20 @@ def cmd_online(args: argparse.Namespace) -> None:
     title = (f"{args.load}: batches {served[0]}:{served[1]} served one at a time after warm-up {warm[0]}:{warm[1]}, "
              f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}")
     docs = [r.as_dict() for r in results]
+    if args.model is not None:  # the cost of the copies each batch loads (Libra's prefetch, a replan's moves)
+        from moebalance.cost.architecture import get_arch
+        from moebalance.cost.time import prefetch_seconds
+
+        arch = get_arch(args.model)
+        if (arch.spec.num_layers, arch.spec.num_experts) != (load.num_layers, load.num_experts):
+            raise InputError(f"--model {args.model} has {arch.spec.num_layers} MoE layers x {arch.spec.num_experts} "
+                             f"experts but the load {load.num_layers} x {load.num_experts}")
+        intra = args.intra_link if args.intra_link is not None else Cluster(num_nodes=1, gpus_per_node=1).intra_node_bandwidth
+        for r, d in zip(results, docs, strict=True):
+            per_gpu_layer = r.experts_moved / (load.num_layers * cluster.num_gpus)
+            d["modelled_prefetch"] = {
+                "gb_per_batch": round(r.experts_moved * arch.expert_params() * 2 / 1e9, 6),
+                "ms_per_gpu_and_layer": round(float(prefetch_seconds(per_gpu_layer, arch, intra)) * 1e3, 6)}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "online.json", dumps({"title": title, "results": docs}))

@@ -35,7 +35,7 @@ from moebalance.cost.architecture import ModelArch
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.memory import EngineMemory
 
-__all__ = ["Calibration", "expert_seconds", "rest_seconds"]
+__all__ = ["Calibration", "expert_seconds", "prefetch_seconds", "rest_seconds"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -95,3 +95,17 @@ def rest_seconds(tokens_per_rank: float, arch: ModelArch, gpu: GpuSpec, engine: 
     traffic = weight_gib * GIB + kv_bytes
     return max(flops / (gpu.bf16_tflops * 1e12 * cal.flops_efficiency),
                traffic / (gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency))
+
+
+def prefetch_seconds(copies: np.ndarray | float, arch: ModelArch, bandwidth: float, *,
+                     weight_bytes: int = 2) -> np.ndarray:
+    """Seconds to load ``copies`` expert copies over a link of ``bandwidth`` GB/s: Libra's prefetch of the experts
+    a batch's plan adds (``3 H F w`` bytes each). Libra overlaps it with the layers before; whether it stays hidden
+    is a comparison with their compute time.
+
+    Example (by hand): one DeepSeek-V3 expert (88.1 MB in bf16) over NVLink 4 (450 GB/s) takes 0.196 ms.
+    """
+    c = np.asarray(copies, dtype=np.float64)
+    if np.any(c < 0) or not bandwidth > 0:
+        raise InputError("expert copies must be >= 0 and the bandwidth positive")
+    return c * arch.expert_params() * weight_bytes / (bandwidth * 1e9)
