@@ -317,3 +317,13 @@ def test_prefetch_time_by_hand_and_in_online(capsys: pytest.CaptureFixture[str])
                                                                      rel=1e-5)
     per = doc["experts_moved"] / (16 * 8) * expert_bytes / 32e9 * 1e3  # 16 layers x 8 GPUs, PCIe 4.0 at 32 GB/s
     assert doc["modelled_prefetch"]["ms_per_gpu_and_layer"] == pytest.approx(per, rel=1e-4)
+
+
+def test_compare_auto_by_goodput(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, text, err = run_cli(["compare", "--load", "bundled:deepseek-v3-8x8", "--policies", "craft", "--nodes", 8,
+                             "--gpus-per-node", 8, "--replicas-per-gpu", "auto", "--auto-by", "goodput", "--gpu",
+                             "a100-80gb", "--inter-link", "efa-p4d", "--json"], capsys)
+    assert rc == 0, err
+    row = json.loads(text)["rows"][0]
+    assert row["plan_seconds"] > 0 and row["cost"]["modelled_goodput"] > 0
+    assert row["extra_replicas"] % 64 == 0 and row["extra_replicas"] > 0  # R * G replicas for the chosen R

@@ -261,9 +261,11 @@ def cmd_compare(args: argparse.Namespace) -> None:
     if by_goodput is not None:  # craft's R chosen on the planning batches, then scored like every other plan
         from moebalance.cost.auto import craft_by_goodput
 
+        t0 = time.perf_counter()
         chosen = craft_by_goodput(load.split(args.train_frac)[0], _cluster(args), by_goodput, **per_policy["craft"])
-        scenarios = [dataclasses.replace(sc, fixed=chosen) if sc.policy == "craft" and sc.fixed is None else sc
-                     for sc in scenarios]
+        took = time.perf_counter() - t0
+        scenarios = [dataclasses.replace(sc, fixed=chosen, fixed_seconds=took)
+                     if sc.policy == "craft" and sc.fixed is None else sc for sc in scenarios]
     rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed, _cost_fn(args, load))
     title = _title(load, Path(args.load).name, _cluster(args), budget, args.train_frac,
                    "per row" if several else routers[0].label)

@@ -43,6 +43,8 @@ class Scenario:
     shown: bool = True
     #: A plan made elsewhere (``compare --baseline``: what an engine runs today), scored as it is: no planning.
     fixed: Placement | None = None
+    #: Seconds it took to make ``fixed``, if it was made for this comparison (``--auto-by goodput``).
+    fixed_seconds: float = 0.0
 
     @property
     def name(self) -> str:
@@ -78,7 +80,7 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
     made: dict[str, tuple[Placement, float]] = {}
     for sc in scenarios:
         if sc.fixed is not None:
-            plan, seconds = sc.fixed, 0.0
+            plan, seconds = sc.fixed, sc.fixed_seconds
         else:
             key = repr((sc.policy, sorted(sc.params.items()), sc.budget))
             if key not in made:
