@@ -327,3 +327,14 @@ def test_compare_auto_by_goodput(capsys: pytest.CaptureFixture[str]) -> None:
     row = json.loads(text)["rows"][0]
     assert row["plan_seconds"] > 0 and row["cost"]["modelled_goodput"] > 0
     assert row["extra_replicas"] % 64 == 0 and row["extra_replicas"] > 0  # R * G replicas for the chosen R
+
+
+def test_no_room_for_a_request_and_bad_attention_split() -> None:
+    plan, load = _tiny_plan_and_load()
+    arch, gpu = get_arch("olmoe-1b-7b"), get_gpu("rtx4090")
+    huge = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1),
+                     workload=Workload(prompt_tokens=10**8, output_tokens=1))
+    assert huge.memory.max_concurrency == 0 and huge.modelled_goodput == 0.0
+    json.dumps(huge.as_dict(), allow_nan=False)  # a finite decode step even then
+    with pytest.raises(InputError, match="attention_tp"):
+        memory_per_gpu(arch, gpu, num_gpus=4, gpus_per_node=2, engine=EngineMemory(attention_tp=3))

@@ -26,7 +26,6 @@ CRAFT's goodput (Section 5.1) is measured, not modelled: the request rate at whi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,12 +171,10 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
     C = memory.max_concurrency
     chunk = work.prefill_chunk * ranks
     prefill = step(chunk, 0.0)
-    if C > 0:
-        decode = step(C, C / ranks * (work.prompt_tokens + work.output_tokens / 2))
-        round_seconds = work.output_tokens * decode + C * work.prompt_tokens / chunk * prefill
-        goodput = C * work.output_tokens / round_seconds
-    else:
-        decode, goodput = math.nan, 0.0
+    # with no room for a whole request the deployment serves nothing; its decode step is still shown for one
+    decode = step(max(C, 1), max(C, 1) / ranks * (work.prompt_tokens + work.output_tokens / 2))
+    round_seconds = work.output_tokens * decode + C * work.prompt_tokens / chunk * prefill
+    goodput = C * work.output_tokens / round_seconds
     return PlanCost(memory=memory, modelled_layer_ms=float(layer[active].mean() * 1e3),
                     modelled_a2a_ms=float(a2a[active].mean() * 1e3), modelled_goodput=goodput,
                     decode_step_ms=decode * 1e3, prefill_step_ms=prefill * 1e3)

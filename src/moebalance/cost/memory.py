@@ -139,6 +139,9 @@ def memory_per_gpu(arch: ModelArch, gpu: GpuSpec, *, num_gpus: int, gpus_per_nod
     replica_gib = max(0, hosted - base) * expert_gib
     kv = kv_without - replica_gib
     attention_tp = gpus_per_node if engine.attention_tp is None else engine.attention_tp
+    if num_gpus % attention_tp:
+        raise InputError(f"attention_tp ({attention_tp}) must divide the {num_gpus} GPUs into data-parallel ranks; "
+                         f"give a divisor of {num_gpus}")
     per_request = context_tokens * arch.kv_bytes_per_token(engine.kv_bytes) / GIB
     # each data-parallel rank (attention_tp GPUs) holds its own requests; MLA's latent cache is not split by heads,
     # so every GPU of the rank holds the rank's whole cache: a rank's requests fit in one GPU's pool
@@ -146,7 +149,7 @@ def memory_per_gpu(arch: ModelArch, gpu: GpuSpec, *, num_gpus: int, gpus_per_nod
         per_rank = max(0.0, kv) / per_request
     else:
         per_rank = max(0.0, kv) * attention_tp / per_request
-    ranks = num_gpus // attention_tp if num_gpus >= attention_tp else 1
+    ranks = num_gpus // attention_tp
     return MemoryReport(
         weights_gb_per_gpu=fixed + hosted * expert_gib,
         replica_gb_per_gpu=replica_gib,
