@@ -222,7 +222,7 @@ def cmd_online(args: argparse.Namespace) -> None:
         if (arch.spec.num_layers, arch.spec.num_experts) != (load.num_layers, load.num_experts):
             raise InputError(f"--model {args.model} has {arch.spec.num_layers} MoE layers x {arch.spec.num_experts} "
                              f"experts but the load {load.num_layers} x {load.num_experts}")
-        intra = args.intra_link if args.intra_link is not None else Cluster(num_nodes=1, gpus_per_node=1).intra_node_bandwidth
+        intra = args.intra_link if args.intra_link is not None else cluster.intra_node_bandwidth  # the default link
         for r, d in zip(results, docs, strict=True):
             per_gpu_layer = r.experts_moved / (load.num_layers * cluster.num_gpus)
             d["modelled_prefetch"] = {
