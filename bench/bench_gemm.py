@@ -1,11 +1,11 @@
 """Grouped-GEMM time against tokens per expert: the measurements ``moebalance calibrate`` fits the compute model to.
 
-For each number of experts touched (1, 8, 32) and tokens per expert (1 to 2,048, powers of two), every expert runs
-its gated FFN (``x @ W_gate``, ``x @ W_up``, SiLU, product, ``@ W_down``) on its tokens, one expert after another as
-a grouped GEMM without a fused kernel does; the time of all of them together is the median of repeated runs
-(CUDA events on a GPU). The shapes default to DeepSeek-V3's experts (H = 7168, F = 2048) in bf16 on a GPU; on a
-machine without one the script runs in float32 on the CPU with a smaller FFN, which calibrates nothing but checks
-the script end to end.
+For each number of experts touched (1, 8, 32) and tokens per expert (1 to 1,024 in powers of four on a GPU), the
+experts run their gated FFNs as one grouped GEMM: batched matrix products over the experts (``x @ W_gate``,
+``x @ W_up``, SiLU, product, ``@ W_down``: three kernels whatever the number of experts, as a fused MoE kernel
+launches once), timed as the median of repeated runs (CUDA events on a GPU). The shapes default to DeepSeek-V3's
+experts (H = 7168, F = 2048) in bf16 on a GPU; on a machine without one the script runs in float32 on the CPU with a
+smaller FFN and fewer tokens, which calibrates nothing but checks the script end to end.
 
 Writes a CSV with columns experts,tokens_per_expert,hidden_size,ffn_size,seconds. Run on the GPU to model:
     python bench/bench_gemm.py --out gemm.csv
@@ -22,19 +22,19 @@ import time
 import torch
 
 
-def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
+def grouped_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``x [u, n, H]`` through ``u`` gated FFNs ``gate, up [u, H, F]``, ``down [u, F, H]``: three batched products."""
+    return torch.bmm(torch.nn.functional.silu(torch.bmm(x, gate)) * torch.bmm(x, up), down)
 
 
 def measure(experts: int, tokens: int, hidden: int, ffn: int, device: torch.device, dtype: torch.dtype,
             runs: int) -> float:
-    weights = [(torch.randn(hidden, ffn, device=device, dtype=dtype), torch.randn(hidden, ffn, device=device, dtype=dtype),
-                torch.randn(ffn, hidden, device=device, dtype=dtype)) for _ in range(experts)]
-    xs = [torch.randn(tokens, hidden, device=device, dtype=dtype) for _ in range(experts)]
+    gate, up = (torch.randn(experts, hidden, ffn, device=device, dtype=dtype) for _ in range(2))
+    down = torch.randn(experts, ffn, hidden, device=device, dtype=dtype)
+    x = torch.randn(experts, tokens, hidden, device=device, dtype=dtype)
 
     def once() -> None:
-        for x, (g, u, d) in zip(xs, weights, strict=True):
-            expert_ffn(x, g, u, d)
+        grouped_ffn(x, gate, up, down)
 
     once()  # warm-up
     times = []
@@ -65,7 +65,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     hidden = args.hidden or (7168 if cuda else 1024)
     ffn = args.ffn or (2048 if cuda else 256)
-    max_tokens = 2048 if cuda else 64
+    max_tokens = 1024 if cuda else 64
     rows = []
     for experts in (1, 8, 32):
         tokens = 1

@@ -89,7 +89,7 @@ def test_memory_from_a_plans_fullest_gpu_and_refusals() -> None:
         memory_per_gpu(TINY, SMALL_GPU, num_gpus=2, gpus_per_node=2, engine=EngineMemory(memory_fraction=0.0001))
     with pytest.raises(InputError, match="memory_fraction"):
         EngineMemory(memory_fraction=1.5)
-    with pytest.raises(InputError, match="multiple of gpus_per_node"):
+    with pytest.raises(InputError, match="not whole nodes of 2"):
         memory_per_gpu(TINY, SMALL_GPU, num_gpus=3, gpus_per_node=2)
 
 
@@ -248,8 +248,8 @@ def test_calibration_fit_recovers_known_constants(tmp_path, capsys: pytest.Captu
             t = float(expert_seconds(experts * tokens, experts, arch, gpu, truth))
             lines.append(f"{experts},{tokens},7168,2048,{t!r}")
     (tmp_path / "m.csv").write_text("\n".join(lines) + "\n")
-    got, error = fit(read_measurements(tmp_path / "m.csv"), gpu)
-    assert error < 0.02
+    got, error, (by_flops, by_memory) = fit(read_measurements(tmp_path / "m.csv"), gpu)
+    assert error < 0.02 and by_flops > 0 and by_memory > 0
     assert got.flops_efficiency == pytest.approx(0.5, rel=0.05)
     assert got.bandwidth_efficiency == pytest.approx(0.8, rel=0.05)
     assert got.launch_us == pytest.approx(20.0, abs=5.0)
@@ -313,10 +313,10 @@ def test_prefetch_time_by_hand_and_in_online(capsys: pytest.CaptureFixture[str])
     assert rc == 0, err
     doc = json.loads(text)
     expert_bytes = 3 * 2048 * 1024 * 2  # OLMoE: H = 2048, F = 1024, bf16
-    assert doc["modelled_prefetch"]["gb_per_batch"] == pytest.approx(doc["experts_moved"] * expert_bytes / 1e9,
+    assert doc["modelled_prefetch"]["gb_per_batch"] == pytest.approx(doc["experts_moved"] * expert_bytes / 2**30,
                                                                      rel=1e-5)
     per = doc["experts_moved"] / (16 * 8) * expert_bytes / 32e9 * 1e3  # 16 layers x 8 GPUs, PCIe 4.0 at 32 GB/s
-    assert doc["modelled_prefetch"]["ms_per_gpu_and_layer"] == pytest.approx(per, rel=1e-4)
+    assert doc["modelled_prefetch"]["mean_ms_per_gpu_and_layer"] == pytest.approx(per, rel=1e-4)
 
 
 def test_compare_auto_by_goodput(capsys: pytest.CaptureFixture[str]) -> None:
@@ -336,5 +336,81 @@ def test_no_room_for_a_request_and_bad_attention_split() -> None:
                      workload=Workload(prompt_tokens=10**8, output_tokens=1))
     assert huge.memory.max_concurrency == 0 and huge.modelled_goodput == 0.0
     json.dumps(huge.as_dict(), allow_nan=False)  # a finite decode step even then
-    with pytest.raises(InputError, match="attention_tp"):
+    with pytest.raises(InputError, match="--attention-tp 3 must divide"):
         memory_per_gpu(arch, gpu, num_gpus=4, gpus_per_node=2, engine=EngineMemory(attention_tp=3))
+
+
+
+def test_calibration_of_one_regime_keeps_the_other_efficiency_at_its_largest(tmp_path) -> None:
+    """Decode-sized runs only (bound by memory): the FLOP/s efficiency is not determined, so it stays at 1."""
+    from moebalance.cost.calibrate import fit, read_measurements
+
+    arch, gpu = get_arch("deepseek-v3"), get_gpu("h100-80gb")
+    truth = Calibration(flops_efficiency=0.6, bandwidth_efficiency=0.8)
+    lines = ["experts,tokens_per_expert,hidden_size,ffn_size,seconds"]
+    lines += [f"{u},{n},7168,2048,{float(expert_seconds(u * n, u, arch, gpu, truth))!r}" for u in (1, 8) for n in (1, 4)]
+    (tmp_path / "m.csv").write_text("\n".join(lines) + "\n")
+    got, error, (by_flops, by_memory) = fit(read_measurements(tmp_path / "m.csv"), gpu)
+    assert (by_flops, by_memory) == (0, 4) and got.flops_efficiency == 1.0
+    assert got.bandwidth_efficiency == pytest.approx(0.8, rel=0.05) and error < 0.02
+
+
+def test_goodput_of_a_tiny_deployment_by_hand() -> None:
+    """One GPU (1 TFLOP/s, 1 GB/s, 1 MiB), the tiny model, contiguous plan, one batch: every step term by hand."""
+    cluster = Cluster(num_nodes=1, gpus_per_node=1)
+    plan = Placement([[[0, 1, 2, 3]], [[0, 1, 2, 3]]], 4, cluster)
+    load = LoadMatrix(np.array([[[2, 2, 0, 0], [1, 1, 1, 1]]]))
+    engine = EngineMemory(memory_fraction=0.5, reserve_gib=0.0, attention_tp=1)
+    work = Workload(prompt_tokens=4, output_tokens=2, prefill_chunk=8)
+    cost = plan_cost(plan, load, TINY, SMALL_GPU, engine=engine, workload=work)
+    # memory: 524,288 B - 416 B of non-expert weights - 8 experts x 192 B = 522,336 B; a request holds 6 tokens x 16 B
+    assert cost.memory.max_concurrency == 522336 // 96 == 5441
+    # at the load's own size: layer 0 has 4 picks on 2 touched experts, layer 1 4 picks on 4 (memory bound:
+    # 192 B per expert touched + 2 x 4 x 2 B per pick in and out, at 1 GB/s); one GPU: no all-to-all
+    assert cost.modelled_layer_ms == pytest.approx(((2 * 192 + 4 * 16) + (4 * 192 + 4 * 16)) / 2 / 1e9 * 1e3)
+    assert cost.modelled_a2a_ms == 0.0
+
+    def experts(n: float, used: float) -> float:  # the roofline, memory bound here
+        return max(192 * n / 1e12, (192 * used + 16 * n) / 1e9)
+
+    C = 5441
+    # decode: C tokens, 2 picks each; layer 0 shares (1/2, 1/2), layer 1 (1/4 x 4); every copy touched
+    moe = experts(2 * C, 2 * (1 - math.exp(-C))) + experts(2 * C, 4 * (1 - math.exp(-C / 2)))
+    # the rest: non-expert weights but the input embedding (208 - 40 params, 2 B each) + KV of C x (4 + 1) tokens
+    rest = (168 * 2 + C * 5 * 16) / 1e9
+    decode = moe + rest
+    # prefill: 8 tokens, 16 picks per layer, two prompts' logits; no KV read
+    prefill = experts(16, 2 * (1 - math.exp(-8))) + experts(16, 4 * (1 - math.exp(-4))) + 168 * 2 / 1e9
+    assert cost.decode_step_ms == pytest.approx(decode * 1e3)
+    assert cost.prefill_step_ms == pytest.approx(prefill * 1e3)
+    assert cost.modelled_goodput == pytest.approx(C * 2 / (2 * decode + C * 4 / 8 * prefill))
+
+
+def test_gqa_kv_is_split_over_its_heads_only() -> None:
+    qwen = get_arch("qwen3-30b-a3b")  # 4 KV heads
+    assert (qwen.kv_shards(1), qwen.kv_shards(2), qwen.kv_shards(8)) == (1, 2, 4)
+    assert get_arch("deepseek-v3").kv_shards(8) == 1  # MLA: the latent vector is whole on every GPU
+    h100 = get_gpu("h100-80gb")
+    one = memory_per_gpu(qwen, h100, num_gpus=8, gpus_per_node=8, engine=EngineMemory(attention_tp=1))
+    eight = memory_per_gpu(qwen, h100, num_gpus=8, gpus_per_node=8, engine=EngineMemory(attention_tp=8))
+    # tp 8: one rank whose 8 pools hold 4 shards of each request (heads copied beyond 4), against 8 ranks of 1;
+    # the pools differ only by the attention weights, which tp 8 splits
+    per_request = 4096 * qwen.kv_bytes_per_token() / (1 << 30)  # the default context of 4096 tokens
+    assert eight.max_concurrency == math.floor(eight.kv_cache_gb_per_gpu * 4 / per_request)
+    assert one.max_concurrency == 8 * math.floor(one.kv_cache_gb_per_gpu / per_request)
+
+
+def test_step_model_skips_idle_batches_and_node_dispatch_needs_tokens() -> None:
+    plan, load = _tiny_plan_and_load()
+    arch, gpu = get_arch("olmoe-1b-7b"), get_gpu("rtx4090")
+    engine = EngineMemory(attention_tp=1, reserve_gib=0.0)
+    busy = plan_cost(plan, load, arch, gpu, engine=engine)
+    counts = np.zeros((2 * load.num_batches, *load.counts.shape[1:]), dtype=np.int64)
+    counts[1::2] = load.counts  # every other batch idle: the same busy batches, the step model must not see zeros
+    idle = plan_cost(plan, LoadMatrix(counts), arch, gpu, engine=engine)
+    assert idle.decode_step_ms == pytest.approx(busy.decode_step_ms)
+    assert idle.modelled_goodput == pytest.approx(busy.modelled_goodput)
+    with pytest.raises(InputError, match="--dispatch node needs a token-level load"):
+        plan_cost(plan, load, arch, gpu, engine=engine, node_forwarding=True)
+    with pytest.raises(InputError, match="--dense-tp 9"):
+        memory_per_gpu(arch, gpu, num_gpus=4, gpus_per_node=2, engine=EngineMemory(dense_tp=9))

@@ -167,7 +167,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         from moebalance.cost.auto import craft_by_goodput
 
         t0 = time.perf_counter()
-        plan = craft_by_goodput(load, _cluster(args), costing, **params)
+        plan = craft_by_goodput(load, _cluster(args), costing, dense_layers=dense, **params)
         seconds = time.perf_counter() - t0
     else:
         plan, seconds = make_plan(args.policy, load, _cluster(args), _budget(args), dense_layers=dense, **params)
@@ -266,7 +266,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
         took = time.perf_counter() - t0
         scenarios = [dataclasses.replace(sc, fixed=chosen, fixed_seconds=took)
                      if sc.policy == "craft" and sc.fixed is None else sc for sc in scenarios]
-    rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed, _cost_fn(args, load))
+    rows, plans = _run_scenarios(load, _cluster(args), scenarios, args.train_frac, args.seed, _cost_fn(args, load),
+                                 node_forwarding=args.dispatch == "node")
     title = _title(load, Path(args.load).name, _cluster(args), budget, args.train_frac,
                    "per row" if several else routers[0].label)
     if args.gpu is not None:
@@ -301,9 +302,12 @@ def _cost_fn(args: argparse.Namespace, load: LoadMatrix) -> Any:
     if name is None:
         raise InputError("the load names no model; give --model with --gpu (e.g. --model deepseek-v3)")
     arch, gpu = get_arch(name), get_gpu(args.gpu)
-    if (arch.spec.num_layers, arch.spec.num_experts) != (load.num_layers, load.num_experts):
-        raise InputError(f"{arch.spec.display_name} has {arch.spec.num_layers} MoE layers x {arch.spec.num_experts} "
-                         f"experts but the load {load.num_layers} x {load.num_experts}; give the load's --model")
+    spec = arch.spec
+    if spec.num_experts != load.num_experts or load.num_layers not in (spec.num_layers,
+                                                                        spec.num_layers + spec.num_dense_layers):
+        raise InputError(f"{spec.display_name} has {spec.num_layers} MoE layers ({spec.num_layers + spec.num_dense_layers}"
+                         f" with its dense ones) x {spec.num_experts} experts but the load {load.num_layers} x "
+                         f"{load.num_experts}; give the load's --model")
     engine, workload = cost_commands.engine_from(args), cost_commands.workload_from(args)
     calibration = cost_commands.calibration_from(args)
     forwarding = args.dispatch == "node"
@@ -313,14 +317,15 @@ def _cost_fn(args: argparse.Namespace, load: LoadMatrix) -> Any:
 
 
 def _run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Any], train_frac: float,
-                   seed: int, cost: Any = None) -> tuple[dict[str, ComparisonRow], dict[str, Any]]:
+                   seed: int, cost: Any = None, node_forwarding: bool = False,
+                   ) -> tuple[dict[str, ComparisonRow], dict[str, Any]]:
     from moebalance.app.compare import run_comparison
 
     with _progress() as progress:
         task = progress.add_task("plan + score", total=len(scenarios))
         return run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
                               bytes_per_copy=_bytes_per_copy(load, None, 2), on_done=lambda _: progress.advance(task),
-                              cost=cost)
+                              cost=cost, node_forwarding=node_forwarding)
 
 
 def _title(load: LoadMatrix, source: str, cluster: Cluster, budget: Budget, train_frac: float, router: str) -> str:

@@ -68,7 +68,7 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
                    seed: int = 0, bytes_per_copy: int | None = None,
                    on_done: Callable[[str], None] | None = None,
                    cost: Callable[[Placement, LoadMatrix, str | Router], PlanCost] | None = None,
-                   ) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
+                   node_forwarding: bool = False) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """Plan and score every scenario; rows by label (in order) and plans by plan name.
 
     Scenarios that differ only in their router share one plan (made once, its planning time on each row). With
@@ -86,7 +86,8 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
             if key not in made:
                 made[key] = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
             plan, seconds = made[key]
-        score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True)
+        score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True,
+                         node_forwarding=node_forwarding)
         modelled = None if cost is None else cost(plan, test, sc.router)
         rows[sc.name] = ComparisonRow(sc.name, score, seconds, plan.warnings, modelled)
         if sc.shown:

@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from moebalance.app.console import out
+from moebalance.app.console import err, out
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.io import dumps
@@ -67,7 +67,7 @@ def calibration_from(args: argparse.Namespace) -> Calibration:
         raise InputError(f"cannot read calibration {str(path)!r}: {exc}") from None
     fields = {f.name for f in dataclasses.fields(Calibration)}
     if not isinstance(doc, dict) or doc.get("format") != "moebalance.calibration" or not set(doc) - {"format"} <= fields:
-        raise InputError(f"{str(path)!r} is not a calibration written by 'moebalance cost --fit' (keys: "
+        raise InputError(f"{str(path)!r} is not a calibration written by 'moebalance calibrate' (keys: "
                          f"format, {', '.join(sorted(fields))})")
     try:
         return Calibration(**{k: v for k, v in doc.items() if k != "format"})
@@ -99,10 +99,16 @@ def cmd_cost(args: argparse.Namespace) -> None:
             raise InputError("--plan needs --load: the held-out load the plan is modelled on")
         if args.replicas_per_gpu:
             raise InputError("--replicas-per-gpu is the plan's own with --plan; drop it")
+        if (args.nodes is None) != (args.gpus_per_node is None):
+            raise InputError("give both --nodes and --gpus-per-node (the cluster an engine's placement file is laid "
+                             "out on), or neither for a moebalance plan")
         load = _read_load(args)
         given = None if args.nodes is None else Cluster(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node)
         plan = read_any_plan(args.plan, given, None, load)
         c = plan.cluster
+        if given is not None and (c.num_nodes, c.gpus_per_node) != (args.nodes, args.gpus_per_node):
+            raise InputError(f"the plan is for {c.num_nodes}x{c.gpus_per_node} GPUs but --nodes {args.nodes} "
+                             f"--gpus-per-node {args.gpus_per_node} were given; drop them for a moebalance plan")
         plan = dataclasses.replace(plan, cluster=Cluster(num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
                                                          **_links(args)))
         start, stop = parse_batch_range(args.batches, load.num_batches)
@@ -155,14 +161,20 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     dest = check_out(args.out, ".json")
     gpu = get_gpu(args.gpu)
     measured = read_measurements(args.measurements)
-    calibration, error = fit(measured, gpu, source=f"fitted to {Path(args.measurements).name} on {gpu.name}")
+    calibration, error, (by_flops, by_memory) = fit(measured, gpu,
+                                                    source=f"fitted to {Path(args.measurements).name} on {gpu.name}")
     doc = {"format": "moebalance.calibration", **{f.name: getattr(calibration, f.name)
                                                   for f in dataclasses.fields(calibration)}}
     atomic_write_text(dest, dumps(doc))
     out.print(f"wrote {dest}: {100 * calibration.flops_efficiency:.1f}% of {gpu.display_name}'s BF16 peak, "
               f"{100 * calibration.bandwidth_efficiency:.1f}% of its memory bandwidth, "
               f"{calibration.launch_us:.1f} us per grouped GEMM; mean |log error| {error:.3f} over "
-              f"{measured.seconds.size} runs. Use: moebalance cost ... --calibration {dest}")
+              f"{measured.seconds.size} runs ({by_flops} bound by FLOPs, {by_memory} by memory). "
+              f"Use: moebalance cost ... --calibration {dest}")
+    if not by_flops or not by_memory:
+        err.print(f"warning: every run is bound by {'memory' if not by_flops else 'FLOPs'}: the "
+                  f"{'FLOP/s' if not by_flops else 'bandwidth'} efficiency is not determined (kept at the largest value "
+                  "that fits); measure more tokens per expert" + (" (prefill sizes)" if not by_flops else " (fewer)"))
 
 
 def add_calibrate_parser(sub: Any) -> None:

@@ -225,9 +225,9 @@ def cmd_online(args: argparse.Namespace) -> None:
         intra = args.intra_link if args.intra_link is not None else cluster.intra_node_bandwidth  # the default link
         for r, d in zip(results, docs, strict=True):
             per_gpu_layer = r.experts_moved / (load.num_layers * cluster.num_gpus)
-            d["modelled_prefetch"] = {
-                "gb_per_batch": round(r.experts_moved * arch.expert_params() * 2 / 1e9, 6),
-                "ms_per_gpu_and_layer": round(float(prefetch_seconds(per_gpu_layer, arch, intra)) * 1e3, 6)}
+            d["modelled_prefetch"] = {  # GiB loaded per batch; ms per layer for a GPU loading the mean share
+                "gb_per_batch": round(r.experts_moved * arch.expert_params() * 2 / (1 << 30), 6),
+                "mean_ms_per_gpu_and_layer": round(float(prefetch_seconds(per_gpu_layer, arch, intra)) * 1e3, 6)}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / "online.json", dumps({"title": title, "results": docs}))

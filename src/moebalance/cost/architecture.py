@@ -91,6 +91,11 @@ class ModelArch:
         """The parameter count of this architecture (norms and biases left out)."""
         return self.routed_params() + sum(self.non_expert_params().values())
 
+    def kv_shards(self, attention_tp: int) -> int:
+        """GPUs of a tensor-parallel attention group that split a token's KV cache: GQA splits its KV heads (copied
+        when the group is larger than the heads, as engines do), MLA's one latent vector is whole on every GPU."""
+        return 1 if self.attention == "mla" else max(1, min(attention_tp, self.num_kv_heads))
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """KV-cache bytes one token takes over all decoder layers."""
         if self.attention == "mla":

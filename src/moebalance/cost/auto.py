@@ -11,7 +11,7 @@ against the KV cache its replicas leave), and the ``R`` with the best modelled g
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from moebalance.core.budget import Budget
@@ -29,14 +29,15 @@ def candidates(num_layers: int) -> tuple[int, ...]:
     return (0, *powers, *((num_layers,) if powers[-1] != num_layers else ()))
 
 
-def craft_by_goodput(load: LoadMatrix, cluster: Cluster, cost: Callable[[Placement, LoadMatrix], PlanCost],
-                     **params: Any) -> Placement:
-    """CRAFT's plan at the ``R`` whose plan has the best modelled goodput on ``load`` (module docstring)."""
+def craft_by_goodput(load: LoadMatrix, cluster: Cluster, cost: Callable[[Placement, LoadMatrix], PlanCost], *,
+                     dense_layers: Sequence[int] | None = None, **params: Any) -> Placement:
+    """CRAFT's plan at the ``R`` whose plan has the best modelled goodput on ``load`` (module docstring);
+    ``dense_layers`` as :func:`moebalance.policies.make_plan` takes them."""
     from moebalance.policies import make_plan
 
     tried = []
     for R in candidates(load.num_layers):
-        plan, _ = make_plan("craft", load, cluster, Budget(replicas_per_gpu=R), **params)
+        plan, _ = make_plan("craft", load, cluster, Budget(replicas_per_gpu=R), dense_layers=dense_layers, **params)
         tried.append((cost(plan, load).modelled_goodput, -R, plan))
     _, neg_r, plan = max(tried, key=lambda t: (t[0], t[1]))  # the best goodput; ties to the smaller R
     curve = {str(-r): round(g, 3) for g, r, _ in tried}

@@ -5,7 +5,9 @@ A measurement file (CSV, written by ``bench/bench_gemm.py``) has one row per run
 each ran on ``tokens_per_expert`` tokens, and the whole grouped GEMM took ``seconds`` (a median of repeats).
 :func:`fit` chooses the :class:`~moebalance.cost.time.Calibration` whose roofline (:func:`expert_seconds`) best
 matches the times in relative terms: a grid over the two efficiencies, and for each the launch cost that centres
-the residuals; the error is the mean absolute log ratio of modelled to measured time.
+the residuals; the error is the mean absolute log ratio of modelled to measured time. An efficiency that no
+measurement depends on (all runs bound by the other resource) is not determined: among equal errors the fit keeps
+the largest value, and :func:`fit` says which regimes the runs covered.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ def read_measurements(path: str | Path) -> Measurements:
     return Measurements(**{c: np.asarray(v) for c, v in cols.items()})
 
 
-def fit(m: Measurements, gpu: GpuSpec, *, weight_bytes: int = 2, source: str = "measurements") -> tuple[Calibration, float]:
-    """The calibration that best matches ``m`` on ``gpu`` and its mean absolute log error (module docstring)."""
+def fit(m: Measurements, gpu: GpuSpec, *, weight_bytes: int = 2,
+        source: str = "measurements") -> tuple[Calibration, float, tuple[int, int]]:
+    """The calibration that best matches ``m`` on ``gpu``, its mean absolute log error, and how many runs the fitted
+    roofline has bound by FLOPs and by memory (module docstring)."""
     n = m.experts * m.tokens_per_expert
     flops = 6.0 * m.hidden_size * m.ffn_size * n
     traffic = m.experts * 3.0 * m.hidden_size * m.ffn_size * weight_bytes + 2.0 * n * m.hidden_size * weight_bytes
@@ -73,13 +77,15 @@ def fit(m: Measurements, gpu: GpuSpec, *, weight_bytes: int = 2, source: str = "
     memory = traffic[None, :] / (gpu.memory_bandwidth * 1e9 * _GRID[:, None])
     best: tuple[float, float, float, float] = (math.inf, 1.0, 1.0, 0.0)
     log_measured = np.log(m.seconds)
-    for i in range(_GRID.size):
+    for i in range(_GRID.size - 1, -1, -1):  # from the largest efficiency down: among equal errors, the largest
         roof = np.maximum(compute[i][None, :], memory)  # [grid (bandwidth), N]
         launch = np.maximum(0.0, np.median(m.seconds[None, :] - roof, axis=1))  # [grid]
         err = np.abs(np.log(roof + launch[:, None]) - log_measured[None, :]).mean(axis=1)
-        j = int(np.argmin(err))
-        if err[j] < best[0]:
+        j = _GRID.size - 1 - int(np.argmin(err[::-1]))  # the largest bandwidth efficiency among equal errors
+        if err[j] < best[0] - 1e-12:
             best = (float(err[j]), float(_GRID[i]), float(_GRID[j]), float(launch[j]))
     error, flops_eff, bandwidth_eff, launch_s = best
-    return Calibration(flops_efficiency=flops_eff, bandwidth_efficiency=bandwidth_eff, launch_us=launch_s * 1e6,
-                       source=source), error
+    bound_by_flops = int(np.count_nonzero(flops / (gpu.bf16_tflops * 1e12 * flops_eff)
+                                          >= traffic / (gpu.memory_bandwidth * 1e9 * bandwidth_eff)))
+    return (Calibration(flops_efficiency=flops_eff, bandwidth_efficiency=bandwidth_eff, launch_us=launch_s * 1e6,
+                        source=source), error, (bound_by_flops, n.size - bound_by_flops))

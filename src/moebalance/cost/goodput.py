@@ -5,7 +5,8 @@ Legend: ``B`` batches, ``L`` MoE layers, ``E`` experts, ``G`` GPUs, ``K`` top-k,
 **Layer time on the load.** The load is replayed through the plan with the router
 (:func:`moebalance.routing.simulate.replay_loads`): per ``(b, l)`` each GPU's picks ``n_g``, the experts they
 touch ``u_g`` (hosted experts with load in that batch), and the all-to-all time (from the token-level trace's
-copies, or, for counts, every pick sent from a GPU drawn uniformly, no deduplication: an upper bound). The
+copies, or, for counts, every pick sent from a GPU drawn uniformly and not deduplicated per token: more copies
+than a token-level trace of the same load would show). The
 modelled layer time is the mean over ``(b, l)`` with load of ``max_g t_g + a2a`` (:mod:`moebalance.cost.time`).
 
 **A step of N tokens.** The held-out batches give, per ``(b, l)``, each expert's share ``p_e`` of the picks and
@@ -95,7 +96,8 @@ class PlanCost:
 
 def a2a_estimate(gpu_load: np.ndarray, cluster: Cluster, bytes_per_copy: int) -> np.ndarray:
     """``float64 [...]``: all-to-all seconds for per-GPU picks ``[..., G]`` when every pick's token lives on a GPU
-    drawn uniformly and is sent once per pick (counts carry no sources: an upper bound on copies)."""
+    drawn uniformly and is sent once per pick (counts carry no sources; a token's picks on one GPU are not merged,
+    so it counts more copies than the trace behind the counts would)."""
     G, gpn = cluster.num_gpus, cluster.gpus_per_node
     load = np.asarray(gpu_load, dtype=np.float64)
     total = load.sum(axis=-1, keepdims=True)
@@ -118,15 +120,24 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
     """
     check_compatible(plan, load)
     spec = arch.spec
-    if (spec.num_layers, spec.num_experts) != (plan.num_layers, plan.num_experts):
+    listed = plan.params.get("dense_layers", [])
+    dense = set(listed if isinstance(listed, list) else []) | set(
+        np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist())
+    moe = [layer for layer in range(plan.num_layers) if layer not in dense]  # dense rows hold no experts
+    if plan.num_experts != spec.num_experts or len(moe) > spec.num_layers or \
+            plan.num_layers not in (spec.num_layers, spec.num_layers + spec.num_dense_layers):
         raise InputError(f"the plan has {plan.num_layers} layers x {plan.num_experts} experts but {spec.display_name} "
-                         f"has {spec.num_layers} x {spec.num_experts}; give the model the plan was made for")
+                         f"has {spec.num_layers} MoE layers ({spec.num_layers + spec.num_dense_layers} with its dense "
+                         f"ones) x {spec.num_experts} experts; give the model the plan was made for")
+    if node_forwarding and load.trace is None:
+        raise InputError("--dispatch node needs a token-level load (which GPUs each token goes to); this load has "
+                         "counts only: use --dispatch gpu")
     engine = EngineMemory() if engine is None else engine
     cal = Calibration() if calibration is None else calibration
     work = Workload() if workload is None else workload
     cluster = plan.cluster
     G, gpn = cluster.num_gpus, cluster.gpus_per_node
-    memory = memory_per_gpu(arch, gpu, num_gpus=G, gpus_per_node=gpn, experts_per_gpu=plan.slots().sum(axis=0),
+    memory = memory_per_gpu(arch, gpu, num_gpus=G, gpus_per_node=gpn, experts_per_gpu=plan.slots()[moe].sum(axis=0),
                             engine=engine, context_tokens=work.context_tokens)
     bytes_per_copy = spec.hidden_size * engine.weight_bytes
     r = get_router(router)
@@ -143,7 +154,8 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
         raise InputError("the load is zero in every batch and layer; there is nothing to model")
     layer = expert_seconds(loads, touched, arch, gpu, cal, weight_bytes=engine.weight_bytes).max(axis=2) + a2a
     # the step model, from the shares of (up to _STEP_BATCHES) held-out batches
-    pick = np.unique(np.linspace(0, load.num_batches - 1, min(load.num_batches, _STEP_BATCHES)).round().astype(int))
+    busy = np.flatnonzero(active.any(axis=1))  # batches with load: idle ones would make the MoE part look free
+    pick = busy[np.unique(np.linspace(0, busy.size - 1, min(busy.size, _STEP_BATCHES)).round().astype(int))]
     with np.errstate(invalid="ignore", divide="ignore"):
         share = counts[pick] / picks[pick][:, :, None]  # [b, L, E]
         gpu_share = loads[pick] / picks[pick][:, :, None]  # [b, L, G]
@@ -164,15 +176,18 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
         means = np.nanmean(np.where(ok.any(axis=0)[None], per_layer, 0.0), axis=0)  # [L]; idle layers cost 0
         return float(np.nansum(means))
 
-    def step(tokens: float, kv_per_rank: float) -> float:
+    def step(tokens: float, kv_per_rank: float, logits_per_rank: float) -> float:
         return moe_seconds(tokens) + rest_seconds(tokens / ranks, arch, gpu, engine, gpn,
-                                                  kv_tokens_per_rank=kv_per_rank, calibration=cal)
+                                                  kv_tokens_per_rank=kv_per_rank, logits_per_rank=logits_per_rank,
+                                                  calibration=cal)
 
     C = memory.max_concurrency
     chunk = work.prefill_chunk * ranks
-    prefill = step(chunk, 0.0)
+    prefill = step(chunk, 0.0, work.prefill_chunk / work.prompt_tokens)  # one next-token logit per prompt
     # with no room for a whole request the deployment serves nothing; its decode step is still shown for one
-    decode = step(max(C, 1), max(C, 1) / ranks * (work.prompt_tokens + work.output_tokens / 2))
+    decode_tokens = max(C, 1)
+    decode = step(decode_tokens, decode_tokens / ranks * (work.prompt_tokens + work.output_tokens / 2),
+                  decode_tokens / ranks)
     round_seconds = work.output_tokens * decode + C * work.prompt_tokens / chunk * prefill
     goodput = C * work.output_tokens / round_seconds
     return PlanCost(memory=memory, modelled_layer_ms=float(layer[active].mean() * 1e3),

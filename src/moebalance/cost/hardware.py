@@ -1,8 +1,8 @@
 """Published peak numbers of the GPUs the cost model knows, each with its source.
 
-``bf16_tflops`` is the dense BF16 tensor-core peak (no structured sparsity), ``memory_gib`` the device memory as the
-driver reports it, ``memory_bandwidth`` the peak device-memory bandwidth in GB/s. These are peaks: a calibration
-file measured on a real GPU (``moebalance cost-fit``) replaces them with fitted numbers.
+``bf16_tflops`` is the dense BF16 tensor-core peak (no structured sparsity), ``memory_gib`` the datasheet's memory
+capacity (taken as GiB; the driver reports a little less), ``memory_bandwidth`` the peak device-memory bandwidth in
+GB/s. These are peaks: a calibration measured on a real GPU (``moebalance calibrate``) scales them.
 """
 
 from __future__ import annotations

@@ -117,9 +117,16 @@ def memory_per_gpu(arch: ModelArch, gpu: GpuSpec, *, num_gpus: int, gpus_per_nod
     """
     engine = EngineMemory() if engine is None else engine
     if num_gpus < 1 or gpus_per_node < 1 or num_gpus % gpus_per_node:
-        raise InputError(f"num_gpus ({num_gpus}) must be a positive multiple of gpus_per_node ({gpus_per_node})")
+        raise InputError(f"{num_gpus} GPUs are not whole nodes of {gpus_per_node}: give --nodes and --gpus-per-node "
+                         "as positive integers")
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
         raise InputError(f"context_tokens ({context_tokens!r}) must be a positive integer")
+    attention_tp = gpus_per_node if engine.attention_tp is None else engine.attention_tp
+    if num_gpus % attention_tp:
+        raise InputError(f"--attention-tp {attention_tp} must divide the {num_gpus} GPUs into data-parallel ranks; "
+                         f"give a divisor of {num_gpus}")
+    if engine.dense_tp > num_gpus:
+        raise InputError(f"--dense-tp {engine.dense_tp} is more than the {num_gpus} GPUs; give at most {num_gpus}")
     s = arch.spec
     base = s.num_layers * math.ceil(s.num_experts / num_gpus)
     if experts_per_gpu is None:
@@ -138,17 +145,9 @@ def memory_per_gpu(arch: ModelArch, gpu: GpuSpec, *, num_gpus: int, gpus_per_nod
                          "weights and KV cache; use more GPUs or a larger memory_fraction")
     replica_gib = max(0, hosted - base) * expert_gib
     kv = kv_without - replica_gib
-    attention_tp = gpus_per_node if engine.attention_tp is None else engine.attention_tp
-    if num_gpus % attention_tp:
-        raise InputError(f"attention_tp ({attention_tp}) must divide the {num_gpus} GPUs into data-parallel ranks; "
-                         f"give a divisor of {num_gpus}")
     per_request = context_tokens * arch.kv_bytes_per_token(engine.kv_bytes) / GIB
-    # each data-parallel rank (attention_tp GPUs) holds its own requests; MLA's latent cache is not split by heads,
-    # so every GPU of the rank holds the rank's whole cache: a rank's requests fit in one GPU's pool
-    if arch.attention == "mla":
-        per_rank = max(0.0, kv) / per_request
-    else:
-        per_rank = max(0.0, kv) * attention_tp / per_request
+    # each data-parallel rank (attention_tp GPUs) holds its own requests, split over kv_shards of its GPUs' pools
+    per_rank = max(0.0, kv) * arch.kv_shards(attention_tp) / per_request
     ranks = num_gpus // attention_tp
     return MemoryReport(
         weights_gb_per_gpu=fixed + hosted * expert_gib,

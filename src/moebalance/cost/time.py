@@ -20,7 +20,7 @@ data-parallel rank's tokens: a roofline of its non-expert weights' FLOPs (``2`` 
 reading those weights once and, in decode, every request's KV cache.
 
 ``flops_eff``, ``bandwidth_eff`` and ``launch`` default to peak (1, 1, 0): a calibration measured on a GPU
-(``bench/bench_gemm.py``, fitted by ``moebalance cost --fit``) replaces them.
+(``bench/bench_gemm.py``, fitted by ``moebalance calibrate``) replaces them.
 """
 
 from __future__ import annotations
@@ -79,20 +79,31 @@ def expert_seconds(picks: np.ndarray | float, touched: np.ndarray | float, arch:
 
 
 def rest_seconds(tokens_per_rank: float, arch: ModelArch, gpu: GpuSpec, engine: EngineMemory, gpus_per_node: int, *,
-                 kv_tokens_per_rank: float = 0.0, calibration: Calibration | None = None) -> float:
+                 kv_tokens_per_rank: float = 0.0, logits_per_rank: float | None = None,
+                 calibration: Calibration | None = None) -> float:
     """Seconds of everything but the routed experts in one step, on one GPU of a data-parallel rank that processes
-    ``tokens_per_rank`` tokens and reads ``kv_tokens_per_rank`` tokens of KV cache (decode: requests x context)."""
+    ``tokens_per_rank`` tokens, computes ``logits_per_rank`` next-token logits (default: every token, as in decode;
+    a prefill needs one per prompt) and reads ``kv_tokens_per_rank`` tokens of KV cache (decode: requests x context;
+    split over the GPUs that hold a GQA cache's heads).
+
+    The input embedding is a lookup (its rows, not the table, are read); the LM head is a matrix product over the
+    logits; every other non-expert weight multiplies every token and is read once per step.
+    """
     from moebalance.cost.memory import GIB, non_expert_gib_per_gpu
 
     cal = Calibration() if calibration is None else calibration
-    if tokens_per_rank < 0 or kv_tokens_per_rank < 0:
-        raise InputError("tokens and KV tokens per rank must be >= 0")
+    logits = tokens_per_rank if logits_per_rank is None else logits_per_rank
+    if tokens_per_rank < 0 or kv_tokens_per_rank < 0 or logits < 0:
+        raise InputError("tokens, logits and KV tokens per rank must be >= 0")
     if tokens_per_rank == 0:
         return 0.0
-    weight_gib = non_expert_gib_per_gpu(arch, engine, gpus_per_node)
-    flops = 2.0 * weight_gib * GIB / engine.weight_bytes * tokens_per_rank
-    kv_bytes = kv_tokens_per_rank * arch.kv_bytes_per_token(engine.kv_bytes)
-    traffic = weight_gib * GIB + kv_bytes
+    head = arch.vocab_size * arch.spec.hidden_size / engine.dense_tp  # LM head parameters on this GPU
+    table = 0.0 if arch.tie_word_embeddings else head  # the input embedding table, only looked up
+    params = non_expert_gib_per_gpu(arch, engine, gpus_per_node) * GIB / engine.weight_bytes
+    flops = 2.0 * (params - head - table) * tokens_per_rank + 2.0 * head * logits
+    attention_tp = gpus_per_node if engine.attention_tp is None else engine.attention_tp
+    kv_bytes = kv_tokens_per_rank * arch.kv_bytes_per_token(engine.kv_bytes) / arch.kv_shards(attention_tp)
+    traffic = (params - table) * engine.weight_bytes + kv_bytes
     return max(flops / (gpu.bf16_tflops * 1e12 * cal.flops_efficiency),
                traffic / (gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency))
 

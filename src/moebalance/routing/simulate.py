@@ -314,19 +314,20 @@ def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
 
 
 def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform", *, seed: int = 0,
-             bytes_per_copy: int | None = None, routing_gap: bool = False) -> Score:
+             bytes_per_copy: int | None = None, routing_gap: bool = False, node_forwarding: bool = False) -> Score:
     """Replay ``load`` through ``plan`` with ``router`` and score it.
 
     For a token-level load the routers are applied per token (so GPU loads and traffic come from the same
     picks); ``uniform`` keeps its exact fractional split for loads and uses its round-robin token
     realisation for traffic. ``routing_gap=True`` also measures the router against the ``minmax`` bound: one
     small flow problem per batch and layer, a cost of the order of the replay itself
-    (``bench/bench_replay.py`` times both).
+    (``bench/bench_replay.py`` times both). ``node_forwarding`` times the all-to-all with one network copy per
+    destination node (:func:`traffic`).
     """
     check_compatible(plan, load)
     r = get_router(router)
     loads, moved, whole_tokens = replay_loads(plan, load, r, np.random.default_rng(seed), with_traffic=True,
-                                              bytes_per_copy=bytes_per_copy)
+                                              bytes_per_copy=bytes_per_copy, node_forwarding=node_forwarding)
     m = layer_metrics(loads, load.counts, plan.replica_counts())
     if not np.any(np.isfinite(m.balancedness)):
         raise InputError("the load is zero in every batch and layer; there is nothing to score")
