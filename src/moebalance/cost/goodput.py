@@ -4,7 +4,8 @@ Legend: ``B`` batches, ``L`` MoE layers, ``E`` experts, ``G`` GPUs, ``K`` top-k,
 
 **Layer time on the load.** The load is replayed through the plan with the router
 (:func:`moebalance.routing.simulate.replay_loads`): per ``(b, l)`` each GPU's picks ``n_g``, the experts they
-touch ``u_g`` (hosted experts with load in that batch), and the all-to-all time (from the token-level trace's
+touch ``u_g`` (hosted experts with load in that batch: every copy of a replicated one, so a whole-token router
+that leaves a copy idle in a small batch is charged for reading it), and the all-to-all time (from the token-level trace's
 copies, or, for counts, every pick sent from a GPU drawn uniformly and not deduplicated per token: more copies
 than a token-level trace of the same load would show). The
 modelled layer time is the mean over ``(b, l)`` with load of ``max_g t_g + a2a`` (:mod:`moebalance.cost.time`).
