@@ -251,3 +251,13 @@ def test_named_dense_layers_and_a_window_idle_layer() -> None:
     assert named.params["dense_layers"] == [0] and named.slots()[3].tolist() == [6, 6, 6, 6]
     with pytest.raises(InputError, match="dense_layers"):
         make_plan("eplb", window, cluster, Budget(slots_per_gpu=6), dense_layers=[7])
+
+
+def test_replay_reports_progress_per_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    load = read_load("bundled:olmoe-1b-7b-tokens").select_batches(0, 7)
+    plan, _ = make_plan("eplb", load, Cluster(num_nodes=2, gpus_per_node=4), Budget(slots_per_gpu=10))
+    per_batch = load.trace.num_tokens // load.num_batches * load.num_layers * load.trace.top_k
+    monkeypatch.setattr(simulate, "_CHUNK_PICKS", per_batch * 2)  # chunks of two batches
+    seen: list[int] = []
+    evaluate(plan, load, "uniform", on_batches=seen.append)
+    assert seen == [2, 2, 2, 1]

@@ -172,7 +172,9 @@ def cmd_plan(args: argparse.Namespace) -> None:
     else:
         plan, seconds = make_plan(args.policy, load, _cluster(args), _budget(args), dense_layers=dense, **params)
     plan = plan.with_params({**plan.params, "planned_on_batches": f"{start}:{stop}"})
-    score = evaluate(plan, load)  # before writing: a load that cannot be scored leaves no plan behind
+    with _progress() as progress:  # before writing: a load that cannot be scored leaves no plan behind
+        task = progress.add_task("in-sample score", total=load.num_batches)
+        score = evaluate(plan, load, on_batches=lambda n: progress.advance(task, n))
     write_plan(dest, plan)
     for w in plan.warnings:
         err.print(f"warning: {w}")
@@ -199,8 +201,11 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
                                                          **_links(args)))
     start, stop = parse_batch_range(args.batches, load.num_batches)
     load = load.select_batches(start, stop)
-    score = evaluate(plan, load, router, seed=args.seed,
-                     bytes_per_copy=_bytes_per_copy(load, args.hidden_size, args.dtype_bytes), routing_gap=True)
+    with _progress() as progress:
+        task = progress.add_task("replay", total=load.num_batches)
+        score = evaluate(plan, load, router, seed=args.seed,
+                         bytes_per_copy=_bytes_per_copy(load, args.hidden_size, args.dtype_bytes), routing_gap=True,
+                         on_batches=lambda n: progress.advance(task, n))
     for w in plan.warnings:
         err.print(f"warning: {w}")
     if args.json:

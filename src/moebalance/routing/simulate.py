@@ -41,6 +41,7 @@ processing (:func:`processing_load`: the most loaded GPU's tokens and the mean).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,7 +280,7 @@ class Score:
 
 def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.random.Generator, *,
                  with_traffic: bool = False, bytes_per_copy: int | None = None, node_forwarding: bool = False,
-                 ) -> tuple[np.ndarray, Traffic | None, bool]:
+                 on_batches: Callable[[int], None] | None = None) -> tuple[np.ndarray, Traffic | None, bool]:
     """``(gpu_load [B, L, G], traffic or None, whole_tokens)``: ``load`` replayed through ``plan``.
 
     A token-level load is routed per token (each pick's GPU, checked against the plan); the loads then count
@@ -288,7 +289,8 @@ def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
 
     The trace is routed a few batches at a time (:meth:`RoutingTrace.batch_chunks`), so the per-pick
     temporaries (``int64`` GPUs) are bounded by a chunk whatever the trace's length; a trace of up to 16M
-    picks is one chunk. The ``random`` family draws its picks chunk after chunk from the one ``rng``.
+    picks is one chunk. The ``random`` family draws its picks chunk after chunk from the one ``rng``. ``on_batches``
+    is called with the number of batches after each chunk (a progress bar's advance).
     """
     trace = load.trace
     if trace is None:
@@ -308,13 +310,16 @@ def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
             loads[start:stop] = np.bincount(flat.ravel(), minlength=(stop - start) * L * G).reshape(-1, L, G)
         if with_traffic:
             parts.append(traffic(plan, sub, dest, bytes_per_copy, node_forwarding=node_forwarding))
+        if on_batches is not None:
+            on_batches(stop - start)
     if loads is None:
         loads = router.split_counts(plan, load.counts, rng)
     return loads, (Traffic.total(parts) if with_traffic else None), whole_tokens
 
 
 def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform", *, seed: int = 0,
-             bytes_per_copy: int | None = None, routing_gap: bool = False, node_forwarding: bool = False) -> Score:
+             bytes_per_copy: int | None = None, routing_gap: bool = False, node_forwarding: bool = False,
+             on_batches: Callable[[int], None] | None = None) -> Score:
     """Replay ``load`` through ``plan`` with ``router`` and score it.
 
     For a token-level load the routers are applied per token (so GPU loads and traffic come from the same
@@ -327,7 +332,8 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
     check_compatible(plan, load)
     r = get_router(router)
     loads, moved, whole_tokens = replay_loads(plan, load, r, np.random.default_rng(seed), with_traffic=True,
-                                              bytes_per_copy=bytes_per_copy, node_forwarding=node_forwarding)
+                                              bytes_per_copy=bytes_per_copy, node_forwarding=node_forwarding,
+                                              on_batches=on_batches)
     m = layer_metrics(loads, load.counts, plan.replica_counts())
     if not np.any(np.isfinite(m.balancedness)):
         raise InputError("the load is zero in every batch and layer; there is nothing to score")
