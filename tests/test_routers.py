@@ -166,3 +166,15 @@ def test_simulator_refuses_a_custom_router_that_sends_a_pick_nowhere() -> None:
     with pytest.raises(InputError, match=r"router 'to-gpu-0' sent pick 1 of token 0 \(expert 2\) to GPU 0, which "
                                          r"holds no copy of it; expert 2 is on GPUs \[1\]"):
         evaluate(plan, load, bad)
+
+
+def test_uniform_round_robin_on_tokens_by_hand() -> None:
+    """Expert 0 has copies on GPUs 1 and 3, expert 1 on GPUs 0 and 2; in each batch an expert's picks alternate over
+    its copies in (token, pick) order, starting over at a new batch."""
+    from moebalance.routing import get_router
+
+    plan = Placement([[[1], [0], [1], [0]]], 2, Cluster(num_nodes=1, gpus_per_node=4))
+    trace = RoutingTrace(np.array([[[0, 1]], [[0, 1]], [[1, 0]], [[0, 1]], [[0, 1]]]), [0, 0, 0, 0, 0],
+                         [0, 0, 0, 1, 1], num_experts=2)
+    dest = get_router("uniform").assign_tokens(plan, trace, np.random.default_rng(0))
+    assert dest[:, 0, :].tolist() == [[1, 0], [3, 2], [0, 1], [1, 0], [3, 2]]  # batch 1 starts over

@@ -8,7 +8,7 @@ numba's cache (``__pycache__`` beside the sources, or a user-wide folder where t
 hand -- moves that cost out of the first evaluation and out of every rank of a multi-process run, which would
 otherwise each compile the same code at once. It compiles the signatures the routers use: C-contiguous
 ``int64`` loads and ids, ``bool`` copy masks, ``int64`` copy counts; and the counters' for ``int16`` and
-``int32`` expert ids (the two compact types a trace holds).
+``int32`` expert ids (the two compact types a trace holds), with the uniform router's round-robin.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from moebalance.algorithms import minmax, rebalance
+from moebalance.algorithms import minmax, rebalance, split
 from moebalance.core import tally
 
 __all__ = ["warm_up"]
@@ -45,6 +45,8 @@ def warm_up() -> float:
         tally.pair_counts(picks, 3)
         tally.transition_counts(picks, 3)
         tally.demand_counts(picks, src, 2, 3)
+        split.round_robin_gpus(picks, np.zeros(4, dtype=np.int64), np.array([[[0, 1], [0, -1], [1, -1]]], dtype=np.int64),
+                               np.array([[2, 1, 1]], dtype=np.int64))
     return time.perf_counter() - t0
 
 

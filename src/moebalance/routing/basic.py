@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moebalance.algorithms.split import apply_shares
+from moebalance.algorithms.split import apply_shares, round_robin_gpus
 from moebalance.routing.base import Router
 
 if TYPE_CHECKING:
@@ -35,28 +35,6 @@ def _uniform_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generato
     return apply_shares(counts, share_matrix(plan))
 
 
-def _replica_index_round_robin(trace: RoutingTrace, layer: int, reps: np.ndarray) -> np.ndarray:
-    """``int64 [T, K]``: the occurrence number of each (token, pick) among its (batch, expert), mod ``r``.
-
-    Only picks of experts with two or more replicas are numbered (the others are 0 mod 1): an expert's
-    picks are all in that subset or all out of it, so the numbers are the same as over all picks.
-    """
-    ids = trace.topk_ids[:, layer, :]
-    out = np.zeros(ids.shape, dtype=np.int64)
-    multi = reps[ids] > 1
-    if not multi.any():
-        return out
-    key = (trace.batch[:, None] * trace.num_experts + ids)[multi]  # row-major (token, pick) order
-    order = np.argsort(key, kind="stable")
-    sorted_key = key[order]
-    is_start = np.concatenate(([True], sorted_key[1:] != sorted_key[:-1]))
-    start_pos = np.maximum.accumulate(np.where(is_start, np.arange(key.size), 0))
-    occurrence = np.empty(key.size, dtype=np.int64)
-    occurrence[order] = np.arange(key.size) - start_pos
-    out[multi] = occurrence % reps[ids[multi]]
-    return out
-
-
 def tokens_to_gpus(plan: Placement, trace: RoutingTrace,
                    replica_index: Callable[[int, np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
     """``int64 [T, L, K]`` GPUs from a rule ``(layer, ids [T, K], reps [T, K]) -> replica index [T, K]``."""
@@ -70,8 +48,8 @@ def tokens_to_gpus(plan: Placement, trace: RoutingTrace,
 
 
 def _uniform_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
-    reps = plan.replica_counts()
-    return tokens_to_gpus(plan, trace, lambda layer, ids, r: _replica_index_round_robin(trace, layer, reps[layer]))
+    return round_robin_gpus(np.ascontiguousarray(trace.topk_ids), trace.batch, plan.replica_gpus(),
+                            plan.replica_counts())
 
 
 def _random_counts(plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
