@@ -103,7 +103,7 @@ def goodput_section(engine: EngineMemory) -> tuple[list[str], dict[str, list[dic
                 _plan_row("EPLB", make_plan("eplb", train, cluster, Budget(slots_per_gpu=q + 1))[0], test, model, engine)]
         rows += [_plan_row(f"CRAFT R = {R}", make_plan("craft", train, cluster, Budget(replicas_per_gpu=R))[0], test,
                            model, engine) for R in RS]
-        curves[display] = rows
+        curves[f"{display}, {nodes} x 8 A100-80GB"] = rows
         base = rows[0]["goodput"]
         w += [f"### {display} on {nodes} x 8 GPUs", "",
               "| plan | extra replicas per GPU | balancedness | KV cache GiB | KV reduction | concurrency | layer ms | "
