@@ -158,8 +158,15 @@ def test_wide_ids_beyond_the_compact_type_are_an_error_not_a_wrap(tmp_path, monk
     arrays = _trace_arrays()
     arrays["topk_ids"][-1, 0, 0] = 65536 + 5  # int16 would read 5, a valid id
     np.savez_compressed(tmp_path / "bad.npz", **arrays)
-    with pytest.raises(InputError, match="expert id 65541"):
+    with pytest.raises(InputError) as info:
         read_load(tmp_path / "bad.npz")
+    assert str(info.value) == f"{str(tmp_path / 'bad.npz')!r}: topk_ids holds expert id 65541; ids must lie in [0, 300)"
+    ids_only = {k: v for k, v in arrays.items() if k != "counts"}
+    ids_only["topk_ids"] = ids_only["topk_ids"].copy()
+    ids_only["topk_ids"][0, 0, 0] = 1 << 40  # without counts, the largest id would set E: named, not allocated
+    np.savez_compressed(tmp_path / "huge.npz", **ids_only)
+    with pytest.raises(InputError, match="topk_ids holds expert id 1099511627776"):
+        read_load(tmp_path / "huge.npz")
 
 
 def test_written_traces_store_compact_ids(tmp_path) -> None:
@@ -261,3 +268,31 @@ def test_replay_reports_progress_per_chunk(monkeypatch: pytest.MonkeyPatch) -> N
     seen: list[int] = []
     evaluate(plan, load, "uniform", on_batches=seen.append)
     assert seen == [2, 2, 2, 1]
+
+
+
+def test_kernel_inputs_are_checked_and_routers_refuse_another_models_trace() -> None:
+    from moebalance.core.errors import PlanError
+    from moebalance.routing import get_router
+
+    with pytest.raises(InputError, match="expert id 1000"):  # int16 already, still range-checked
+        tally.as_ids(np.array([[[1000]]], dtype=np.int16), 4)
+    load = read_load("bundled:olmoe-1b-7b-tokens").select_batches(0, 2)
+    plan, _ = make_plan("contiguous", LoadMatrix(np.ones((1, 2, 8), dtype=np.int64)),
+                        Cluster(num_nodes=1, gpus_per_node=2), Budget(replicas_per_gpu=0))
+    with pytest.raises(PlanError, match="route a trace of the plan's model"):
+        get_router("uniform").assign_tokens(plan, load.trace, np.random.default_rng(0))
+
+
+def test_every_layer_dense_and_loads_with_layer_ids() -> None:
+    cluster = Cluster(num_nodes=1, gpus_per_node=4)
+    idle, _ = make_plan("eplb", LoadMatrix(np.zeros((2, 3, 16), dtype=np.int64)), cluster, Budget(slots_per_gpu=6))
+    assert idle.params["dense_layers"] == [0, 1, 2] and idle.extra_replicas == 0  # nothing to plan: no copies
+    counts = _with_dense(L=4, dense=()).counts
+    counts[:, 2] = 0  # a layer without picks, but the load names the model's layers: it is not a dense layer
+    named = LoadMatrix(counts, layer_ids=np.array([1, 3, 5, 7]))
+    plan, _ = make_plan("eplb", named, cluster, Budget(slots_per_gpu=6))
+    assert "dense_layers" not in plan.params and plan.slots().min() == 6
+    partly, _ = make_plan("grace", LoadMatrix(_with_dense(L=5, dense=(0, 3)).counts), cluster,
+                          Budget(slots_per_gpu=6), grouping="uniform")
+    assert partly.params["planned_layers"] == [1, 2, 4] and partly.params["dense_layers"] == [0, 3]

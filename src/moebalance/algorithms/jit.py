@@ -38,8 +38,13 @@ def warm_up() -> float:
     minmax.route_tokens(ids, src, starts, np.ascontiguousarray(has[0]), 1, kept)
     rebalance.split_counts(counts, copies, 0.0, False)
     rebalance.route_tokens(ids, src, starts, np.ascontiguousarray(copies[0]), 1, 0.0, False, kept)
+    variants = []
     for dtype in (tally.id_dtype(3), tally.id_dtype(1 << 15)):  # int16 ids, then int32
         picks = ids[:, :, None].astype(dtype)  # [T=4, L=1, K=1], E = 3
+        frozen = picks.copy()
+        frozen.setflags(write=False)  # memory-mapped traces are read-only: numba types them apart
+        variants += [picks, frozen]
+    for picks in variants:
         tally.check_picks(picks, 3)
         tally.count_picks(picks, np.zeros(4, dtype=np.int64), 1, 3)
         tally.pair_counts(picks, 3)

@@ -251,6 +251,8 @@ def read_load(path: str | os.PathLike[str]) -> LoadMatrix:
             arrays = {"counts": np.asarray(np.load(p, allow_pickle=False))}
         else:
             arrays = _read_npz(p)
+    except InputError:
+        raise  # already names the file and the fix
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error, KeyError) as exc:
         raise InputError(f"cannot read {str(p)!r}: {_why(exc)}") from None
     except MemoryError:
@@ -266,7 +268,8 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
         if "topk_ids" in data.files:
             counts = arrays.get("counts")
             num_experts = int(counts.shape[-1]) if counts is not None and counts.ndim in (2, 3) else None
-            arrays["topk_ids"] = _read_ids(path, data.zip, "topk_ids.npy", num_experts)
+            member = "topk_ids.npy" if "topk_ids.npy" in data.zip.namelist() else "topk_ids"
+            arrays["topk_ids"] = _read_ids(path, data.zip, member, num_experts)
     return arrays
 
 
@@ -315,6 +318,9 @@ def _read_ids(path: Path, zf: zipfile.ZipFile, member: str, num_experts: int | N
 
     if num_experts is None:  # no counts to say E: the largest id says it
         hi = max((int(piece.max()) for piece in pieces() if piece.size), default=0)
+        if hi >= np.iinfo(np.int32).max:
+            raise InputError(f"{str(path)!r}: topk_ids holds expert id {hi}; ids must be below 2**31 - 1 (is the "
+                             "file damaged?)")
         num_experts = hi + 1
     target = id_dtype(max(1, num_experts))
     lo_ok, hi_ok = np.iinfo(target).min, np.iinfo(target).max

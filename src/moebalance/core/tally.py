@@ -10,7 +10,8 @@ into the result directly (numba, compiled once into numba's cache; they release 
 result alone and time is a few nanoseconds per pick.
 
 Expert ids are stored compactly (:func:`id_dtype`: ``int16`` up to 32,767 experts, else ``int32``);
-:func:`as_ids` converts other integer arrays once, so the kernels are compiled for those two types only.
+:func:`as_ids` checks and converts other integer arrays once, so the kernels see ids in range, in one of those
+two types (numba compiles a variant per type and layout: read-only, memory-mapped ids get their own).
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ def id_dtype(num_experts: int) -> np.dtype:
 def as_ids(topk_ids: np.ndarray, num_experts: int, name: str = "topk_ids") -> np.ndarray:
     """``topk_ids`` in the compact dtype of ``num_experts``, C-contiguous (a copy only when needed).
 
-    The range is checked before the cast, so an id that the compact type cannot hold is an error, never a wrap.
+    The range is checked before the cast, so an id that the compact type cannot hold is an error, never a wrap;
+    the counting kernels below index by the ids without bounds checks and take ids only from here.
     """
     arr = np.asarray(topk_ids)
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
         raise InputError(f"{name} has dtype {arr.dtype}; it must hold integer expert ids")
     target = id_dtype(num_experts)
-    if arr.dtype != target and arr.size:
+    if arr.size:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= num_experts:
             raise InputError(f"{name} holds expert id {lo if lo < 0 else hi}; ids must lie in [0, {num_experts})")

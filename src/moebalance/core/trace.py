@@ -61,8 +61,8 @@ class RoutingTrace:
 
     def __post_init__(self) -> None:
         topk = _int_array(self.topk_ids, "topk_ids", 3)
-        src = _int_array(self.src_gpu, "src_gpu", 1).astype(np.int64, copy=False)
-        batch = _int_array(self.batch, "batch", 1).astype(np.int64, copy=False)
+        src = np.ascontiguousarray(_int_array(self.src_gpu, "src_gpu", 1), dtype=np.int64)
+        batch = np.ascontiguousarray(_int_array(self.batch, "batch", 1), dtype=np.int64)
         num_tokens = topk.shape[0]
         if src.shape[0] != num_tokens or batch.shape[0] != num_tokens:
             raise InputError(

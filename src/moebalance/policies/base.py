@@ -144,7 +144,8 @@ def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix,
     ``dense_layers`` names them instead (a layer idle in a planning window may carry load later: the CLI passes
     the layers without load in the whole file).
     """
-    has_load = load.counts.sum(axis=(0, 2)) > 0
+    # a load that records the model's layer ids has left its dense layers out already: every row is an MoE layer
+    has_load = load.counts.sum(axis=(0, 2)) > 0 if load.layer_ids is None else np.ones(load.num_layers, dtype=bool)
     if dense_layers is not None:
         listed = np.asarray(list(dense_layers), dtype=np.int64)
         if listed.size and (listed.min() < 0 or listed.max() >= load.num_layers):
@@ -154,11 +155,9 @@ def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix,
     moe = np.flatnonzero(has_load)
     if moe.size == load.num_layers:
         return _run_policy(policy, load, cluster, budget, params)
-    if moe.size == 0:  # nothing to plan around: the policy's plan as it is, every layer marked dense
-        result = _run_policy(policy, load, cluster, budget, params)
-        marked = result.placement.with_params({**result.placement.params,
-                                               "dense_layers": list(range(load.num_layers))})
-        return dataclasses.replace(result, placement=marked)
+    if moe.size == 0:  # nothing to plan around: every layer dense, in contiguous blocks (the policy still checks
+        result = _run_policy(policy, load, cluster, budget, params)  # its options and the budget)
+        return dataclasses.replace(result, placement=with_dense_layers(result.placement, range(load.num_layers)))
     sub = LoadMatrix(load.counts[:, moe], None if load.trace is None else _trace_layers(load.trace, moe), load.preset,
                      None if load.layer_ids is None else load.layer_ids[moe])
     result = _run_policy(policy, sub, cluster, budget, params)
@@ -169,7 +168,8 @@ def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix,
         rows[layer] = plan.gpu_experts[i]
         if weights is not None and plan.weights is not None:
             weights[layer] = plan.weights[i]
-    params_out = dict(plan.params)
+    # per-layer diagnostics in the policy's params (GRACE's skew, replicas, ...) list the planned layers only
+    params_out = {**plan.params, "planned_layers": [int(x) for x in moe]}
     if load.layer_ids is not None:
         params_out["layer_ids"] = [int(x) for x in load.layer_ids]
     full = Placement(rows, load.num_experts, plan.cluster, policy=plan.policy, params=params_out, weights=weights)

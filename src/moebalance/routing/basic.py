@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moebalance.algorithms.split import apply_shares, round_robin_gpus
+from moebalance.core.errors import PlanError
 from moebalance.routing.base import Router
 
 if TYPE_CHECKING:
@@ -48,6 +49,9 @@ def tokens_to_gpus(plan: Placement, trace: RoutingTrace,
 
 
 def _uniform_tokens(plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
+    if (trace.num_layers, trace.num_experts) != (plan.num_layers, plan.num_experts):  # the kernel indexes unchecked
+        raise PlanError(f"the plan has {plan.num_layers} layers x {plan.num_experts} experts but the trace "
+                        f"{trace.num_layers} x {trace.num_experts}; route a trace of the plan's model")
     return round_robin_gpus(np.ascontiguousarray(trace.topk_ids), trace.batch, plan.replica_gpus(),
                             plan.replica_counts())
 

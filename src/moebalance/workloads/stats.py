@@ -183,7 +183,12 @@ def coactivation_strength(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
     load = tally.count_picks(ids, np.zeros(ids.shape[0], dtype=np.int64), 1, int(num_experts))[0]  # [L, E]
     diagonal = np.arange(num_experts)
     joint[:, diagonal, diagonal] -= load  # a pick with itself is not a pair (a repeated expert still is)
-    return _mutual_information(joint.astype(np.float64))
+    return _per_layer_mi(joint)
+
+
+def _per_layer_mi(joint: np.ndarray) -> np.ndarray:
+    """:func:`_mutual_information` of each ``[E, E]`` block of ``joint [L, E, E]``, one layer's float copy at a time."""
+    return np.array([_mutual_information(block.astype(np.float64)) for block in joint], dtype=np.float64)
 
 
 def transition_strength(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
@@ -196,4 +201,4 @@ def transition_strength(topk_ids: np.ndarray, num_experts: int) -> np.ndarray:
     ids = _topk(topk_ids, num_experts)
     if ids.shape[1] < 2:
         return np.zeros(0)
-    return _mutual_information(tally.transition_counts(ids, int(num_experts)).astype(np.float64))
+    return _per_layer_mi(tally.transition_counts(ids, int(num_experts)))
