@@ -117,7 +117,7 @@ def _token_rows(tokens: LoadMatrix, nodes: int, gpn: int) -> list[tuple[str, str
     has = plan.copies > 0
     starts = np.array([0, T], dtype=np.int64)
     kept = np.ones((T, K), dtype=bool)
-    ids = [np.ascontiguousarray(tr.topk_ids[:, layer, :]) for layer in range(L)]
+    ids = [np.ascontiguousarray(tr.topk_ids[:, layer, :], dtype=np.int64) for layer in range(L)]  # as the routers pass them
     src = tr.src_gpu
     sec = median_seconds(lambda: [mm.route_tokens(ids[layer], src, starts, has[layer], gpn, kept)
                                   for layer in range(L)], 3) / L
