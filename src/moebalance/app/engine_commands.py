@@ -12,7 +12,7 @@ from moebalance.app.console import err, out
 from moebalance.core.errors import InputError
 from moebalance.core.io import dumps
 from moebalance.core.load import write_load
-from moebalance.core.plan import read_plan
+from moebalance.core.plan import Placement, read_plan
 
 __all__ = ["EXPORT_FORMATS", "cmd_export", "cmd_import", "engine_layers"]
 
@@ -36,14 +36,15 @@ def cmd_import(args: argparse.Namespace) -> None:
                  + ",".join(map(str, load.layer_ids.tolist()))))
 
 
-def engine_layers(plan_params: dict[str, object], num_layers: int, given: str | None) -> tuple[list[int], list[int]]:
+def engine_layers(plan: Placement, given: str | None) -> tuple[list[int], list[int]]:
     """``(engine layer id of every plan layer, the plan layers an MoE-layer file lists)``.
 
     A plan made on a load that left dense layers out records the model's layer ids (``layer_ids``); otherwise plan
     layer ``l`` is engine layer ``l``. The dense layers are ``--dense-layers`` (engine numbering) if given, else the
     plan's layers without load (``dense_layers``).
     """
-    recorded = plan_params.get("layer_ids")
+    num_layers = plan.num_layers
+    recorded = plan.params.get("layer_ids")
     ids = [int(x) for x in recorded] if isinstance(recorded, list) and len(recorded) == num_layers else \
         list(range(num_layers))
     if given is not None:
@@ -56,9 +57,7 @@ def engine_layers(plan_params: dict[str, object], num_layers: int, given: str | 
             raise InputError(f"--dense-layers names layer {unknown[0]} but the plan's layers are {ids[0]}..{ids[-1]}")
         rows = [r for r in range(num_layers) if ids[r] not in dense_ids]
     else:
-        zero = plan_params.get("dense_layers", [])
-        dense_rows = {int(x) for x in zero} if isinstance(zero, list) else set()
-        rows = [r for r in range(num_layers) if r not in dense_rows]
+        rows = [r for r in range(num_layers) if r not in plan.dense_layers]
     return ids, rows
 
 
@@ -82,7 +81,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         plan, note = padding.plan, padding.describe(plan)
     elif args.load is not None:
         raise InputError("--load is used only with --pad")
-    ids, rows = engine_layers(dict(plan.params), plan.num_layers, args.dense_layers)
+    ids, rows = engine_layers(plan, args.dense_layers)
     layers = [ids[r] for r in rows]
     if args.format == "sglang":
         info = write_placement(dest, plan, ids)

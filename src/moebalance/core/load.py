@@ -306,15 +306,15 @@ def _read_ids(path: Path, zf: zipfile.ZipFile, member: str, num_experts: int | N
             offset = info.header_offset + 30 + int(name_len) + int(extra_len) + header_len
             return np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape))
         return _plain(zf, member)
-    rows = max(1, _CHUNK_BYTES // max(1, dtype.itemsize * int(np.prod(shape[1:]))))
+    row_bytes = dtype.itemsize * int(np.prod(shape[1:]))  # one token's ids
+    rows = max(1, _CHUNK_BYTES // max(1, row_bytes))
 
     def pieces() -> Iterator[np.ndarray]:
         with zf.open(info) as fh:
             fh.seek(header_len)
             for lo in range(0, shape[0], rows):
                 n = min(rows, shape[0] - lo)
-                yield np.frombuffer(fh.read(n * dtype.itemsize * int(np.prod(shape[1:]))), dtype=dtype).reshape(
-                    (n, *shape[1:]))
+                yield np.frombuffer(fh.read(n * row_bytes), dtype=dtype).reshape((n, *shape[1:]))
 
     if num_experts is None:  # no counts to say E: the largest id says it
         hi = max((int(piece.max()) for piece in pieces() if piece.size), default=0)

@@ -178,6 +178,13 @@ class Placement:
                 raise PlanError(f"weights[{li}] give expert {e} a total share of 0; a weighted router could not route it")
         return tuple(out)
 
+    @property
+    def dense_layers(self) -> frozenset[int]:
+        """Layers recorded as an engine's dense layers (``params["dense_layers"]``; :func:`with_dense_layers`): no
+        experts there in the engine, whatever the row lists."""
+        listed = self.params.get("dense_layers", [])
+        return frozenset(int(x) for x in listed) if isinstance(listed, list) else frozenset()
+
     def with_params(self, params: Mapping[str, Any], policy: str | None = None) -> Placement:
         """The same plan with other ``params`` (and ``policy``), without validating the placement again."""
         out = object.__new__(type(self))

@@ -77,59 +77,48 @@ def check_picks(ids_TLK: np.ndarray, num_experts: int) -> None:
 
 
 @njit(cache=True, nogil=True)
-def count_picks(ids_TLK: np.ndarray, batch_T: np.ndarray, num_batches: int,
+def count_picks(ids_TLK: np.ndarray, key_T: np.ndarray, num_keys: int,
                 num_experts: int) -> np.ndarray:  # pragma: no cover - numba
-    """``int64 [B, L, E]``: picks of expert ``e`` in layer ``l`` by the tokens of batch ``b``."""
+    """``int64 [N, L, E]``: picks of expert ``e`` in layer ``l`` by the tokens whose key is ``n`` (``key_T`` in
+    ``[0, N)``): with the tokens' batches, the load ``counts [B, L, E]``."""
     T, L, K = ids_TLK.shape
-    out = np.zeros((num_batches, L, num_experts), dtype=np.int64)
+    out = np.zeros((num_keys, L, num_experts), dtype=np.int64)
     for t in range(T):
-        b = batch_T[t]
+        n = key_T[t]
         for layer in range(L):
             for k in range(K):
-                out[b, layer, ids_TLK[t, layer, k]] += 1
+                out[n, layer, ids_TLK[t, layer, k]] += 1
     return out
 
 
 @njit(cache=True, nogil=True)
-def pair_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:  # pragma: no cover - numba
+def _pairs(ids_TLK: np.ndarray, num_experts: int, offset: int) -> np.ndarray:  # pragma: no cover - numba
+    """``int64 [L - offset, E, E]``: ``[l, i, j]`` counts (token, pick, pick) with ``i`` in layer ``l`` and ``j`` in
+    layer ``l + offset``."""
+    T, L, K = ids_TLK.shape
+    out = np.zeros((max(L - offset, 0), num_experts, num_experts), dtype=np.int64)
+    for layer in range(L - offset):  # layer outermost: one layer's [E, E] block stays in cache
+        for t in range(T):
+            for i in range(K):
+                a = ids_TLK[t, layer, i]
+                for j in range(K):
+                    out[layer, a, ids_TLK[t, layer + offset, j]] += 1
+    return out
+
+
+def pair_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """``int64 [L, E, E]``: ordered pairs ``(i, j)`` of one token's picks in layer ``l``, ``i == j`` included.
 
     The diagonal is each expert's load; off the diagonal, tokens that picked both (each pair in both orders).
     """
-    T, L, K = ids_TLK.shape
-    out = np.zeros((L, num_experts, num_experts), dtype=np.int64)
-    for layer in range(L):  # layer outermost: one layer's [E, E] block stays in cache
-        for t in range(T):
-            for i in range(K):
-                a = ids_TLK[t, layer, i]
-                for j in range(K):
-                    out[layer, a, ids_TLK[t, layer, j]] += 1
-    return out
+    return _pairs(ids_TLK, num_experts, 0)
 
 
-@njit(cache=True, nogil=True)
-def transition_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:  # pragma: no cover - numba
+def transition_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """``int64 [L-1, E, E]``: (token, pick) pairs from expert ``i`` in layer ``l`` to ``j`` in layer ``l + 1``."""
-    T, L, K = ids_TLK.shape
-    out = np.zeros((max(L - 1, 0), num_experts, num_experts), dtype=np.int64)
-    for layer in range(L - 1):
-        for t in range(T):
-            for i in range(K):
-                a = ids_TLK[t, layer, i]
-                for j in range(K):
-                    out[layer, a, ids_TLK[t, layer + 1, j]] += 1
-    return out
+    return _pairs(ids_TLK, num_experts, 1)
 
 
-@njit(cache=True, nogil=True)
-def demand_counts(ids_TLK: np.ndarray, src_T: np.ndarray, num_gpus: int,
-                  num_experts: int) -> np.ndarray:  # pragma: no cover - numba
+def demand_counts(ids_TLK: np.ndarray, src_T: np.ndarray, num_gpus: int, num_experts: int) -> np.ndarray:
     """``int64 [L, G, E]``: picks of expert ``e`` in layer ``l`` by the tokens living on GPU ``g``."""
-    T, L, K = ids_TLK.shape
-    out = np.zeros((L, num_gpus, num_experts), dtype=np.int64)
-    for t in range(T):
-        g = src_T[t]
-        for layer in range(L):
-            for k in range(K):
-                out[layer, g, ids_TLK[t, layer, k]] += 1
-    return out
+    return np.ascontiguousarray(count_picks(ids_TLK, src_T, num_gpus, num_experts).transpose(1, 0, 2))

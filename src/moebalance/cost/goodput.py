@@ -121,9 +121,7 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
     """
     check_compatible(plan, load)
     spec = arch.spec
-    listed = plan.params.get("dense_layers", [])
-    dense = set(listed if isinstance(listed, list) else []) | set(
-        np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist())
+    dense = plan.dense_layers | set(np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist())
     moe = [layer for layer in range(plan.num_layers) if layer not in dense]  # dense rows hold no experts
     if plan.num_experts != spec.num_experts or len(moe) > spec.num_layers or \
             plan.num_layers not in (spec.num_layers, spec.num_layers + spec.num_dense_layers):
@@ -163,8 +161,7 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
         a2a_per_pick = a2a[pick] / picks[pick]  # [b, L]
     ok = active[pick]
     reps = plan.replica_counts().astype(np.float64)  # [L, E]
-    attention_tp = gpn if engine.attention_tp is None else engine.attention_tp
-    ranks = max(1, G // attention_tp)
+    ranks = G // engine.attention_group(gpn)  # memory_per_gpu checked that the groups divide the GPUs
     K = spec.top_k
 
     def moe_seconds(tokens: float) -> float:

@@ -18,6 +18,7 @@ replicas. Concurrency is how many requests of ``context`` tokens the KV cache ho
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -71,6 +72,10 @@ class EngineMemory:
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise InputError(f"attention_tp ({tp!r}) must be a positive integer or None (a node)")
 
+    def attention_group(self, gpus_per_node: int) -> int:
+        """GPUs of one data-parallel rank: ``attention_tp``, or a node when it is ``None``."""
+        return gpus_per_node if self.attention_tp is None else self.attention_tp
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryReport:
@@ -91,18 +96,15 @@ class MemoryReport:
     experts_per_gpu_no_replicas: int
 
     def as_dict(self) -> dict[str, float | int]:
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in (
-            ("weights_gb_per_gpu", self.weights_gb_per_gpu), ("replica_gb_per_gpu", self.replica_gb_per_gpu),
-            ("kv_cache_gb_per_gpu", self.kv_cache_gb_per_gpu), ("kv_cache_reduction", self.kv_cache_reduction),
-            ("max_concurrency", self.max_concurrency), ("context_tokens", self.context_tokens),
-            ("experts_per_gpu", self.experts_per_gpu),
-            ("experts_per_gpu_no_replicas", self.experts_per_gpu_no_replicas))}
+        """Every field by name, floats rounded to 4 places."""
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in values}
 
 
 def non_expert_gib_per_gpu(arch: ModelArch, engine: EngineMemory, gpus_per_node: int) -> float:
     """GiB of non-expert weights on one GPU: attention split over ``attention_tp``, the rest over ``dense_tp``."""
     parts = arch.non_expert_params()
-    attention_tp = gpus_per_node if engine.attention_tp is None else engine.attention_tp
+    attention_tp = engine.attention_group(gpus_per_node)
     params = parts["attention"] / attention_tp + (sum(parts.values()) - parts["attention"]) / engine.dense_tp
     return params * engine.weight_bytes / GIB
 
@@ -121,7 +123,7 @@ def memory_per_gpu(arch: ModelArch, gpu: GpuSpec, *, num_gpus: int, gpus_per_nod
                          "as positive integers")
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
         raise InputError(f"context_tokens ({context_tokens!r}) must be a positive integer")
-    attention_tp = gpus_per_node if engine.attention_tp is None else engine.attention_tp
+    attention_tp = engine.attention_group(gpus_per_node)
     if num_gpus % attention_tp:
         raise InputError(f"--attention-tp {attention_tp} must divide the {num_gpus} GPUs into data-parallel ranks; "
                          f"give a divisor of {num_gpus}")

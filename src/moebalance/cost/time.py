@@ -33,7 +33,7 @@ import numpy as np
 from moebalance.core.errors import InputError
 from moebalance.cost.architecture import ModelArch
 from moebalance.cost.hardware import GpuSpec
-from moebalance.cost.memory import EngineMemory
+from moebalance.cost.memory import GIB, EngineMemory, non_expert_gib_per_gpu
 
 __all__ = ["Calibration", "expert_seconds", "prefetch_seconds", "rest_seconds"]
 
@@ -89,8 +89,6 @@ def rest_seconds(tokens_per_rank: float, arch: ModelArch, gpu: GpuSpec, engine: 
     The input embedding is a lookup (its rows, not the table, are read); the LM head is a matrix product over the
     logits; every other non-expert weight multiplies every token and is read once per step.
     """
-    from moebalance.cost.memory import GIB, non_expert_gib_per_gpu
-
     cal = Calibration() if calibration is None else calibration
     logits = tokens_per_rank if logits_per_rank is None else logits_per_rank
     if tokens_per_rank < 0 or kv_tokens_per_rank < 0 or logits < 0:
@@ -101,7 +99,7 @@ def rest_seconds(tokens_per_rank: float, arch: ModelArch, gpu: GpuSpec, engine: 
     table = 0.0 if arch.tie_word_embeddings else head  # the input embedding table, only looked up
     params = non_expert_gib_per_gpu(arch, engine, gpus_per_node) * GIB / engine.weight_bytes
     flops = 2.0 * (params - head - table) * tokens_per_rank + 2.0 * head * logits
-    attention_tp = gpus_per_node if engine.attention_tp is None else engine.attention_tp
+    attention_tp = engine.attention_group(gpus_per_node)
     kv_bytes = kv_tokens_per_rank * arch.kv_bytes_per_token(engine.kv_bytes) / arch.kv_shards(attention_tp)
     traffic = (params - table) * engine.weight_bytes + kv_bytes
     return max(flops / (gpu.bf16_tflops * 1e12 * cal.flops_efficiency),

@@ -21,7 +21,7 @@ import numpy as np
 from moebalance.core.errors import PlanError
 from moebalance.core.plan import Placement
 
-__all__ = ["Padding", "SlotTable", "dense_rows", "pad_plan", "slot_table"]
+__all__ = ["Padding", "SlotTable", "pad_plan", "slot_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +40,13 @@ class SlotTable:
         return int(self.phy2log.shape[1])
 
 
-def dense_rows(plan: Placement) -> set[int]:
-    """The plan's layers without load (``params["dense_layers"]``): engines hold no experts there."""
-    listed = plan.params.get("dense_layers", [])
-    return {int(x) for x in listed} if isinstance(listed, list) else set()
-
-
 def slot_table(plan: Placement) -> SlotTable:
     """The plan's ``[L, P]`` map; a :class:`PlanError` naming the first GPU and layer whose slot count differs.
 
     A dense layer (no load when the plan was made, so no experts in the engine) has a row only to keep the
     model's numbering: it is written in the engines' default order, slot ``p`` holding expert ``p mod E``.
     """
-    dense = dense_rows(plan)
+    dense = plan.dense_layers
     moe = [layer for layer in range(plan.num_layers) if layer not in dense]
     if not moe:
         raise PlanError("every layer of the plan is dense (no load): there is no MoE layer to write")
@@ -82,7 +76,7 @@ class Padding:
     slots_per_gpu: int
 
     def describe(self, plan: Placement) -> str:
-        L, G = plan.num_layers - len(dense_rows(plan)), plan.num_gpus
+        L, G = plan.num_layers - len(plan.dense_layers), plan.num_gpus
         return (f"padding added {self.slots} expert copies ({self.slots / (L * G):.2f} per GPU and layer, "
                 f"{self.slots / G:.1f} per GPU over {L} MoE layers) to give every GPU {self.slots_per_gpu} slots in "
                 "every MoE layer")
@@ -98,7 +92,7 @@ def pad_plan(plan: Placement, counts: np.ndarray) -> Padding:
     load = counts.sum(axis=0).astype(np.float64)  # [L, E]
     lists = [[list(x) for x in row] for row in plan.gpu_experts]
     added = 0
-    dense = dense_rows(plan)
+    dense = plan.dense_layers
     if len(dense) == L:
         raise PlanError("every layer of the plan is dense (no load): there is nothing to pad")
     S = max(len(experts) for layer in range(L) if layer not in dense for experts in plan.gpu_experts[layer])
