@@ -55,9 +55,9 @@ from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.io import save_png
 from moebalance.core.load import LoadMatrix
-from moebalance.model.capture import capture
-from moebalance.model.data import DOMAINS, domain_tokens
-from moebalance.model.moe_lm import bundled_checkpoint, load_checkpoint
+from moebalance.lm.capture import capture
+from moebalance.lm.data import DOMAINS, domain_tokens
+from moebalance.lm.moe_lm import bundled_checkpoint, load_checkpoint
 from moebalance.online.predictors import AccuracyTally, make_predictor
 from moebalance.online.replay import OnlineResult, replay
 

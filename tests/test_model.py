@@ -1,9 +1,9 @@
-"""The MoE language model (``moebalance.model``): EP forward == dense forward on real gloo groups, capture writes
+"""The MoE language model (``moebalance.lm``): EP forward == dense forward on real gloo groups, capture writes
 valid traces, the committed checkpoint routes with skew that differs by domain, training is reproducible, and
 the ``capture`` / ``run`` commands work end to end and reject bad inputs in one line.
 
 Distributed tests launch real gloo process groups (:func:`moebalance.runtime.launch`) through
-:func:`moebalance.model.run.run_model`; nothing is mocked. Token counts are kept small (1,024 tokens a run).
+:func:`moebalance.lm.run.run_model`; nothing is mocked. Token counts are kept small (1,024 tokens a run).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from conftest import run_cli
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix, read_load
 from moebalance.core.plan import Placement, write_plan
-from moebalance.model.capture import PRESET, capture, make_layout, write_capture
-from moebalance.model.data import CHUNK, DOMAINS, domain_tokens
-from moebalance.model.moe_lm import (
+from moebalance.lm.capture import PRESET, capture, make_layout, write_capture
+from moebalance.lm.data import CHUNK, DOMAINS, domain_tokens
+from moebalance.lm.moe_lm import (
     BOS,
     CAPTURE_CHECKPOINT,
     EOS,
@@ -32,9 +32,9 @@ from moebalance.model.moe_lm import (
     bundled_checkpoint,
     load_checkpoint,
 )
-from moebalance.model.run import dense_reference, run_model
-from moebalance.model.train import TrainConfig, bits_per_byte, train
-from moebalance.model.train import main as train_main
+from moebalance.lm.run import dense_reference, run_model
+from moebalance.lm.train import TrainConfig, bits_per_byte, train
+from moebalance.lm.train import main as train_main
 from moebalance.policies import Budget, make_plan
 from moebalance.runtime import topk_gating
 from moebalance.workloads.stats import layer_skew
@@ -235,7 +235,7 @@ def test_train_command_writes_checkpoint_json_and_plot(tmp_path: Path) -> None:
             "--log-every", "5", "--eval-every", "10"]
     assert train_main(argv) == 0
     record = json.loads(out.with_suffix(".json").read_text())
-    assert record["command"].startswith("python -m moebalance.model.train --out")
+    assert record["command"].startswith("python -m moebalance.lm.train --out")
     assert set(record["results"]["bits_per_byte"]) == set(DOMAINS)
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert load_checkpoint(out).config == ModelConfig.from_dict(record["model"])

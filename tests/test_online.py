@@ -90,9 +90,9 @@ def olmoe() -> LoadMatrix:
 @pytest.fixture(scope="module")
 def captured() -> tuple[Any, Any]:
     """``(model, capture)``: the bundled MoE LM on 1024 held-out code tokens, with hidden states."""
-    from moebalance.model.capture import capture
-    from moebalance.model.data import domain_tokens
-    from moebalance.model.moe_lm import load_checkpoint
+    from moebalance.lm.capture import capture
+    from moebalance.lm.data import domain_tokens
+    from moebalance.lm.moe_lm import load_checkpoint
 
     model = load_checkpoint()
     cap = capture(model, domain_tokens("code", "heldout", 1024), num_gpus=2, batch_tokens=256, seq_len=128,
@@ -773,7 +773,7 @@ def test_cli_predict_json(trace_file: Path, build_file: Path, capsys: pytest.Cap
 
 def test_cli_predict_and_online_lookahead(captured: tuple[Any, Any], tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    from moebalance.model.capture import write_capture
+    from moebalance.lm.capture import write_capture
 
     model, cap = captured
     path = tmp_path / "cap.npz"

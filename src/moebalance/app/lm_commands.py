@@ -25,7 +25,7 @@ __all__ = ["cmd_capture", "cmd_run"]
 
 def _model_tokens(args: argparse.Namespace) -> tuple[np.ndarray, str]:
     """The tokens ``capture`` / ``run`` read: a text file, or a domain's held-out split; and what they are."""
-    from moebalance.model.data import domain_tokens, text_tokens
+    from moebalance.lm.data import domain_tokens, text_tokens
 
     budget = None if args.tokens is None else args.offset + args.tokens
     if args.text is not None:
@@ -41,7 +41,7 @@ def _model_tokens(args: argparse.Namespace) -> tuple[np.ndarray, str]:
 
 
 def _bundled_for_plan(plan: Any) -> Path:
-    from moebalance.model.moe_lm import BUNDLED_CHECKPOINTS, bundled_checkpoint, checkpoint_config
+    from moebalance.lm.moe_lm import BUNDLED_CHECKPOINTS, bundled_checkpoint, checkpoint_config
 
     shapes = []
     for name in BUNDLED_CHECKPOINTS:
@@ -54,8 +54,8 @@ def _bundled_for_plan(plan: Any) -> Path:
 
 
 def cmd_capture(args: argparse.Namespace) -> None:
-    from moebalance.model.capture import capture, write_capture
-    from moebalance.model.moe_lm import CAPTURE_CHECKPOINT, bundled_checkpoint, load_checkpoint
+    from moebalance.lm.capture import capture, write_capture
+    from moebalance.lm.moe_lm import CAPTURE_CHECKPOINT, bundled_checkpoint, load_checkpoint
     from moebalance.workloads.stats import layer_skew
 
     dest = _check_out(args.out, ".npz")
@@ -77,9 +77,9 @@ def cmd_capture(args: argparse.Namespace) -> None:
 
 def cmd_run(args: argparse.Namespace) -> None:
     """Local gloo ranks (``--world-size``), or this process's rank of a torchrun launch; rank 0 reports."""
-    from moebalance.model.capture import make_layout
-    from moebalance.model.moe_lm import load_checkpoint
-    from moebalance.model.run import LOGIT_TOLERANCE, RunReport, check_plan, run_model, run_torchrun
+    from moebalance.lm.capture import make_layout
+    from moebalance.lm.moe_lm import load_checkpoint
+    from moebalance.lm.run import LOGIT_TOLERANCE, RunReport, check_plan, run_model, run_torchrun
     from moebalance.runtime import KEEPS_LOCAL, torchrun_env
 
     torchrun = torchrun_env()

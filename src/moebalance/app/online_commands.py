@@ -44,7 +44,7 @@ def _hidden(path: str, load: LoadMatrix) -> np.ndarray | None:
 
 def _model(checkpoint: str | None, load: LoadMatrix) -> Any:
     """The model a capture came from: ``--checkpoint``, else the bundled one of the trace's shape."""
-    from moebalance.model.moe_lm import bundled_for, load_checkpoint
+    from moebalance.lm.moe_lm import bundled_for, load_checkpoint
 
     if load.trace is None:
         raise InputError("the lookahead predictor needs a token-level capture of the model")

@@ -201,7 +201,7 @@ class LookaheadPredictor(Predictor):
 
     @classmethod
     def from_model(cls, model: Any, hidden: np.ndarray) -> LookaheadPredictor:
-        """From a :class:`~moebalance.model.MoELM` (its gates, biases and gate config)."""
+        """From a :class:`~moebalance.lm.MoELM` (its gates, biases and gate config)."""
         gates, biases = [], []
         config = None
         for layer in range(model.config.num_layers):

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from moebalance.core.errors import InputError
-from moebalance.model.moe_lm import BOS, EOS
+from moebalance.lm.moe_lm import BOS, EOS
 
 __all__ = ["CHUNK", "DOMAINS", "HELD_OUT_EVERY", "Domain", "Split", "domain_documents", "domain_tokens", "provenance",
            "text_tokens"]

@@ -95,7 +95,7 @@ class ModelConfig:
     max_seq_len: int = 128
     #: DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias ``[E]`` added to the scores when choosing
     #: the top-k (never to the mixing weights), nudged during training towards equal loads
-    #: (:class:`moebalance.model.train.TrainConfig` ``bias_update``) and frozen afterwards.
+    #: (:class:`moebalance.lm.train.TrainConfig` ``bias_update``) and frozen afterwards.
     balance_bias: bool = False
 
     def __post_init__(self) -> None:
@@ -294,7 +294,7 @@ class MoELM(nn.Module):
 # ----- checkpoints ---------------------------------------------------------------------------------------------
 
 #: The first checkpoint shipped in the package (4 MoE layers of 16 experts, top-2; trained by
-#: ``python -m moebalance.model.train``).
+#: ``python -m moebalance.lm.train``).
 BUNDLED_CHECKPOINT = "moe_lm.safetensors"
 #: Every checkpoint shipped in the package: the first, and 8 MoE layers of 32 experts, top-4, trained with the
 #: auxiliary-loss-free balancing bias (docs/results/libra.md, "The model").
@@ -305,12 +305,12 @@ CAPTURE_CHECKPOINT = "moe_lm_8x32.safetensors"
 
 
 def bundled_checkpoint(name: str = BUNDLED_CHECKPOINT) -> Path:
-    """Path of a bundled checkpoint (``moebalance/model/weights/NAME``)."""
+    """Path of a bundled checkpoint (``moebalance/lm/weights/NAME``)."""
     from importlib import resources
 
     if name not in BUNDLED_CHECKPOINTS:
         raise InputError(f"no bundled checkpoint {name!r}; bundled: {', '.join(BUNDLED_CHECKPOINTS)}")
-    return Path(str(resources.files("moebalance.model") / "weights" / name))
+    return Path(str(resources.files("moebalance.lm") / "weights" / name))
 
 
 def checkpoint_config(path: str | os.PathLike[str]) -> ModelConfig:

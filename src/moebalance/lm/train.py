@@ -1,6 +1,6 @@
 """Train the small MoE language model on the two offline domains (CPU, a few minutes).
 
-``python -m moebalance.model.train --out src/moebalance/model/weights/moe_lm.safetensors`` reproduces the bundled
+``python -m moebalance.lm.train --out src/moebalance/lm/weights/moe_lm.safetensors`` reproduces the bundled
 checkpoint: it writes the weights (float16 safetensors) and, next to them, ``moe_lm.json`` with the model
 config, the training command and settings, the data provenance, the seed, the loss curve and the final bits
 per byte. With ``--plot`` it also draws the loss curve.
@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from moebalance.core.errors import InputError, MoebalanceError
-from moebalance.model.data import DOMAINS, domain_tokens, provenance
-from moebalance.model.moe_lm import ModelConfig, MoELM, load_checkpoint, save_checkpoint
+from moebalance.lm.data import DOMAINS, domain_tokens, provenance
+from moebalance.lm.moe_lm import ModelConfig, MoELM, load_checkpoint, save_checkpoint
 
 __all__ = ["TrainConfig", "TrainResult", "bits_per_byte", "main", "train", "unigram_bits_per_byte"]
 
@@ -299,7 +299,7 @@ def plot_loss(record: dict[str, Any], path: str | os.PathLike[str]) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moebalance.model.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m moebalance.lm.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="checkpoint path ending in .safetensors (the .json goes next to it)")
     p.add_argument("--plot", help="also draw the loss curve to this PNG")
     m, t = ModelConfig(), TrainConfig()
@@ -362,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         save_checkpoint(out, result.model)
         stored = load_checkpoint(out)  # the final metrics are those of the weights as stored (float16)
         record = {**result.record,
-                  "command": "python -m moebalance.model.train " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None
+                  "command": "python -m moebalance.lm.train " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None
                                                                                     else argv)),
                   "checkpoint": {"file": out.name, "dtype": "float16"},
                   "results": evaluate_model(stored, tc)}
@@ -370,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot:
             plot_loss(record, args.plot)
     except MoebalanceError as exc:
-        sys.stderr.write(f"moebalance.model.train: error: {exc}\n")
+        sys.stderr.write(f"moebalance.lm.train: error: {exc}\n")
         return 2
     finally:
         torch.set_num_threads(threads_before)  # main() may be called in-process (tests)

@@ -5,7 +5,7 @@ steps), ``L`` MoE layers, ``K`` picks per token, ``S`` tokens per sequence, ``V`
 
 What happens:
 
-1. The tokens are laid out as a capture lays them out (:func:`moebalance.model.capture.make_layout`):
+1. The tokens are laid out as a capture lays them out (:func:`moebalance.lm.capture.make_layout`):
    batches of sequences, sequence ``j`` of a batch on rank ``j % W``.
 2. ``W`` gloo processes start (:func:`moebalance.runtime.launch`), or, under torchrun (:func:`run_torchrun`),
    each of torchrun's ``W`` processes runs its own rank. Each loads the checkpoint, keeps the
@@ -44,8 +44,8 @@ import torch
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
-from moebalance.model.capture import Layout, make_layout
-from moebalance.model.moe_lm import MoELM, load_checkpoint, save_checkpoint
+from moebalance.lm.capture import Layout, make_layout
+from moebalance.lm.moe_lm import MoELM, load_checkpoint, save_checkpoint
 from moebalance.routing import Router, get_router
 from moebalance.runtime import EPConfig, ExpertParallelMoE, dense_moe, init_from_env, launch, layer_placement
 
@@ -358,6 +358,6 @@ def _report(plan: Placement, layout: Layout, outs: Sequence[dict[str, Any]],
 
 def lm_path(model: str | os.PathLike[str] | None) -> Path:
     """The checkpoint file ``model`` names (``None``: the bundled one)."""
-    from moebalance.model.moe_lm import bundled_checkpoint
+    from moebalance.lm.moe_lm import bundled_checkpoint
 
     return bundled_checkpoint() if model is None else Path(model)

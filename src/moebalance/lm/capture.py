@@ -3,7 +3,7 @@
 Legend: ``N`` tokens captured, ``S`` tokens per sequence, ``P`` sequences per batch, ``G`` data-parallel
 ranks (GPUs), ``L`` MoE layers, ``K`` picks per token, ``D`` model width.
 
-Layout (shared with :mod:`moebalance.model.run`, so a capture and a run of the same text see the same
+Layout (shared with :mod:`moebalance.lm.run`, so a capture and a run of the same text see the same
 batches): the text is cut into consecutive sequences of ``S`` tokens (a tail shorter than ``S`` is left out);
 batch ``b`` holds sequences ``b * P .. (b + 1) * P - 1`` with ``P = batch_tokens / S`` (the last batch may
 hold fewer); sequence ``j`` of a batch lives on rank ``j % G`` (round-robin, as a data-parallel server
@@ -34,7 +34,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.io import write_npz
 from moebalance.core.load import LoadMatrix
 from moebalance.core.trace import RoutingTrace
-from moebalance.model.moe_lm import MoELM
+from moebalance.lm.moe_lm import MoELM
 
 __all__ = ["PRESET", "Capture", "Layout", "capture", "make_layout", "write_capture"]
 
