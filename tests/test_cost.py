@@ -20,22 +20,20 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement, write_plan
-from moebalance.cost.architecture import ARCHS, ModelArch, get_arch
 from moebalance.cost.goodput import Workload, a2a_estimate, plan_cost
 from moebalance.cost.hardware import GPUS, GpuSpec, get_gpu
 from moebalance.cost.memory import EngineMemory, memory_per_gpu
 from moebalance.cost.time import Calibration, expert_seconds, rest_seconds
-from moebalance.models import ModelSpec
+from moebalance.models import MODELS, Attention, ModelSpec, get_model
 from moebalance.policies import make_plan
 
 MIB = 1 << 20
 
 # A tiny model: 2 MoE layers of 4 experts (top-2), H = 4, F = 8, GQA with 2 heads, 1 KV head of size 2, vocab 10.
-TINY = ModelArch(spec=ModelSpec(name="tiny", display_name="Tiny", num_layers=2, num_dense_layers=0, num_experts=4,
-                                top_k=2, hidden_size=4, moe_intermediate_size=8, num_shared_experts=0, num_groups=1,
-                                source="test"),
-                 vocab_size=10, dense_intermediate_size=8, attention="gqa", num_attention_heads=2, num_kv_heads=1,
-                 head_dim=2)
+TINY = ModelSpec(name="tiny", display_name="Tiny", num_layers=2, num_dense_layers=0, num_experts=4, top_k=2,
+                 hidden_size=4, moe_intermediate_size=8, num_shared_experts=0, num_groups=1, source="test",
+                 attention=Attention(kind="gqa", num_heads=2, num_kv_heads=1, head_dim=2), vocab_size=10,
+                 dense_intermediate_size=8)
 # 1 MiB of memory, 1 TFLOP/s, 1 GB/s.
 SMALL_GPU = GpuSpec(name="small", display_name="Small", bf16_tflops=1.0, memory_gib=1 / 1024, memory_bandwidth=1.0,
                     source="test")
@@ -50,18 +48,71 @@ def test_tiny_parameter_counts_by_hand() -> None:
     assert TINY.kv_bytes_per_token() == 16  # 2 layers x (k + v) x 1 head x 2 numbers x 2 bytes
 
 
-@pytest.mark.parametrize("name", sorted(ARCHS))
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_architectures_match_published_totals(name: str) -> None:
-    arch = get_arch(name)
+    arch = get_model(name)
     assert arch.total() == pytest.approx(arch.total_params, rel=0.015)
-    assert arch.spec.num_layers * arch.spec.num_experts * arch.expert_params() == arch.routed_params()
+    assert arch.num_layers * arch.num_experts * arch.expert_params() == arch.routed_params()
 
 
 def test_mla_kv_bytes_by_hand() -> None:
     # DeepSeek-V3: 61 decoder layers x (kv_lora_rank 512 + rope 64) x 2 bytes
-    assert get_arch("deepseek-v3").kv_bytes_per_token() == 61 * 576 * 2 == 70272
+    assert get_model("deepseek-v3").kv_bytes_per_token() == 61 * 576 * 2 == 70272
     # Qwen3-235B (GQA): 94 layers x 2 x 4 KV heads x 128 x 2 bytes
-    assert get_arch("qwen3-235b-a22b").kv_bytes_per_token() == 94 * 2 * 4 * 128 * 2
+    assert get_model("qwen3-235b-a22b").kv_bytes_per_token() == 94 * 2 * 4 * 128 * 2
+
+
+def test_mtp_module_matches_its_published_size() -> None:
+    # DeepSeek-V3's README_WEIGHTS.md: 1 MTP module of 11.5B parameters besides the shared embeddings and head.
+    # By hand: 256 + 1 experts x 3 x 7168 x 2048, MLA attention 187,105,280, router 7168 x 256, eh_proj 2 x 7168^2
+    v3 = get_model("deepseek-v3")
+    assert v3.mtp_params() == 257 * 44_040_192 + 187_105_280 + 7168 * 256 + 2 * 7168 * 7168
+    assert v3.mtp_params() == pytest.approx(11.5e9, rel=0.015)
+    assert v3.total() == pytest.approx(671e9, rel=0.015)  # the main model's total leaves the module out
+    assert get_model("qwen3-30b-a3b").mtp_params() == 0
+
+
+def test_the_cost_model_reads_the_one_model_description() -> None:
+    from moebalance.core.load import read_load
+    from moebalance.cost.architecture import ARCHS, ModelArch, get_arch
+
+    # the former names stay usable: the class, the registry, the accessor and ``arch.spec``
+    assert ModelArch is ModelSpec and set(ARCHS) == set(MODELS)
+    assert get_arch("deepseek-v3") is get_model("deepseek-v3") is get_model("deepseek-v3").spec
+    # the spec a synthetic trace names is the one the cost model weighs
+    spec = read_load("bundled:deepseek-v3-8x8").model
+    assert spec is not None and spec.kv_bytes_per_token() == 70272
+
+
+def test_a_routing_shape_alone_is_refused_by_the_cost_model() -> None:
+    shape = ModelSpec(name="shape", display_name="Shape", num_layers=2, num_dense_layers=0, num_experts=4, top_k=2,
+                      hidden_size=4, moe_intermediate_size=8, num_shared_experts=0, num_groups=1, source="test")
+    assert shape.expert_params() == 96 and not shape.has_architecture  # the routing shape is enough for this
+    for call in (shape.total, shape.kv_bytes_per_token, lambda: shape.kv_shards(2),
+                 lambda: memory_per_gpu(shape, SMALL_GPU, num_gpus=2, gpus_per_node=2)):
+        with pytest.raises(InputError) as info:
+            call()
+        assert str(info.value) == ("model 'shape' gives only its routing shape; the cost model needs its attention "
+                                   "and vocab_size too: use a preset model or give them")
+
+
+@pytest.mark.parametrize(("build", "needle"), [
+    (lambda: Calibration(launch_us=True), "launch_us (True) must be a finite number >= 0"),
+    (lambda: Calibration(flops_efficiency="0.5"), "flops_efficiency ('0.5') must be a finite number > 0"),
+    (lambda: Calibration(bandwidth_efficiency=1.5), "bandwidth_efficiency (1.5) must be in (0, 1]"),
+    (lambda: Calibration(source=""), "source ('') must be a non-empty string"),
+    (lambda: GpuSpec(name="g", display_name="G", bf16_tflops=float("inf"), memory_gib=1.0, memory_bandwidth=1.0,
+                     source="test"), "GpuSpec.bf16_tflops (inf) must be a finite number > 0"),
+    (lambda: GpuSpec(name="", display_name="G", bf16_tflops=1.0, memory_gib=1.0, memory_bandwidth=1.0,
+                     source="test"), "GpuSpec.name ('') must be a non-empty string"),
+    (lambda: EngineMemory(memory_fraction=True), "memory_fraction (True) must be a finite number > 0"),
+    (lambda: EngineMemory(reserve_gib=float("nan")), "reserve_gib (nan) must be a finite number >= 0"),
+    (lambda: Workload(prefill_chunk=0), "prefill_chunk (0) must be a positive integer"),
+])
+def test_cost_settings_are_checked_in_one_line(build: object, needle: str) -> None:
+    with pytest.raises(InputError) as info:
+        build()  # type: ignore[operator]
+    assert needle in str(info.value) and "\n" not in str(info.value)
 
 
 def test_memory_of_a_tiny_deployment_by_hand() -> None:
@@ -99,13 +150,13 @@ def test_craft_kv_cache_reductions_within_five_points() -> None:
     a100 = get_gpu("a100-80gb")
     for model, nodes, replicas, published in (("deepseek-r1", 8, 58, 0.19), ("kimi-k2", 6, 60, 0.75),
                                               ("kimi-k2", 12, 60, 0.24), ("kimi-k2", 6, 8, 0.06)):
-        got = memory_per_gpu(get_arch(model), a100, num_gpus=8 * nodes, gpus_per_node=8,
+        got = memory_per_gpu(get_model(model), a100, num_gpus=8 * nodes, gpus_per_node=8,
                              replicas_per_gpu=replicas).kv_cache_reduction
         assert abs(got - published) <= 0.05, (model, nodes, replicas, got)
 
 
 def test_expert_time_by_hand() -> None:
-    arch, h100 = get_arch("deepseek-v3"), get_gpu("h100-80gb")
+    arch, h100 = get_model("deepseek-v3"), get_gpu("h100-80gb")
     # one pick, one expert: 3 x 7168 x 2048 x 2 B of weights + 2 x 7168 x 2 B in and out, at 3.35 TB/s
     one = float(expert_seconds(1, 1, arch, h100))
     assert one == pytest.approx((3 * 7168 * 2048 * 2 + 2 * 7168 * 2) / 3.35e12)
@@ -120,7 +171,7 @@ def test_expert_time_by_hand() -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.floats(0, 1e5), st.floats(0, 1e5), st.floats(0, 300), st.floats(0, 300), st.sampled_from(sorted(GPUS)))
 def test_expert_time_is_monotone_in_tokens_and_experts(n1: float, n2: float, u1: float, u2: float, gpu: str) -> None:
-    arch = get_arch("kimi-k2")
+    arch = get_model("kimi-k2")
     lo_n, hi_n, lo_u, hi_u = min(n1, n2), max(n1, n2), min(u1, u2), max(u1, u2)
     t = lambda n, u: float(expert_seconds(n, u, arch, get_gpu(gpu)))  # noqa: E731
     assert t(lo_n, lo_u) <= t(hi_n, lo_u) + 1e-15
@@ -130,7 +181,7 @@ def test_expert_time_is_monotone_in_tokens_and_experts(n1: float, n2: float, u1:
 @settings(max_examples=40, deadline=None)
 @given(st.floats(1, 1e5), st.floats(1, 1e5), st.floats(0, 1e7))
 def test_rest_of_step_is_monotone_in_tokens(a: float, b: float, kv: float) -> None:
-    arch, gpu, engine = get_arch("deepseek-v3"), get_gpu("h100-80gb"), EngineMemory()
+    arch, gpu, engine = get_model("deepseek-v3"), get_gpu("h100-80gb"), EngineMemory()
     lo, hi = min(a, b), max(a, b)
     assert rest_seconds(lo, arch, gpu, engine, 8, kv_tokens_per_rank=kv) <= \
         rest_seconds(hi, arch, gpu, engine, 8, kv_tokens_per_rank=kv) + 1e-15
@@ -147,9 +198,9 @@ def test_a2a_estimate_by_hand() -> None:
 
 
 def _tiny_plan_and_load() -> tuple[Placement, LoadMatrix]:
-    arch = get_arch("olmoe-1b-7b")
+    arch = get_model("olmoe-1b-7b")
     rng = np.random.default_rng(0)
-    counts = rng.integers(0, 400, (6, arch.spec.num_layers, arch.spec.num_experts))
+    counts = rng.integers(0, 400, (6, arch.num_layers, arch.num_experts))
     load = LoadMatrix(counts, preset="olmoe-1b-7b")
     plan, _ = make_plan("eplb", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(slots_per_gpu=17))
     return plan, load
@@ -157,7 +208,7 @@ def _tiny_plan_and_load() -> tuple[Placement, LoadMatrix]:
 
 def test_plan_cost_layer_time_is_the_straggler_plus_all_to_all() -> None:
     plan, load = _tiny_plan_and_load()
-    arch, gpu = get_arch("olmoe-1b-7b"), get_gpu("rtx4090")
+    arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
     cost = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1, reserve_gib=0.0))
     from moebalance.routing.simulate import gpu_loads
 
@@ -173,7 +224,7 @@ def test_plan_cost_layer_time_is_the_straggler_plus_all_to_all() -> None:
 def test_goodput_falls_when_the_kv_cache_is_taken() -> None:
     """The same plan with a larger engine reserve holds fewer requests, so its goodput is lower."""
     plan, load = _tiny_plan_and_load()
-    arch, gpu = get_arch("olmoe-1b-7b"), get_gpu("rtx4090")
+    arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
     roomy = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1, reserve_gib=0.0))
     tight = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1, reserve_gib=10.0))
     assert tight.memory.max_concurrency < roomy.memory.max_concurrency
@@ -240,7 +291,7 @@ def test_calibration_fit_recovers_known_constants(tmp_path, capsys: pytest.Captu
     """Times made by the roofline with 50% of the FLOP/s, 80% of the bandwidth and 20 us per call are fitted back."""
     from moebalance.cost.calibrate import fit, read_measurements
 
-    arch, gpu = get_arch("deepseek-v3"), get_gpu("h100-80gb")
+    arch, gpu = get_model("deepseek-v3"), get_gpu("h100-80gb")
     truth = Calibration(flops_efficiency=0.5, bandwidth_efficiency=0.8, launch_us=20.0)
     lines = ["experts,tokens_per_expert,hidden_size,ffn_size,seconds"]
     for experts in (1, 8, 32):
@@ -305,7 +356,7 @@ def test_prefetch_time_by_hand_and_in_online(capsys: pytest.CaptureFixture[str])
     from moebalance.cost.time import prefetch_seconds
 
     # one DeepSeek-V3 expert: 3 x 7168 x 2048 x 2 B = 88,080,384 B over 450 GB/s
-    assert float(prefetch_seconds(1, get_arch("deepseek-v3"), 450.0)) == pytest.approx(88_080_384 / 450e9)
+    assert float(prefetch_seconds(1, get_model("deepseek-v3"), 450.0)) == pytest.approx(88_080_384 / 450e9)
     rc, text, err = run_cli(["online", "--load", "bundled:olmoe-1b-7b-tokens", "--policy", "libra", "--nodes", 1,
                              "--gpus-per-node", 8, "--slots-per-gpu", 10, "--warmup", "0:8", "--batches", "8:12",
                              "--set", "predictor=oracle", "--model", "olmoe-1b-7b", "--intra-link", "pcie4", "--json"],
@@ -331,7 +382,7 @@ def test_compare_auto_by_goodput(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_no_room_for_a_request_and_bad_attention_split() -> None:
     plan, load = _tiny_plan_and_load()
-    arch, gpu = get_arch("olmoe-1b-7b"), get_gpu("rtx4090")
+    arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
     huge = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1),
                      workload=Workload(prompt_tokens=10**8, output_tokens=1))
     assert huge.memory.max_concurrency == 0 and huge.modelled_goodput == 0.0
@@ -345,7 +396,7 @@ def test_calibration_of_one_regime_keeps_the_other_efficiency_at_its_largest(tmp
     """Decode-sized runs only (bound by memory): the FLOP/s efficiency is not determined, so it stays at 1."""
     from moebalance.cost.calibrate import fit, read_measurements
 
-    arch, gpu = get_arch("deepseek-v3"), get_gpu("h100-80gb")
+    arch, gpu = get_model("deepseek-v3"), get_gpu("h100-80gb")
     truth = Calibration(flops_efficiency=0.6, bandwidth_efficiency=0.8)
     lines = ["experts,tokens_per_expert,hidden_size,ffn_size,seconds"]
     lines += [f"{u},{n},7168,2048,{float(expert_seconds(u * n, u, arch, gpu, truth))!r}" for u in (1, 8) for n in (1, 4)]
@@ -387,9 +438,9 @@ def test_goodput_of_a_tiny_deployment_by_hand() -> None:
 
 
 def test_gqa_kv_is_split_over_its_heads_only() -> None:
-    qwen = get_arch("qwen3-30b-a3b")  # 4 KV heads
+    qwen = get_model("qwen3-30b-a3b")  # 4 KV heads
     assert (qwen.kv_shards(1), qwen.kv_shards(2), qwen.kv_shards(8)) == (1, 2, 4)
-    assert get_arch("deepseek-v3").kv_shards(8) == 1  # MLA: the latent vector is whole on every GPU
+    assert get_model("deepseek-v3").kv_shards(8) == 1  # MLA: the latent vector is whole on every GPU
     h100 = get_gpu("h100-80gb")
     one = memory_per_gpu(qwen, h100, num_gpus=8, gpus_per_node=8, engine=EngineMemory(attention_tp=1))
     eight = memory_per_gpu(qwen, h100, num_gpus=8, gpus_per_node=8, engine=EngineMemory(attention_tp=8))
@@ -402,7 +453,7 @@ def test_gqa_kv_is_split_over_its_heads_only() -> None:
 
 def test_step_model_skips_idle_batches_and_node_dispatch_needs_tokens() -> None:
     plan, load = _tiny_plan_and_load()
-    arch, gpu = get_arch("olmoe-1b-7b"), get_gpu("rtx4090")
+    arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
     engine = EngineMemory(attention_tp=1, reserve_gib=0.0)
     busy = plan_cost(plan, load, arch, gpu, engine=engine)
     counts = np.zeros((2 * load.num_batches, *load.counts.shape[1:]), dtype=np.int64)

@@ -1,7 +1,8 @@
 """The cost model: what a plan costs in memory and time, and the goodput that leaves (``docs/design.md``, "Cost model").
 
 - :mod:`~moebalance.cost.hardware`: GPUs' published peaks (BF16 FLOP/s, memory, bandwidth), with sources;
-- :mod:`~moebalance.cost.architecture`: the parameter counts and KV bytes per token of the models we name;
+- the model served is a :class:`moebalance.models.ModelSpec` (its parameter counts and KV bytes per token);
+  :mod:`~moebalance.cost.architecture` keeps the former names ``ModelArch``, ``ARCHS`` and ``get_arch`` for it;
 - :mod:`~moebalance.cost.memory`: weights as the engine shards them, replicas, KV cache left, concurrency;
 - :mod:`~moebalance.cost.time`: the grouped GEMM's roofline, the rest of a step, Libra's prefetch;
 - :mod:`~moebalance.cost.goodput`: a plan's modelled layer time and goodput on a held-out load;

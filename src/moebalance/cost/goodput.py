@@ -36,10 +36,11 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
-from moebalance.cost.architecture import ModelArch
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.memory import EngineMemory, MemoryReport, memory_per_gpu
 from moebalance.cost.time import Calibration, expert_seconds, rest_seconds
+from moebalance.models import ModelSpec
+from moebalance.models.fields import check_fields
 from moebalance.routing import Router, get_router
 from moebalance.routing.simulate import check_compatible, replay_loads
 
@@ -59,10 +60,7 @@ class Workload:
     prefill_chunk: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("prompt_tokens", "output_tokens", "prefill_chunk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} ({value!r}) must be a positive integer")
+        check_fields(self, positive=("prompt_tokens", "output_tokens", "prefill_chunk"), label="")
 
     @property
     def context_tokens(self) -> int:
@@ -111,23 +109,22 @@ def a2a_estimate(gpu_load: np.ndarray, cluster: Cluster, bytes_per_copy: int) ->
     return 2.0 * bytes_per_copy * np.maximum(t_intra, t_inter).max(axis=-1) / 1e9
 
 
-def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, *, router: str | Router = "uniform",
+def plan_cost(plan: Placement, load: LoadMatrix, model: ModelSpec, gpu: GpuSpec, *, router: str | Router = "uniform",
               engine: EngineMemory | None = None, calibration: Calibration | None = None,
               workload: Workload | None = None, seed: int = 0, node_forwarding: bool = False) -> PlanCost:
-    """Model ``plan`` on ``load`` (held-out batches) for ``arch`` on GPUs ``gpu`` (module docstring).
+    """Model ``plan`` on ``load`` (held-out batches) for ``model`` on GPUs ``gpu`` (module docstring).
 
     ``node_forwarding`` times a token-level load's all-to-all with one network copy per destination node, forwarded
     inside it (DeepEP's normal kernels, GRACE's dispatch; :func:`moebalance.routing.simulate.traffic`).
     """
     check_compatible(plan, load)
-    spec = arch.spec
     dense = plan.dense_layers | set(np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist())
     moe = [layer for layer in range(plan.num_layers) if layer not in dense]  # dense rows hold no experts
-    if plan.num_experts != spec.num_experts or len(moe) > spec.num_layers or \
-            plan.num_layers not in (spec.num_layers, spec.num_layers + spec.num_dense_layers):
-        raise InputError(f"the plan has {plan.num_layers} layers x {plan.num_experts} experts but {spec.display_name} "
-                         f"has {spec.num_layers} MoE layers ({spec.num_layers + spec.num_dense_layers} with its dense "
-                         f"ones) x {spec.num_experts} experts; give the model the plan was made for")
+    if plan.num_experts != model.num_experts or len(moe) > model.num_layers or \
+            plan.num_layers not in (model.num_layers, model.num_layers + model.num_dense_layers):
+        raise InputError(f"the plan has {plan.num_layers} layers x {plan.num_experts} experts but {model.display_name} "
+                         f"has {model.num_layers} MoE layers ({model.num_layers + model.num_dense_layers} with its dense "
+                         f"ones) x {model.num_experts} experts; give the model the plan was made for")
     if node_forwarding and load.trace is None:
         raise InputError("--dispatch node needs a token-level load (which GPUs each token goes to); this load has "
                          "counts only: use --dispatch gpu")
@@ -136,9 +133,9 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
     work = Workload() if workload is None else workload
     cluster = plan.cluster
     G, gpn = cluster.num_gpus, cluster.gpus_per_node
-    memory = memory_per_gpu(arch, gpu, num_gpus=G, gpus_per_node=gpn, experts_per_gpu=plan.slots()[moe].sum(axis=0),
+    memory = memory_per_gpu(model, gpu, num_gpus=G, gpus_per_node=gpn, experts_per_gpu=plan.slots()[moe].sum(axis=0),
                             engine=engine, context_tokens=work.context_tokens)
-    bytes_per_copy = spec.hidden_size * engine.weight_bytes
+    bytes_per_copy = model.hidden_size * engine.weight_bytes
     r = get_router(router)
     loads, moved, _ = replay_loads(plan, load, r, np.random.default_rng(seed), with_traffic=True,
                                    bytes_per_copy=bytes_per_copy, node_forwarding=node_forwarding)
@@ -151,7 +148,7 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
     active = picks > 0
     if not active.any():
         raise InputError("the load is zero in every batch and layer; there is nothing to model")
-    layer = expert_seconds(loads, touched, arch, gpu, cal, weight_bytes=engine.weight_bytes).max(axis=2) + a2a
+    layer = expert_seconds(loads, touched, model, gpu, cal, weight_bytes=engine.weight_bytes).max(axis=2) + a2a
     # the step model, from the shares of (up to _STEP_BATCHES) held-out batches
     busy = np.flatnonzero(active.any(axis=1))  # batches with load: idle ones would make the MoE part look free
     pick = busy[np.unique(np.linspace(0, busy.size - 1, min(busy.size, _STEP_BATCHES)).round().astype(int))]
@@ -162,20 +159,20 @@ def plan_cost(plan: Placement, load: LoadMatrix, arch: ModelArch, gpu: GpuSpec, 
     ok = active[pick]
     reps = plan.replica_counts().astype(np.float64)  # [L, E]
     ranks = G // engine.attention_group(gpn)  # memory_per_gpu checked that the groups divide the GPUs
-    K = spec.top_k
+    K = model.top_k
 
     def moe_seconds(tokens: float) -> float:
         lam = tokens * K * np.where(ok[:, :, None], share, 0.0) / reps[None]
         used = np.einsum("ble,leg->blg", -np.expm1(-lam), has)
         n = tokens * K * np.where(ok[:, :, None], gpu_share, 0.0)
-        t = expert_seconds(n, used, arch, gpu, cal, weight_bytes=engine.weight_bytes).max(axis=2)
+        t = expert_seconds(n, used, model, gpu, cal, weight_bytes=engine.weight_bytes).max(axis=2)
         t = t + np.where(ok, a2a_per_pick, 0.0) * tokens * K
         per_layer = np.where(ok, t, np.nan)
         means = np.nanmean(np.where(ok.any(axis=0)[None], per_layer, 0.0), axis=0)  # [L]; idle layers cost 0
         return float(np.nansum(means))
 
     def step(tokens: float, kv_per_rank: float, logits_per_rank: float) -> float:
-        return moe_seconds(tokens) + rest_seconds(tokens / ranks, arch, gpu, engine, gpn,
+        return moe_seconds(tokens) + rest_seconds(tokens / ranks, model, gpu, engine, gpn,
                                                   kv_tokens_per_rank=kv_per_rank, logits_per_rank=logits_per_rank,
                                                   calibration=cal)
 

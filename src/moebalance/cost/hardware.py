@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moebalance.core.errors import InputError
+from moebalance.models.fields import check_fields
 
 __all__ = ["GPUS", "GpuSpec", "get_gpu"]
 
@@ -30,10 +31,8 @@ class GpuSpec:
     source: str
 
     def __post_init__(self) -> None:
-        for field in ("bf16_tflops", "memory_gib", "memory_bandwidth"):
-            value = getattr(self, field)
-            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-                raise InputError(f"GpuSpec.{field} ({value!r}) must be a positive number")
+        check_fields(self, text=("name", "display_name", "source"),
+                     positive_reals=("bf16_tflops", "memory_gib", "memory_bandwidth"))
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from moebalance.core.errors import InputError
-from moebalance.cost.architecture import ModelArch
 from moebalance.cost.hardware import GpuSpec
+from moebalance.models import ModelSpec
+from moebalance.models.fields import check_fields
 
 __all__ = ["GIB", "EngineMemory", "MemoryReport", "memory_per_gpu"]
 
@@ -57,17 +58,10 @@ class EngineMemory:
     kv_bytes: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("memory_fraction", "reserve_gib"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int | float):
-                raise InputError(f"{name} ({getattr(self, name)!r}) must be a number")
-        if not 0.0 < self.memory_fraction <= 1.0:
+        check_fields(self, positive_reals=("memory_fraction",), non_negative_reals=("reserve_gib",),
+                     positive=("dense_tp", "weight_bytes", "kv_bytes"), label="")
+        if self.memory_fraction > 1.0:
             raise InputError(f"memory_fraction ({self.memory_fraction}) must be in (0, 1]")
-        if not self.reserve_gib >= 0.0 or not math.isfinite(self.reserve_gib):
-            raise InputError(f"reserve_gib ({self.reserve_gib}) must be a finite number >= 0")
-        for name in ("dense_tp", "weight_bytes", "kv_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} ({value!r}) must be a positive integer")
         tp = self.attention_tp
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise InputError(f"attention_tp ({tp!r}) must be a positive integer or None (a node)")
@@ -101,18 +95,18 @@ class MemoryReport:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in values}
 
 
-def non_expert_gib_per_gpu(arch: ModelArch, engine: EngineMemory, gpus_per_node: int) -> float:
+def non_expert_gib_per_gpu(model: ModelSpec, engine: EngineMemory, gpus_per_node: int) -> float:
     """GiB of non-expert weights on one GPU: attention split over ``attention_tp``, the rest over ``dense_tp``."""
-    parts = arch.non_expert_params()
+    parts = model.non_expert_params()
     attention_tp = engine.attention_group(gpus_per_node)
     params = parts["attention"] / attention_tp + (sum(parts.values()) - parts["attention"]) / engine.dense_tp
     return params * engine.weight_bytes / GIB
 
 
-def memory_per_gpu(arch: ModelArch, gpu: GpuSpec, *, num_gpus: int, gpus_per_node: int,
+def memory_per_gpu(model: ModelSpec, gpu: GpuSpec, *, num_gpus: int, gpus_per_node: int,
                    experts_per_gpu: int | np.ndarray | None = None, replicas_per_gpu: int = 0,
                    engine: EngineMemory | None = None, context_tokens: int = 4096) -> MemoryReport:
-    """Memory per GPU of ``arch`` on ``num_gpus`` GPUs of ``gpu``.
+    """Memory per GPU of ``model`` on ``num_gpus`` GPUs of ``gpu``.
 
     ``experts_per_gpu`` is what each GPU hosts over all MoE layers (``int [G]`` from a plan's slots, or the most
     any GPU hosts); without it every GPU hosts ``L * ceil(E / G)`` plus ``replicas_per_gpu``.
@@ -129,27 +123,26 @@ def memory_per_gpu(arch: ModelArch, gpu: GpuSpec, *, num_gpus: int, gpus_per_nod
                          f"give a divisor of {num_gpus}")
     if engine.dense_tp > num_gpus:
         raise InputError(f"--dense-tp {engine.dense_tp} is more than the {num_gpus} GPUs; give at most {num_gpus}")
-    s = arch.spec
-    base = s.num_layers * math.ceil(s.num_experts / num_gpus)
+    base = model.num_layers * math.ceil(model.num_experts / num_gpus)
     if experts_per_gpu is None:
         if replicas_per_gpu < 0:
             raise InputError(f"replicas_per_gpu ({replicas_per_gpu}) must be >= 0")
         hosted = base + int(replicas_per_gpu)
     else:
         hosted = int(np.max(experts_per_gpu))
-    expert_gib = arch.expert_params() * engine.weight_bytes / GIB
-    fixed = non_expert_gib_per_gpu(arch, engine, gpus_per_node)
+    expert_gib = model.expert_params() * engine.weight_bytes / GIB
+    fixed = non_expert_gib_per_gpu(model, engine, gpus_per_node)
     budget = engine.memory_fraction * gpu.memory_gib - engine.reserve_gib
     kv_without = budget - fixed - base * expert_gib
     if kv_without <= 0:
-        raise InputError(f"{s.display_name} does not fit on {num_gpus} x {gpu.display_name}: its weights take "
+        raise InputError(f"{model.display_name} does not fit on {num_gpus} x {gpu.display_name}: its weights take "
                          f"{fixed + base * expert_gib:.1f} GiB per GPU of the {budget:.1f} GiB the engine gives "
                          "weights and KV cache; use more GPUs or a larger memory_fraction")
     replica_gib = max(0, hosted - base) * expert_gib
     kv = kv_without - replica_gib
-    per_request = context_tokens * arch.kv_bytes_per_token(engine.kv_bytes) / GIB
+    per_request = context_tokens * model.kv_bytes_per_token(engine.kv_bytes) / GIB
     # each data-parallel rank (attention_tp GPUs) holds its own requests, split over kv_shards of its GPUs' pools
-    per_rank = max(0.0, kv) * arch.kv_shards(attention_tp) / per_request
+    per_rank = max(0.0, kv) * model.kv_shards(attention_tp) / per_request
     ranks = num_gpus // attention_tp
     return MemoryReport(
         weights_gb_per_gpu=fixed + hosted * expert_gib,

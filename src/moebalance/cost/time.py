@@ -25,15 +25,15 @@ reading those weights once and, in decode, every request's KV cache.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from moebalance.core.errors import InputError
-from moebalance.cost.architecture import ModelArch
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.memory import GIB, EngineMemory, non_expert_gib_per_gpu
+from moebalance.models import ModelSpec
+from moebalance.models.fields import check_fields
 
 __all__ = ["Calibration", "expert_seconds", "prefetch_seconds", "rest_seconds"]
 
@@ -49,15 +49,14 @@ class Calibration:
     source: str = "published peaks"
 
     def __post_init__(self) -> None:
+        check_fields(self, positive_reals=("flops_efficiency", "bandwidth_efficiency"),
+                     non_negative_reals=("launch_us",), text=("source",), label="")
         for name in ("flops_efficiency", "bandwidth_efficiency"):
-            value = getattr(self, name)
-            if not 0.0 < value <= 1.0:
-                raise InputError(f"{name} ({value}) must be in (0, 1]: a share of the GPU's peak")
-        if not self.launch_us >= 0.0 or not math.isfinite(self.launch_us):
-            raise InputError(f"launch_us ({self.launch_us}) must be a finite number >= 0")
+            if getattr(self, name) > 1.0:
+                raise InputError(f"{name} ({getattr(self, name)}) must be in (0, 1]: a share of the GPU's peak")
 
 
-def expert_seconds(picks: np.ndarray | float, touched: np.ndarray | float, arch: ModelArch, gpu: GpuSpec,
+def expert_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: ModelSpec, gpu: GpuSpec,
                    calibration: Calibration | None = None, *, weight_bytes: int = 2,
                    activation_bytes: int = 2) -> np.ndarray:
     """Seconds of one GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast).
@@ -70,7 +69,7 @@ def expert_seconds(picks: np.ndarray | float, touched: np.ndarray | float, arch:
     u = np.asarray(touched, dtype=np.float64)
     if np.any(n < 0) or np.any(u < 0):
         raise InputError("picks and experts touched must be >= 0")
-    H, F = arch.spec.hidden_size, arch.spec.moe_intermediate_size
+    H, F = model.hidden_size, model.moe_intermediate_size
     flops = 6.0 * H * F * n
     traffic = u * 3.0 * H * F * weight_bytes + 2.0 * n * H * activation_bytes
     t = np.maximum(flops / (gpu.bf16_tflops * 1e12 * cal.flops_efficiency),
@@ -78,7 +77,7 @@ def expert_seconds(picks: np.ndarray | float, touched: np.ndarray | float, arch:
     return np.where(n > 0, t + cal.launch_us * 1e-6, 0.0)
 
 
-def rest_seconds(tokens_per_rank: float, arch: ModelArch, gpu: GpuSpec, engine: EngineMemory, gpus_per_node: int, *,
+def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine: EngineMemory, gpus_per_node: int, *,
                  kv_tokens_per_rank: float = 0.0, logits_per_rank: float | None = None,
                  calibration: Calibration | None = None) -> float:
     """Seconds of everything but the routed experts in one step, on one GPU of a data-parallel rank that processes
@@ -95,18 +94,18 @@ def rest_seconds(tokens_per_rank: float, arch: ModelArch, gpu: GpuSpec, engine: 
         raise InputError("tokens, logits and KV tokens per rank must be >= 0")
     if tokens_per_rank == 0:
         return 0.0
-    head = arch.vocab_size * arch.spec.hidden_size / engine.dense_tp  # LM head parameters on this GPU
-    table = 0.0 if arch.tie_word_embeddings else head  # the input embedding table, only looked up
-    params = non_expert_gib_per_gpu(arch, engine, gpus_per_node) * GIB / engine.weight_bytes
+    head = model.vocab_size * model.hidden_size / engine.dense_tp  # LM head parameters on this GPU
+    table = 0.0 if model.tie_word_embeddings else head  # the input embedding table, only looked up
+    params = non_expert_gib_per_gpu(model, engine, gpus_per_node) * GIB / engine.weight_bytes
     flops = 2.0 * (params - head - table) * tokens_per_rank + 2.0 * head * logits
     attention_tp = engine.attention_group(gpus_per_node)
-    kv_bytes = kv_tokens_per_rank * arch.kv_bytes_per_token(engine.kv_bytes) / arch.kv_shards(attention_tp)
+    kv_bytes = kv_tokens_per_rank * model.kv_bytes_per_token(engine.kv_bytes) / model.kv_shards(attention_tp)
     traffic = (params - table) * engine.weight_bytes + kv_bytes
     return max(flops / (gpu.bf16_tflops * 1e12 * cal.flops_efficiency),
                traffic / (gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency))
 
 
-def prefetch_seconds(copies: np.ndarray | float, arch: ModelArch, bandwidth: float, *,
+def prefetch_seconds(copies: np.ndarray | float, model: ModelSpec, bandwidth: float, *,
                      weight_bytes: int = 2) -> np.ndarray:
     """Seconds to load ``copies`` expert copies over a link of ``bandwidth`` GB/s: Libra's prefetch of the experts
     a batch's plan adds (``3 H F w`` bytes each). Libra overlaps it with the layers before; whether it stays hidden
@@ -117,4 +116,4 @@ def prefetch_seconds(copies: np.ndarray | float, arch: ModelArch, bandwidth: flo
     c = np.asarray(copies, dtype=np.float64)
     if np.any(c < 0) or not bandwidth > 0:
         raise InputError("expert copies must be >= 0 and the bandwidth positive")
-    return c * arch.expert_params() * weight_bytes / (bandwidth * 1e9)
+    return c * model.expert_params() * weight_bytes / (bandwidth * 1e9)

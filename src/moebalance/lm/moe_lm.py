@@ -46,6 +46,7 @@ from torch import nn
 
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_path
+from moebalance.models.fields import check_fields
 from moebalance.runtime.experts import ExpertWeights, expert_ffn
 from moebalance.runtime.gating import GateConfig, GateOutput, topk_gating
 
@@ -77,10 +78,16 @@ def decode(ids: torch.Tensor) -> bytes:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ModelConfig:
-    """The model's shape.
+    """The network config of the small LM this package trains: the shape of the ``nn.Module`` to build.
 
     Example: ``ModelConfig(d_model=128, num_layers=4, num_experts=16, top_k=2)`` is 4 blocks, each an MoE
     layer of 16 SwiGLU experts of which every token uses 2.
+
+    Not a :class:`moebalance.models.ModelSpec`: a spec describes a published model that engines serve (its
+    ``config.json``: MoE and dense layers, shared experts, MLA or GQA, expert groups, MTP layers, sources) so that
+    traces can imitate it and the cost model can weigh it; this config builds and checkpoints our own network
+    (every block MoE, learned positions, the balancing bias), and nothing here is published. Both check their
+    fields with :func:`moebalance.models.fields.check_fields`.
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -99,13 +106,9 @@ class ModelConfig:
     balance_bias: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.balance_bias, bool):
-            raise InputError(f"balance_bias ({self.balance_bias!r}) must be true or false")
-        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "num_experts", "top_k", "ffn_size",
-                     "max_seq_len"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InputError(f"{name} ({v!r}) must be a positive integer")
+        check_fields(self, flags=("balance_bias",), label="",
+                     positive=("vocab_size", "d_model", "num_heads", "num_layers", "num_experts", "top_k", "ffn_size",
+                               "max_seq_len"))
         if self.vocab_size < VOCAB_SIZE:
             raise InputError(f"vocab_size ({self.vocab_size}) must hold the 256 bytes and {len(SPECIALS)} specials")
         if self.d_model % self.num_heads:
@@ -122,12 +125,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """The config from its JSON form (a checkpoint's metadata); each value is checked as given, never
+        converted (``1.5`` or ``"128"`` is refused, not read as ``1`` or ``128``)."""
+        if not isinstance(d, dict):
+            raise InputError(f"a model config must be a JSON object of its fields, not {type(d).__name__}")
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(d) - known)
         if unknown:
             raise InputError(f"unknown model config keys {unknown}; known: {sorted(known)}")
-        values: dict[str, Any] = {k: (v if k == "balance_bias" else int(v)) for k, v in d.items()}
-        return cls(**values)
+        return cls(**d)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,28 +1,103 @@
-"""Published shape facts of real MoE models, read from each model's ``config.json`` on Hugging Face.
+"""One description of a real MoE model, from its ``config.json``: the routing shape and the architecture's sizes.
 
-``L`` MoE layers, ``E`` routed experts per layer, ``K`` experts picked per token (top-k). Example:
-``get_model("mixtral-8x7b")`` has ``num_layers=32, num_experts=8, top_k=2``. These are facts, not modelling
-choices: how each model's routing is imitated (skew, co-activation, drift) is calibrated separately in
-:mod:`moebalance.workloads.synth` (``docs/synth.md``).
+Legend: ``L`` MoE layers, ``E`` routed experts per layer, ``K`` experts a token picks per layer (top-k), ``H``
+hidden size, ``F`` a routed expert's FFN size, ``V`` vocabulary, ``n_h`` attention heads.
+
+The synthetic generator (:mod:`moebalance.workloads.synth`) and the policies read the routing shape (``L``, ``E``,
+``K``, expert groups); the cost model (:mod:`moebalance.cost`) reads the rest, and the parameter counts below are
+built from it:
+
+- a routed or shared expert, and a dense layer's MLP, are gated FFNs: ``3 * H * F`` parameters (gate, up, down);
+- attention is multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi-K2) or grouped-query attention (GQA);
+  MLA caches one compressed vector of ``kv_lora_rank + qk_rope_head_dim`` numbers per token and layer, GQA
+  caches keys and values, ``2 * n_kv * head_dim``;
+- embeddings ``V * H``, and a separate LM head of the same size unless the embeddings are tied;
+- the router ``H * E`` per MoE layer. Norms and biases (a few thousand parameters per layer) are left out;
+- a multi-token-prediction (MTP) module, as DeepSeek-V3 ships it, is one more MoE decoder layer and a ``2H x H``
+  projection, sharing the embeddings and the LM head with the main model. DeepSeek-V3's weights
+  (``model.layers.61``) and TensorRT-LLM's load balancer number it after the decoder layers:
+  ``num_decoder_layers + i``.
+
+A spec without :class:`Attention` gives the routing shape only (enough for a synthetic trace or a plan); the
+parameter counts beyond one expert's, and the KV cache, then refuse in one line. Every field is checked by
+:func:`moebalance.models.fields.check_fields`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Literal
 
 from moebalance.core.errors import InputError
+from moebalance.models.fields import check_fields
 
-__all__ = ["MODELS", "ModelSpec", "get_model"]
+__all__ = ["Attention", "ModelSpec"]
+
+#: The architecture fields of :class:`ModelSpec` besides ``attention``: zero (not given) without it.
+_ARCH_FIELDS = ("vocab_size", "dense_intermediate_size", "total_params")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Attention:
+    """A decoder layer's attention: its kind and sizes. Example: DeepSeek-V3 is
+    ``Attention(kind="mla", num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128)``; Qwen3-30B-A3B is ``Attention(kind="gqa", num_heads=32,
+    num_kv_heads=4, head_dim=128)``."""
+
+    kind: Literal["mla", "gqa"]
+    #: ``n_h``: query heads (``num_attention_heads``).
+    num_heads: int
+    #: GQA: key/value heads (``num_key_value_heads``) and the head size; 0 for MLA.
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    #: MLA: query compression rank (0: no compression, DeepSeek-V2-Lite), KV compression rank, head sizes; 0 for GQA.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(self, choices={"kind": ("mla", "gqa")})
+        needs = ("num_kv_heads", "head_dim") if self.kind == "gqa" else \
+            ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        check_fields(self, positive=("num_heads", *needs),
+                     non_negative=("num_kv_heads", "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                   "qk_rope_head_dim", "v_head_dim"))
+        others = ("num_kv_heads", "head_dim") if self.kind == "mla" else \
+            ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for name in others:
+            if getattr(self, name):
+                raise InputError(f"Attention.{name} ({getattr(self, name)}) is not a size of {self.kind.upper()} "
+                                 f"attention; leave it out (0)")
+        if self.kind == "gqa" and self.num_heads % self.num_kv_heads:
+            raise InputError(f"Attention.num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                             f"({self.num_kv_heads})")
+
+    def params(self, hidden_size: int) -> int:
+        """One decoder layer's attention projections (query, key/value, output)."""
+        H, n = hidden_size, self.num_heads
+        if self.kind == "gqa":
+            return H * n * self.head_dim + 2 * H * self.num_kv_heads * self.head_dim + n * self.head_dim * H
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = H * n * qk if self.q_lora_rank == 0 else H * self.q_lora_rank + self.q_lora_rank * n * qk
+        kv = H * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * n * (self.qk_nope_head_dim
+                                                                                          + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * H
+
+    def kv_numbers_per_layer(self) -> int:
+        """Numbers one token caches in one layer: MLA's latent vector, or GQA's keys and values."""
+        if self.kind == "mla":
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ModelSpec:
-    """The routing shape of one MoE model, from its ``config.json``.
+    """One MoE model as its ``config.json`` describes it (module docstring).
 
-    Example: ``MODELS["mixtral-8x7b"]`` has ``num_layers=32, num_experts=8, top_k=2``.
+    Example: ``MODELS["mixtral-8x7b"]`` has ``num_layers=32, num_experts=8, top_k=2``;
+    ``MODELS["deepseek-v3"].kv_bytes_per_token()`` is ``61 * (512 + 64) * 2`` bytes in bf16 (MLA).
     """
 
     #: Registry key, e.g. ``"deepseek-v3"``; stored in traces as ``preset``.
@@ -37,9 +112,9 @@ class ModelSpec:
     num_experts: int
     #: ``K``: routed experts each token picks per layer.
     top_k: int
-    #: Model (token) dimension: bytes per dispatched token are ``hidden_size * dtype_bytes``.
+    #: ``H``, the model (token) dimension: bytes per dispatched token are ``hidden_size * dtype_bytes``.
     hidden_size: int
-    #: FFN intermediate size of one routed expert.
+    #: ``F``: FFN intermediate size of one routed expert.
     moe_intermediate_size: int
     #: Shared experts per MoE layer (every token uses them; they need no placement).
     num_shared_experts: int
@@ -47,75 +122,110 @@ class ModelSpec:
     num_groups: int
     #: Where the numbers come from (model card / ``config.json`` URL).
     source: str
+    #: Multi-token-prediction modules (``num_nextn_predict_layers``), each one more MoE layer after the main
+    #: model's, not counted in ``num_layers``; 0 where the config has none.
+    num_mtp_layers: int = 0
+    #: The attention's kind and sizes; ``None``: the routing shape only (no parameter counts, no KV cache).
+    attention: Attention | None = None
+    #: ``V`` (``vocab_size``); 0 without ``attention``.
+    vocab_size: int = 0
+    #: FFN size of a dense layer's MLP (``intermediate_size``); unused for a model without dense layers.
+    dense_intermediate_size: int = 0
+    tie_word_embeddings: bool = False
+    #: Total parameters the model card publishes for the main model (DeepSeek-V3: its MTP module excluded), to
+    #: check :meth:`total` against; 0: not published.
+    total_params: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in ("name", "display_name", "source"):
-            value = getattr(self, field)
-            if not isinstance(value, str) or not value:
-                raise InputError(f"ModelSpec.{field} ({value!r}) must be a non-empty string")
-        for field in ("num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size", "num_groups"):
-            value = getattr(self, field)
-            if not _is_int(value) or value < 1:
-                raise InputError(f"ModelSpec.{field} ({value!r}) must be a positive integer")
-        for field in ("num_dense_layers", "num_shared_experts"):
-            value = getattr(self, field)
-            if not _is_int(value) or value < 0:
-                raise InputError(f"ModelSpec.{field} ({value!r}) must be an integer >= 0")
+        check_fields(self, text=("name", "display_name", "source"),
+                     positive=("num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size",
+                               "num_groups"),
+                     non_negative=("num_dense_layers", "num_shared_experts", "num_mtp_layers", "vocab_size",
+                                   "dense_intermediate_size"),
+                     flags=("tie_word_embeddings",), non_negative_reals=("total_params",))
         if self.top_k > self.num_experts:
             raise InputError(f"ModelSpec.top_k ({self.top_k}) must be at most num_experts ({self.num_experts})")
         if self.num_experts % self.num_groups:
             raise InputError(f"ModelSpec.num_experts ({self.num_experts}) must be divisible by "
                              f"num_groups ({self.num_groups})")
+        if self.attention is None:
+            given = [name for name in _ARCH_FIELDS if getattr(self, name)]
+            if given:
+                raise InputError(f"ModelSpec.{given[0]} is given without attention: give attention=Attention(...) "
+                                 "with the other architecture sizes, or leave them out")
+            return
+        if not isinstance(self.attention, Attention):
+            raise InputError(f"ModelSpec.attention ({self.attention!r}) must be an Attention or None")
+        check_fields(self, positive=("vocab_size", *(("dense_intermediate_size",) if self.num_dense_layers else ())))
 
+    @property
+    def spec(self) -> ModelSpec:
+        """This spec: the name code written for the former ``cost.architecture.ModelArch`` (``arch.spec.x``)
+        reads; new code reads the fields directly."""
+        return self
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+    @property
+    def has_architecture(self) -> bool:
+        """Whether the attention and vocabulary are given (what the parameter counts and the KV cache need)."""
+        return self.attention is not None
 
+    @property
+    def num_decoder_layers(self) -> int:
+        """``num_hidden_layers``: MoE and dense decoder layers (MTP modules excluded)."""
+        return self.num_layers + self.num_dense_layers
 
-_HF = "https://huggingface.co"
+    @property
+    def mtp_layer_ids(self) -> tuple[int, ...]:
+        """The layer index engines give each MTP module: right after the decoder layers (DeepSeek-V3: ``(61,)``)."""
+        return tuple(range(self.num_decoder_layers, self.num_decoder_layers + self.num_mtp_layers))
 
-# One row per model, read from its config.json on Hugging Face (as of 2025). Columns: name, display name,
-# L (num_hidden_layers minus first_k_dense_replace dense layers; Qwen3: decoder_sparse_step 1 and no
-# mlp_only_layers; GLM-4.5's multi-token-prediction layer excluded), dense layers (first_k_dense_replace),
-# E (n_routed_experts / num_experts / num_local_experts), K (num_experts_per_tok), hidden_size,
-# expert FFN size (moe_intermediate_size; Mixtral's and OLMoE's intermediate_size, each expert a full FFN),
-# shared experts (n_shared_experts; 0 for Qwen3, Mixtral, OLMoE), expert groups (n_group; 1 where routing is
-# not group-limited), and the Hugging Face repository.
-_ROWS: tuple[tuple[str, str, int, int, int, int, int, int, int, int, str], ...] = (
-    ("deepseek-v3", "DeepSeek-V3", 58, 3, 256, 8, 7168, 2048, 1, 8, "deepseek-ai/DeepSeek-V3"),
-    # deepseek-v3: L = num_hidden_layers 61 - first_k_dense_replace 3 (moe_layer_freq 1); MTP layer excluded
-    ("kimi-k2", "Kimi-K2", 60, 1, 384, 8, 7168, 2048, 1, 1, "moonshotai/Kimi-K2-Instruct"),
-    # kimi-k2: L = num_hidden_layers 61 - first_k_dense_replace 1
-    ("qwen3-235b-a22b", "Qwen3-235B-A22B", 94, 0, 128, 8, 4096, 1536, 0, 1, "Qwen/Qwen3-235B-A22B"),
-    # qwen3-235b-a22b: L = num_hidden_layers 94, decoder_sparse_step 1, mlp_only_layers []
-    ("qwen3-30b-a3b", "Qwen3-30B-A3B", 48, 0, 128, 8, 2048, 768, 0, 1, "Qwen/Qwen3-30B-A3B"),
-    # qwen3-30b-a3b: L = num_hidden_layers 48, decoder_sparse_step 1, mlp_only_layers []
-    ("glm-4.5", "GLM-4.5", 89, 3, 160, 8, 5120, 1536, 1, 1, "zai-org/GLM-4.5"),
-    # glm-4.5: L = num_hidden_layers 92 - first_k_dense_replace 3; MTP layer (num_nextn_predict_layers) excluded
-    ("mixtral-8x7b", "Mixtral-8x7B", 32, 0, 8, 2, 4096, 14336, 0, 1, "mistralai/Mixtral-8x7B-v0.1"),
-    # mixtral-8x7b: L = num_hidden_layers (every layer is MoE)
-    ("olmoe-1b-7b", "OLMoE-1B-7B", 16, 0, 64, 8, 2048, 1024, 0, 1, "allenai/OLMoE-1B-7B-0924"),
-    # olmoe-1b-7b: L = num_hidden_layers (every layer is MoE)
-    ("deepseek-v2-lite", "DeepSeek-V2-Lite", 26, 1, 64, 6, 2048, 1408, 2, 1, "deepseek-ai/DeepSeek-V2-Lite"),
-    # deepseek-v2-lite: L = num_hidden_layers 27 - first_k_dense_replace 1
-)
+    def architecture(self) -> Attention:
+        """The attention, or a one-line :class:`InputError` when the spec gives the routing shape only."""
+        if self.attention is None:
+            raise InputError(f"model {self.name!r} gives only its routing shape; the cost model needs its attention "
+                             "and vocab_size too: use a preset model or give them")
+        return self.attention
 
-MODELS: dict[str, ModelSpec] = {
-    row[0]: ModelSpec(name=row[0], display_name=row[1], num_layers=row[2], num_dense_layers=row[3],
-                      num_experts=row[4], top_k=row[5], hidden_size=row[6], moe_intermediate_size=row[7],
-                      num_shared_experts=row[8], num_groups=row[9], source=f"{_HF}/{row[10]}/blob/main/config.json")
-    for row in _ROWS
-}
-# DeepSeek-R1 is DeepSeek-V3's architecture (same config.json fields), post-trained differently.
-MODELS["deepseek-r1"] = dataclasses.replace(
-    MODELS["deepseek-v3"], name="deepseek-r1", display_name="DeepSeek-R1",
-    source=f"{_HF}/deepseek-ai/DeepSeek-R1/blob/main/config.json",
-)
+    def expert_params(self) -> int:
+        """One routed expert: ``3 * H * F``."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
 
+    def attention_params(self) -> int:
+        """One decoder layer's attention projections."""
+        return self.architecture().params(self.hidden_size)
 
-def get_model(name: str) -> ModelSpec:
-    """The model called ``name`` (a key of :data:`MODELS`); an unknown name raises :class:`InputError`."""
-    spec = MODELS.get(name)
-    if spec is None:
-        raise InputError(f"unknown model {name!r}; known models: {', '.join(sorted(MODELS))}")
-    return spec
+    def non_expert_params(self) -> dict[str, int]:
+        """Every parameter that is not a routed expert, by part: ``attention``, ``dense_mlp``, ``shared_experts``,
+        ``router``, ``embeddings`` (with the LM head). MTP modules excluded."""
+        return {
+            "attention": self.num_decoder_layers * self.attention_params(),
+            "dense_mlp": self.num_dense_layers * 3 * self.hidden_size * self.dense_intermediate_size,
+            "shared_experts": self.num_layers * self.num_shared_experts * self.expert_params(),
+            "router": self.num_layers * self.hidden_size * self.num_experts,
+            "embeddings": self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2),
+        }
+
+    def routed_params(self) -> int:
+        """Every routed expert of every MoE layer: ``L * E * 3 * H * F``."""
+        return self.num_layers * self.num_experts * self.expert_params()
+
+    def total(self) -> int:
+        """The parameter count of the main model (norms, biases and MTP modules left out)."""
+        return self.routed_params() + sum(self.non_expert_params().values())
+
+    def mtp_params(self) -> int:
+        """Parameters of the MTP modules besides the shared embeddings and LM head: per module one MoE decoder
+        layer (attention, routed and shared experts, router) and the ``2H x H`` projection."""
+        H, E = self.hidden_size, self.num_experts
+        layer = self.attention_params() + (E + self.num_shared_experts) * self.expert_params() + H * E
+        return self.num_mtp_layers * (layer + 2 * H * H)
+
+    def kv_shards(self, attention_tp: int) -> int:
+        """GPUs of a tensor-parallel attention group that split a token's KV cache: GQA splits its KV heads (copied
+        when the group is larger than the heads, as engines do), MLA's one latent vector is whole on every GPU."""
+        att = self.architecture()
+        return 1 if att.kind == "mla" else max(1, min(attention_tp, att.num_kv_heads))
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes one token takes over all decoder layers."""
+        return self.num_decoder_layers * self.architecture().kv_numbers_per_layer() * dtype_bytes
