@@ -33,7 +33,8 @@ from typing import Literal
 
 import numpy as np
 
-from moebalance.core.errors import BudgetError
+from moebalance.core.errors import BudgetError, InputError
+from moebalance.core.limits import check_alloc
 from moebalance.core.plan import Placement
 
 __all__ = ["Budget", "Capacity", "resolve_budget", "slots_to_replicas"]
@@ -217,4 +218,11 @@ def resolve_budget(budget: Budget, num_experts: int, num_gpus: int, num_layers: 
     if S is not None and S < q:
         raise BudgetError(f"slots_per_gpu ({S}) cannot hold {num_experts} experts on {num_gpus} GPUs; "
                           f"it must be at least {q}")
+    if S is not None:  # a plan with S slots on every GPU (EPLB's phy2log) holds [L, G * S] slot ids
+        try:
+            check_alloc((num_layers, num_gpus * S), 8, f"the physical slots [L, G * S] of slots_per_gpu {S:,} on "
+                        f"{num_gpus} GPUs", f"lower slots_per_gpu (a GPU holds at most the {num_experts} experts "
+                        "of a layer once each)")
+        except InputError as exc:
+            raise BudgetError(str(exc)) from None
     return Capacity(budget, num_experts, num_gpus, num_layers, q, S)

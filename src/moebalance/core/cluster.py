@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moebalance.core.errors import InputError
+from moebalance.core.limits import check_alloc
 
 __all__ = ["LINK_PRESETS", "Cluster"]
 
@@ -63,6 +64,9 @@ class Cluster:
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
                 raise InputError(f"{name} ({value!r}) must be a positive integer")
             object.__setattr__(self, name, int(value))
+        # scoring and the traffic models build [G, G] link matrices (link_kind, bandwidth_matrix)
+        check_alloc((self.num_gpus, self.num_gpus), 8, f"the link matrix [G, G] of {self.num_nodes:,} nodes x "
+                    f"{self.gpus_per_node:,} GPUs", "use fewer nodes or GPUs per node")
         for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
             value = getattr(self, name)
             if not np.isfinite(value) or value <= 0:

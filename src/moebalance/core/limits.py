@@ -13,7 +13,12 @@ from collections.abc import Iterable
 
 from moebalance.core.errors import InputError
 
-__all__ = ["check_alloc", "check_count", "machine_memory_bytes"]
+__all__ = ["MAX_TOKENS", "check_alloc", "check_count", "machine_memory_bytes"]
+
+#: Tokens a load may hold, in one entry and summed over the whole load (:func:`moebalance.core.load.check_counts`).
+#: Every sum of counts (per layer, per batch, over batches, over everything) is at most the total, so none wraps
+#: int64, with room to add two such sums.
+MAX_TOKENS = 2**62
 
 
 def machine_memory_bytes() -> int:

@@ -20,19 +20,44 @@ import numpy as np
 
 from moebalance.core.errors import InputError
 from moebalance.core.io import write_npz
+from moebalance.core.limits import MAX_TOKENS, check_alloc
 from moebalance.core.trace import RoutingTrace
 
 if TYPE_CHECKING:
     from moebalance.models import ModelSpec
 
-__all__ = ["BUNDLED_PREFIX", "LoadMatrix", "bundled_names", "check_counts", "parse_batch_range", "read_bundled",
-           "read_load", "write_load"]
+__all__ = ["BUNDLED_PREFIX", "LM_PRESET", "LoadMatrix", "bundled_names", "check_counts", "check_preset",
+           "parse_batch_range", "preset_names", "read_bundled", "read_load", "write_load"]
 
 _TOKEN_KEYS = ("topk_ids", "src_gpu", "batch")
 
+#: ``preset`` of the traces that ``moebalance capture`` records with the bundled MoE LM (``moebalance.lm``).
+LM_PRESET = "moebalance-moe-lm"
+
+
+def preset_names() -> list[str]:
+    """The names a load's ``preset`` may hold: the models of :data:`moebalance.models.MODELS` and
+    :data:`LM_PRESET`."""
+    from moebalance.models import MODELS  # at call time: ``core`` imports nothing else when loaded
+
+    return [*sorted(MODELS), LM_PRESET]
+
+
+def check_preset(name: object, source: str = "load") -> str:
+    """``name`` if it is a known preset (:func:`preset_names`), else a one-line :class:`InputError`."""
+    known = preset_names()
+    if not isinstance(name, str) or name not in known:
+        raise InputError(f"{source}: preset {name!r} is not a known model; name one of {', '.join(known)} (or "
+                         "drop 'preset')")
+    return name
+
 
 def check_counts(value: object, name: str = "counts") -> np.ndarray:
-    """Validate a load array and return it as ``int64 [B, L, E]`` (a 2-D ``[L, E]`` is one batch)."""
+    """Validate a load array and return it as ``int64 [B, L, E]`` (a 2-D ``[L, E]`` is one batch).
+
+    Counts are whole, non-negative and below :data:`~moebalance.core.limits.MAX_TOKENS`, and so is their total,
+    so that no sum of them wraps int64. Floating-point counts are converted exactly (or refused).
+    """
     arr = np.asarray(value)
     if arr.dtype == object:
         raise InputError(f"{name} is an object array; store plain integer counts")
@@ -45,20 +70,34 @@ def check_counts(value: object, name: str = "counts") -> np.ndarray:
     if arr.ndim == 2:
         arr = arr[None]
     if np.issubdtype(arr.dtype, np.floating):
+        if arr.dtype.itemsize < 8:  # exact; float16 cannot even hold the limit below
+            arr = arr.astype(np.float64)
         if not np.all(np.isfinite(arr)):
-            bad = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+            bad = _first(~np.isfinite(arr))
             raise InputError(f"{name}{list(bad)} is {arr[bad]}; counts must be finite")
         if np.any(arr != np.round(arr)):
-            bad = tuple(int(i) for i in np.argwhere(arr != np.round(arr))[0])
+            bad = _first(arr != np.round(arr))
             raise InputError(f"{name}{list(bad)} is {arr[bad]}; counts must be whole numbers of tokens")
-    if np.any(arr < 0):
-        bad = tuple(int(i) for i in np.argwhere(arr < 0)[0])
+    if arr.min() < 0:
+        bad = _first(arr < 0)
         raise InputError(f"{name}{list(bad)} is {arr[bad]}; counts must be non-negative")
-    too_big = arr >= 2**62  # far above any real token count; int64 sums of such values would overflow
-    if np.any(too_big):
-        bad = tuple(int(i) for i in np.argwhere(too_big)[0])
+    peak = arr.max()
+    if peak >= MAX_TOKENS:
+        bad = _first(arr >= MAX_TOKENS)
         raise InputError(f"{name}{list(bad)} is {arr[bad]:.4g}; counts must be below 2**62 tokens")
+    if int(peak) * arr.size >= MAX_TOKENS:  # Python ints: the bound cannot wrap; only then sum (in float64)
+        total = float(arr.sum(dtype=np.float64))
+        if total >= MAX_TOKENS:
+            B, L, E = arr.shape
+            raise InputError(f"{name} sums to {total:.4g} tokens over its {B} batches x {L} layers x {E} experts; "
+                             "the total must be below 2**62 so that no sum of counts wraps int64: store token "
+                             "counts, not scaled values")
     return arr.astype(np.int64, copy=False)
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    """The index of the first true entry of ``mask`` (one is known to exist)."""
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(mask)), mask.shape))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +111,9 @@ class LoadMatrix:
     counts: np.ndarray
     #: The token-level trace whose counts these are, if known.
     trace: RoutingTrace | None = None
-    #: Name of the model the data was generated for or captured from, if any (a key of
-    #: :data:`moebalance.models.MODELS` for synthetic traces); stored in ``.npz`` files as ``preset``.
+    #: Name of the model the data was generated for or captured from, if any: a key of
+    #: :data:`moebalance.models.MODELS`, or :data:`LM_PRESET` (anything else is refused, :func:`preset_names`);
+    #: stored in ``.npz`` files as ``preset``.
     preset: str | None = None
     #: ``int64 [L]``: the model's decoder-layer index of each layer, strictly increasing, when the load leaves dense
     #: layers out (token-level engine dumps); ``None``: layer ``l`` is the model's layer ``l`` (dense layers, if
@@ -83,6 +123,8 @@ class LoadMatrix:
     def __post_init__(self) -> None:
         counts = check_counts(self.counts)
         object.__setattr__(self, "counts", counts)
+        if self.preset is not None:
+            check_preset(self.preset)
         if self.layer_ids is not None:
             ids = np.asarray(self.layer_ids)
             if ids.ndim != 1 or ids.size != counts.shape[1] or not np.issubdtype(ids.dtype, np.integer) \
@@ -107,7 +149,7 @@ class LoadMatrix:
 
     @property
     def model(self) -> ModelSpec | None:
-        """The :class:`~moebalance.models.ModelSpec` named by ``preset``; ``None`` if unnamed or unknown.
+        """The :class:`~moebalance.models.ModelSpec` named by ``preset``; ``None`` if unnamed or :data:`LM_PRESET`.
 
         Example: ``read_bundled("mixtral-8x7b-tokens").model.top_k == 2``.
         """
@@ -193,7 +235,7 @@ class LoadMatrix:
             p = np.asarray(arrays["preset"])
             if p.dtype.kind != "U" or p.ndim != 0:
                 raise InputError(f"{source}: 'preset' must be a 0-d string array, got {p.dtype} {p.shape}")
-            preset = str(p)
+            preset = check_preset(str(p), source)
         trace = None
         if present:
             counts = check_counts(arrays["counts"]) if "counts" in arrays else None
@@ -324,6 +366,7 @@ def _read_ids(path: Path, zf: zipfile.ZipFile, member: str, num_experts: int | N
         num_experts = hi + 1
     target = id_dtype(max(1, num_experts))
     lo_ok, hi_ok = np.iinfo(target).min, np.iinfo(target).max
+    check_alloc(shape, target.itemsize, f"{str(path)!r}: topk_ids [T, L, K]", "is the file damaged?")
     out = np.empty(shape, dtype=target)
     row = 0
     for piece in pieces():

@@ -21,6 +21,7 @@ Conversions to and from DeepSeek EPLB's ``phy2log [L, P]``, ``log2phy [L, E, R]`
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -33,9 +34,11 @@ import numpy as np
 
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
-from moebalance.core.io import atomic_path
+from moebalance.core.io import atomic_path, read_json
+from moebalance.core.limits import check_alloc
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "EplbTensors", "Placement", "read_plan", "with_dense_layers", "write_plan"]
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "EplbTensors", "Placement", "check_layer_params", "read_plan",
+           "with_dense_layers", "write_plan"]
 
 PLAN_FORMAT = "moebalance.plan"
 PLAN_VERSION = 1
@@ -125,6 +128,11 @@ class Placement:
                 exp_idx.extend(ids)
             frozen.append(tuple(row))
         L = len(frozen)
+        layer_slots = [sum(len(ids) for ids in row) for row in frozen]
+        if min(layer_slots) < E:  # fewer slots than experts: name a missing one before allocating [L, E, G]
+            li, e = _first_missing(frozen, E)
+            raise PlanError(f"expert {e} of layer {li} has no replica; every expert must be placed at least once")
+        check_alloc((L, E, G), 8, "the plan's copies [L, E, G]", "num_experts must be the model's expert count")
         copies = np.zeros((L, E, G), dtype=np.int64)
         np.add.at(copies, (np.asarray(lay_idx, dtype=np.int64), np.asarray(exp_idx, dtype=np.int64),
                            np.asarray(gpu_idx, dtype=np.int64)), 1)
@@ -144,7 +152,7 @@ class Placement:
         object.__setattr__(self, "gpu_experts", tuple(frozen))
         object.__setattr__(self, "copies", copies)
         object.__setattr__(self, "warnings", tuple(warnings))
-        object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "params", check_layer_params(self.params, L, max(layer_slots)))
         if self.weights is not None:
             object.__setattr__(self, "weights", self._check_weights(self.weights))
 
@@ -182,15 +190,23 @@ class Placement:
     def dense_layers(self) -> frozenset[int]:
         """Layers recorded as an engine's dense layers (``params["dense_layers"]``; :func:`with_dense_layers`): no
         experts there in the engine, whatever the row lists."""
-        listed = self.params.get("dense_layers", [])
-        return frozenset(int(x) for x in listed) if isinstance(listed, list) else frozenset()
+        return frozenset(self.params.get("dense_layers", []))
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        """The model's layer number of each plan layer (``params["layer_ids"]``, recorded when the plan's load left
+        dense layers out); ``None``: plan layer ``l`` is the model's layer ``l``."""
+        ids = self.params.get("layer_ids")
+        return None if ids is None else list(ids)
 
     def with_params(self, params: Mapping[str, Any], policy: str | None = None) -> Placement:
-        """The same plan with other ``params`` (and ``policy``), without validating the placement again."""
+        """The same plan with other ``params`` (and ``policy``), without validating the placement again (the params'
+        layer lists are checked: :func:`check_layer_params`)."""
         out = object.__new__(type(self))
         for name in ("gpu_experts", "num_experts", "cluster", "weights", "copies", "warnings"):
             object.__setattr__(out, name, getattr(self, name))
-        object.__setattr__(out, "params", dict(params))
+        object.__setattr__(out, "params", check_layer_params(params, self.num_layers,
+                                                             int(self.copies.sum(axis=(1, 2)).max())))
         object.__setattr__(out, "policy", self.policy if policy is None else policy)
         return out
 
@@ -318,6 +334,61 @@ class Placement:
         return cls(placement, num_experts, cluster, policy=policy, params=params, weights=doc.get("weights"))
 
 
+def _first_missing(rows: Sequence[Sequence[Sequence[int]]], num_experts: int) -> tuple[int, int]:
+    """``(layer, expert)`` of the first expert without a replica, in layer order (one is known to exist)."""
+    for li, row in enumerate(rows):
+        present = {e for ids in row for e in ids}
+        if len(present) < num_experts:
+            return li, next(e for e in range(num_experts) if e not in present)  # at most len(present) + 1 steps
+    raise AssertionError("every expert is placed")
+
+
+def _int_list(value: object, key: str) -> list[int]:
+    """``value`` as a list of Python ints, or a :class:`PlanError` naming ``params.<key>``."""
+    if not isinstance(value, list | tuple | np.ndarray) or (isinstance(value, np.ndarray) and value.ndim != 1):
+        raise PlanError(f"params.{key} ({repr(value)[:60]}) must be a list of layer numbers")
+    for x in value:
+        if isinstance(x, bool | np.bool_) or not isinstance(x, int | np.integer):
+            raise PlanError(f"params.{key} holds {repr(x)[:60]}; layer numbers are integers, like [0, 1, 2]")
+    return [int(x) for x in value]
+
+
+def check_layer_params(params: Mapping[str, Any], num_layers: int, slots_per_layer: int) -> dict[str, Any]:
+    """``params`` as a dict with ``layer_ids`` and ``dense_layers`` checked against a plan of ``num_layers`` layers
+    (of at most ``slots_per_layer`` slots), as lists of Python ints; a :class:`PlanError` names the first problem.
+
+    ``layer_ids`` (the model's layer number of each plan layer) must be ``num_layers`` strictly increasing
+    non-negative integers; an engine export writes rows up to the largest, so their size is checked too.
+    ``dense_layers`` (plan layers without experts in the engine) must be distinct plan layers ``0..L-1``.
+    """
+    out = dict(params)
+    if "layer_ids" in out:
+        ids = _int_list(out["layer_ids"], "layer_ids")
+        if len(ids) != num_layers:
+            raise PlanError(f"params.layer_ids lists {len(ids)} layers but the plan has {num_layers}; it gives the "
+                            "model's layer number of each plan layer")
+        if ids[0] < 0 or any(b <= a for a, b in itertools.pairwise(ids)):
+            shown = str(ids) if len(ids) <= 8 else f"{str(ids[:8])[:-1]}, ...]"
+            raise PlanError(f"params.layer_ids {shown} must be strictly increasing non-negative layer numbers, "
+                            "one per plan layer")
+        try:  # an export holds each slot as an int64, a list item and JSON text: about 48 bytes
+            check_alloc((ids[-1] + 1, slots_per_layer), 48, f"an engine export's rows [model layers, slots] for "
+                        f"params.layer_ids up to {ids[-1]:,}", "layer_ids are the model's decoder-layer numbers")
+        except InputError as exc:
+            raise PlanError(str(exc)) from None
+        out["layer_ids"] = ids
+    if "dense_layers" in out:
+        dense = _int_list(out["dense_layers"], "dense_layers")
+        bad = [x for x in dense if not 0 <= x < num_layers]
+        if bad:
+            raise PlanError(f"params.dense_layers names layer {bad[0]} but the plan's layers are 0..{num_layers - 1}")
+        if len(set(dense)) != len(dense):
+            dup = next(x for i, x in enumerate(dense) if x in dense[:i])
+            raise PlanError(f"params.dense_layers names layer {dup} twice; list each dense layer once")
+        out["dense_layers"] = dense
+    return out
+
+
 def _log2phy(phy2log: np.ndarray, num_experts: int) -> np.ndarray:
     """``log2phy [L, E, R]`` from ``phy2log [L, P]``: replicas numbered in physical-slot order."""
     L, P = phy2log.shape
@@ -372,13 +443,4 @@ def write_plan(path: str | os.PathLike[str], plan: Placement) -> None:
 
 def read_plan(path: str | os.PathLike[str]) -> Placement:
     """Read and validate a plan file."""
-    p = Path(path)
-    if not p.exists():
-        raise PlanError(f"plan file {str(p)!r} does not exist")
-    try:
-        doc = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PlanError(f"plan file {str(p)!r} is not valid JSON ({str(exc).splitlines()[0]}); is it truncated?") from None
-    except RecursionError:
-        raise PlanError(f"plan file {str(p)!r} nests too deeply to be a plan") from None
-    return Placement.from_json_dict(doc, source=str(p))
+    return Placement.from_json_dict(read_json(path, "plan file", error=PlanError), source=str(Path(path)))

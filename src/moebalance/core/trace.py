@@ -19,6 +19,7 @@ import numpy as np
 
 from moebalance.core import tally
 from moebalance.core.errors import InputError
+from moebalance.core.limits import check_alloc
 
 __all__ = ["RoutingTrace"]
 
@@ -74,9 +75,7 @@ class RoutingTrace:
         num_experts = int(self.num_experts)
         if num_experts < 1:
             raise InputError(f"num_experts ({num_experts}) must be positive")
-        topk = tally.as_ids(topk.astype(np.int8) if topk.dtype == bool else topk, num_experts)
         if num_tokens:
-            tally.check_picks(topk, num_experts)
             if int(src.min()) < 0:
                 raise InputError(f"src_gpu holds rank {int(src.min())}; ranks must be >= 0")
             if int(batch.min()) < 0:
@@ -88,6 +87,13 @@ class RoutingTrace:
         num_batches = max_batch if self.num_batches < 0 else int(self.num_batches)
         if num_batches < max_batch:
             raise InputError(f"batch holds id {max_batch - 1} but there are only {num_batches} batches")
+        # every trace has counts [B, L, E] (and the pick check an [E] array): refuse ids that make them absurd
+        check_alloc((num_batches, topk.shape[1], num_experts), 8, "the counts [B, L, E] of this trace",
+                    "expert ids must lie below the model's expert count and batch ids below the number of batches "
+                    "(is the file damaged?)")
+        topk = tally.as_ids(topk.astype(np.int8) if topk.dtype == bool else topk, num_experts)
+        if num_tokens:
+            tally.check_picks(topk, num_experts)
         object.__setattr__(self, "topk_ids", topk)
         object.__setattr__(self, "src_gpu", src)
         object.__setattr__(self, "batch", batch)

@@ -23,10 +23,14 @@ from moebalance.core.errors import InputError
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.time import Calibration
 
-__all__ = ["COLUMNS", "Measurements", "fit", "read_measurements"]
+__all__ = ["COLUMNS", "LIMITS", "Measurements", "check_measurement", "fit", "read_measurements"]
 
 COLUMNS = ("experts", "tokens_per_expert", "hidden_size", "ffn_size", "seconds")
 _GRID = np.geomspace(0.01, 1.0, 121)  # efficiencies tried, 1% to 100% of peak
+#: The range of each column: sizes are whole numbers far beyond any real grouped GEMM at the top (so no product
+#: of them overflows float64), and a time is at least 100 ns (below a kernel launch) and at most an hour.
+LIMITS: dict[str, tuple[float, float]] = {"experts": (1, 2**20), "tokens_per_expert": (1, 2**32),
+                                          "hidden_size": (1, 2**20), "ffn_size": (1, 2**20), "seconds": (1e-7, 3600.0)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +43,35 @@ class Measurements:
     ffn_size: np.ndarray
     seconds: np.ndarray
 
+    def __post_init__(self) -> None:
+        size = np.asarray(self.seconds).size
+        for c in COLUMNS:
+            try:
+                col = np.asarray(getattr(self, c), dtype=np.float64)
+            except (TypeError, ValueError):
+                raise InputError(f"measurement column {c} must hold numbers") from None
+            if col.ndim != 1 or col.size != size or size == 0:
+                raise InputError(f"measurement column {c} must be 1-D with one value per run, like the others "
+                                 f"({size}), got shape {col.shape}")
+            for i, value in enumerate(col):
+                check_measurement(c, float(value), f"run {i}")
+            object.__setattr__(self, c, col)
+
+
+def check_measurement(column: str, value: float, where: str) -> float:
+    """``value`` if it lies in ``LIMITS[column]`` (and is whole for a size), else a one-line error naming ``where``."""
+    lo, hi = LIMITS[column]
+    if not (math.isfinite(value) and lo <= value <= hi):
+        unit = " s (seconds of one grouped GEMM: was it written in other units?)" if column == "seconds" else ""
+        bounds = f"[{lo:g}, {hi:g}]" if column == "seconds" else f"[{lo:,.0f}, {hi:,.0f}]"
+        raise InputError(f"{where}: {column} is {value}; it must lie in {bounds}{unit}")
+    if column != "seconds" and value != math.floor(value):
+        raise InputError(f"{where}: {column} is {value}; it must be a whole number")
+    return value
+
 
 def read_measurements(path: str | Path) -> Measurements:
-    """Read a measurement CSV; a missing column, a non-number or a non-positive value is a one-line error."""
+    """Read a measurement CSV; a missing column, a non-number or a value outside :data:`LIMITS` is a one-line error."""
     p = Path(path)
     try:
         with open(p, newline="") as fh:
@@ -60,9 +90,7 @@ def read_measurements(path: str | Path) -> Measurements:
                 value = float(row[c])
             except (TypeError, ValueError):
                 raise InputError(f"{str(p)!r} line {i}: {c} is {row[c]!r}, not a number") from None
-            if not (value > 0 and math.isfinite(value)):
-                raise InputError(f"{str(p)!r} line {i}: {c} is {value}; it must be a positive number")
-            cols[c].append(value)
+            cols[c].append(check_measurement(c, value, f"{str(p)!r} line {i}"))
     return Measurements(**{c: np.asarray(v) for c, v in cols.items()})
 
 

@@ -1,0 +1,374 @@
+"""Bad inputs to the data model, the synthetic generator and calibration: each is one line, never a wrong result,
+a MemoryError, a RecursionError, a numpy warning or a stale temporary file.
+
+Sizes that must be refused on any machine are chosen far beyond any machine's memory (terabytes), so the tests do
+not depend on the memory of the machine that runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_user_error
+
+from moebalance.core.budget import Budget, resolve_budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import BudgetError, InputError, PlanError
+from moebalance.core.io import atomic_path, atomic_write_text, read_json, remove_stale_temporaries
+from moebalance.core.load import LM_PRESET, LoadMatrix, read_load
+from moebalance.core.plan import Placement, read_plan, write_plan
+from moebalance.cost.calibrate import Measurements, read_measurements
+from moebalance.policies import make_plan
+from moebalance.workloads.synth import synthesize
+
+C14 = Cluster(num_nodes=1, gpus_per_node=4)
+CSV_HEAD = "experts,tokens_per_expert,hidden_size,ffn_size,seconds\n"
+
+
+@pytest.fixture(autouse=True)
+def _warnings_are_errors():
+    """No numpy warning may reach a user: every test here fails on one."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+def _plan_doc(**params: object) -> dict:
+    """A valid 4-layer, 8-expert plan on 1 x 4 GPUs with ``params``."""
+    rows = [[[0, 1], [2, 3], [4, 5], [6, 7]]] * 4
+    return Placement(rows, 8, C14, policy="contiguous", params=params).to_json_dict()
+
+
+# ----- counts whose sums wrap int64 ------------------------------------------------------------------------------
+
+def test_counts_below_the_per_entry_limit_whose_total_wraps_are_refused(tmp_path, capsys) -> None:
+    """128 entries of 2**61 sum to 2**68: as int64 the per-layer sums wrapped to 0, every layer looked dense and
+    a plan scored 1.0."""
+    counts = np.full((2, 4, 16), 2**61, dtype=np.int64)
+    with pytest.raises(InputError, match=r"sums to 2\.951e\+20 tokens .* below 2\*\*62"):
+        LoadMatrix(counts)
+    np.save(tmp_path / "wrap.npy", counts)
+    assert_user_error(["plan", "--load", tmp_path / "wrap.npy", "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 4,
+                       "--slots-per-gpu", 4, "--out", tmp_path / "p.json"], capsys, "sums to", "2**62")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_large_counts_whose_total_fits_are_kept_exactly() -> None:
+    """One entry of 2**61 among zeros: the quick bound (max x size) fails, the exact total (2**61) passes."""
+    counts = np.zeros((2, 4, 16), dtype=np.int64)
+    counts[1, 2, 3] = 2**61
+    load = LoadMatrix(counts)
+    assert int(load.total().sum()) == 2**61 and int(load.counts.sum(axis=(0, 2))[2]) == 2**61
+    # three entries just below the total limit in all: accepted, and every sum exact
+    edge = np.zeros((1, 1, 3), dtype=np.int64)
+    edge[0, 0] = [2**61, 2**60, 2**59]
+    assert int(LoadMatrix(edge).counts.sum()) == 2**61 + 2**60 + 2**59
+
+
+# ----- float counts: converted exactly, no numpy warnings --------------------------------------------------------
+
+def test_float16_counts_convert_exactly_without_warnings() -> None:
+    counts = np.full((2, 3, 4), 3, dtype=np.float16)
+    counts[0, 1, 2] = 2048
+    load = LoadMatrix(counts)
+    assert load.counts.dtype == np.int64 and int(load.counts[0, 1, 2]) == 2048
+    assert int(load.counts.sum()) == 23 * 3 + 2048
+
+
+@pytest.mark.parametrize(("value", "fragment"), [(np.inf, "must be finite"), (2.5, "whole numbers"),
+                                                 (-1.0, "non-negative")])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_bad_float_counts_are_one_line_without_warnings(dtype, value: float, fragment: str) -> None:
+    counts = np.ones((1, 2, 4), dtype=dtype)
+    counts[0, 1, 3] = value
+    with pytest.raises(InputError, match=rf"counts\[0, 1, 3\] is .*{fragment}"):
+        LoadMatrix(counts)
+
+
+# ----- plan params: layer_ids and dense_layers -------------------------------------------------------------------
+
+@pytest.mark.parametrize(("params", "fragment"), [
+    ({"layer_ids": [-1, 0, 1, 2]}, "strictly increasing non-negative"),
+    ({"layer_ids": [3, 2, 1, 0]}, "strictly increasing non-negative"),
+    ({"layer_ids": [0, 1, 1, 2]}, "strictly increasing non-negative"),
+    ({"layer_ids": [0, 1, 2, 3.0]}, "holds 3.0; layer numbers are integers"),
+    ({"layer_ids": [1.5]}, "holds 1.5"),
+    ({"layer_ids": [99]}, "lists 1 layers but the plan has 4"),
+    ({"layer_ids": ["a", 1, 2, 3]}, "holds 'a'"),
+    ({"layer_ids": [True, 2, 3, 4]}, "holds True"),
+    ({"layer_ids": "0,1,2,3"}, "must be a list of layer numbers"),
+    ({"layer_ids": [0, 1, 2, 10**12]}, "would take"),  # an export would write 10**12 rows
+    ({"dense_layers": ["a"]}, "params.dense_layers holds 'a'"),
+    ({"dense_layers": [1.5]}, "holds 1.5"),
+    ({"dense_layers": [99]}, "names layer 99 but the plan's layers are 0..3"),
+    ({"dense_layers": [-1]}, "names layer -1"),
+    ({"dense_layers": [2, 2]}, "names layer 2 twice"),
+    ({"dense_layers": {"0": 1}}, "must be a list"),
+])
+def test_plan_layer_params_are_validated(tmp_path, params: dict, fragment: str) -> None:
+    doc = _plan_doc()
+    doc["params"] = params
+    with pytest.raises(PlanError, match=fragment):
+        Placement.from_json_dict(doc)
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    with pytest.raises(PlanError, match=fragment):
+        read_plan(tmp_path / "p.json")
+    plan = Placement.from_json_dict(_plan_doc())
+    with pytest.raises(PlanError, match=fragment):  # a plan's params are checked however they are set
+        plan.with_params(params)
+
+
+def test_valid_plan_layer_params_are_kept_as_ints(tmp_path) -> None:
+    plan = Placement([[[0, 1], [2, 3], [4, 5], [6, 7]]] * 4, 8, C14,
+                     params={"layer_ids": np.array([1, 2, 5, 61]), "dense_layers": [np.int64(3), 0]})
+    assert plan.params["layer_ids"] == [1, 2, 5, 61] and plan.layer_ids == [1, 2, 5, 61]
+    assert all(type(x) is int for x in plan.params["layer_ids"] + plan.params["dense_layers"])
+    assert plan.dense_layers == frozenset({0, 3})
+    write_plan(tmp_path / "p.json", plan)  # JSON-serialisable: numpy ints became Python ints
+    assert read_plan(tmp_path / "p.json").layer_ids == [1, 2, 5, 61]
+    assert Placement.from_json_dict(_plan_doc()).layer_ids is None
+
+
+@pytest.mark.parametrize(("params", "fragment"), [
+    ({"dense_layers": ["a"]}, "params.dense_layers holds 'a'"),
+    ({"layer_ids": ["a", 1, 2, 3]}, "params.layer_ids holds 'a'"),
+    ({"layer_ids": [-1, 0, 1, 2]}, "strictly increasing"),
+    ({"layer_ids": [3, 2, 1, 0]}, "strictly increasing"),
+])
+def test_export_refuses_bad_layer_params(tmp_path, capsys, params: dict, fragment: str) -> None:
+    """These tracebacked (``['a']``) or silently dropped or reversed rows of an SGLang export."""
+    doc = _plan_doc()
+    doc["params"] = params
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    assert_user_error(["export", "--plan", tmp_path / "p.json", "--format", "sglang", "--out", tmp_path / "o.json"],
+                      capsys, fragment)
+    assert not (tmp_path / "o.json").exists()
+
+
+# ----- absurd sizes: one line before allocating ------------------------------------------------------------------
+
+def test_plan_with_a_billion_experts_is_refused_before_allocating() -> None:
+    doc = _plan_doc()
+    doc["num_experts"] = 10**9  # [L, E, G] copies would be 128 GB
+    with pytest.raises(PlanError, match="expert 8 of layer 0 has no replica"):
+        Placement.from_json_dict(doc)
+
+
+def test_cluster_of_ten_billion_gpus_is_refused() -> None:
+    with pytest.raises(InputError, match=r"link matrix \[G, G\] of 100,000 nodes x 100,000 GPUs .* would take"):
+        Cluster(num_nodes=100_000, gpus_per_node=100_000)
+
+
+def test_absurd_slots_per_gpu_is_refused_before_a_policy_allocates() -> None:
+    load = LoadMatrix(np.random.default_rng(0).integers(0, 100, (2, 4, 16)))
+    with pytest.raises(BudgetError, match=r"physical slots \[L, G \* S\] .* would take .*lower slots_per_gpu"):
+        resolve_budget(Budget(slots_per_gpu=10**12), 16, 4, 4)
+    for policy in ("eplb", "greedy", "craft"):
+        with pytest.raises(BudgetError, match="would take"):
+            make_plan(policy, load, C14, Budget(slots_per_gpu=10**12))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_a_huge_expert_id_without_counts_is_refused_before_allocating(tmp_path, capsys, dtype) -> None:
+    """E is the largest id + 1 when the file has no counts: id 2**31 - 2 meant [E]- and [B, L, E]-sized arrays."""
+    ids = np.zeros((1, 600, 1), dtype=dtype)
+    ids[0, 7, 0] = 2**31 - 2
+    np.savez(tmp_path / "t.npz", topk_ids=ids, src_gpu=np.zeros(1, np.int64), batch=np.zeros(1, np.int64))
+    with pytest.raises(InputError, match=r"counts \[B, L, E\] of this trace of shape \[1, 600, 2147483647\]"):
+        read_load(tmp_path / "t.npz")
+    assert_user_error(["stats", "--load", tmp_path / "t.npz"], capsys, "would take", "is the file damaged?")
+
+
+def test_a_huge_batch_id_is_refused_before_allocating(tmp_path) -> None:
+    np.savez(tmp_path / "t.npz", topk_ids=np.zeros((2, 1, 1), np.int16), src_gpu=np.zeros(2, np.int64),
+             batch=np.array([0, 10**12]))
+    with pytest.raises(InputError, match=r"shape \[1000000000001, 1, 1\] would take"):
+        read_load(tmp_path / "t.npz")
+
+
+@pytest.mark.parametrize(("sizes", "fragment"), [
+    ({"num_batches": 10**10}, r"counts \[B, L, E\] of shape \[10000000000, 32, 8\] would take"),
+    ({"num_gpus": 10**11}, r"topic mixtures \[B, G, C\] .* would take"),
+    ({"tokens_per_batch": 2**60}, "exact below 2\\*\\*53"),
+    ({"num_batches": 2**40, "tokens_per_batch": 2**16}, "fewer than 2\\*\\*62"),
+])
+def test_synth_refuses_absurd_sizes_before_allocating(sizes: dict, fragment: str) -> None:
+    args = {"num_batches": 2, "tokens_per_batch": 16, "num_gpus": 2, "seed": 0} | sizes
+    with pytest.raises(InputError, match=fragment):
+        synthesize("mixtral-8x7b", **args)
+
+
+def test_synth_with_a_trillion_tokens_per_batch_samples_counts_without_a_token_array() -> None:
+    """The count path allotted tokens to ranks through an [T] array: 8 TB for T = 10**12."""
+    T = 10**12
+    counts = synthesize("mixtral-8x7b", num_batches=2, tokens_per_batch=T, num_gpus=3, seed=0)["counts"]
+    assert counts.shape == (2, 32, 8)
+    assert np.all(counts.sum(axis=2) == 2 * T) and counts.max() <= T and counts.min() >= 0
+    assert int(LoadMatrix(counts).counts.sum()) == 2 * 32 * 2 * T  # and it reads back as a load
+
+
+# ----- JSON that cannot be read --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("[" * 100_000 + "]" * 100_000, "nests too deeply"),
+    ('{"a": [' * 50_000 + "]}" * 50_000, "nests too deeply"),
+    ('{"logical_count": ' + "7" * 5000 + "}", "holds a value that cannot be read"),
+    ('{"format": "moebalance.plan"', "is not valid JSON"),
+])
+def test_read_json_turns_unreadable_json_into_one_line(tmp_path, text: str, fragment: str) -> None:
+    path = tmp_path / "x.json"
+    path.write_text(text)
+    with pytest.raises(InputError, match=fragment) as info:
+        read_json(path, "SGLang load")
+    assert str(info.value).startswith(f"SGLang load {str(path)!r}") and "\n" not in str(info.value)
+    with pytest.raises(PlanError, match=fragment):
+        read_plan(path)
+
+
+def test_read_json_names_missing_and_binary_files(tmp_path) -> None:
+    with pytest.raises(PlanError, match=r"plan file .* does not exist"):
+        read_json(tmp_path / "nowhere.json", "plan file", error=PlanError)
+    with pytest.raises(InputError, match="is not a file"):
+        read_json(tmp_path, "load")
+    (tmp_path / "b.json").write_bytes(b"\xff\xfe\x00\x81")
+    with pytest.raises(InputError, match="is not UTF-8 text"):
+        read_json(tmp_path / "b.json", "load")
+    (tmp_path / "ok.json").write_text('{"a": [1, 2]}')
+    assert read_json(tmp_path / "ok.json", "load") == {"a": [1, 2]}
+
+
+def test_a_deeply_nested_plan_is_one_line_on_the_command_line(tmp_path, capsys) -> None:
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert_user_error(["export", "--plan", tmp_path / "deep.json", "--format", "sglang", "--out",
+                       tmp_path / "o.json"], capsys, "nests too deeply")
+
+
+# ----- presets -----------------------------------------------------------------------------------------------------
+
+def test_an_unknown_preset_is_refused_with_the_known_names(tmp_path, capsys) -> None:
+    np.savez(tmp_path / "l.npz", counts=np.ones((2, 4, 16), np.int64), preset=np.array("bogus"))
+    with pytest.raises(InputError, match=r"preset 'bogus' is not a known model; name one of .*deepseek-v3.*"
+                                         "moebalance-moe-lm"):
+        read_load(tmp_path / "l.npz")
+    assert_user_error(["stats", "--load", tmp_path / "l.npz"], capsys, "'bogus'", "mixtral-8x7b")
+    with pytest.raises(InputError, match="'bogus'"):
+        LoadMatrix(np.ones((1, 2, 4), np.int64), preset="bogus")
+    # the known names, the captured LM's included, are kept
+    np.savez(tmp_path / "lm.npz", counts=np.ones((2, 4, 16), np.int64), preset=np.array(LM_PRESET))
+    assert read_load(tmp_path / "lm.npz").preset == LM_PRESET
+    assert LoadMatrix(np.ones((1, 2, 4), np.int64), preset="olmoe-1b-7b").model is not None
+
+
+# ----- calibration measurements --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("column", "value", "fragment"), [
+    (4, "1e300", "seconds is 1e+300; it must lie in"),
+    (4, "inf", "seconds is inf"),
+    (4, "1e-12", "seconds is 1e-12"),
+    (0, "1e300", "experts is 1e+300"),
+    (1, "1e300", "tokens_per_expert is 1e+300"),
+    (2, "1e300", "hidden_size is 1e+300"),
+    (3, "nan", "ffn_size is nan"),
+    (0, "1.5", "experts is 1.5; it must be a whole number"),
+])
+def test_calibrate_refuses_absurd_measurements(tmp_path, capsys, column: int, value: str, fragment: str) -> None:
+    """1e300 seconds wrote a calibration of 100% efficiency (and 1e300 sizes leaked overflow warnings)."""
+    rows = [["8", "128", "4096", "1024", "0.001"], ["8", "256", "4096", "1024", "0.002"]]
+    rows[1][column] = value
+    (tmp_path / "m.csv").write_text(CSV_HEAD + "".join(",".join(r) + "\n" for r in rows))
+    with pytest.raises(InputError, match=re.escape(f"line 3: {fragment}")):
+        read_measurements(tmp_path / "m.csv")
+    assert_user_error(["calibrate", "--measurements", tmp_path / "m.csv", "--gpu", "h100-80gb", "--out",
+                       tmp_path / "cal.json"], capsys, fragment)
+    assert not (tmp_path / "cal.json").exists()
+
+
+def test_measurements_built_in_code_are_checked_too() -> None:
+    good = {"experts": [8.0], "tokens_per_expert": [128.0], "hidden_size": [4096.0], "ffn_size": [1024.0]}
+    assert Measurements(**good, seconds=np.array([1e-3])).seconds.tolist() == [1e-3]
+    with pytest.raises(InputError, match="run 0: seconds is 1e\\+300"):
+        Measurements(**good, seconds=np.array([1e300]))
+    with pytest.raises(InputError, match="one value per run"):
+        Measurements(**good, seconds=np.array([1e-3, 2e-3]))
+
+
+# ----- temporaries left by killed writers ------------------------------------------------------------------------
+
+_WRITER = r"""
+import sys, time
+from moebalance.core.io import atomic_path, install_sigterm_handler
+if sys.argv[2] == "handler":
+    install_sigterm_handler()
+with atomic_path(sys.argv[1]) as tmp:
+    with open(tmp, "wb") as fh:
+        fh.write(b"x" * (1 << 20))
+        fh.flush()
+        print(tmp, flush=True)
+        time.sleep(120)
+"""
+
+
+def _start_writer(target: Path, mode: str) -> tuple[subprocess.Popen[str], Path]:
+    """A real process stopped in the middle of writing ``target`` through :func:`atomic_path`; and its temporary."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(target), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if not line:
+        proc.kill()
+        raise AssertionError(f"the writer did not start: {proc.communicate()[1]}")
+    tmp = Path(line)
+    assert tmp.exists() and tmp.parent == target.parent and tmp.name.startswith(f".{target.name}.")
+    return proc, tmp
+
+
+def test_sigterm_mid_write_leaves_nothing(tmp_path) -> None:
+    target = tmp_path / "out.npz"
+    proc, tmp = _start_writer(target, "handler")
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert not tmp.exists() and not target.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_sigkill_mid_write_leaves_a_temporary_that_the_next_write_removes(tmp_path) -> None:
+    target = tmp_path / "plan.json"
+    proc, tmp = _start_writer(target, "plain")
+    proc.kill()  # SIGKILL: nothing in the process can clean up
+    proc.communicate(timeout=60)
+    assert tmp.exists() and tmp.stat().st_size == 1 << 20
+    other = tmp_path / ".other.json.1@elsewhere.abc.tmp"  # another file's, another host's: not ours to remove
+    other.write_text("x")
+    atomic_write_text(target, "done\n")
+    assert target.read_text() == "done\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, other.name])
+
+
+def test_a_live_writer_keeps_its_temporary(tmp_path) -> None:
+    target = tmp_path / "trace.npz"
+    proc, tmp = _start_writer(target, "handler")
+    try:
+        assert remove_stale_temporaries(target) == []
+        atomic_write_text(target, "other writer\n")  # a second writer of the same file while the first is alive
+        assert tmp.exists() and target.read_text() == "other writer\n"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    assert not tmp.exists()
+
+
+def test_atomic_path_removes_its_temporary_on_error(tmp_path) -> None:
+    with pytest.raises(RuntimeError), atomic_path(tmp_path / "x.json") as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
