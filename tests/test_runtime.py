@@ -49,8 +49,9 @@ ROUTER_NAMES = sorted(ROUTERS)
 #: Routers whose choice depends on the load (they implement ``Router.assign_kept``).
 LOAD_AWARE = sorted(n for n, r in ROUTERS.items() if r.assign_kept is not None)
 POLICY_NAMES = sorted(POLICIES)
-#: Documented policies not (yet) registered are listed too, and skipped with that reason. Dynamic policies
-#: (``libra``) have no single plan; their per-batch plans run in tests/test_runtime_libra.py.
+#: Every documented policy: one that is documented but not registered fails every test that uses its cluster
+#: (``make_plan`` refuses the name). Dynamic policies (``libra``) have no single plan; their per-batch plans
+#: run in tests/test_runtime_libra.py.
 PLAN_NAMES = sorted((set(POLICIES) | set(DOCUMENTED_POLICIES)) - set(DYNAMIC_POLICIES))
 
 
@@ -105,24 +106,18 @@ def _extra_plan(name: str, cluster: Cluster) -> Placement:
 
 
 @functools.cache
-def _plans(nodes: int, gpn: int) -> dict[str, Placement | str]:
-    """Plans by policy name for one cluster; a string says why a policy could not plan here.
+def _plans(nodes: int, gpn: int) -> dict[str, Placement]:
+    """Plans by policy name for one cluster.
 
-    Only a documented but unregistered policy, or one whose optional dependency is not installed, becomes a
-    skip. A registered policy refusing its budget (a :class:`MoebalanceError`) is not caught: ``_budget``
-    picks budgets the policies accept, so a refusal is a bug and fails every test that uses this cluster.
+    Nothing is caught: every policy's dependencies are the package's own, ``_budget`` picks budgets the
+    policies accept, so a missing import, an unregistered documented policy or a refused budget is a bug and
+    fails every test that uses this cluster (never a skip).
     """
     cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn)
     load = _planning_load(cluster.num_gpus)
-    out: dict[str, Placement | str] = {}
+    out: dict[str, Placement] = {}
     for name in PLAN_NAMES:
-        if name not in POLICIES:
-            out[name] = f"policy {name!r} is documented but not registered in moebalance.policies.POLICIES"
-            continue
-        try:
-            out[name] = make_plan(name, load, cluster, _budget(name, cluster.num_gpus))[0]
-        except ImportError as exc:
-            out[name] = f"policy {name!r} needs an optional dependency that is not installed: {exc}"
+        out[name] = make_plan(name, load, cluster, _budget(name, cluster.num_gpus))[0]
     for name in EXTRA_PLANS:
         out[name] = _extra_plan(name, cluster)
     return out
@@ -132,15 +127,11 @@ def _cases(world_size: int) -> list[dict[str, Any]]:
     cases = []
     for nodes, gpn in CLUSTERS[world_size]:
         for pname, plan in _plans(nodes, gpn).items():
-            if isinstance(plan, str):
-                continue
             for router in ROUTER_NAMES:
                 for local_first in (False, True):
                     cases.append({"id": (nodes, gpn, pname, router, local_first, "plain"), "plan": plan.to_json_dict(),
                                   "router": router, "local_first": local_first})
-        first = _plans(nodes, gpn)
-        eplb = first.get("eplb")
-        plan = (eplb if isinstance(eplb, Placement) else first["all-on-gpu0"]).to_json_dict()
+        plan = _plans(nodes, gpn)["eplb"].to_json_dict()
         variants: list[tuple[str, dict[str, Any]]] = [
             ("p2p", {"impl": "p2p"}), ("gelu", {"activation": "gelu"}),
             ("drop", {"capacity": 0.5, "overflow": "drop"}), ("spill", {"capacity": 0.5, "overflow": "spill"}),
@@ -236,8 +227,7 @@ def _run() -> dict[int, list[dict[str, Any]]]:
         pairs = []
         for cl, a, b in _rearrange_pairs(ws):
             old, new = _plans(*cl)[a], _plans(*cl)[b]
-            if isinstance(old, Placement) and isinstance(new, Placement):
-                pairs.append(((cl, a, b), old.to_json_dict(), new.to_json_dict()))
+            pairs.append(((cl, a, b), old.to_json_dict(), new.to_json_dict()))
         jobs.append((ws, _cases(ws), pairs))
     per_rank = launch(_worker, max(CLUSTERS), jobs)
     return {ws: [r[ws] for r in per_rank[:ws]] for ws in CLUSTERS}
@@ -267,17 +257,14 @@ def _expected_dest(world_size: int, plan: Placement, router: str, ids: np.ndarra
 @pytest.mark.parametrize(("nodes", "gpn"), [c for cls in CLUSTERS.values() for c in cls])
 def test_plans_under_test_have_replicas(nodes: int, gpn: int) -> None:
     plans = _plans(nodes, gpn)
-    replicated = [n for n, p in plans.items() if isinstance(p, Placement) and p.extra_replicas > 0]
-    assert {"eplb", "craft"} & set(POLICIES) <= set(replicated), replicated
-    assert plans["all-on-gpu0"].warnings  # type: ignore[union-attr]  # two copies of expert 3 on GPU 0
+    replicated = [n for n, p in plans.items() if p.extra_replicas > 0]
+    assert {"eplb", "craft"} <= set(replicated), replicated
+    assert plans["all-on-gpu0"].warnings  # two copies of expert 3 on GPU 0
 
 
-@pytest.mark.parametrize(("nodes", "gpn"), [c for cls in CLUSTERS.values() for c in cls])
-def test_every_registered_policy_plans_every_cluster(nodes: int, gpn: int) -> None:
-    plans = _plans(nodes, gpn)
-    refused = {n: p for n, p in plans.items()
-               if n in POLICIES and isinstance(p, str) and "optional dependency" not in p}
-    assert not refused, refused
+def test_every_documented_static_policy_is_registered() -> None:
+    """A documented policy that is not registered is a regression, never a skip."""
+    assert set(PLAN_NAMES) <= set(POLICIES), sorted(set(PLAN_NAMES) - set(POLICIES))
 
 
 MAIN_IDS = [(ws, (n, g, p, r)) for ws, cls in CLUSTERS.items() for n, g in cls
@@ -288,8 +275,6 @@ MAIN_IDS = [(ws, (n, g, p, r)) for ws, cls in CLUSTERS.items() for n, g in cls
 def test_expert_parallel_equals_dense_and_simulator(world_size: int, key: tuple[Any, ...]) -> None:
     nodes, gpn, policy, router = key
     plan = _plans(nodes, gpn)[policy]
-    if isinstance(plan, str):
-        pytest.skip(plan)
     ranks, spec = _case(world_size, (*key, False, "plain"))
     ranks_lf, _ = _case(world_size, (*key, True, "plain"))
     ref, gate = _reference(world_size, spec)
@@ -339,7 +324,7 @@ def test_variants_equal_dense(world_size: int, key: tuple[Any, ...]) -> None:
     assert sum(r["dropped"] for r in ranks) == gate.num_dropped
     if variant == "drop":
         assert gate.num_dropped > 0  # capacity 0.5 must bite
-    if variant in ("p2p", "fixed") and isinstance(_plans(nodes, gpn).get("eplb"), Placement):
+    if variant in ("p2p", "fixed"):
         plain, _ = _case(world_size, (nodes, gpn, "eplb", "random", local_first, "plain"))
         assert all(np.array_equal(a["out"], b["out"]) for a, b in zip(plain, ranks, strict=True))  # same bits
 
@@ -385,10 +370,6 @@ REARRANGE_IDS = [(ws, pair) for ws in CLUSTERS for pair in _rearrange_pairs(ws)]
 def test_rearrange_moves_exactly_the_new_copies(world_size: int, pair: tuple[Any, ...]) -> None:
     cluster, old_name, new_name = pair
     old, new = _plans(*cluster)[old_name], _plans(*cluster)[new_name]
-    for p in (old, new):
-        if isinstance(p, str):
-            pytest.skip(p)
-    assert isinstance(old, Placement) and isinstance(new, Placement)
     moves = [r["moves"][pair] for r in _run()[world_size]]
     for rank, m in enumerate(moves):
         for layer in range(L):
@@ -445,7 +426,7 @@ def test_plan_transfers_hand_example() -> None:
 
 def test_plan_transfers_counts_new_copies_and_rejects_other_models() -> None:
     cl = Cluster(num_nodes=1, gpus_per_node=4)
-    plans = [p for p in _plans(1, 4).values() if isinstance(p, Placement)]
+    plans = list(_plans(1, 4).values())
     for a in plans:
         for b in plans:
             t = plan_transfers(a, b)
@@ -581,3 +562,25 @@ def test_nccl_equals_dense() -> None:
         ref, _ = _reference(world_size, case)
         out = np.concatenate([r[world_size]["cases"][case["id"]]["out"] for r in res])
         torch.testing.assert_close(torch.from_numpy(out), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_errors_travel_between_ranks_as_class_and_one_line() -> None:
+    """What a rank's error becomes on the others (moebalance.runtime.errors): its class and one line."""
+    from moebalance.core.errors import BudgetError
+    from moebalance.runtime import GroupError
+    from moebalance.runtime.errors import agreed_message, error_code, one_line, raise_coded
+
+    assert error_code(None) == 0
+    missing = FileNotFoundError(2, "No such file or directory", "plan.json")
+    assert error_code(missing) == error_code(InputError("x"))  # a missing file is the user's to fix
+    assert one_line(missing) == "No such file or directory: plan.json"
+    assert one_line(ValueError("a\n  b")) == "ValueError: a b" and one_line(PlanError("p")) == "p"
+    assert agreed_message({2: "bad", 1: "bad"}) == "rank 1: bad (the same on ranks 2)"
+    assert agreed_message({3: "x", 1: "y"}) == "rank 1: y (ranks 3 failed too)"
+    assert agreed_message({0: "rank 0 is over"}) == "rank 0 is over"
+    for cls in (InputError, PlanError, BudgetError, GroupError, MoebalanceError):
+        with pytest.raises(cls) as info:
+            raise_coded(error_code(cls("m")), "m")
+        assert type(info.value) is cls
+    with pytest.raises(RuntimeError, match=r"^m$"):
+        raise_coded(error_code(KeyError("k")), "m")

@@ -47,7 +47,17 @@ from moebalance.core.trace import RoutingTrace
 from moebalance.lm.capture import Layout, make_layout
 from moebalance.lm.moe_lm import MoELM, load_checkpoint, save_checkpoint
 from moebalance.routing import Router, get_router
-from moebalance.runtime import EPConfig, ExpertParallelMoE, dense_moe, init_from_env, launch, layer_placement
+from moebalance.runtime import (
+    EPConfig,
+    ExpertParallelMoE,
+    agreed_inputs,
+    dense_moe,
+    guarded,
+    init_from_env,
+    launch,
+    layer_placement,
+)
+from moebalance.runtime.launch import membership, torchrun_world
 
 __all__ = ["RankReport", "RunReport", "check_plan", "dense_reference", "predicted_loads", "rank_body", "run_model",
            "run_torchrun"]
@@ -296,24 +306,36 @@ def run_model(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tok
 def run_torchrun(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, *,
                  router: str | Router = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
                  seq_len: int | None = None, backend: str | None = None, two_stage: bool = False,
-                 progress: Callable[[int], None] | None = None) -> RunReport | None:
+                 timeout: float | None = None, progress: Callable[[int], None] | None = None) -> RunReport | None:
     """:func:`run_model` in a process that torchrun started: this process runs its rank (``RANK``) of the group
     torchrun set up (:func:`moebalance.runtime.init_from_env`: NCCL on GPU ``LOCAL_RANK`` where CUDA is available,
     else gloo). Every rank must call it with the same arguments. The ranks' results are gathered on rank 0,
     which runs the dense reference and returns the report; the other ranks return ``None``. The process group
     is left as found if it existed, else destroyed before returning.
+
+    Every rank checks its inputs before joining the group and the ranks agree on the outcome
+    (:func:`moebalance.runtime.agreed_inputs`), so one rank's bad plan or checkpoint is every rank's one-line
+    error. Every wait is bounded by ``timeout`` seconds (default ``$MOEBALANCE_DIST_TIMEOUT``, else 60): a rank
+    that does not arrive, or that leaves the group mid-run (killed, crashed), is named in a one-line
+    :class:`~moebalance.runtime.GroupError` on every other rank (:func:`moebalance.runtime.guarded`).
     """
     t0 = time.perf_counter()
     owned = not torch.distributed.is_initialized()
-    rank, world_size, device = init_from_env(backend)
-    try:
+    _, world_size = torchrun_world()
+    with agreed_inputs(timeout, "check the run's inputs"):
         lm, layout, inputs = _prepare(model, plan, tokens, world_size, router, batch_tokens, seq_len)
-        mine = rank_body(rank, copy.deepcopy(lm), plan, router, router_seed, inputs, device, two_stage=two_stage)
-        outs: list[Any] | None = [None] * world_size if rank == 0 else None
-        torch.distributed.gather_object(mine, outs, dst=0)
+    rank, world_size, device = init_from_env(backend, timeout)
+    try:
+        with guarded():
+            mine = rank_body(rank, copy.deepcopy(lm), plan, router, router_seed, inputs, device, two_stage=two_stage)
+            outs: list[Any] | None = [None] * world_size if rank == 0 else None
+            torch.distributed.gather_object(mine, outs, dst=0)
     finally:
         if owned:
             torch.distributed.destroy_process_group()
+    member = membership()
+    if owned and member is not None:
+        member.leave()  # done: a rank that stops beating from now on has not left anyone waiting
     if rank != 0:
         return None
     assert outs is not None

@@ -23,9 +23,12 @@ Modules: :mod:`~moebalance.runtime.gating` (top-k gating and capacity),
 :mod:`~moebalance.runtime.experts` (expert weights, FFN, dense reference),
 :mod:`~moebalance.runtime.comm` (variable all-to-all on NCCL or gloo, point-to-point batches),
 :mod:`~moebalance.runtime.dispatch` (who sends what, dispatchers by name),
+:mod:`~moebalance.runtime.route` (which GPU serves each pick, on every rank alike),
 :mod:`~moebalance.runtime.ep` (the layer, Libra Section 3.1's two-stage execution),
 :mod:`~moebalance.runtime.prefetch` (per-batch plans: Libra's extra experts in a double buffer),
 :mod:`~moebalance.runtime.agree` (every rank fails alike on one rank's bad input),
+:mod:`~moebalance.runtime.errors` (errors every rank raises alike; :class:`GroupError`),
+:mod:`~moebalance.runtime.group` (bounded waits: agreeing before joining, naming a rank that left),
 :mod:`~moebalance.runtime.rearrange` (moving weights when the plan changes),
 :mod:`~moebalance.runtime.launch` (local multi-process groups for tests and benchmarks; joining a torchrun group).
 """
@@ -40,26 +43,28 @@ from moebalance.runtime.dispatch import (
     build_local,
     make_dispatcher,
 )
-from moebalance.runtime.ep import (
-    KEEPS_LOCAL,
-    EPConfig,
-    EPStats,
-    ExpertParallelMoE,
-    MoEOutput,
-    keeps_local,
-    layer_placement,
-    route_picks,
-    slot_table,
-)
+from moebalance.runtime.ep import EPConfig, EPStats, ExpertParallelMoE, MoEOutput
+from moebalance.runtime.errors import GroupError
 from moebalance.runtime.experts import ExpertWeights, dense_moe, expert_ffn, random_experts
 from moebalance.runtime.gating import GateConfig, GateOutput, apply_capacity, expert_capacity, topk_gating
-from moebalance.runtime.launch import TORCHRUN_VARS, init_from_env, launch, torchrun_env
+from moebalance.runtime.group import DEFAULT_TIMEOUT, TIMEOUT_ENV, dist_timeout
+from moebalance.runtime.launch import (
+    TORCHRUN_VARS,
+    agreed_inputs,
+    guarded,
+    init_from_env,
+    launch,
+    torchrun_env,
+)
 from moebalance.runtime.prefetch import ExpertPrefetcher, Fetch, PrefetchResult, batch_extras, plan_fetches
 from moebalance.runtime.rearrange import RearrangeReport, Transfer, plan_transfers, rearrange
+from moebalance.runtime.route import KEEPS_LOCAL, keeps_local, layer_placement, route_picks, slot_table
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "DISPATCHERS",
     "KEEPS_LOCAL",
+    "TIMEOUT_ENV",
     "TORCHRUN_VARS",
     "A2AImpl",
     "DispatchMeta",
@@ -72,12 +77,14 @@ __all__ = [
     "Fetch",
     "GateConfig",
     "GateOutput",
+    "GroupError",
     "MoEOutput",
     "PrefetchResult",
     "RankCheck",
     "RearrangeReport",
     "Transfer",
     "agreed_gather",
+    "agreed_inputs",
     "all_gather_v",
     "all_to_all_v",
     "apply_capacity",
@@ -85,9 +92,11 @@ __all__ = [
     "build_dispatch",
     "build_local",
     "dense_moe",
+    "dist_timeout",
     "exchange_counts",
     "expert_capacity",
     "expert_ffn",
+    "guarded",
     "init_from_env",
     "keeps_local",
     "launch",

@@ -17,8 +17,9 @@ the routing gather that happens anyway, so agreement costs no extra collective:
   bit pattern, exactly.
 
 If any rank reports an error, every rank joins one more all-gather of fixed-size messages and raises the same
-error: that of the lowest failing rank, as ``rank r: <its message>`` (noting the other failing ranks), of its class (:class:`InputError`,
-:class:`PlanError`, another :class:`MoebalanceError`, else :class:`RuntimeError`). A rank over the row bound
+error: that of the lowest failing rank, as ``rank r: <its message>`` (noting the other failing ranks), of its
+class (:mod:`moebalance.runtime.errors`: a :class:`~moebalance.core.errors.MoebalanceError` keeps its class,
+anything else becomes a :class:`RuntimeError`). A rank over the row bound
 is such an error. Ranks that disagree on the step (the router's seed) or on the plan digest (layer, top-k and
 the layer's per-GPU expert lists, hashed) would route differently and deadlock or mix results; they raise a
 :class:`PlanError` naming the ranks. Every check is made on the gathered headers, identical everywhere, so all
@@ -35,14 +36,14 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from moebalance.core.errors import BudgetError, InputError, MoebalanceError, PlanError
-from moebalance.runtime.comm import _staged, over_budget
+from moebalance.core.errors import PlanError
+from moebalance.runtime.comm import over_budget, staged_through_host
+from moebalance.runtime.errors import agreed_message, error_code, one_line, raise_coded
 
 __all__ = ["MESSAGE_BYTES", "RankCheck", "agreed_gather", "plan_digest"]
 
 #: Bytes of each rank's error message in the error round (longer messages are cut).
 MESSAGE_BYTES = 512
-_CLASSES: tuple[type[Exception], ...] = (InputError, PlanError, BudgetError, MoebalanceError, RuntimeError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,44 +70,20 @@ def plan_digest(layer: int, top_k: int, gpu_experts: Sequence[Sequence[int]],
     return (h + 2**63) % 2**64 - 2**63
 
 
-def _code(error: BaseException | None) -> int:
-    if error is None:
-        return 0
-    for i, cls in enumerate(_CLASSES[:-1]):
-        if isinstance(error, cls):
-            return i + 1
-    return len(_CLASSES)
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if isinstance(error, MoebalanceError) else f"{type(error).__name__}: {text}"
-
-
-def _raise(code: int, message: str, cause: BaseException | None) -> NoReturn:
-    raise _CLASSES[code - 1](message) from cause
-
-
 def _fail(headers: torch.Tensor, error: BaseException | None, rank: int, group: Any,
           device: torch.device) -> NoReturn:
     """Every rank: gather the failing ranks' messages and raise the lowest one's error (a collective)."""
     mine = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
     if error is not None:
-        raw = _one_line(error).encode("utf-8")[:MESSAGE_BYTES]
+        raw = one_line(error).encode("utf-8")[:MESSAGE_BYTES]
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     mine = mine.to(device)  # the device the routing travelled on: NCCL gathers CUDA tensors only
     bufs = [torch.empty_like(mine) for _ in range(headers.shape[0])]
     dist.all_gather(bufs, mine, group=group)
     bufs = [b.cpu() for b in bufs]
     failed = [r for r in range(headers.shape[0]) if int(headers[r, 0]) != 0]
-    first = failed[0]
     texts = {r: bytes(bufs[r].tolist()).rstrip(b"\0").decode("utf-8", errors="replace") for r in failed}
-    text = texts[first] if texts[first].startswith(f"rank {first} ") else f"rank {first}: {texts[first]}"
-    if len(failed) > 1:
-        others = ", ".join(map(str, failed[1:]))
-        same = all(texts[r] == texts[first] for r in failed)
-        text += f" (the same on ranks {others})" if same else f" (ranks {others} failed too)"
-    _raise(int(headers[first, 0]), text, error if rank == first else None)
+    raise_coded(int(headers[failed[0], 0]), agreed_message(texts), error if rank == failed[0] else None)
 
 
 def _check_same(headers: torch.Tensor) -> None:
@@ -131,14 +108,14 @@ def agreed_gather(routing_TX: torch.Tensor, check: RankCheck, group: Any = None,
     """
     rank, G = dist.get_rank(group), dist.get_world_size(group)
     device = routing_TX.device
-    src = (routing_TX.cpu() if _staged(group, device) else routing_TX).to(torch.float32).contiguous()
+    src = (routing_TX.cpu() if staged_through_host(group, device) else routing_TX).to(torch.float32).contiguous()
     X, rows = int(src.shape[1]), int(src.shape[0])
     error = check.error
     if error is None and max_rows is not None and rows > max_rows:
         error = over_budget(rank, rows, max_rows)
     if error is not None:
         rows = 0
-    header = torch.tensor([_code(error), rows, check.step, check.digest], dtype=torch.int64, device=src.device)
+    header = torch.tensor([error_code(error), rows, check.step, check.digest], dtype=torch.int64, device=src.device)
     if max_rows is None:
         gathered = [torch.empty_like(header) for _ in range(G)]
         dist.all_gather(gathered, header, group=group)

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from moebalance.core.errors import InputError
 
-__all__ = ["A2AImpl", "Pending", "all_gather_v", "all_to_all_v", "exchange_counts", "p2p_exchange", "resolve_impl"]
+__all__ = ["A2AImpl", "Pending", "all_gather_v", "all_to_all_v", "exchange_counts", "global_rank", "over_budget",
+           "p2p_exchange", "resolve_impl", "staged_through_host"]
 
 A2AImpl = Literal["auto", "native", "p2p"]
 _IMPLS = ("auto", "native", "p2p")
@@ -54,12 +55,13 @@ def resolve_impl(impl: A2AImpl, group: Any, device: torch.device) -> Literal["na
     return "native" if _backend(group, device) == "nccl" or device.type == "cpu" else "p2p"
 
 
-def _staged(group: Any, device: torch.device) -> bool:
+def staged_through_host(group: Any, device: torch.device) -> bool:
     """True where tensors on ``device`` must go through host memory (gloo with CUDA tensors)."""
     return device.type != "cpu" and _backend(group, device) != "nccl"
 
 
-def _peer(group: Any, rank: int) -> int:
+def global_rank(group: Any, rank: int) -> int:
+    """The default group's rank of ``rank`` of ``group`` (``None``: the default group itself)."""
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
@@ -84,7 +86,7 @@ class Pending:
 def exchange_counts(send_counts_G: torch.Tensor, group: Any = None, impl: A2AImpl = "auto") -> torch.Tensor:
     """``int64 [G]``: rows each rank will send here, from the rows this rank sends to each (``[G]``)."""
     device = send_counts_G.device
-    counts = send_counts_G.to(torch.int64).cpu() if _staged(group, device) else send_counts_G.to(torch.int64)
+    counts = send_counts_G.to(torch.int64).cpu() if staged_through_host(group, device) else send_counts_G.to(torch.int64)
     G = dist.get_world_size(group)
     if resolve_impl(impl, group, device) == "native":
         recv = torch.empty_like(counts)
@@ -108,7 +110,7 @@ def all_to_all_v(x_N: torch.Tensor, send_counts: Sequence[int], recv_counts: Seq
         raise InputError(f"all_to_all_v: {len(send_counts)} send and {len(recv_counts)} receive counts for {G} "
                          f"ranks, {sum(send_counts)} rows to send but x has {x_N.shape[0]}")
     device = x_N.device
-    staged = _staged(group, device)
+    staged = staged_through_host(group, device)
     src = x_N.cpu() if staged else x_N
     src = src.contiguous()
     out = torch.empty((int(sum(recv_counts)), *src.shape[1:]), dtype=src.dtype, device=src.device)
@@ -129,9 +131,9 @@ def all_to_all_v(x_N: torch.Tensor, send_counts: Sequence[int], recv_counts: Seq
     for i in range(1, G):
         to, frm = (rank + i) % G, (rank - i) % G
         if send_counts[to]:
-            ops.append(dist.P2POp(dist.isend, src[send_off[to]:send_off[to + 1]], _peer(group, to), group))
+            ops.append(dist.P2POp(dist.isend, src[send_off[to]:send_off[to + 1]], global_rank(group, to), group))
         if recv_counts[frm]:
-            ops.append(dist.P2POp(dist.irecv, out[recv_off[frm]:recv_off[frm + 1]], _peer(group, frm), group))
+            ops.append(dist.P2POp(dist.irecv, out[recv_off[frm]:recv_off[frm + 1]], global_rank(group, frm), group))
     pending = Pending(out, list(dist.batch_isend_irecv(ops)) if ops else [], back)
     if not async_op:
         pending.wait()
@@ -154,7 +156,7 @@ def all_gather_v(x_N: torch.Tensor, group: Any = None, max_rows: int | None = No
     an integer or float64 ``x`` carries any count; float32 exactly up to 2**24 rows.
     """
     device = x_N.device
-    staged = _staged(group, device)
+    staged = staged_through_host(group, device)
     src = (x_N.cpu() if staged else x_N).contiguous()
     G = dist.get_world_size(group)
     if max_rows is not None:
@@ -197,15 +199,15 @@ def p2p_exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tupl
     """
     ops, copy_back = [], []
     for peer, t in sends:
-        buf = t.cpu().contiguous() if _staged(group, t.device) else t.contiguous()
-        ops.append(dist.P2POp(dist.isend, buf, _peer(group, peer), group))
+        buf = t.cpu().contiguous() if staged_through_host(group, t.device) else t.contiguous()
+        ops.append(dist.P2POp(dist.isend, buf, global_rank(group, peer), group))
     for peer, t in recvs:
-        if _staged(group, t.device):
+        if staged_through_host(group, t.device):
             host = torch.empty(t.shape, dtype=t.dtype)
             copy_back.append((t, host))
-            ops.append(dist.P2POp(dist.irecv, host, _peer(group, peer), group))
+            ops.append(dist.P2POp(dist.irecv, host, global_rank(group, peer), group))
         else:
-            ops.append(dist.P2POp(dist.irecv, t, _peer(group, peer), group))
+            ops.append(dist.P2POp(dist.irecv, t, global_rank(group, peer), group))
     for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
     for t, host in copy_back:

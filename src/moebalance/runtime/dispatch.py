@@ -10,7 +10,7 @@ Protocol (one forward of one layer), after every rank has gated its own tokens:
    gate weights are all-gathered (:meth:`Dispatcher.gather_routing`), tokens in rank order. Every rank now
    holds the same ``[T, K]`` routing.
 2. **Route.** Every rank runs the plan's router on the whole batch with the same seeded generator
-   (:func:`moebalance.runtime.ep.route_picks`), so all agree on the GPU of every pick without another
+   (:func:`moebalance.runtime.route.route_picks`), so all agree on the GPU of every pick without another
    message, and the result is exactly what the simulator computes for those tokens.
 3. **Plan the exchange** (:func:`build_dispatch`, pure numpy). As in docs/design.md, "Metrics" and DeepEP, a token goes
    once to each distinct GPU serving any of its picks; rows to one destination are in token order.

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.plan import Placement
-from moebalance.runtime.comm import _peer, _staged
+from moebalance.runtime.comm import global_rank, staged_through_host
 from moebalance.runtime.experts import ExpertWeights
 
 if TYPE_CHECKING:
@@ -241,7 +241,7 @@ class ExpertPrefetcher:
         buf.wait()  # an earlier fill still in flight completes first: messages match in posting order
         rank = owner.rank
         fetches = plan_fetches(base, layer, extras)
-        staged = _staged(self.group, buf.flat.device)
+        staged = staged_through_host(self.group, buf.flat.device)
         ops: list[Any] = []
         tag = PREFETCH_TAG + layer % 2
         sent = 0
@@ -253,7 +253,7 @@ class ExpertPrefetcher:
                     if staged:
                         part = part.cpu()
                     buf.keep.append(part)
-                    ops.append(dist.P2POp(dist.isend, part, _peer(self.group, f.dst), self.group, tag))
+                    ops.append(dist.P2POp(dist.isend, part, global_rank(self.group, f.dst), self.group, tag))
                 sent += 1
         received = 0
         for f in fetches:
@@ -266,7 +266,7 @@ class ExpertPrefetcher:
                         host = torch.empty(n, dtype=dst.dtype)
                         buf.copy_back.append((dst, host))
                         dst = host
-                    ops.append(dist.P2POp(dist.irecv, dst, _peer(self.group, f.src), self.group, tag))
+                    ops.append(dist.P2POp(dist.irecv, dst, global_rank(self.group, f.src), self.group, tag))
                     lo += n
                 received += 1
         buf.works = list(dist.batch_isend_irecv(ops)) if ops else []
