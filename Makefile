@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench lock clean
+.PHONY: install demo test lint bench lock clean engines
 
 # constraints.txt pins every tested version (transitive ones included): installs are reproducible and a new
 # release of a dependency never turns CI red by surprise. The package itself declares ranges for users.
@@ -62,5 +62,27 @@ lock:
 	rm -rf $(LOCK_VENV)
 	@git diff --stat constraints.txt || true
 
+# Check our engine files and the vLLM plug-in with the engines' own code (tools/engines_check.py says what): a
+# scratch environment with CPU torch, moebalance, vLLM and SGLang at the versions below installed without their
+# dependencies (their pinned CUDA stack cannot install here), and only the modules their imports of the EPLB and
+# plug-in code need (pinned as tried). About 2 GB and a few minutes; not part of `make test`.
+engines:
+	test -f .venv-engines/.installed || { \
+	  test -x .venv-engines/bin/python || $(PYTHON) -m venv .venv-engines; \
+	  echo '*' > .venv-engines/.gitignore; \
+	  .venv-engines/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" 2>/dev/null || \
+	    .venv-engines/bin/python -m pip install --quiet --disable-pip-version-check --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"; \
+	  .venv-engines/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e . && \
+	  .venv-engines/bin/python -m pip install --quiet --disable-pip-version-check --no-deps vllm==0.33.0 sglang==0.5.23 \
+	    transformers==5.19.0 tokenizers==0.23.2 huggingface_hub==2.4.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+	    typing-inspection==0.4.5 annotated-types==0.8.0 cbor2==6.3.0 psutil==7.2.2 orjson==3.13.0 msgspec==0.22.0 \
+	    pybase64==1.5.1 pyzmq==27.3.0 regex==2026.11.19 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 \
+	    idna==3.20 tqdm==4.70.1 httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 truststore==0.10.5 anyio==4.16.0 \
+	    sniffio==1.3.1 starlette==1.10.0 ipython==9.18.1 traitlets==5.16.1 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 \
+	    aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 attrs==26.1.0 \
+	    openai==3.57.0 openai-harmony==0.0.8 triton==3.9.0 && \
+	  touch .venv-engines/.installed; }
+	.venv-engines/bin/python -W ignore tools/engines_check.py
+
 clean:
-	rm -rf $(VENV) $(LOCK_VENV) demo-out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LOCK_VENV) .venv-engines demo-out .pytest_cache .mypy_cache .ruff_cache

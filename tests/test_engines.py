@@ -525,3 +525,28 @@ def test_sglang_per_token_dumps_are_a_token_level_trace(tmp_path: Path) -> None:
     assert tr.batch.tolist() == [0] * 10 + [1] * 10 and tr.src_gpu.tolist() == ([0] * 5 + [1] * 5) * 2
     want = np.concatenate([truth[4, 0], truth[4, 1], truth[5, 0], truth[5, 1]])
     assert np.array_equal(tr.topk_ids, want)
+
+
+def test_export_writes_the_models_decoder_layers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan on a plain [58, 256] load (DeepSeek-V3's MoE layers alone): SGLang gets its 61 rows, TensorRT-LLM its
+    decoder-layer ids 3..60 (before: 58 rows, and keys 0..57). A plan whose rows cannot be placed is refused."""
+    rng = np.random.default_rng(17)
+    np.save(tmp_path / "moe.npy", rng.integers(1, 50, size=(2, 58, 256)))
+    plan_path = tmp_path / "plan.json"
+    rc, _, err = run_cli(["plan", "--load", tmp_path / "moe.npy", "--policy", "eplb", "--nodes", 2, "--gpus-per-node", 8,
+                          "--slots-per-gpu", 18, "--out", plan_path], capsys)
+    assert rc == 0, err
+    rc, _, err = run_cli(["export", "--plan", plan_path, "--format", "sglang", "--out", tmp_path / "init.json"], capsys)
+    assert rc == 0, err
+    m = np.asarray(json.loads((tmp_path / "init.json").read_text())["physical_to_logical_map"])
+    assert m.shape == (61, 288) and np.array_equal(m[3:], slot_table(read_plan(plan_path)).phy2log)
+    rc, _, err = run_cli(["export", "--plan", plan_path, "--format", "trtllm", "--out", tmp_path / "lb.yaml"], capsys)
+    assert rc == 0, err
+    assert sorted(yaml.safe_load((tmp_path / "lb.yaml").read_text())["initial_global_assignments"]) == list(range(3, 61))
+    np.save(tmp_path / "small.npy", rng.integers(1, 50, size=(2, 4, 8)))
+    small = tmp_path / "small.json"
+    assert run_cli(["plan", "--load", tmp_path / "small.npy", "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2,
+                    "--slots-per-gpu", 4, "--out", small], capsys)[0] == 0
+    assert_user_error(["export", "--plan", small, "--format", "sglang", "--out", tmp_path / "x.json"], capsys,
+                      "the plan's 4 layers all carry load and it names no model")
+    assert not (tmp_path / "x.json").exists()

@@ -12,6 +12,7 @@ build a module of that shape under ``vllm.distributed.eplb.policy``.
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 import types
 from collections.abc import Iterator
@@ -24,7 +25,14 @@ import torch
 
 from moebalance.core.errors import InputError
 from moebalance.engines import vllm_plugin
-from moebalance.engines.vllm_plugin import balancedness, keep_slots, make_policy, move_aware, returns_tuple
+from moebalance.engines.vllm_plugin import (
+    balancedness,
+    fill_empty,
+    keep_slots,
+    make_policy,
+    move_aware,
+    returns_tuple,
+)
 from moebalance.eplb import rebalance_experts
 
 L, E, P, R = 3, 16, 24, 4  # 3 MoE layers of 16 experts, 24 slots on 4 ranks
@@ -246,15 +254,92 @@ def test_register_on_the_six_argument_tuple_release(vllm_registry: dict[str, Any
     assert torch.equal(phy2log, old) and log2phy.shape[:2] == (L, E) and logcnt.shape == (L, E)
 
 
-def test_register_without_vllm_policies_says_what_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def old_vllm() -> Iterator[None]:
+    """An older vLLM: ``vllm.distributed.eplb`` without the policy package."""
     saved = {k: v for k, v in sys.modules.items() if k == "vllm" or k.startswith("vllm.")}
     for name in ("vllm", "vllm.distributed", "vllm.distributed.eplb"):
-        sys.modules[name] = types.ModuleType(name)  # an older vLLM: eplb without the policy package
+        sys.modules[name] = types.ModuleType(name)
+    yield
+    for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+
+
+def test_register_without_vllm_policies_says_what_is_needed(old_vllm: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vllm_plugin.ENV, "eplb")
-    try:
-        with pytest.raises(ImportError, match="needs a vLLM whose EPLB has pluggable policies"):
-            vllm_plugin.register()
-    finally:
-        for k in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
-            del sys.modules[k]
-        sys.modules.update(saved)
+    with pytest.raises(InputError, match="needs a vLLM whose EPLB has pluggable policies") as exc:
+        vllm_plugin.register()
+    assert "\n" not in str(exc.value)
+
+
+def test_a_wrong_variant_is_named_whatever_vllm_is_installed(old_vllm: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the import error for the old vLLM came first and never said that 'bogus' is no variant."""
+    monkeypatch.setenv(vllm_plugin.ENV, "bogus")
+    with pytest.raises(InputError, match="MOEBALANCE_VLLM_EPLB='bogus' is not a moebalance EPLB variant; choose one "
+                                         "of: eplb, eplb-no-duplicates, move-aware"):
+        vllm_plugin.register()
+
+
+def test_a_policy_module_without_the_registry(monkeypatch: pytest.MonkeyPatch,
+                                              vllm_registry: dict[str, Any]) -> None:
+    """Before: a raw AttributeError."""
+    del sys.modules["vllm.distributed.eplb.policy"].EPLB_POLICIES  # type: ignore[attr-defined]
+    monkeypatch.setenv(vllm_plugin.ENV, "eplb")
+    with pytest.raises(InputError, match="has no EPLB_POLICIES"):
+        vllm_plugin.register()
+
+
+def test_register_logs_the_variant(vllm_registry: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(vllm_plugin.ENV, "move-aware")
+    with caplog.at_level(logging.INFO, logger="moebalance"):
+        vllm_plugin.register()
+    (record,) = [r for r in caplog.records if r.name == "moebalance"]
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == ("vLLM's EPLB policy 'default' (DefaultEplbPolicy) replaced by moebalance's "
+                                   "move-aware (MOEBALANCE_VLLM_EPLB=move-aware)")
+
+
+def test_skipped_says_when_vllm_plugins_leaves_it_out() -> None:
+    env = {vllm_plugin.ENV: "eplb", "VLLM_PLUGINS": "other_plugin"}
+    assert "VLLM_PLUGINS='other_plugin' does not name 'moebalance_eplb'" in (vllm_plugin.skipped(env) or "")
+    assert vllm_plugin.skipped({**env, "VLLM_PLUGINS": "other_plugin, moebalance_eplb"}) is None
+    assert vllm_plugin.skipped({vllm_plugin.ENV: "eplb"}) is None  # unset: vLLM loads every plug-in
+    assert vllm_plugin.skipped({"VLLM_PLUGINS": ""}) is None  # not asked for: nothing to say
+    assert vllm_plugin.ENTRY_POINT in {ep.name for ep in entry_points(group="vllm.general_plugins")}
+
+
+# ----- elastic scale-up: vLLM marks the new slots -1 ---------------------------------------------------------------
+# 4 experts, 2 ranks of 2 slots scaled up to 3 ranks: the current map [0, 1, 2, 3, -1, -1].
+SCALED = np.array([[0, 1, 2, 3, -1, -1]])
+
+
+def test_move_aware_fills_the_new_slots_and_keeps_a_balanced_map() -> None:
+    """Load [4, 3, 2, 1]. The empty slots 4 and 5 (rank 2) are filled with the most load per copy: expert 0 (4), then
+    expert 1 (3 > 2 = 4/2): [0, 1, 2, 3, 0, 1], ranks loading 2 + 1.5, 2 + 1, 2 + 1.5: balancedness (10/3) / 3.5.
+    A fresh EPLB plan (copies of 0 and 1; slots of 2, 1.5, 2, 1, 2, 1.5 packed in pairs) peaks at 3.5 too, so the
+    current map is kept and nothing already placed moves. Before, -1 was read as expert 3 (three copies, so the
+    map looked unbalanced: 7 on rank 0) and the map was replaced by the fresh plan [0, 1, 2, 1, 0, 3]."""
+    w = np.array([[4.0, 3.0, 2.0, 1.0]])
+    got = make_policy("move-aware").rebalance_experts(torch.from_numpy(w), 6, 1, 1, 3, torch.from_numpy(SCALED))
+    assert got.tolist() == [[0, 1, 2, 3, 0, 1]]
+    np.testing.assert_allclose(balancedness(got.numpy(), w, 3), [(10 / 3) / 3.5])
+
+
+def test_move_aware_never_returns_an_empty_slot_on_an_idle_window() -> None:
+    """No load: every map is as balanced as any other and the current one is kept, with its empty slots filled
+    round the experts in id order (all have one copy: 0, then 1, as rank 2 now holds 0). Before: [0, 1, 2, 3, -1, -1]
+    came back as it was."""
+    got = make_policy("move-aware").rebalance_experts(torch.zeros(1, 4), 6, 1, 1, 3, torch.from_numpy(SCALED))
+    assert got.tolist() == [[0, 1, 2, 3, 0, 1]]
+
+
+def test_fill_empty_places_missing_experts_first() -> None:
+    """[-1, -1, 2, 3] lacks experts 0 and 1 (no load): they come first, whatever the load of 2 and 3; a slot never
+    takes an expert its rank holds while another is left."""
+    assert fill_empty(np.array([[-1, -1, 2, 3]]), np.array([[0.0, 0.0, 1.0, 9.0]]), 2).tolist() == [[0, 1, 2, 3]]
+    assert fill_empty(np.array([[3, -1, 2, 1], [0, 1, 2, 3]]), np.array([[1.0, 1.0, 1.0, 9.0]] * 2), 2).tolist() == \
+        [[3, 0, 2, 1], [0, 1, 2, 3]]  # expert 0 is missing; layers without an empty slot are left as they are
+    with pytest.raises(InputError, match="old_global_expert_indices holds -2"):
+        make_policy("eplb").rebalance_experts(torch.ones(1, 4), 4, 1, 1, 2, torch.tensor([[0, 1, 2, -2]]))

@@ -56,7 +56,8 @@ import torch
 
 from moebalance.core.errors import BudgetError, InputError
 
-__all__ = ["EplbArgumentError", "EplbResult", "balanced_packing", "eplb_plan", "rebalance_experts", "replicate_experts"]
+__all__ = ["EplbArgumentError", "EplbResult", "balanced_packing", "eplb_plan", "rebalance_experts",
+           "rebalance_experts_hierarchical", "replicate_experts"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float32]
@@ -397,6 +398,37 @@ def eplb_plan(
         logical_to_physical=_logical_to_physical(phy2log, phyrank, logcnt),
         logical_count=logcnt,
     )
+
+
+@overload
+def rebalance_experts_hierarchical(
+    weight: torch.Tensor, num_physical_experts: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+@overload
+def rebalance_experts_hierarchical(
+    weight: npt.ArrayLike, num_physical_experts: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[IntArray, IntArray, IntArray]: ...
+def rebalance_experts_hierarchical(
+    weight: torch.Tensor | npt.ArrayLike, num_physical_experts: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[IntArray, IntArray, IntArray]:
+    """The hierarchical policy alone (module docstring), as the reference module exposes it.
+
+    weight: ``[L, E]`` load (converted to float32). ``num_nodes`` must divide ``num_groups`` (the reference asserts
+    it; :func:`rebalance_experts` falls back to the global policy instead, which is this function with one group and
+    one node). Returns ``(phy2log [L, P], phyrank [L, P], logcnt [L, E])``, int64: each slot's logical expert, its
+    replica index among that expert's slots, and each expert's replica count. Torch in, torch out; numpy otherwise.
+    """
+    weight_t, weight_np = _load_as_float32(weight)
+    replicas = _count(num_physical_experts, "num_physical_experts")
+    groups, nodes, gpus = _count(num_groups, "num_groups"), _count(num_nodes, "num_nodes"), _count(num_gpus, "num_gpus")
+    if groups % nodes:
+        raise EplbArgumentError(f"num_groups ({groups}) must be divisible by num_nodes ({nodes}) for the hierarchical "
+                                "policy; rebalance_experts runs the global policy for such layouts")
+    _check_layout(weight_np.shape[1], replicas, groups, nodes, gpus)
+    out = _hierarchical(weight_t, weight_np, replicas, groups, nodes, gpus)
+    if isinstance(weight, torch.Tensor):
+        return torch.from_numpy(out[0]), torch.from_numpy(out[1]), torch.from_numpy(out[2])
+    return out
 
 
 @overload

@@ -7,13 +7,25 @@
 - :mod:`~moebalance.engines.vllm`: a per-MoE-layer physical-to-logical JSON (write);
 - :mod:`~moebalance.engines.slots`: plans as engines need them, the same slots on every GPU and layer (with
   padding that buys the most balance);
-- :mod:`~moebalance.engines.detect`: one entry point that reads any supported load or placement file.
+- :mod:`~moebalance.engines.detect`: one entry point that reads any supported load or placement file;
+- :mod:`~moebalance.engines.layers`: which model an engine file is for (from its shape, when one model fits) and
+  which of the model's decoder layers, MTP layers included, each plan row is;
+- :mod:`~moebalance.engines.files`: JSON and ``.npy`` reading that checks sizes before allocating.
 
 Engines number layers as the model does, dense layers included: loads keep them as all-zero rows, so that a
 plan's layer ``l`` is the engine's layer ``l`` on the way back.
 """
 
-from moebalance.engines.detect import LOAD_FORMATS, PLAN_FORMATS, read_any_load, read_any_plan
+from moebalance.engines.detect import (
+           LOAD_FORMATS,
+           PLAN_FORMATS,
+           OpenedLoad,
+           open_load,
+           read_any_load,
+           read_any_plan,
+)
+from moebalance.engines.layers import EngineLayers, plan_layers
 from moebalance.engines.slots import SlotTable, pad_plan, slot_table
 
-__all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "SlotTable", "pad_plan", "read_any_load", "read_any_plan", "slot_table"]
+__all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "EngineLayers", "OpenedLoad", "SlotTable", "open_load", "pad_plan",
+           "plan_layers", "read_any_load", "read_any_plan", "slot_table"]

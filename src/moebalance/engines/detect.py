@@ -10,18 +10,20 @@ of them) are vLLM's, and a ``.npy`` of one request's routed experts needs ``--fo
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from moebalance.core.cluster import Cluster
-from moebalance.core.errors import InputError
+from moebalance.core.errors import InputError, PlanError
+from moebalance.core.io import read_json
 from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load
 from moebalance.core.plan import Placement, read_plan, with_dense_layers
 
-__all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "detect_load", "read_any_load", "read_any_plan"]
+__all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "OpenedLoad", "detect_load", "open_load", "read_any_load", "read_any_plan"]
 
 #: ``--format`` values of a load.
 LOAD_FORMATS = ("moebalance", "sglang", "trtllm", "vllm")
@@ -55,31 +57,72 @@ def detect_load(path: str | os.PathLike[str]) -> str:
     return "moebalance"
 
 
-def read_any_load(path: str | os.PathLike[str], fmt: str | None = None, *, gpus: int = 1, batch_tokens: int = 4096,
-                  num_experts: int | None = None) -> LoadMatrix:
-    """The load in ``path``, of format ``fmt`` (default: detected); ``gpus``, ``batch_tokens`` and ``num_experts``
-    lay out vLLM's per-request routed experts (:func:`moebalance.engines.vllm.read_routed_experts`)."""
+@dataclass(frozen=True, slots=True)
+class OpenedLoad:
+    """A load read by :func:`open_load`, its format, and notes to show the user (the model its shape named)."""
+
+    load: LoadMatrix
+    format: str
+    notes: tuple[str, ...] = ()
+
+
+def open_load(path: str | os.PathLike[str], fmt: str | None = None, *, model: str | None = None, gpus: int = 1,
+              batch_tokens: int = 4096, num_experts: int | None = None) -> OpenedLoad:
+    """The load in ``path``, of format ``fmt`` (default: detected), for ``model``; ``gpus``, ``batch_tokens`` and
+    ``num_experts`` lay out vLLM's per-request routed experts (:func:`moebalance.engines.vllm.read_routed_experts`).
+
+    Engine files do not name the model: ``model`` names it (checked against the shape), else the readers attach
+    the one model whose architecture alone fits the shape (:func:`moebalance.engines.layers.choose_model`), and a
+    note says so. A moebalance load keeps the model it records unless ``model`` names one."""
     kind = detect_load(path) if fmt is None else fmt
     if kind not in LOAD_FORMATS:
         raise InputError(f"unknown load format {kind!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     if not str(path).startswith(BUNDLED_PREFIX) and not Path(path).exists():
         raise InputError(f"load file {str(path)!r} does not exist")
+    if kind == "moebalance":
+        load = read_load(path)
+        if model is not None and model != load.preset:
+            from moebalance.engines.layers import choose_model
+
+            loaded = None if load.layer_ids is not None else (load.counts.sum(axis=(0, 2)) > 0).tolist()
+            ids = None if load.layer_ids is None else load.layer_ids.tolist()
+            choose_model(load.num_layers, load.num_experts, ids, loaded, model)  # refuses a load of another shape
+            load = dataclasses.replace(load, preset=model)
+        return OpenedLoad(load, kind)
     if kind == "sglang":
         from moebalance.engines.sglang import read_dumps, read_stat
 
-        return read_dumps(path) if Path(path).is_dir() else read_stat(path)
-    if kind == "vllm":
+        load = read_dumps(path, model=model) if Path(path).is_dir() else read_stat(path, model=model)
+    elif kind == "vllm":
         from moebalance.engines.vllm import read_routed_experts
 
-        return read_routed_experts(path, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts)
-    if kind == "trtllm":
+        load = read_routed_experts(path, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts, model=model)
+    else:
         from moebalance.engines.trtllm import read_statistics
 
         if not Path(path).is_dir():
             raise InputError(f"{str(path)!r} is a file; TensorRT-LLM statistics are a folder (meta_info.json and "
                              "rank*.safetensors)")
-        return read_statistics(path)
-    return read_load(path)
+        load = read_statistics(path, model=model)
+    return OpenedLoad(load, kind, () if model is not None else _inferred(load))
+
+
+def _inferred(load: LoadMatrix) -> tuple[str, ...]:
+    """The note of an engine load whose reader named the model from its shape."""
+    if load.preset is None:
+        return ()
+    from moebalance.engines.layers import choose_model
+
+    ids = None if load.layer_ids is None else load.layer_ids.tolist()
+    loaded = None if ids is not None else (load.counts.sum(axis=(0, 2)) > 0).tolist()
+    note = choose_model(load.num_layers, load.num_experts, ids, loaded).note
+    return () if note is None else (note,)
+
+
+def read_any_load(path: str | os.PathLike[str], fmt: str | None = None, *, gpus: int = 1, batch_tokens: int = 4096,
+                  num_experts: int | None = None, model: str | None = None) -> LoadMatrix:
+    """:func:`open_load`'s load alone."""
+    return open_load(path, fmt, model=model, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts).load
 
 
 def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, fmt: str | None = None,
@@ -96,10 +139,7 @@ def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, 
         elif p.suffix == ".pt":
             kind = "sglang"
         else:
-            try:
-                head = json.loads(p.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-                head = None
+            head = read_json(p, "plan file", error=PlanError)  # not JSON: neither a moebalance nor an SGLang plan
             if isinstance(head, dict) and "logical_count" in head:
                 raise InputError(f"{str(p)!r} is an SGLang load (logical_count), not a placement; give it as --load")
             kind = "sglang" if isinstance(head, dict) and "physical_to_logical_map" in head else "moebalance"

@@ -16,7 +16,9 @@ docs/formats.md has the field-by-field account):
   a ``.json`` file or inline JSON, holding either ``{"physical_to_logical_map": [L, P]}`` (that key only: the
   dict is passed as keyword arguments) or ``{"logical_count": [L, E] or [B, L, E]}`` (SGLang then runs its EPLB).
   ``P % ep_size == 0`` and rank ``r`` owns the contiguous slots ``r * P / ep_size .. (r + 1) * P / ep_size - 1``.
-  The team's published DeepSeek-V3 statistics are such ``logical_count`` JSON files.
+  ``L`` must be ``num_hidden_layers`` (SGLang does not check it: a shorter map fails at the first layer past it),
+  and the MTP draft layer has no row (:func:`write_placement`). The team's published DeepSeek-V3 statistics are
+  such ``logical_count`` JSON files.
 
 - **per-pass and per-token dumps** (``per_pass`` / ``per_token`` modes): every rank ``r`` writes
   ``expert_distribution_recorder_{time}_{r}.pt``, ``{"records": [one dict per forward pass: "forward_pass_id",
@@ -46,9 +48,11 @@ import numpy as np
 
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
-from moebalance.core.io import atomic_write_text
+from moebalance.core.io import atomic_write_text, read_json
+from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix, check_counts
 from moebalance.core.plan import Placement
+from moebalance.engines.files import load_model
 from moebalance.engines.slots import slot_table
 
 __all__ = ["plan_from_map", "read_dumps", "read_placement", "read_stat", "read_torch", "write_placement"]
@@ -78,14 +82,18 @@ def _document(path: Path) -> dict[str, Any]:
     if path.suffix == ".pt":
         doc = read_torch(path)
     else:
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InputError(f"cannot read {str(path)!r} as JSON: {exc}") from None
+        doc = read_json(path, "SGLang file")
     if not isinstance(doc, dict):
         raise InputError(f"{str(path)!r} holds a {type(doc).__name__}; SGLang files hold a dict with "
                          "'logical_count' or 'physical_to_logical_map'")
     return doc
+
+
+def _model_of(counts: np.ndarray, layer_ids: np.ndarray | None, model: str | None) -> str | None:
+    """The preset of ``counts [B, L, E]`` (``layer_ids``: the model's index of each row, when dense ones are out)."""
+    loaded = None if layer_ids is not None else (counts.sum(axis=(0, 2)) > 0).tolist()
+    return load_model(counts.shape[1], counts.shape[2], None if layer_ids is None else layer_ids.tolist(), loaded,
+                      model)
 
 
 def _array(value: Any, name: str, source: str) -> np.ndarray:
@@ -96,14 +104,16 @@ def _array(value: Any, name: str, source: str) -> np.ndarray:
     except (ValueError, TypeError) as exc:
         raise InputError(f"{source}: {name} is not a rectangular array of numbers ({exc})") from None
     if arr.dtype == object:
-        raise InputError(f"{source}: {name} is not a rectangular array of numbers (rows of different lengths?)")
+        raise InputError(f"{source}: {name} is not a rectangular array of 64-bit numbers (rows of different lengths, "
+                         "or a number too large?)")
     if arr.dtype.kind not in "iuf":
         raise InputError(f"{source}: {name} holds {arr.dtype} values; it must hold numbers")
     return arr
 
 
-def read_stat(path: str | os.PathLike[str]) -> LoadMatrix:
-    """A stat dump (``.pt``) or a ``logical_count`` JSON as a load ``[B, L, E]`` (module docstring)."""
+def read_stat(path: str | os.PathLike[str], *, model: str | None = None) -> LoadMatrix:
+    """A stat dump (``.pt``) or a ``logical_count`` JSON as a load ``[B, L, E]`` (module docstring), for ``model``
+    (default: the one its shape fits, :func:`moebalance.engines.layers.choose_model`)."""
     p = Path(path)
     doc = _document(p)
     if "logical_count" not in doc:
@@ -123,11 +133,12 @@ def read_stat(path: str | os.PathLike[str]) -> LoadMatrix:
         counts = counts[ran]  # ring-buffer rows of passes that never ran
     else:
         counts = counts[:1]
-    return LoadMatrix(counts)
+    return LoadMatrix(counts, preset=_model_of(counts, None, model))
 
 
-def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
-    """A folder of per-rank ``per_pass``/``per_token`` dumps as a load ``[passes, L, E]`` (module docstring)."""
+def read_dumps(folder: str | os.PathLike[str], *, model: str | None = None) -> LoadMatrix:
+    """A folder of per-rank ``per_pass``/``per_token`` dumps as a load ``[passes, L, E]`` (module docstring), for
+    ``model`` (default: the one its shape fits)."""
     d = Path(folder)
     files = sorted(d.glob("*.pt"))
     if not files:
@@ -146,6 +157,9 @@ def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
         if m.ndim != 2 or not np.issubdtype(m.dtype, np.integer) or (m < 0).any():
             raise InputError(f"{str(f)!r}: last_physical_to_logical_map must be non-negative integer ids [L, P], got "
                              f"{m.dtype} {m.shape}")
+        if m.size and int(m.max()) >= m.shape[1]:  # every expert has a slot, so ids stay below the slot count
+            raise InputError(f"{str(f)!r}: last_physical_to_logical_map holds expert id {int(m.max())} but has only "
+                             f"{m.shape[1]} slots per layer, and every expert has one; is the file damaged?")
         maps.append(m.astype(np.int64))
         got: dict[int, np.ndarray] = {}
         ids_of: dict[int, np.ndarray] = {}
@@ -154,18 +168,21 @@ def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
         for rec in doc["records"]:
             if not isinstance(rec, dict) or "forward_pass_id" not in rec or "global_physical_count" not in rec:
                 raise InputError(f"{str(f)!r}: each record needs 'forward_pass_id' and 'global_physical_count'")
+            fid = rec["forward_pass_id"]
+            if isinstance(fid, bool) or not isinstance(fid, int):
+                raise InputError(f"{str(f)!r}: forward_pass_id {fid!r} must be an integer (SGLang numbers passes)")
             c = _array(rec["global_physical_count"], "global_physical_count", str(f))
             if c.shape != m.shape:
                 raise InputError(f"{str(f)!r}: global_physical_count has shape {c.shape} but the map {m.shape}; "
                                  "both are [L, P]")
-            got[int(rec["forward_pass_id"])] = check_counts(c[None], "global_physical_count")[0]
+            got[fid] = check_counts(c[None], "global_physical_count")[0]
             if "topk_ids_of_layer" in rec:
                 t = _array(rec["topk_ids_of_layer"], "topk_ids_of_layer", str(f))
                 if t.ndim != 3 or t.shape[0] != m.shape[0] or t.dtype.kind not in "iu" or (t < -1).any() \
                         or (t >= m.shape[1]).any():
                     raise InputError(f"{str(f)!r}: topk_ids_of_layer must be physical slot ids [L, tokens, 8] "
                                      f"(-1 padded), got {t.dtype} {t.shape}")
-                ids_of[int(rec["forward_pass_id"])] = t.astype(np.int64)
+                ids_of[fid] = t.astype(np.int64)
         passes.append(got)
         picks.append(ids_of)
     for f, m in zip(files[1:], maps[1:], strict=True):
@@ -183,17 +200,18 @@ def read_dumps(folder: str | os.PathLike[str]) -> LoadMatrix:
     L, P = m.shape
     E = int(m.max()) + 1
     if all(len(ids_of) == len(ids) for ids_of in picks):
-        return _token_level(picks, ids, m, E, str(d))
+        return _token_level(picks, ids, m, E, str(d), model)
+    check_alloc((len(ids), L, E), 8, f"{str(d)!r}: counts [passes, L, E]", "record fewer passes")
     counts = np.zeros((len(ids), L, E), dtype=np.int64)
     rows = np.repeat(np.arange(L), P)
     for got in passes:
         for b, fid in enumerate(ids):
             np.add.at(counts[b], (rows, m.ravel()), got[fid].ravel())
-    return LoadMatrix(counts)
+    return LoadMatrix(counts, preset=_model_of(counts, None, model))
 
 
 def _token_level(picks: list[dict[int, np.ndarray]], passes: list[int], m: np.ndarray, E: int,
-                 source: str) -> LoadMatrix:
+                 source: str, model: str | None) -> LoadMatrix:
     """The per_token dumps as a token-level trace: batch = forward pass, source GPU = rank, tokens rank-major within
     a pass; physical ids mapped to logical experts; layers without picks (dense: all -1) left out, the model's
     layer ids kept."""
@@ -219,7 +237,9 @@ def _token_level(picks: list[dict[int, np.ndarray]], passes: list[int], m: np.nd
     logical = m[keep][np.arange(keep.size)[None, :, None], phys]  # [N, L', K]: each slot's logical expert
     trace = RoutingTrace(logical, np.concatenate(src), np.concatenate(batch), num_experts=E,
                          num_batches=len(passes))
-    return LoadMatrix(trace.counts(), trace, None, keep if keep.size < m.shape[0] else None)
+    ids = keep if keep.size < m.shape[0] else None
+    preset = load_model(keep.size, E, None if ids is None else ids.tolist(), None, model)
+    return LoadMatrix(trace.counts(), trace, preset, ids)
 
 
 def plan_from_map(phy2log: np.ndarray, cluster: Cluster, num_experts: int | None = None,
@@ -229,18 +249,27 @@ def plan_from_map(phy2log: np.ndarray, cluster: Cluster, num_experts: int | None
     m = np.asarray(phy2log)
     if m.ndim != 2 or m.shape[1] == 0:
         raise PlanError(f"{source}: the physical-to-logical map has shape {m.shape}; it must be [layers, slots]")
-    if not np.issubdtype(m.dtype, np.integer):
-        if not np.all(np.isfinite(m)) or not np.all(m == np.round(m)):
-            raise PlanError(f"{source}: the physical-to-logical map must hold integer expert ids")
-        m = m.astype(np.int64)
     G = cluster.num_gpus
     P = int(m.shape[1])
+    if not np.issubdtype(m.dtype, np.integer):
+        with np.errstate(invalid="ignore"):
+            whole = np.isfinite(m) & (m == np.round(m))
+        if not whole.all():
+            raise PlanError(f"{source}: the physical-to-logical map must hold integer expert ids, not "
+                            f"{m[~whole].ravel()[0]!r}")
     if P % G:
         raise PlanError(f"{source}: {P} physical slots do not split evenly over {G} GPUs (--nodes x --gpus-per-node); "
                         "SGLang requires P % ep_size == 0: give the cluster the file was made for")
+    # every expert has a slot, so a valid id is below the slot count: checked before any cast or allocation
+    bound = P if num_experts is None else num_experts
+    lo, hi = m.min(), m.max()
+    if lo < 0 or hi >= bound:
+        bad = lo if lo < 0 else hi
+        shown = int(bad) if np.issubdtype(m.dtype, np.integer) else f"{float(bad):g}"
+        limit = f"[0, {bound})" if num_experts is not None else f"[0, {P}) (the map has {P} slots per layer)"
+        raise PlanError(f"{source}: expert id {shown} is outside {limit}")
+    m = m.astype(np.int64)
     E = int(m.max()) + 1 if num_experts is None else num_experts
-    if m.min() < 0 or m.max() >= E:
-        raise PlanError(f"{source}: expert id {int(m.min() if m.min() < 0 else m.max())} is outside [0, {E})")
     S = P // G
     lists = [[[int(e) for e in row[g * S:(g + 1) * S]] for g in range(G)] for row in m]
     return Placement(lists, E, cluster, policy=policy, params={"source": source})
@@ -257,21 +286,35 @@ def read_placement(path: str | os.PathLike[str], cluster: Cluster, num_experts: 
     return plan_from_map(m, cluster, num_experts, source=str(p))
 
 
-def write_placement(path: str | os.PathLike[str], plan: Placement, layer_ids: list[int] | None = None) -> dict[str, Any]:
-    """Write ``{"physical_to_logical_map": [L, P]}`` JSON for ``--init-expert-location`` (atomically); returns what
-    an SGLang launch needs to match it (``ep_size``, ``ep_num_redundant_experts``).
+def write_placement(path: str | os.PathLike[str], plan: Placement, layer_ids: list[int] | None = None, *,
+                    model: str | None = None, num_hidden_layers: int | None = None) -> dict[str, Any]:
+    """Write ``{"physical_to_logical_map": [H, P]}`` JSON for ``--init-expert-location`` (atomically); returns what
+    an SGLang launch needs to match it (``ep_size``, ``ep_num_redundant_experts``), ``num_hidden_layers`` and
+    ``notes`` on what was assumed.
 
-    ``layer_ids`` gives the model's layer index of each plan layer when the plan's load left dense layers out: the
-    file has a row for every decoder layer up to the last one, and the rows of layers the plan lacks (dense ones,
-    which SGLang never routes) hold SGLang's own trivial layout, slot ``p`` holding expert ``p mod E``."""
-    table = slot_table(plan)
-    rows = table.phy2log
+    SGLang's map has one row per decoder layer, ``H = num_hidden_layers`` rows (docs/formats.md, "SGLang"): the
+    rows come from :func:`moebalance.engines.layers.plan_layers` (the plan's recorded layer ids, else ``model``, the
+    model the plan records or the one its shape fits, else its own dense rows); a plan that cannot say them is
+    refused with the reason. Rows the plan lacks (dense layers, which SGLang never routes) hold SGLang's own
+    trivial layout, slot ``p`` holding expert ``p mod E``; the plan's MTP rows (engine layer ``H`` and above) are
+    left out, as SGLang's draft layer does not read the map. ``layer_ids`` other than ``0 .. L - 1`` give the
+    engine layer of each plan row explicitly."""
+    from moebalance.engines.layers import plan_layers
+
     if layer_ids is not None and list(layer_ids) != list(range(plan.num_layers)):
-        trivial = np.arange(table.num_slots) % plan.num_experts
-        full = np.tile(trivial, (max(layer_ids) + 1, 1))
-        full[np.asarray(layer_ids)] = rows
-        rows = full
+        plan = plan.with_params({**plan.params, "layer_ids": [int(x) for x in layer_ids]})
+    layers = plan_layers(plan, model=model, num_hidden_layers=num_hidden_layers)
+    H = layers.require_rows("an SGLang placement")
+    table = slot_table(plan)
+    rows = np.tile(np.arange(table.num_slots) % plan.num_experts, (H, 1))
+    keep = [r for r, i in enumerate(layers.layer_ids) if i < H]
+    rows[[layers.layer_ids[r] for r in keep]] = table.phy2log[keep]
+    notes = list(layers.notes)
+    if layers.mtp_rows:
+        notes.append(f"the plan's MTP layer{'s' * (len(layers.mtp_rows) > 1)} "
+                     f"({', '.join(str(layers.layer_ids[r]) for r in layers.mtp_rows)}) left out: SGLang's map has "
+                     f"the {H} decoder layers only (its MTP draft layer does not read it)")
     atomic_write_text(Path(path), json.dumps({"physical_to_logical_map": rows.tolist()},
                                              separators=(",", ":")) + "\n")
     return {"ep_size": plan.num_gpus, "ep_num_redundant_experts": table.num_slots - plan.num_experts,
-            "num_slots": table.num_slots}
+            "num_slots": table.num_slots, "num_hidden_layers": H, "notes": notes}

@@ -23,7 +23,6 @@ layer (dense ones) are all-zero rows.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -34,27 +33,29 @@ import numpy as np
 
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
-from moebalance.core.io import atomic_write_text
+from moebalance.core.io import atomic_write_text, read_json
+from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.engines.files import load_model
 from moebalance.engines.slots import slot_table
 
 __all__ = ["read_config", "read_statistics", "write_config"]
 
 _KEY = re.compile(r"^(\d+)_(\d+)$")
+_LAYER = re.compile(r"^[0-9]+$")
 
 
-def read_statistics(folder: str | os.PathLike[str]) -> LoadMatrix:
-    """A statistics folder as a load ``[I, L, E]`` (module docstring), the ranks summed."""
+def read_statistics(folder: str | os.PathLike[str], *, model: str | None = None) -> LoadMatrix:
+    """A statistics folder as a load ``[I, L, E]`` (module docstring), the ranks summed, for ``model`` (default:
+    the one its shape fits)."""
     from safetensors import SafetensorError, safe_open
 
     d = Path(folder)
     meta_path = d / "meta_info.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"cannot read {str(meta_path)!r}: {exc}") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("num_experts"), int) or meta["num_experts"] < 1:
+    meta = read_json(meta_path, "TensorRT-LLM statistics file")
+    experts = meta.get("num_experts") if isinstance(meta, dict) else None
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
         raise InputError(f"{str(meta_path)!r} must hold {{\"num_experts\": E, \"num_experts_per_token\": k}} with E a "
                          f"positive integer, got {meta!r}")
     E = int(meta["num_experts"])
@@ -88,19 +89,23 @@ def read_statistics(folder: str | os.PathLike[str]) -> LoadMatrix:
     if not keys:
         raise InputError(f"{str(files[0])!r} holds no counts; record at least one iteration")
     iters = sorted({i for i, _ in keys})
-    if iters != list(range(iters[0], iters[-1] + 1)):
+    if iters[-1] - iters[0] + 1 != len(iters):
         raise InputError(f"{str(d)!r} records iterations {iters[0]}..{iters[-1]} with gaps; TensorRT-LLM writes one "
                          "contiguous range (EXPERT_STATISTIC_ITER_RANGE): use the files of one run")
     layers = sorted({layer for _, layer in keys})
     if len(keys) != len(iters) * len(layers):
         raise InputError(f"{str(d)!r} does not record every MoE layer in every iteration ({len(keys)} keys for "
                          f"{len(iters)} iterations x {len(layers)} layers)")
+    check_alloc((len(iters), layers[-1] + 1, E), 8, f"{str(d)!r}: counts [iterations, layers 0..{layers[-1]}, E]",
+                f"its keys name layer {layers[-1]}; keys are '{{iteration}}_{{layer}}' with the model's decoder-layer "
+                "index (is a file damaged?)")
     counts = np.zeros((len(iters), layers[-1] + 1, E), dtype=np.int64)
     index = {it: b for b, it in enumerate(iters)}
     for got in per_rank:
         for (it, layer), v in got.items():
             counts[index[it], layer] += v
-    return LoadMatrix(counts)
+    return LoadMatrix(counts, preset=load_model(counts.shape[1], E, None,
+                                                (counts.sum(axis=(0, 2)) > 0).tolist(), model))
 
 
 def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int | None = None,
@@ -112,7 +117,10 @@ def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int 
     p = Path(path)
     try:
         doc = yaml.safe_load(p.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+    except RecursionError:
+        raise InputError(f"{str(p)!r} nests its YAML deeper than Python parses; the load-balancer YAML is two levels "
+                         "deep") from None
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise InputError(f"cannot read {str(p)!r} as YAML: {first}") from None
     if not isinstance(doc, dict):
@@ -123,23 +131,30 @@ def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int 
         raise InputError(f"{str(p)!r} has unknown keys {unknown}; TensorRT-LLM accepts num_slots, "
                          "initial_global_assignments and layer_updates_per_iter")
     slots, assign = doc.get("num_slots"), doc.get("initial_global_assignments")
-    if not isinstance(slots, int) or slots < 1:
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise InputError(f"{str(p)!r}: num_slots must be a positive integer, got {slots!r}")
     if not isinstance(assign, dict) or not assign:
         raise InputError(f"{str(p)!r}: initial_global_assignments must map layer ids to lists of {slots} expert ids")
     rows: dict[int, list[int]] = {}
     for key, ids in assign.items():
-        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        layer = int(key) if isinstance(key, str) and _LAYER.match(key) else key  # pydantic reads "3" as 3
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise InputError(f"{str(p)!r}: layer id {key!r} must be a non-negative integer")
+        if layer in rows:
+            raise InputError(f"{str(p)!r}: layer {layer} is listed twice ({key!r} and {layer!r} are one layer)")
         if not isinstance(ids, list) or len(ids) != slots or \
                 not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
             raise InputError(f"{str(p)!r}: layer {key} must list {slots} (num_slots) non-negative expert ids")
-        rows[key] = ids
+        rows[layer] = ids
     E = num_experts if num_experts is not None else max(max(r) for r in rows.values()) + 1
+    if E > slots:  # every expert has a slot: checked before the ids are compared with range(E)
+        raise PlanError(f"{str(p)!r} names expert {E - 1} but has {slots} slots per layer, and every expert needs one "
+                        "(TensorRT-LLM requires it)")
     L = num_layers if num_layers is not None else max(rows) + 1
     if max(rows) >= L:
         raise PlanError(f"{str(p)!r} places layer {max(rows)} but the load has {L} layers; score it on the model's "
                         "own statistics")
+    check_alloc((L, slots), 8, f"{str(p)!r}: a placement of layers 0..{L - 1}", "is a layer id damaged?")
     for layer, ids in rows.items():
         if set(ids) != set(range(E)):
             raise PlanError(f"{str(p)!r}: layer {layer} does not hold every expert 0..{E - 1} at least once "
@@ -155,18 +170,55 @@ def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int 
     return plan_from_map(m, cluster, E, source=str(p), policy="trtllm")
 
 
-def write_config(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequence[tuple[int, int]],
-                 layer_updates_per_iter: int = 0) -> dict[str, Any]:
-    """Write the load-balancer YAML for ``moe_layers``, ``(plan layer, its decoder-layer id)`` pairs (dense layers
-    left out), atomically; returns ``num_slots`` and ``ep_size``."""
+def write_config(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequence[tuple[int, int]] | None = None,
+                 layer_updates_per_iter: int = 0, *, model: str | None = None, mtp_layers: int | None = None,
+                 num_hidden_layers: int | None = None) -> dict[str, Any]:
+    """Write the load-balancer YAML, atomically; returns ``num_slots``, ``ep_size``, the ``layers`` written and
+    ``notes`` on what was assumed.
+
+    ``moe_layers``: ``(plan row, its decoder-layer id)`` pairs of the rows to write (default: the plan's rows with
+    load); ids equal to the rows are resolved with the model instead (:func:`moebalance.engines.layers.plan_layers`,
+    so a plan of the MoE layers alone gets the model's numbering). TensorRT-LLM registers MTP layer ``i`` as
+    decoder layer ``H + i`` (``H = num_hidden_layers``) and needs its key: ``mtp_layers`` (default: the MTP rows the
+    plan has, from a load that recorded them) writes keys ``H .. H + mtp_layers - 1``, each from the plan's MTP row
+    where it has one, else in the engine's default order (slot ``p`` holding expert ``p mod E``)."""
     import yaml
 
+    from moebalance.engines.layers import plan_layers
+
     table = slot_table(plan)
-    if not moe_layers:
+    layers = plan_layers(plan, model=model, num_hidden_layers=num_hidden_layers)
+    given = dict(moe_layers) if moe_layers is not None else {}
+    rows = list(given) if moe_layers is not None else [r for r in range(plan.num_layers) if r not in plan.dense_layers]
+    explicit = any(int(lid) != int(r) for r, lid in given.items())
+    ids = {int(r): int(lid) for r, lid in given.items()} if explicit else dict(enumerate(layers.layer_ids))
+    H, notes = layers.num_hidden_layers, list(layers.notes)
+    base = 0 if H is None else H  # MTP layer i is decoder layer H + i (none is known without H)
+    assign = {ids[r]: [int(e) for e in table.phy2log[r]] for r in rows if H is None or ids[r] < H}
+    planned = {} if H is None else {lid - H: r for r, lid in ids.items() if lid >= H}
+    if mtp_layers is not None:
+        if isinstance(mtp_layers, bool) or not isinstance(mtp_layers, int) or mtp_layers < 0:
+            raise PlanError(f"mtp_layers ({mtp_layers!r}) must be a non-negative integer: the MTP layers the engine "
+                            "serves with (DeepSeek-V3/R1: 1)")
+        if mtp_layers and H is None:
+            raise PlanError(f"MTP layers are numbered after the model's decoder layers, but {layers.unknown}")
+        dropped = sorted(i for i in planned if i >= mtp_layers)
+        if dropped:
+            notes.append(f"the plan's MTP layer{'s' * (len(dropped) > 1)} {', '.join(str(base + i) for i in dropped)} "
+                         f"left out (mtp_layers {mtp_layers})")
+    wanted = [] if H is None else sorted(planned) if mtp_layers is None else list(range(mtp_layers))
+    default = [p % plan.num_experts for p in range(table.num_slots)]
+    missing = []
+    for i in wanted:
+        assign[base + i] = [int(e) for e in table.phy2log[planned[i]]] if i in planned else default
+        missing += [] if i in planned else [base + i]
+    if missing:
+        notes.append(f"MTP layer{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} (TensorRT-LLM's numbering) "
+                     "had no load in the plan: written in the engine's default order")
+    if not assign:
         raise PlanError("no MoE layer to write: every layer of the plan is dense (no load)")
-    doc = {"num_slots": table.num_slots,
-           "initial_global_assignments": {int(lid): [int(e) for e in table.phy2log[row]] for row, lid in moe_layers},
+    doc = {"num_slots": table.num_slots, "initial_global_assignments": assign,
            "layer_updates_per_iter": int(layer_updates_per_iter)}
     text = yaml.safe_dump(doc, default_flow_style=None, sort_keys=False, width=10**6)
     atomic_write_text(Path(path), text)
-    return {"num_slots": table.num_slots, "ep_size": plan.num_gpus}
+    return {"num_slots": table.num_slots, "ep_size": plan.num_gpus, "layers": list(assign), "notes": notes}

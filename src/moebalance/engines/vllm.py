@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 import os
 from collections.abc import Sequence
@@ -34,20 +33,15 @@ from typing import Any
 import numpy as np
 
 from moebalance.core.errors import InputError, PlanError
-from moebalance.core.io import atomic_write_text
+from moebalance.core.io import atomic_write_text, read_json
+from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
+from moebalance.engines.files import load_model, read_npy_bytes
 from moebalance.engines.slots import slot_table
 
 __all__ = ["read_routed_experts", "write_map"]
-
-
-def _npy(data: bytes, source: str) -> np.ndarray:
-    try:
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise InputError(f"{source}: routed_experts is not a .npy array ({str(exc).splitlines()[0][:120]})") from None
 
 
 def _requests(path: Path) -> list[np.ndarray]:
@@ -58,11 +52,8 @@ def _requests(path: Path) -> list[np.ndarray]:
             raise InputError(f"{str(path)!r} has no .npy or .json files of vLLM routed experts")
         return [a for f in files for a in _requests(f)]
     if path.suffix == ".npy":
-        return [_npy(path.read_bytes(), str(path))]
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"cannot read {str(path)!r} as JSON: {exc}") from None
+        return [read_npy_bytes(path.read_bytes(), str(path))]
+    doc = read_json(path, "vLLM response file")
     out: list[np.ndarray] = []
     for item in doc if isinstance(doc, list) else [doc]:
         choices = item.get("choices", [item]) if isinstance(item, dict) else None
@@ -77,13 +68,14 @@ def _requests(path: Path) -> list[np.ndarray]:
                 data = base64.b64decode(value, validate=True)
             except (binascii.Error, ValueError):
                 raise InputError(f"{str(path)!r}: routed_experts is not base64") from None
-            out.append(_npy(data, str(path)))
+            out.append(read_npy_bytes(data, str(path)))
     return out
 
 
 def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_tokens: int = 4096,
-                        num_experts: int | None = None) -> LoadMatrix:
-    """vLLM's routed experts (module docstring) as a token-level load, dense layers left out."""
+                        num_experts: int | None = None, model: str | None = None) -> LoadMatrix:
+    """vLLM's routed experts (module docstring) as a token-level load, dense layers left out, for ``model``
+    (default: the one its shape fits)."""
     p = Path(path)
     reqs = _requests(p)
     if not reqs:
@@ -104,6 +96,9 @@ def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_to
     keep = np.flatnonzero(~dense)
     if keep.size == 0:
         raise InputError(f"{str(p)!r}: every layer looks dense (each token picks one expert {K} times)")
+    if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int)
+                                    or num_experts < 1):
+        raise InputError(f"--experts ({num_experts!r}) must be a positive integer, the model's expert count")
     E = int(ids.max()) + 1 if num_experts is None else num_experts
     if ids.max() >= E:
         raise InputError(f"{str(p)!r}: expert id {int(ids.max())} is not below --experts {E}")
@@ -115,17 +110,36 @@ def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_to
         filled, j = filled + n, j + 1
         if filled >= batch_tokens:
             b, filled, j = b + 1, 0, 0
+    num_batches = b + (filled > 0)
+    check_alloc((num_batches, keep.size, E), 8, f"{str(p)!r}: counts [B, L, E] with E = {E:,} experts",
+                "give --experts the model's expert count (ids in the file must be below it)")
     tr = RoutingTrace(ids[:, keep], np.concatenate(src), np.concatenate(batch), num_experts=E)
-    return LoadMatrix(tr.counts(), tr, None, keep if dense.any() else None)
+    layer_ids = keep if dense.any() else None
+    preset = load_model(keep.size, E, None if layer_ids is None else layer_ids.tolist(), None, model)
+    return LoadMatrix(tr.counts(), tr, preset, layer_ids)
 
 
-def write_map(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequence[int]) -> dict[str, Any]:
-    """Write ``[[P expert ids] per MoE layer]`` JSON (dense layers left out), atomically; returns ``num_slots``,
-    ``num_redundant_experts`` and ``ep_size``."""
+def write_map(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequence[int] | None = None, *,
+              model: str | None = None, num_hidden_layers: int | None = None) -> dict[str, Any]:
+    """Write ``[[P expert ids] per MoE layer]`` JSON for the plan rows ``moe_layers`` (default: those with load),
+    atomically; returns ``num_slots``, ``num_redundant_experts``, ``ep_size`` and ``notes``. The plan's MTP rows
+    (engine layer ``num_hidden_layers`` and above, :func:`moebalance.engines.layers.plan_layers`) are left out:
+    vLLM balances an MTP drafter's experts in a state of their own."""
+    from moebalance.engines.layers import plan_layers
+
     table = slot_table(plan)
-    if not moe_layers:
+    layers = plan_layers(plan, model=model, num_hidden_layers=num_hidden_layers)
+    rows = [r for r in range(plan.num_layers) if r not in plan.dense_layers] if moe_layers is None else \
+        [int(r) for r in moe_layers]
+    notes = list(layers.notes)
+    mtp = [r for r in rows if r in layers.mtp_rows]
+    if mtp:
+        rows = [r for r in rows if r not in mtp]
+        notes.append(f"the plan's MTP layer{'s' * (len(mtp) > 1)} ({', '.join(str(layers.layer_ids[r]) for r in mtp)})"
+                     " left out: vLLM balances an MTP drafter's experts separately")
+    if not rows:
         raise PlanError("no MoE layer to write: every layer of the plan is dense (no load)")
-    rows = [[int(e) for e in table.phy2log[layer]] for layer in moe_layers]
-    atomic_write_text(Path(path), json.dumps(rows, separators=(",", ":")) + "\n")
+    data = [[int(e) for e in table.phy2log[layer]] for layer in rows]
+    atomic_write_text(Path(path), json.dumps(data, separators=(",", ":")) + "\n")
     return {"num_slots": table.num_slots, "num_redundant_experts": table.num_slots - plan.num_experts,
-            "ep_size": plan.num_gpus}
+            "ep_size": plan.num_gpus, "notes": notes}

@@ -24,7 +24,13 @@ registers another policy, so :func:`register` replaces the ``"default"`` entry, 
   that already hold most of their experts (an assignment problem per layer: no more moves than the fresh plan
   as laid out, often far fewer) and an expert staying on a rank keeps its slot. The matching may move a GPU's set
   to another node, which leaves the balance as it is but not hierarchical EPLB's group-to-node packing. When the
-  slot count changed (elastic EP), the fresh plan is taken as it is.
+  slot count changed (elastic EP), the fresh plan is taken as it is. After an elastic scale-up vLLM passes the
+  current map with ``-1`` in the slots it added: those are empty slots, never an expert id. The current placement
+  is then judged with them filled (:func:`fill_empty`: experts without a copy first, then the most load per copy),
+  and kept only if it holds every expert; no variant ever returns ``-1``.
+
+:func:`register` logs (logger ``"moebalance"``, level INFO) which variant replaced vLLM's policy. A vLLM that
+``VLLM_PLUGINS`` tells to skip the plug-in runs none of its code; :func:`skipped` says so from the environment.
 
 Balancedness here is vLLM's: ``mean / max`` of per-rank load, each expert's load split evenly over its copies.
 """
@@ -32,20 +38,26 @@ Balancedness here is vLLM's: ``mean / max`` of per-rank load, each expert's load
 from __future__ import annotations
 
 import inspect
+import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from moebalance.core.errors import InputError
 
-__all__ = ["ENV", "TOLERANCE_ENV", "VARIANTS", "balancedness", "keep_slots", "make_policy", "move_aware", "plan_slots",
-           "register", "returns_tuple"]
+__all__ = ["ENTRY_POINT", "ENV", "TOLERANCE_ENV", "VARIANTS", "balancedness", "fill_empty", "keep_slots",
+           "make_policy", "move_aware", "plan_slots", "register", "returns_tuple", "skipped"]
 
 #: The environment variable that chooses the variant; unset, the plug-in does nothing.
 ENV = "MOEBALANCE_VLLM_EPLB"
+#: The plug-in's entry-point name in the ``vllm.general_plugins`` group (what ``VLLM_PLUGINS`` must list).
+ENTRY_POINT = "moebalance_eplb"
 TOLERANCE_ENV = "MOEBALANCE_VLLM_EPLB_TOLERANCE"
 VARIANTS = ("eplb", "eplb-no-duplicates", "move-aware")
+
+logger = logging.getLogger("moebalance")
 
 
 def balancedness(phy2log: np.ndarray, weight: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -77,27 +89,56 @@ def plan_slots(weight: np.ndarray, num_replicas: int, num_groups: int, num_nodes
     return np.asarray(phy2log, dtype=np.int64)
 
 
+def fill_empty(old: np.ndarray, weight: np.ndarray, num_ranks: int) -> np.ndarray:
+    """``old [L, P]`` with every empty slot (``-1``, as vLLM marks the slots an elastic scale-up adds) filled, in
+    slot order: an expert without a copy first (heaviest first), else the one with the most load per copy, never
+    one the slot's rank already holds while another is left (ties: fewer copies, then the lower id). On an idle
+    window this gives the missing experts in id order, then extra copies round the experts in id order."""
+    out = np.array(old, dtype=np.int64)
+    E, S = weight.shape[1], old.shape[1] // num_ranks
+    ids = np.arange(E)
+    for layer in np.flatnonzero((out < 0).any(axis=1)):
+        row = out[layer]
+        copies = np.bincount(row[row >= 0], minlength=E)
+        for p in np.flatnonzero(row < 0):
+            block = row[(p // S) * S:(p // S + 1) * S]
+            elsewhere = ~np.isin(ids, block[block >= 0])
+            cand = ids[elsewhere] if elsewhere.any() else ids
+            share = weight[layer, cand] / np.maximum(copies[cand], 1)
+            e = int(cand[np.lexsort((cand, copies[cand], -share, copies[cand] > 0))[0]])
+            row[p] = e
+            copies[e] += 1
+    return out
+
+
 def move_aware(old: np.ndarray, fresh: np.ndarray, weight: np.ndarray, num_ranks: int,
                tolerance: float) -> np.ndarray:
-    """``int64 [L, P]``: per layer, ``old`` if its balancedness is within ``tolerance`` of ``fresh``'s, else
-    ``fresh`` with its rank blocks matched to the ranks holding most of their experts and staying experts in
-    their old slots (module docstring)."""
+    """``int64 [L, P]``: per layer, ``old`` (its empty slots filled, :func:`fill_empty`) if it holds every expert
+    and its balancedness is within ``tolerance`` of ``fresh``'s, else ``fresh`` with its rank blocks matched to
+    the ranks holding most of their experts and staying experts in their old slots (module docstring). Never
+    returns an empty slot."""
     from scipy.optimize import linear_sum_assignment
 
     if old.shape != fresh.shape or fresh.shape[1] % num_ranks:  # elastic EP changed the slots: nothing to keep
         return fresh
     P = fresh.shape[1]
     S = P // num_ranks
-    keep = balancedness(old, weight, num_ranks) >= (1.0 - tolerance) * balancedness(fresh, weight, num_ranks)
-    out = old.copy()
     E = weight.shape[1]
+    filled = fill_empty(old, weight, num_ranks)
+    present = np.zeros((filled.shape[0], E), dtype=bool)
+    present[np.repeat(np.arange(filled.shape[0]), P), filled.ravel()] = True
+    keep = present.all(axis=1) & \
+        (balancedness(filled, weight, num_ranks) >= (1.0 - tolerance) * balancedness(fresh, weight, num_ranks))
+    out = filled
+    rank_of = np.repeat(np.arange(num_ranks), S)
     for layer in np.flatnonzero(~keep):
         new_blocks = fresh[layer].reshape(num_ranks, S)
         old_blocks = old[layer].reshape(num_ranks, S)
+        held = old[layer] >= 0  # an empty slot holds nothing to keep
         have = np.zeros((num_ranks, E))
-        np.add.at(have, (np.repeat(np.arange(num_ranks), S), old_blocks.ravel()), 1.0)
+        np.add.at(have, (rank_of[held], old[layer][held]), 1.0)
         want = np.zeros((num_ranks, E))
-        np.add.at(want, (np.repeat(np.arange(num_ranks), S), new_blocks.ravel()), 1.0)
+        np.add.at(want, (rank_of, new_blocks.ravel()), 1.0)
         overlap = np.minimum(want[:, None, :], have[None, :, :]).sum(axis=2)  # [new block, rank]
         blocks, ranks = linear_sum_assignment(-overlap)
         for b, r in zip(blocks, ranks, strict=True):
@@ -148,6 +189,10 @@ def make_policy(variant: str, base: type | None = None) -> type:
         if old_global_expert_indices is not None:
             old = old_global_expert_indices
             old_np = (old.detach().cpu().numpy() if isinstance(old, torch.Tensor) else np.asarray(old)).astype(np.int64)
+            if old_np.size and (old_np.min() < -1 or old_np.max() >= w.shape[1]):
+                bad = int(old_np.min() if old_np.min() < -1 else old_np.max())
+                raise InputError(f"old_global_expert_indices holds {bad}; vLLM marks an empty slot -1 and the experts "
+                                 f"0..{w.shape[1] - 1}")
             if variant == "move-aware":
                 fresh = move_aware(old_np, fresh, w, num_ranks, tolerance)
             elif old_np.shape == fresh.shape and fresh.shape[1] % num_ranks == 0:
@@ -168,35 +213,63 @@ def _tuple_returning(policy: type) -> type:
 
     def rebalance_experts(cls: type, weight: Any, num_replicas: int, num_groups: int, num_nodes: int,
                           num_ranks: int, old_global_expert_indices: Any = None) -> Any:
-        from moebalance.core.plan import _log2phy
+        from moebalance.core.cluster import Cluster
+        from moebalance.core.plan import Placement
 
         phy2log = inner(weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices)
-        E = int(weight.shape[1])
-        log2phy = _log2phy(phy2log.numpy(), E)
-        logcnt = np.stack([np.bincount(row, minlength=E) for row in phy2log.numpy()])
-        return phy2log, torch.from_numpy(log2phy), torch.from_numpy(logcnt.astype(np.int64))
+        tensors = Placement.from_eplb(phy2log, Cluster(num_nodes=1, gpus_per_node=num_ranks),
+                                      num_experts=int(weight.shape[1])).to_eplb()
+        return phy2log, torch.from_numpy(tensors.log2phy), torch.from_numpy(tensors.logcnt.astype(np.int64))
 
     return type(policy.__name__, (policy,), {"rebalance_experts": classmethod(rebalance_experts)})
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: replace vLLM's ``"default"`` EPLB policy by the variant
-    ``$MOEBALANCE_VLLM_EPLB`` names; do nothing when it is unset."""
+    ``$MOEBALANCE_VLLM_EPLB`` names, and log which (logger ``"moebalance"``); do nothing when it is unset.
+
+    The variant is checked before vLLM is looked at, so a wrong name is named whatever vLLM is installed; a vLLM
+    without pluggable policies (no ``vllm.distributed.eplb.policy``, or no ``EPLB_POLICIES`` in it) is one
+    :class:`InputError` line saying what is needed."""
     variant = os.environ.get(ENV)
     if not variant:
         return
+    make_policy(variant)  # a wrong variant or tolerance fails here, with the valid choices
+    need = (f"{ENV}={variant} needs a vLLM whose EPLB has pluggable policies (vllm.distributed.eplb.policy with "
+            "EPLB_POLICIES); upgrade vLLM or unset the variable")
     try:  # only reached inside vLLM, with the variable set
         from vllm.distributed.eplb import policy as vllm_policy
-    except ImportError:
-        raise ImportError(f"{ENV}={variant} needs a vLLM whose EPLB has pluggable policies "
-                          "(vllm.distributed.eplb.policy, EPLB_POLICIES); upgrade vLLM or unset the variable") from None
-    registry = vllm_policy.EPLB_POLICIES
+    except ImportError as exc:  # no such module, or one that fails to import (a dependency missing)
+        first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise InputError(f"{need} (importing it failed: {first})") from None
+    registry = getattr(vllm_policy, "EPLB_POLICIES", None)
+    if not isinstance(registry, dict) or "default" not in registry:
+        lacks = "no EPLB_POLICIES" if registry is None else "no 'default' entry in EPLB_POLICIES"
+        raise InputError(f"{need} (this vLLM's policy module has {lacks})")
     default = registry["default"]
-    base = getattr(vllm_policy, "AbstractEplbPolicy", None)
-    cls = make_policy(variant, base)
+    cls = make_policy(variant, getattr(vllm_policy, "AbstractEplbPolicy", None))
     if returns_tuple(default):
         cls = _tuple_returning(cls)
     registry["default"] = cls
+    logger.info("vLLM's EPLB policy 'default' (%s) replaced by moebalance's %s (%s=%s)",
+                getattr(default, "__name__", repr(default)), variant, ENV, variant)
+
+
+def skipped(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why vLLM will not load the plug-in although ``MOEBALANCE_VLLM_EPLB`` asks for it, or ``None``.
+
+    vLLM loads only the plug-ins ``VLLM_PLUGINS`` (comma-separated entry-point names) lists, when it is set, and a
+    plug-in it does not load runs no code: :func:`register` cannot say it was skipped. This check, for a launch
+    script or ``make engines``, can."""
+    env = os.environ if environ is None else environ
+    variant, allowed = env.get(ENV), env.get("VLLM_PLUGINS")
+    if not variant or allowed is None:
+        return None
+    names = [x.strip() for x in allowed.split(",") if x.strip()]
+    if ENTRY_POINT in names:
+        return None
+    return (f"{ENV}={variant} asks for moebalance's EPLB policy, but VLLM_PLUGINS={allowed!r} does not name "
+            f"{ENTRY_POINT!r}, so vLLM will not load the plug-in: add {ENTRY_POINT} to VLLM_PLUGINS")
 
 
 def returns_tuple(default: Any) -> bool:
