@@ -461,8 +461,8 @@ def test_eplb_replica_budget_too_small(tmp_path: Path, inp: Path, outdir: Path,
 
 
 @pytest.mark.parametrize(("budget", "fragment"), [
-    (["--slots-per-gpu", "0"], "slots_per_gpu (0)"),
-    (["--slots-per-gpu", "-3"], "slots_per_gpu (-3)"),
+    (["--slots-per-gpu", "0"], "--slots-per-gpu: 0 must be >= 1"),
+    (["--slots-per-gpu", "-3"], "--slots-per-gpu: -3 must be >= 1"),
     (["--replicas-per-gpu", "-1"], "replicas_per_gpu (-1)"),
 ])
 @pytest.mark.parametrize("command", ["plan", "compare"])
@@ -543,9 +543,10 @@ def test_bad_policies_compare(policies: str, fragments: tuple[str, ...], tmp_pat
     ("plan", "speed=3", ("policy 'greedy' has no parameter 'speed'",)),
     ("plan", "novalue", ("--set 'novalue' must look like key=value",)),
     ("plan", "=3", ("--set '=3' must look like key=value",)),
-    ("compare", "speed=3", ("has no parameter 'speed'",)),
+    ("compare", "speed=3", ("--set speed: no policy among --policies contiguous,greedy has parameter 'speed'",
+                            "contiguous: none; greedy: none")),
     ("compare", "greedy.speed=3", ("policy 'greedy' has no parameter 'speed'",)),
-    ("compare", "craft.speed=3", ("policy 'craft' is not being compared",)),
+    ("compare", "craft.speed=3", ("'craft' is not among --policies contiguous,greedy",)),
     ("compare", "novalue", ("--set 'novalue' must look like key=value",)),
 ])
 def test_bad_set_parameter(command: str, item: str, fragments: tuple[str, ...], tmp_path: Path, trace_file: Path,
@@ -595,8 +596,11 @@ def test_compare_one_batch_with_default_train_fraction(tmp_path: Path, inp: Path
 
 
 @pytest.mark.parametrize(("cluster", "fragment"), [
-    (["--nodes", "0", "--gpus-per-node", "2"], "num_nodes (0)"),
-    (["--nodes", "2", "--gpus-per-node", "-1"], "gpus_per_node (-1)"),
+    (["--nodes", "0", "--gpus-per-node", "2"], "--nodes: 0 must be >= 1"),
+    (["--nodes", "2", "--gpus-per-node", "-1"], "--gpus-per-node: -1 must be >= 1"),
+    # absurd sizes are one line, not a MemoryError
+    (["--nodes", "100000", "--gpus-per-node", "100000"], "--nodes: 100,000 is more than 65,536"),
+    (["--nodes", "512", "--gpus-per-node", "256"], "--nodes x --gpus-per-node = 131,072 is outside 1..65,536"),
 ])
 @pytest.mark.parametrize("command", ["plan", "compare"])
 def test_bad_cluster(command: str, cluster: list[str], fragment: str, tmp_path: Path, trace_file: Path, outdir: Path,
@@ -865,11 +869,24 @@ def test_evaluate_json_ranges(policy: str, router: str, trace_file: Path, outdir
         assert key in r, key
     assert 0 < r["balancedness"] <= 1
     assert r["imbalance_ratio"] >= 1
-    assert r["imbalance_ratio"] == pytest.approx(1 / r["balancedness"], rel=0.5)
     assert len(r["per_layer_balancedness"]) == L
     assert all(0 < v <= 1 for v in r["per_layer_balancedness"])
     assert r["lower_bound_gap"] >= -1e-9
-    assert r["max_slots_per_gpu"] <= 5 and r["extra_replicas"] >= 0
+    # every layer has load in every batch: the means over (batch, layer) are the means of the per-layer values, and
+    # per layer the mean of max/mean is at least 1 / the mean of mean/max (arithmetic against harmonic mean)
+    per_bal, per_imb = np.array(r["per_layer_balancedness"]), np.array(r["per_layer_imbalance_ratio"])
+    assert r["balancedness"] == pytest.approx(per_bal.mean(), abs=2e-6)
+    assert r["imbalance_ratio"] == pytest.approx(per_imb.mean(), abs=2e-6)
+    assert np.all(per_imb >= 1 / per_bal - 1e-5)
+    # 16 experts on 4 GPUs: 4 slots each without replicas; eplb fills its 5 slots, 4 extra per layer
+    assert r["extra_replicas"] == {"contiguous": 0, "greedy": 0, "eplb": L * (5 * G - E)}[policy]
+    assert r["max_slots_per_gpu"] == {"contiguous": 4, "greedy": 4, "eplb": 5}[policy]
+    if policy != "eplb":  # one copy of each expert: any router sends an expert's picks to its one GPU
+        copies = read_plan(plan).copies  # [L, E, G]
+        with np.load(trace_file) as f:
+            loads = np.einsum("ble,leg->blg", f["counts"][2:4], copies).astype(float)  # [2, L, G]
+        assert per_bal == pytest.approx((loads.mean(axis=2) / loads.max(axis=2)).mean(axis=0), abs=1e-6)
+        assert per_imb == pytest.approx((loads.max(axis=2) / loads.mean(axis=2)).mean(axis=0), abs=1e-6)
     assert r["router"] == router and r["num_batches"] == 2 and r["batches"] == "2:4"
     t = r["traffic"]
     T = 2 * TOKENS
@@ -1188,3 +1205,130 @@ def test_compare_refuses_a_bad_router_option_before_writing(trace_file: Path, tm
     assert_user_error(["compare", "--load", trace_file, "--policies", "eplb", *CLUSTER, "--slots-per-gpu", 6,
                        "--router", "uniform,rebalance", "--router-set", "eps=-1", "--out-dir", tmp_path / "c"],
                       capsys, tmp_path, "eps (-1)")
+
+
+# ----- budgets, models and options a command would ignore --------------------------------------------------------
+
+def test_compare_and_plan_show_a_budget_the_policy_converted(trace_file: Path, outdir: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # 16 experts on 4 GPUs in 3 layers: 5 slots per GPU are R = 3 * (5 - 16 / 4) = 3 extra replicas per GPU for craft
+    argv = ["compare", "--load", trace_file, "--policies", "greedy,craft", *CLUSTER, "--slots-per-gpu", 5,
+            "--out-dir", outdir / "c"]
+    rc, out, err = run_cli([*argv, "--json"], capsys)
+    assert rc == 0, err
+    rows = {r["policy"]: r for r in json.loads(out)["rows"]}
+    assert "budget_note" not in rows["greedy"]
+    note = rows["craft"]["budget_note"]
+    assert note.startswith("slots_per_gpu 5 read as replicas_per_gpu 3 = L * (S - E / G) for craft")
+    md = (outdir / "c" / "comparison.md").read_text()
+    assert "| craft (budget note 1) |" in md and f"- budget note 1 (craft): {note}" in md and "| greedy |" in md
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 0, err
+    assert "craft (budget note 1)" in out and "budget note 1 (craft): slots_per_gpu 5 read as replicas_per_gpu 3" in out
+    rc, out, err = run_cli(["plan", "--load", trace_file, "--policy", "craft", *CLUSTER, "--slots-per-gpu", 5, "--out",
+                            outdir / "p.json"], capsys)
+    assert rc == 0, err
+    assert f"budget note: {note}" in out
+
+
+@pytest.mark.xfail(strict=True, reason="Capacity.uniform_slots (core/budget.py) notes nothing when R rounds down to "
+                                       "no replica per layer")
+def test_compare_notes_a_replica_budget_eplb_cannot_spend(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # R = 2 gives 8 extra replicas; EPLB's equal slots need 3 * 4 = 12 for one more slot per GPU, so it uses none
+    rc, out, err = run_cli(["compare", "--load", trace_file, "--policies", "eplb,craft", *CLUSTER,
+                            "--replicas-per-gpu", 2, "--json"], capsys)
+    assert rc == 0, err
+    rows = {r["policy"]: r for r in json.loads(out)["rows"]}
+    assert rows["eplb"]["extra_replicas"] == 0 and rows["craft"]["extra_replicas"] == 8
+    assert "replicas_per_gpu 2" in rows["eplb"]["budget_note"]
+
+
+def test_plan_model_gives_eplb_the_models_groups(inp: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a DeepSeek-V3-shaped load that names no model (an engine's dump): 58 MoE layers x 256 experts
+    np.save(inp / "ds.npy", np.random.default_rng(0).integers(1, 50, size=(2, 58, 256)))
+    base = ["plan", "--load", inp / "ds.npy", "--policy", "eplb", "--nodes", 8, "--gpus-per-node", 8,
+            "--slots-per-gpu", 5, "--out", outdir / "p.json"]
+    rc, out, err = run_cli(base, capsys)
+    assert rc == 0, err
+    assert (read_plan(outdir / "p.json").params["mode"], read_plan(outdir / "p.json").params["num_groups"]) == \
+        ("global", 1)
+    assert "eplb ran global: 1 expert group(s), the load names no model with expert groups: give --model" in out
+    rc, out, err = run_cli([*base, "--model", "deepseek-v3"], capsys)
+    assert rc == 0, err
+    plan = read_plan(outdir / "p.json")
+    assert (plan.params["mode"], plan.params["num_groups"]) == ("hierarchical", 8)
+    assert "eplb ran hierarchical: 8 expert group(s), DeepSeek-V3's (--model); 8 node(s) divide them" in out
+    rc, out, err = run_cli([*base, "--model", "deepseek-v3", "--groups", 1], capsys)
+    assert rc == 0 and "eplb ran global: 1 expert group(s), as given" in out
+    assert_user_error([*base, "--model", "kimi-k2"], capsys, inp, "--model kimi-k2 has 60 MoE layers",
+                      "the load has 58 x 256")
+
+
+def test_plan_model_on_a_load_that_names_one(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the bundled load names its model: --model would change nothing without the cost model
+    assert_user_error(["plan", "--load", "bundled:olmoe-1b-7b-tokens", "--policy", "greedy", *CLUSTER,
+                       "--slots-per-gpu", 16, "--model", "olmoe-1b-7b", "--out", outdir / "p.json"], capsys, tmp_path,
+                      "the load names its model already (olmoe-1b-7b)", "--gpu")
+
+
+@pytest.mark.parametrize(("extra", "fragment"), [
+    (["--memory-fraction", "2"], "--memory-fraction: 2 must be in (0, 1]"),
+    (["--memory-fraction", "0.5"], "--memory-fraction is used by plan only with --auto-by goodput"),
+    (["--gpu", "h100-80gb"], "--gpu is used by plan only with --auto-by goodput"),
+    (["--intra-link", "nvlink4"], "--intra-link is used by plan only with --auto-by goodput"),
+    (["--slots-per-gpu", "1000000000"], "--slots-per-gpu: 1,000,000,000 is more than 65,536"),
+])
+def test_plan_refuses_options_it_would_ignore(extra: list[str], fragment: str, tmp_path: Path, trace_file: Path,
+                                              outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    budget = [] if "--slots-per-gpu" in extra else ["--slots-per-gpu", "4"]
+    assert_user_error(["plan", "--load", trace_file, "--policy", "greedy", *CLUSTER, *budget, *extra, "--out",
+                       outdir / "p.json"], capsys, tmp_path, fragment)
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["cost", "--model", "kimi-k2", "--gpu", "a100-80gb", "--nodes", "100000", "--gpus-per-node", "100000"],
+     "--nodes: 100,000 is more than 65,536"),
+    (["cost", "--model", "kimi-k2", "--gpu", "a100-80gb", "--nodes", "1000", "--gpus-per-node", "1000"],
+     "--nodes x --gpus-per-node = 1,000,000 is outside 1..65,536"),
+    (["import", "--load", "x.json", "--out", "y.npz", "--gpus", "-2"], "--gpus: -2 must be >= 1"),
+    (["synth", "--preset", "olmoe-1b-7b", "--batches", "2", "--tokens-per-batch", "8", "--gpus", "1000000000",
+      "--out", "t.npz"], "--gpus: 1,000,000,000 is more than 65,536"),
+])
+def test_sizes_are_bounded_in_one_line(argv: list[str], fragment: str, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(argv, capsys, tmp_path, fragment)
+
+
+def test_groups_is_a_first_set_item_in_compare(trace_file: Path, outdir: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_cli(["compare", "--load", trace_file, "--policies", "greedy,eplb", *CLUSTER, "--slots-per-gpu", 5,
+                          "--groups", 2, "--set", "num_groups=1", "--out-dir", outdir / "c"], capsys)
+    assert rc == 0, err
+    assert read_plan(outdir / "c" / "plan-eplb.json").params["num_groups"] == 1  # the later item wins
+    rc, _, err = run_cli(["compare", "--load", trace_file, "--policies", "greedy,eplb", *CLUSTER, "--slots-per-gpu", 5,
+                          "--groups", 1, "--out-dir", outdir / "d"], capsys)
+    assert rc == 0, err
+    assert read_plan(outdir / "d" / "plan-eplb.json").params["num_groups"] == 1
+    assert_user_error(["compare", "--load", trace_file, "--policies", "greedy,contiguous", *CLUSTER,
+                       "--slots-per-gpu", 5, "--groups", 2], capsys, tmp_path,
+                      "--groups: no policy among --policies greedy,contiguous has parameter 'num_groups'")
+
+
+def test_sweep_names_craft_uniform_and_takes_set(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(1)
+    load = tmp_path / "c.npy"
+    np.save(load, rng.integers(1, 200, size=(4, 3, 16)))
+    argv = ["sweep", "--load", load, *CLUSTER, "--replicas-per-gpu", "0,2", "--json"]
+    rc, out, err = run_cli([*argv, "--policies", "uniform,eplb", "--set", "eplb.num_groups=2"], capsys)
+    assert rc == 0, err
+    points = {(q["policy"], q["replicas_per_gpu"]): q for q in json.loads(out)["points"]}
+    assert set(points) == {("craft-uniform", 0), ("craft-uniform", 2), ("eplb", 0), ("eplb", 2), ("eplb", 3)}
+    assert points[("craft-uniform", 2)]["extra_replicas"] == 2 * G  # the same replicas in every layer, all spent
+    rc, out, err = run_cli([*argv, "--policies", "craft", "--set", "replica_counts=[1, 2]"], capsys)
+    assert rc == 0, err
+    rc, text, err = run_cli([*argv[:-1], "--policies", "craft-uniform,greedy"], capsys)
+    assert rc == 0 and "craft-uniform" in text
+    assert_user_error([*argv, "--policies", "craft", "--groups", 2], capsys, tmp_path,
+                      "--groups: policy 'craft' has no parameter 'num_groups'")
+    assert_user_error([*argv, "--policies", "craft-uniform", "--set", "allocation=benefit"], capsys, tmp_path,
+                      "policy 'craft-uniform' has no parameter 'allocation'")

@@ -733,13 +733,25 @@ def test_cli_online_several_policies_and_out_dir(trace_file: Path, tmp_path: Pat
                           "--replan-every", "2"), capsys)
     eplb, libra = doc["results"]
     assert eplb["replans"] == 1 and eplb["params"]["replan_every"] == 2 and libra["replans"] == 0
-    # a policy's own value wins over a plain one, whatever their order
+    # one --set rule in every command: later items win, whichever form they take
     doc = run_json(online(trace_file, "libra", "--slots-per-gpu", "4", "--set", "libra.n=1", "--set", "n=3",
                           "--set", "predictor=oracle"), capsys)
+    assert doc["params"]["n"] == 3
+    doc = run_json(online(trace_file, "libra", "--slots-per-gpu", "4", "--set", "n=3", "--set", "libra.n=1",
+                          "--set", "predictor=oracle"), capsys)
     assert doc["params"]["n"] == 1
-    # a plain option another listed policy lacks: the error says how to aim it
-    assert_user_error(online(trace_file, "eplb,libra", "--slots-per-gpu", "5", "--set", "n=2"), capsys,
-                      "policy 'eplb' has no parameter 'n'", "--set eplb.KEY=VALUE")
+    # a plain option goes to every listed policy that has it, here libra only
+    doc = run_json(online(trace_file, "eplb,libra", "--slots-per-gpu", "5", "--set", "n=2", "--set",
+                          "predictor=oracle"), capsys)
+    eplb, libra = doc["results"]
+    assert libra["params"]["n"] == 2 and "n" not in eplb["params"]
+    # --groups is a first --set num_groups: a later --set wins, as in compare
+    doc = run_json(online(trace_file, "eplb", "--slots-per-gpu", "5", "--groups", "2", "--set", "num_groups=1"),
+                   capsys)
+    assert doc["params"]["num_groups"] == 1
+    # an option no listed policy has: one line naming what they have
+    assert_user_error(online(trace_file, "eplb,libra", "--slots-per-gpu", "5", "--set", "speed=2"), capsys,
+                      "no policy among --policy eplb,libra has parameter 'speed'", "eplb: num_groups")
 
 
 def test_cli_predict_json(trace_file: Path, build_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -792,7 +804,8 @@ def test_cli_predict_and_online_lookahead(captured: tuple[Any, Any], tmp_path: P
     (["--policy", "eplb,", "--slots-per-gpu", "4", "--window", "2"], ("--window needs --replan-every",)),
     (["--policy", "libra", "--slots-per-gpu", "4", "--replan-every", "2", "--set", "predictor=oracle"],
      ("--replan-every",)),
-    (["--policy", "libra", "--slots-per-gpu", "4"], ("hidden states", "--hidden-states")),
+    (["--policy", "libra", "--slots-per-gpu", "4", "--set", "predictor=lookahead"], ("hidden states",
+                                                                                     "--hidden-states")),
     (["--policy", "libra", "--slots-per-gpu", "4", "--set", "predictor=crystal"], ("crystal",)),
     (["--policy", "libra", "--slots-per-gpu", "4", "--set", "predictor=oracle", "--set", "speed=3"], ("'speed'",)),
     (["--policy", "eplb,libra", "--slots-per-gpu", "4", "--set", "foo.n=4"], ("foo.n", "'foo'", "eplb,libra")),
@@ -935,3 +948,38 @@ def test_predictors_do_not_see_the_future(seed: int) -> None:
     assert np.array_equal(again.topk_ids, base_pred.topk_ids) and np.array_equal(again.demand, base_pred.demand)
     earlier = scrambled(tr.topk_ids, slice(0, lo), slice(None))
     assert not np.array_equal(hist.predict(earlier, b, G).demand, base_pred.demand)
+
+
+def test_cli_online_libra_predicts_with_what_the_trace_has(trace_file: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # an engine's trace records no hidden states: libra given no predictor uses the path table, and says so
+    rc, out, err = run_cli([*online(trace_file, "libra", "--slots-per-gpu", "4"), "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["params"]["predictor"] == "path" and "records no hidden states" in doc["predictor_note"]
+    assert "note: libra predicts with path" in err and 0 <= doc["prediction_accuracy"] <= 1
+    rc, text, err = run_cli(online(trace_file, "libra", "--slots-per-gpu", "4"), capsys)
+    assert rc == 0 and "libra (path, n=8, alpha=0.5)" in text
+    # counts only: history
+    counts = tmp_path / "counts.npy"
+    np.save(counts, np.random.default_rng(0).integers(1, 9, size=(4, 3, 16)))
+    doc = run_json(["online", "--load", counts, "--policy", "libra", *CLUSTER, "--slots-per-gpu", "4", "--warmup",
+                    "0:2"], capsys)
+    assert doc["params"]["predictor"] == "history" and "counts only" in doc["predictor_note"]
+    # a predictor given is used as given, without a note
+    doc = run_json(online(trace_file, "libra", "--slots-per-gpu", "4", "--set", "predictor=oracle"), capsys)
+    assert doc["params"]["predictor"] == "oracle" and "predictor_note" not in doc
+
+
+def test_cli_online_shows_the_modelled_prefetch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["online", "--load", "bundled:olmoe-1b-7b-tokens", "--policy", "libra", "--nodes", "1", "--gpus-per-node",
+            "8", "--slots-per-gpu", "10", "--warmup", "0:8", "--batches", "8:10", "--set", "predictor=oracle",
+            "--model", "olmoe-1b-7b", "--intra-link", "pcie4"]
+    doc = run_json(argv, capsys)["modelled_prefetch"]
+    rc, text, err = run_cli([*argv, "--out-dir", tmp_path / "o"], capsys)
+    assert rc == 0, err
+    cells = f"{doc['gb_per_batch']:.3f}", f"{doc['mean_ms_per_gpu_and_layer']:.3f}"
+    assert text.count("prefetch") == 2 and all(c in text for c in cells)  # the two columns' headers and cells
+    md = (tmp_path / "o" / "online.md").read_text()
+    assert "| prefetch GiB / batch | prefetch ms / GPU and layer |" in md and f"| {cells[0]} | {cells[1]} |" in md
+    assert_user_error([*argv[:-4], "--intra-link", "pcie4"], capsys, "--intra-link is used by online only with --model")

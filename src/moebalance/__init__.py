@@ -20,8 +20,13 @@ router
     The run-time rule that picks, for each token and chosen expert, which replica serves it.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from moebalance.core.errors import BudgetError, InputError, MoebalanceError, PlanError
 
-__version__ = "0.1.0"
+try:  # the one place the version is written is pyproject.toml; the installed metadata carries it
+    __version__ = version("moebalance")
+except PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "unknown"
 
 __all__ = ["BudgetError", "InputError", "MoebalanceError", "PlanError", "__version__"]

@@ -1,36 +1,44 @@
 """Compare plans on one load: each scenario plans on the first batches and is scored on the held-out rest
 (CRAFT Section 5.1's protocol).
 
-A :class:`Scenario` is one row of a comparison: a label, a policy with its parameters, a budget and a router.
-A :class:`Comparison` is a load, a cluster and its scenarios; ``moebalance compare`` builds one from its
-arguments, and the demo is a list of them (:mod:`moebalance.app.demo`).
+A :class:`Scenario` is one row of a comparison: a name, a label, a policy with its parameters, a budget and a
+router. A :class:`Comparison` is a load, a cluster and its scenarios; ``moebalance compare`` builds one from its
+arguments, and the demo is a list of them (:mod:`moebalance.app.demo`). Rows are keyed by scenario name; the
+label is what tables show.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from moebalance.app.report import ComparisonRow
+from moebalance.app.console import err, out, progress
+from moebalance.app.costing import bytes_per_copy
+from moebalance.app.report import ComparisonRow, comparison_markdown, comparison_table, plot_per_layer
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix
-from moebalance.core.plan import Placement
+from moebalance.core.plan import Placement, write_plan
 from moebalance.cost.goodput import PlanCost
 from moebalance.policies import make_plan
 from moebalance.routing import Router
 from moebalance.routing.simulate import evaluate
 
-__all__ = ["Comparison", "Scenario", "run_comparison"]
+__all__ = ["Comparison", "Scenario", "comparison_title", "emit_comparison", "run_comparison", "run_scenarios"]
 
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
     """One row: ``policy`` with ``params`` under ``budget``, scored with ``router``.
 
-    ``label`` names the row (default: the policy); ``plan_name`` the plan file ``plan-<name>.json`` (default: the
-    label); ``shown=False`` keeps the row out of the table, for numbers a note quotes.
+    ``name`` keys the row among the comparison's rows (default: the label); ``label`` is what tables show
+    (default: the policy); ``plan_name`` names the plan file ``plan-<name>.json`` (default: the label);
+    ``shown=False`` keeps the row out of the table, for numbers a note quotes.
     """
 
     policy: str
@@ -45,10 +53,17 @@ class Scenario:
     fixed: Placement | None = None
     #: Seconds it took to make ``fixed``, if it was made for this comparison (``--auto-by goodput``).
     fixed_seconds: float = 0.0
+    name: str | None = None
 
     @property
-    def name(self) -> str:
+    def display(self) -> str:
+        """The row's label in tables."""
         return self.label or self.policy
+
+    @property
+    def key(self) -> str:
+        """The row's key among the comparison's rows."""
+        return self.name or self.display
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +75,7 @@ class Comparison:
     scenarios: tuple[Scenario, ...]
     train_frac: float = 0.5
     seed: int = 0
-    #: Notes printed under the table; each may quote rows by label (``rows[label].score.balancedness``).
+    #: Notes printed under the table; each may quote rows by scenario name (``rows[name].score.balancedness``).
     notes: Callable[[Mapping[str, ComparisonRow]], list[str]] = lambda rows: []
 
 
@@ -69,11 +84,15 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
                    on_done: Callable[[str], None] | None = None,
                    cost: Callable[[Placement, LoadMatrix, str | Router], PlanCost] | None = None,
                    node_forwarding: bool = False) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
-    """Plan and score every scenario; rows by label (in order) and plans by plan name.
+    """Plan and score every scenario; rows by scenario key (in order) and plans by plan name.
 
     Scenarios that differ only in their router share one plan (made once, its planning time on each row). With
     ``cost``, each row also carries ``cost(plan, held-out load, router)`` (``compare --gpu``).
     """
+    keys = [sc.key for sc in scenarios]
+    for k in keys:
+        if keys.count(k) > 1:
+            raise InputError(f"two rows of the comparison are named {k!r}; give each scenario its own name")
     train, test = load.split(train_frac)
     rows: dict[str, ComparisonRow] = {}
     plans: dict[str, Placement] = {}
@@ -89,9 +108,59 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
         score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True,
                          node_forwarding=node_forwarding)
         modelled = None if cost is None else cost(plan, test, sc.router)
-        rows[sc.name] = ComparisonRow(sc.name, score, seconds, plan.warnings, modelled)
+        note = plan.params.get("budget_note")
+        rows[sc.key] = ComparisonRow(sc.display, score, seconds, plan.warnings, modelled,
+                                     note if isinstance(note, str) else None)
         if sc.shown:
-            plans[sc.plan_name or sc.name] = plan
+            plans[sc.plan_name or sc.display] = plan
         if on_done is not None:
-            on_done(sc.name)
+            on_done(sc.key)
     return rows, plans
+
+
+def run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], train_frac: float, seed: int,
+                  cost: Callable[[Placement, LoadMatrix, str | Router], PlanCost] | None = None,
+                  node_forwarding: bool = False) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
+    """:func:`run_comparison` with a progress bar, copies of the load model's hidden size."""
+    with progress() as bar:
+        task = bar.add_task("plan + score", total=len(scenarios))
+        return run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
+                              bytes_per_copy=bytes_per_copy(load, None, 2), on_done=lambda _: bar.advance(task),
+                              cost=cost, node_forwarding=node_forwarding)
+
+
+def comparison_title(load: LoadMatrix, source: str, cluster: Cluster, budget: Budget, train_frac: float,
+                     router: str) -> str:
+    train, test = load.split(train_frac)
+    return (f"{load.preset or source}: {load.num_layers} layers x {load.num_experts} experts on "
+            f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, {budget.describe()}, planned on {train.num_batches} "
+            f"batches, scored on {test.num_batches}{' held-out' if train_frac < 1 else ''} ({router} router)")
+
+
+def emit_comparison(rows: list[ComparisonRow], plans: dict[str, Placement], title: str, out_dir: str | None,
+                    as_json: bool, notes: Sequence[str] = ()) -> None:
+    """Print the comparison (table or JSON), its warnings and budget notes; with ``out_dir`` write the Markdown,
+    JSON, per-layer plot and plans there."""
+    doc = {"title": title, "rows": [r.as_dict() for r in rows]}
+    warned: set[str] = set()
+    for r in rows:  # rows of one plan under several routers share its warnings: each is printed once
+        for w in r.warnings:
+            if w not in warned:
+                warned.add(w)
+                err.print(f"warning: {r.policy}: {w}")
+    if out_dir:
+        d = Path(out_dir)
+        atomic_write_text(d / "comparison.md", comparison_markdown(
+            rows, title, [*notes, "", "![per-layer balancedness](per_layer_balancedness.png)"]))
+        atomic_write_text(d / "comparison.json", dumps(doc))
+        plot_per_layer(rows, d / "per_layer_balancedness.png", title)
+        for name, plan in plans.items():
+            write_plan(d / f"plan-{name}.json", plan)
+    if as_json:
+        sys.stdout.write(dumps(doc))
+        return
+    out.print(comparison_table(rows, title))
+    for note in notes:
+        out.print(note)
+    if out_dir:
+        out.print(f"wrote {out_dir}/comparison.md, comparison.json, per_layer_balancedness.png and plans")

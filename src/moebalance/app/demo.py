@@ -29,10 +29,10 @@ def _balance_notes(rows: Mapping[str, ComparisonRow]) -> list[str]:
         "- EPLB's hierarchical policy packs one expert group per node (DeepSeek-V3 has 8 groups, here 8 nodes), "
         "so node loads follow group loads; its global policy ignores groups.",
         f"- EPLB (global) under vLLM/SGLang-style random replica choice: balancedness "
-        f"{rows['eplb (global, random router)'].score.balancedness:.4f} (equal split: "
-        f"{rows['eplb (global)'].score.balancedness:.4f}); with Libra's token rebalancer "
-        f"{rows['eplb (global, rebalance router)'].score.balancedness:.4f}, with the best split of each batch "
-        f"(minmax router) {rows['eplb (global, minmax router)'].score.balancedness:.4f}.",
+        f"{rows['eplb-global-random'].score.balancedness:.4f} (equal split: "
+        f"{rows['eplb-global'].score.balancedness:.4f}); with Libra's token rebalancer "
+        f"{rows['eplb-global-rebalance'].score.balancedness:.4f}, with the best split of each batch "
+        f"(minmax router) {rows['eplb-global-minmax'].score.balancedness:.4f}.",
         "- Routing gap: how far the straggler is above the best split of the same tokens over the same copies.",
         "- craft (R=8) has a budget of 8 extra expert slots per GPU over all layers, 1/7 of EPLB's 58 here.",
         "- Gap to bound: how far the straggler is above max(total / G, max_e load_e / replicas_e).",
@@ -48,15 +48,16 @@ BALANCE = Comparison(
         Scenario("greedy", _SLOTS5),
         Scenario("eplb", _SLOTS5),
         # DeepSeek-V3 has 8 expert groups, so on 8 nodes EPLB runs its hierarchical policy; show the global too
-        Scenario("eplb", _SLOTS5, {"num_groups": 1}, label="eplb (global)", plan_name="eplb-global"),
+        Scenario("eplb", _SLOTS5, {"num_groups": 1}, label="eplb (global)", plan_name="eplb-global",
+                 name="eplb-global"),
         # CRAFT with R = 8 extra slots per GPU: 1/7 of EPLB's 58 per GPU (one per layer)
         Scenario("craft", Budget(replicas_per_gpu=8), label="craft (R=8)", plan_name="craft"),
         Scenario("eplb", _SLOTS5, {"num_groups": 1}, router="random", label="eplb (global, random router)",
-                 shown=False),
+                 shown=False, name="eplb-global-random"),
         Scenario("eplb", _SLOTS5, {"num_groups": 1}, router="rebalance", label="eplb (global, rebalance router)",
-                 shown=False),
+                 shown=False, name="eplb-global-rebalance"),
         Scenario("eplb", _SLOTS5, {"num_groups": 1}, router="minmax", label="eplb (global, minmax router)",
-                 shown=False),
+                 shown=False, name="eplb-global-minmax"),
     ),
     notes=_balance_notes,
 )

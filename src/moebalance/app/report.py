@@ -15,8 +15,8 @@ from moebalance.core.io import save_png
 from moebalance.cost.goodput import PlanCost
 from moebalance.routing.simulate import Score
 
-__all__ = ["ComparisonRow", "comparison_markdown", "comparison_table", "plot_per_layer",
-           "score_table"]
+__all__ = ["ComparisonRow", "budget_notes", "comparison_markdown", "comparison_table", "plot_per_layer",
+           "plot_sweep", "score_table", "sweep_markdown", "sweep_table"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,13 +29,16 @@ class ComparisonRow:
     warnings: tuple[str, ...] = ()
     #: The plan's modelled memory, time and goodput on the held-out batches (``compare --gpu``), if asked for.
     cost: PlanCost | None = None
+    #: How the policy read the budget when it could not take it as given (the plan's ``budget_note``), or None.
+    budget_note: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = self.score.as_dict()
         d.pop("traffic_matrix", None)
         extra = {} if self.cost is None else {"cost": self.cost.as_dict()}
+        note = {} if self.budget_note is None else {"budget_note": self.budget_note}
         return {"policy": self.policy, "plan_seconds": round(self.plan_seconds, 6), **d,
-                "warnings": list(self.warnings), **extra}
+                "warnings": list(self.warnings), **note, **extra}
 
 
 _COLUMNS = ("policy", "extra replicas", "balancedness", "imbalance ratio", "gap to bound", "routing gap", "plan time")
@@ -72,13 +75,36 @@ def _columns(rows: Sequence[ComparisonRow]) -> list[str]:
     return cols
 
 
+def budget_notes(rows: Sequence[ComparisonRow]) -> tuple[list[int | None], list[str]]:
+    """``(note number of each row or None, the notes)``: rows whose plan read the budget differently than given
+    (``budget_note``) point to a numbered line under the table, so no budget changes silently."""
+    numbers: list[int | None] = []
+    lines: list[str] = []
+    seen: dict[str, int] = {}
+    for r in rows:
+        if r.budget_note is None:
+            numbers.append(None)
+            continue
+        if r.budget_note not in seen:
+            seen[r.budget_note] = len(seen) + 1
+            lines.append(f"budget note {seen[r.budget_note]} ({r.policy}): {r.budget_note}")
+        numbers.append(seen[r.budget_note])
+    return numbers, lines
+
+
+def _noted(cells: list[str], number: int | None) -> list[str]:
+    return cells if number is None else [f"{cells[0]} (budget note {number})", *cells[1:]]
+
+
 def comparison_table(rows: Sequence[ComparisonRow], title: str) -> Table:
-    table = Table(title=title, title_justify="left")
+    """The rows as a terminal table; rows with a budget note name it, and the notes are the table's caption."""
+    numbers, notes = budget_notes(rows)
+    table = Table(title=title, title_justify="left", caption="\n".join(notes) or None, caption_justify="left")
     for i, col in enumerate(_columns(rows)):
         table.add_column(col, justify="left" if i == 0 else "right", no_wrap=i == 0)
     best = max(r.score.balancedness for r in rows) if rows else 0.0
-    for r in rows:
-        cells = _cells(r)
+    for r, number in zip(rows, numbers, strict=True):
+        cells = _noted(_cells(r), number)
         if r.score.balancedness == best:
             cells[2] = f"[bold green]{cells[2]}[/]"
         table.add_row(*cells)
@@ -87,8 +113,11 @@ def comparison_table(rows: Sequence[ComparisonRow], title: str) -> Table:
 
 def comparison_markdown(rows: Sequence[ComparisonRow], title: str, notes: Sequence[str] = ()) -> str:
     cols = _columns(rows)
+    numbers, budget = budget_notes(rows)
     lines = [f"# {title}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    lines += ["| " + " | ".join(_noted(_cells(r), n)) + " |" for r, n in zip(rows, numbers, strict=True)]
+    if budget:
+        lines += ["", *(f"- {line}" for line in budget)]
     if notes:
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
@@ -182,7 +211,7 @@ def plot_sweep(points: Sequence[Any], path: str | os.PathLike[str], title: str, 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    markers = {"craft": "o", "uniform": "s", "eplb": "^", "greedy": "x", "contiguous": "+"}
+    markers = {"craft": "o", "craft-uniform": "s", "eplb": "^", "greedy": "x", "contiguous": "+"}
     for policy in dict.fromkeys(p.policy for p in points):
         pts = sorted({(p.extra_replicas / num_gpus, p.balancedness) for p in points if p.policy == policy})
         xs, ys = zip(*pts, strict=True)

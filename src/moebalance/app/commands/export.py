@@ -1,39 +1,50 @@
-"""``moebalance import`` and ``moebalance export``: engines' files in, engines' files out."""
+"""``moebalance export``: a plan written in the form an engine loads (SGLang, TensorRT-LLM, vLLM).
+
+``--to`` names the engine (``--format``, its older name, still works; everywhere else ``--format`` is an input's
+format).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-import numpy as np
-
-from moebalance.app.console import check_out as _check_out
-from moebalance.app.console import err, out
+from moebalance.app import options
+from moebalance.app.console import check_out, err, out
 from moebalance.core.errors import InputError
 from moebalance.core.io import dumps
-from moebalance.core.load import write_load
 from moebalance.core.plan import Placement, read_plan
+from moebalance.engines import pad_plan, read_any_load
+from moebalance.engines.sglang import write_placement
+from moebalance.engines.trtllm import write_config
+from moebalance.engines.vllm import write_map
 
-__all__ = ["EXPORT_FORMATS", "cmd_export", "cmd_import", "engine_layers"]
+__all__ = ["EXPORT_FORMATS", "add_parser", "engine_layers", "run"]
 
-#: ``export --format`` values and the file each writes.
+#: ``export --to`` values and the file each writes.
 EXPORT_FORMATS = {"sglang": ".json", "trtllm": ".yaml", "vllm": ".json"}
 
 
-def cmd_import(args: argparse.Namespace) -> None:
-    from moebalance.engines import read_any_load
-
-    dest = _check_out(args.out, ".npz")
-    load = read_any_load(args.load, args.format, gpus=args.gpus, batch_tokens=args.batch_tokens,
-                         num_experts=args.experts)
-    write_load(dest, load)
-    B, L, E = load.counts.shape
-    dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)
-    out.print(f"wrote {dest}: [B, L, E] = [{B}, {L}, {E}]"
-              + (f", token-level ({load.trace.num_tokens:,} tokens)" if load.trace is not None else "")
-              + (f"; dense layers (no load, kept as zero rows): {', '.join(map(str, dense))}" if dense.size else "")
-              + ("" if load.layer_ids is None else "; dense layers left out, the model's layer ids kept: "
-                 + ",".join(map(str, load.layer_ids.tolist()))))
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("export", help="write a plan in the form an engine loads (SGLang, TensorRT-LLM, vLLM)")
+    p.add_argument("--plan", required=True)
+    to = p.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to", choices=tuple(EXPORT_FORMATS),
+                    help="sglang: --init-expert-location JSON; trtllm: load-balancer YAML; vllm: per-MoE-layer "
+                         "physical-to-logical JSON")
+    to.add_argument("--format", dest="to", choices=tuple(EXPORT_FORMATS), help=argparse.SUPPRESS)  # the old name
+    p.add_argument("--out", required=True, help="output file (.json, or .yaml for trtllm)")
+    p.add_argument("--pad", action="store_true",
+                   help="fill GPUs up to the plan's largest slot count with the copies that balance best (needs --load)")
+    p.add_argument("--load", help="the load the plan was made on (for --pad)")
+    options.add_format(p, "--load-format", "--load's")
+    p.add_argument("--dense-layers", metavar="L1,L2,...",
+                   help="layers to leave out of trtllm and vllm files (default: those the plan's load had no load in)")
+    p.add_argument("--layer-updates-per-iter", type=options.non_negative, default=0,
+                   help="trtllm: layers updated online per iteration (0: static)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
 
 
 def engine_layers(plan: Placement, given: str | None) -> tuple[list[int], list[int]]:
@@ -61,33 +72,26 @@ def engine_layers(plan: Placement, given: str | None) -> tuple[list[int], list[i
     return ids, rows
 
 
-def cmd_export(args: argparse.Namespace) -> None:
-    from moebalance.engines import pad_plan
-    from moebalance.engines.sglang import write_placement
-    from moebalance.engines.trtllm import write_config
-    from moebalance.engines.vllm import write_map
-
-    suffix = EXPORT_FORMATS[args.format]
-    dest = _check_out(args.out, ".yml" if args.format == "trtllm" and args.out.endswith(".yml") else suffix)
+def run(args: argparse.Namespace) -> None:
+    suffix = EXPORT_FORMATS[args.to]
+    dest = check_out(args.out, ".yml" if args.to == "trtllm" and args.out.endswith(".yml") else suffix)
     plan = read_plan(args.plan)
     note = None
     if args.pad:
         if args.load is None:
             raise InputError("--pad needs --load: the load the plan was made on decides which copies balance best")
-        from moebalance.engines import read_any_load
-
         load = read_any_load(args.load, args.load_format)
         padding = pad_plan(plan, load.counts)
         plan, note = padding.plan, padding.describe(plan)
-    elif args.load is not None:
-        raise InputError("--load is used only with --pad")
+    elif args.load is not None or args.load_format is not None:
+        raise InputError("--load and --load-format are used only with --pad")
     ids, rows = engine_layers(plan, args.dense_layers)
     layers = [ids[r] for r in rows]
-    if args.format == "sglang":
+    if args.to == "sglang":
         info = write_placement(dest, plan, ids)
         how = (f"sglang ... --init-expert-location {dest} --ep-size {info['ep_size']} "
                f"--ep-num-redundant-experts {info['ep_num_redundant_experts']}")
-    elif args.format == "trtllm":
+    elif args.to == "trtllm":
         info = write_config(dest, plan, [(r, ids[r]) for r in rows], args.layer_updates_per_iter)
         how = f"moe_config.load_balancer: {dest} (num_slots {info['num_slots']}, ep_size {info['ep_size']})"
     else:
@@ -96,8 +100,7 @@ def cmd_export(args: argparse.Namespace) -> None:
                f"{info['num_redundant_experts']} on {info['ep_size']} EP ranks (a released vLLM reads no placement "
                "file yet)")
     if args.json:
-        sys.stdout.write(dumps({"format": args.format, "out": str(dest), "moe_layers": layers, "padding": note,
-                                **info}))
+        sys.stdout.write(dumps({"format": args.to, "out": str(dest), "moe_layers": layers, "padding": note, **info}))
         return
     if note:
         err.print(note)

@@ -1,0 +1,103 @@
+"""``moebalance compare``: plan with several policies on the first batches and score them on the held-out rest."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from moebalance.app import costing, options
+from moebalance.app.compare import Scenario, comparison_title, emit_comparison, run_scenarios
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.cost.auto import craft_by_goodput
+from moebalance.engines import PLAN_FORMATS, read_any_plan
+from moebalance.policies import POLICIES
+from moebalance.routing import Router
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("compare", help="plan with several policies and score them on held-out batches")
+    p.add_argument("--load", required=True)
+    p.add_argument("--policies", required=True, help=f"comma-separated, from: {', '.join(POLICIES)}")
+    options.add_cluster(p)
+    options.add_budget(p)
+    options.add_set(p)
+    options.add_auto_by(p)
+    options.add_links(p)
+    p.add_argument("--train-frac", type=float, default=0.5, help="fraction of batches to plan on (rest scored)")
+    options.add_router(p, several=True)
+    p.add_argument("--seed", type=options.non_negative, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out-dir", help="write comparison.md, comparison.json, a PNG and the plans here")
+    p.add_argument("--baseline", action="append", metavar="FILE",
+                   help="also score this placement as it is (a moebalance plan, SGLang's --init-expert-location "
+                        "file, TensorRT-LLM's load-balancer YAML; repeatable): what the engine runs today")
+    p.add_argument("--baseline-format", choices=PLAN_FORMATS, help="default: detected")
+    options.add_model(p)
+    options.add_cost_options(p, gpu_required=False)
+    options.add_format(p)
+    p.set_defaults(func=run)
+
+
+def _baselines(args: argparse.Namespace, load: LoadMatrix, routers: list[Router],
+               taken: list[Scenario]) -> list[Scenario]:
+    """The ``--baseline`` placements as rows scored as they are (one per router)."""
+    several = len(routers) > 1
+    cluster = options.cluster(args)
+    budget = options.budget(args)
+    rows: list[Scenario] = []
+    for path in args.baseline or ():
+        fixed = read_any_plan(path, cluster, args.baseline_format, load)
+        if (fixed.num_layers, fixed.num_experts) != (load.num_layers, load.num_experts):
+            raise InputError(f"--baseline {path!r} has {fixed.num_layers} layers x {fixed.num_experts} experts but the "
+                             f"load {load.num_layers} x {load.num_experts}; give the placement of this model")
+        if fixed.num_gpus != cluster.num_gpus:
+            raise InputError(f"--baseline {path!r} is for {fixed.num_gpus} GPUs but the comparison has "
+                             f"{cluster.num_gpus} (--nodes x --gpus-per-node)")
+        name = f"baseline {Path(path).name}"
+        if any(sc.label in (name, f"{name} + {routers[0].label}") for sc in [*taken, *rows]):
+            raise InputError(f"two --baseline files are named {Path(path).name!r}; rename one (rows are labelled by "
+                             "file name)")
+        rows += [Scenario(fixed.policy, budget, {}, r, label=f"{name} + {r.label}" if several else name,
+                          plan_name=f"baseline-{Path(path).stem}", fixed=fixed) for r in routers]
+    return rows
+
+
+def run(args: argparse.Namespace) -> None:
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
+    if not policies:
+        raise InputError("--policies is empty; give names like contiguous,greedy,eplb")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise InputError(f"unknown policy {unknown[0]!r}; choose from: {', '.join(POLICIES)}")
+    routers = options.routers(args)
+    first = [] if args.groups is None else [("--groups", "num_groups", args.groups)]
+    per_policy = options.resolve_set(args.set, policies, first=first)
+    cluster = options.cluster(args)
+    raw = options.read_load(args, model=False)
+    costing.check_model_used(args, raw, args.gpu is not None)
+    load = options.load_model(raw, args.model)
+    budget = options.budget(args)
+    several = len(routers) > 1
+    scenarios = [Scenario(p, budget, per_policy[p], r, label=f"{p} + {r.label}" if several else None, plan_name=p)
+                 for p in policies for r in routers]
+    scenarios += _baselines(args, load, routers, scenarios)
+    by_goodput = costing.auto_by_goodput(args, load, policies)
+    if by_goodput is not None:  # craft's R chosen on the planning batches, then scored like every other plan
+        t0 = time.perf_counter()
+        chosen = craft_by_goodput(load.split(args.train_frac)[0], cluster, by_goodput, **per_policy["craft"])
+        took = time.perf_counter() - t0
+        scenarios = [dataclasses.replace(sc, fixed=chosen, fixed_seconds=took)
+                     if sc.policy == "craft" and sc.fixed is None else sc for sc in scenarios]
+    rows, plans = run_scenarios(load, cluster, scenarios, args.train_frac, args.seed, costing.cost_fn(args, load),
+                                node_forwarding=args.dispatch == "node")
+    title = comparison_title(load, Path(args.load).name, cluster, budget, args.train_frac,
+                             "per row" if several else routers[0].label)
+    if args.gpu is not None:
+        title += f"; modelled on {args.gpu} ({options.calibration_from(args).source})"
+    emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)

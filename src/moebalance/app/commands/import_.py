@@ -1,0 +1,45 @@
+"""``moebalance import``: an engine's routing dump converted, once, into a moebalance load (``.npz``).
+
+(The module is ``import_``: ``import`` is a Python keyword.)
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+
+from moebalance.app import options
+from moebalance.app.console import check_out, out
+from moebalance.core.load import write_load
+from moebalance.engines import read_any_load
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("import", help="convert an engine's routing dump into a moebalance load (.npz), once")
+    p.add_argument("--load", required=True, help="SGLang dump (.pt/.json, or a folder of per-rank dumps), TensorRT-LLM "
+                                                 "statistics folder, vLLM routed experts (JSON responses, .npy, folder)")
+    p.add_argument("--out", required=True, help="output .npz")
+    p.add_argument("--gpus", type=options.count(options.MAX_GPUS), default=1,
+                   help="vLLM: data-parallel ranks the requests go to")
+    p.add_argument("--batch-tokens", type=options.positive, default=4096, help="vLLM: tokens per batch (whole requests)")
+    p.add_argument("--experts", type=options.positive, help="vLLM: experts per layer (default: the largest id seen + 1)")
+    options.add_format(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    dest = check_out(args.out, ".npz")
+    load = read_any_load(args.load, args.format, gpus=args.gpus, batch_tokens=args.batch_tokens,
+                         num_experts=args.experts)
+    write_load(dest, load)
+    B, L, E = load.counts.shape
+    dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)
+    out.print(f"wrote {dest}: [B, L, E] = [{B}, {L}, {E}]"
+              + (f", token-level ({load.trace.num_tokens:,} tokens)" if load.trace is not None else "")
+              + (f"; dense layers (no load, kept as zero rows): {', '.join(map(str, dense))}" if dense.size else "")
+              + ("" if load.layer_ids is None else "; dense layers left out, the model's layer ids kept: "
+                 + ",".join(map(str, load.layer_ids.tolist()))))

@@ -1,0 +1,162 @@
+"""``moebalance online``: replay a trace batch by batch as a server would (static, periodic and dynamic planning;
+docs/design.md, "Online replay and prediction")."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moebalance.app import options
+from moebalance.app.capture_inputs import build_traces, capture_model, concatenated, hidden_states
+from moebalance.app.console import err, out, progress
+from moebalance.app.online_report import online_markdown, online_table, plot_online
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.io import atomic_write_text, dumps
+from moebalance.core.load import LoadMatrix, parse_batch_range
+from moebalance.cost.time import prefetch_seconds
+from moebalance.models import get_model
+from moebalance.online.replay import OnlineResult, replay
+from moebalance.policies import DYNAMIC_POLICIES, POLICIES
+
+__all__ = ["add_parser", "default_predictor", "prefetch", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("online", help="replay a trace batch by batch as a server would: static, periodic and "
+                                      "dynamic (libra) planning")
+    p.add_argument("--load", required=True)
+    p.add_argument("--policy", required=True, metavar="NAME[,NAME...]",
+                   help=f"one or more of: {', '.join([*POLICIES, *DYNAMIC_POLICIES])}")
+    options.add_cluster(p)
+    options.add_budget(p)
+    options.add_set(p)
+    options.add_router(p, default=None, help="router for every policy (default: uniform for static policies, "
+                                             "rebalance for libra)")
+    p.add_argument("--warmup", required=True, metavar="A:B", help="batches the first plan is made on")
+    p.add_argument("--batches", metavar="C:D", help="batches served (default: every batch after the warm-up)")
+    p.add_argument("--replan-every", type=options.positive, metavar="K",
+                   help="static policies re-plan before every K-th served batch (vLLM's step interval)")
+    p.add_argument("--window", type=options.positive, metavar="W",
+                   help="batches a re-plan looks back on (vLLM's window size; default K)")
+    p.add_argument("--build", action="append", metavar="TRACE",
+                   help="token-level trace for libra's path table (default: the warm-up batches)")
+    p.add_argument("--checkpoint", help="the model that made the capture (libra with lookahead)")
+    p.add_argument("--seed", type=options.non_negative, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out-dir", help="write online.md, online.json and online.png (imbalance per batch) here")
+    p.add_argument("--model", help="also model the copies each batch loads (prefetch GiB, ms per GPU and layer over "
+                                   "--intra-link), for this model; also names the load's model")
+    options.add_links(p, inter=False)
+    options.add_format(p)
+    p.set_defaults(func=run)
+
+
+def default_predictor(args: argparse.Namespace, load: LoadMatrix, hidden: np.ndarray | None) -> tuple[str, str]:
+    """``(predictor, why)`` for a libra given none: ``lookahead`` on a capture with ``hidden`` states whose model is
+    at hand, ``path`` on other token-level traces (engines record no hidden states), ``history`` on counts."""
+    if load.trace is None:
+        return "history", "the load has counts only, no tokens to predict per token"
+    if hidden is not None:
+        if args.checkpoint is not None:
+            return "lookahead", "the capture has hidden states and --checkpoint its model"
+        from moebalance.lm.moe_lm import bundled_for  # torch: only for a capture with hidden states
+
+        try:
+            bundled_for(load.num_layers, load.num_experts, load.trace.top_k)
+        except InputError:
+            return "path", "the capture has hidden states but no bundled model of its shape: give --checkpoint"
+        return "lookahead", "the capture has hidden states of a bundled model"
+    source = "the --build traces" if args.build else "the warm-up batches"
+    return "path", f"the trace records no hidden states (engines do not), so the path table built on {source}"
+
+
+def prefetch(result: OnlineResult, model_name: str, load: LoadMatrix, cluster: Cluster,
+             intra: float) -> dict[str, float]:
+    """The modelled cost of the copies each served batch loads: GiB per batch (all GPUs), and ms per layer for a GPU
+    loading the mean share over the intra-node link of ``intra`` GB/s."""
+    spec = get_model(model_name)
+    per_gpu_layer = result.experts_moved / (load.num_layers * cluster.num_gpus)
+    return {"gb_per_batch": round(result.experts_moved * spec.expert_params() * 2 / (1 << 30), 6),
+            "mean_ms_per_gpu_and_layer": round(float(prefetch_seconds(per_gpu_layer, spec, intra)) * 1e3, 6)}
+
+
+def run(args: argparse.Namespace) -> None:
+    policies = list(dict.fromkeys(p.strip() for p in args.policy.split(",") if p.strip()))
+    if not policies:
+        raise InputError("--policy is empty; give a name like eplb or libra")
+    router = None if args.router is None else options.router(args)
+    if router is None and args.router_set:
+        raise InputError("--router-set needs --router NAME")
+    first = [] if args.groups is None else [("--groups", "num_groups", args.groups)]
+    params = options.resolve_set(args.set, policies, first=first, policy_flag="--policy")  # checks the names too
+    if args.window is not None and args.replan_every is None:
+        raise InputError("--window needs --replan-every K: the window is what a periodic re-plan looks at")
+    if args.intra_link is not None and args.model is None:
+        raise InputError("--intra-link is used by online only with --model (the prefetch's time); give --model")
+    out_dir = None if args.out_dir is None else Path(args.out_dir)
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"--out-dir {args.out_dir!r} is a file; give a folder")
+    cluster = options.cluster(args)
+    load = options.read_load(args)
+    if args.model is not None:
+        spec = get_model(args.model)
+        if (spec.num_layers, spec.num_experts) != (load.num_layers, load.num_experts):
+            raise InputError(f"--model {args.model} has {spec.num_layers} MoE layers x {spec.num_experts} experts but "
+                             f"the load {load.num_layers} x {load.num_experts}")
+    warm = parse_batch_range(args.warmup, load.num_batches)
+    served = (warm[1], load.num_batches) if args.batches is None else parse_batch_range(args.batches, load.num_batches)
+    budget = options.budget(args)
+    dynamic = [p for p in policies if p in DYNAMIC_POLICIES]
+    # read once: lookahead needs them, and a libra given no predictor takes lookahead where they are
+    hidden = hidden_states(args.load, load) if any(params[p].get("predictor", "lookahead") == "lookahead"
+                                                   for p in dynamic) else None
+    notes: dict[str, str] = {}
+    for p in dynamic:
+        if "predictor" not in params[p]:
+            params[p]["predictor"], notes[p] = default_predictor(args, load, hidden)
+            err.print(f"note: {p} predicts with {params[p]['predictor']}: {notes[p]} (--set predictor=NAME to choose)")
+    lookahead = any(params[p]["predictor"] == "lookahead" for p in dynamic)
+    model = capture_model(args.checkpoint, load) if lookahead and hidden is not None else None
+    build = concatenated(build_traces(args.build))
+    results: list[OnlineResult] = []
+    with progress() as bar:
+        for p in policies:
+            task = bar.add_task(f"online {p}", total=served[1] - served[0])
+
+            def advance(n: int, task: Any = task) -> None:
+                bar.advance(task, n)
+
+            # with several policies the re-plan knobs go to the static ones (a dynamic policy replans every batch)
+            periodic = len(policies) == 1 or p not in DYNAMIC_POLICIES
+            results.append(replay(load, cluster, budget, p, params[p], warmup=warm, batches=served, router=router,
+                                  replan_every=args.replan_every if periodic else None,
+                                  window=args.window if periodic else None, seed=args.seed, hidden=hidden,
+                                  model=model, build=build, progress=advance))
+    title = (f"{args.load}: batches {served[0]}:{served[1]} served one at a time after warm-up {warm[0]}:{warm[1]}, "
+             f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}")
+    docs = [r.as_dict() for r in results]
+    for r, d in zip(results, docs, strict=True):
+        if r.policy in notes:
+            d["predictor_note"] = notes[r.policy]
+    costs: list[dict[str, float] | None] = [None] * len(results)
+    if args.model is not None:  # the cost of the copies each batch loads (Libra's prefetch, a replan's moves)
+        intra = cluster.intra_node_bandwidth  # --intra-link, else the default link
+        costs = [prefetch(r, args.model, load, cluster, intra) for r in results]
+        for d, c in zip(docs, costs, strict=True):
+            d["modelled_prefetch"] = c
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out_dir / "online.json", dumps({"title": title, "results": docs}))
+        atomic_write_text(out_dir / "online.md", online_markdown(results, title, costs))
+        plot_online(results, out_dir / "online.png", title)
+    if args.json:
+        sys.stdout.write(dumps(docs[0] if len(docs) == 1 else {"results": docs}))
+        return
+    out.print(online_table(results, title, costs))
+    if out_dir is not None:
+        err.print(f"wrote {out_dir / 'online.md'}, online.json and online.png")

@@ -1,0 +1,98 @@
+"""``moebalance plan``: one placement plan for a load, cluster and budget."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+from moebalance.app import costing, options
+from moebalance.app.console import check_out, err, out, progress
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix, parse_batch_range
+from moebalance.core.plan import Placement, write_plan
+from moebalance.cost.auto import craft_by_goodput
+from moebalance.policies import POLICIES, get_policy, make_plan
+from moebalance.routing.simulate import evaluate
+
+__all__ = ["add_parser", "eplb_variant", "run"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="compute a placement plan")
+    p.add_argument("--load", required=True, help=".npy [L, E] / [B, L, E], .npz with counts, bundled:NAME, or an "
+                                                 "engine's dump (SGLang .pt/.json, TensorRT-LLM statistics folder)")
+    p.add_argument("--policy", required=True, help=f"one of: {', '.join(POLICIES)}")
+    options.add_cluster(p)
+    options.add_budget(p)
+    options.add_set(p)
+    options.add_auto_by(p)
+    options.add_links(p)
+    p.add_argument("--batches", help="plan on batches a:b only")
+    p.add_argument("--out", required=True, help="output plan .json")
+    options.add_model(p, "--auto-by goodput")
+    p.add_argument("--seed", type=options.non_negative, default=0)
+    options.add_cost_options(p, gpu_required=False)
+    options.add_format(p)
+    p.set_defaults(func=run)
+
+
+def eplb_variant(plan: Placement, load: LoadMatrix, params: dict[str, Any], model_flag: str | None) -> str:
+    """Which of EPLB's policies ran and why: the groups' source and whether the nodes divide them."""
+    groups, mode = plan.params.get("num_groups"), plan.params.get("mode")
+    nodes = plan.cluster.num_nodes
+    if "num_groups" in params:
+        source = "as given"
+    elif load.model is not None and load.model.num_groups > 1:
+        source = f"{load.model.display_name}'s" + (" (--model)" if model_flag is not None else "")
+    else:
+        source = "the load names no model with expert groups: give --model or --groups"
+    verdict = "divide" if mode == "hierarchical" else "do not divide"
+    return f"eplb ran {mode}: {groups} expert group(s), {source}; {nodes} node(s) {verdict} them"
+
+
+def run(args: argparse.Namespace) -> None:
+    dest = check_out(args.out, ".json")
+    name, _ = get_policy(args.policy)  # an unknown or dynamic policy fails before any file is read
+    goodput = args.auto_by == "goodput"
+    if not goodput:  # the cost model's flags would be ignored
+        why = "by plan only with --auto-by goodput (the cost model that picks craft's R)"
+        costing.refuse_cost_options(args, why)
+        given = [f for f, v in (("--gpu", args.gpu), ("--intra-link", args.intra_link),
+                                ("--inter-link", args.inter_link)) if v is not None]
+        if given:
+            raise InputError(f"{given[0]} is used {why}; drop it")
+    first = [] if args.groups is None else [("--groups", "num_groups", args.groups)]
+    params = options.resolve_set(args.set, [name], first=first, policy_flag="--policy")[name]
+    cluster = options.cluster(args)
+    raw = options.read_load(args, model=False)
+    costing.check_model_used(args, raw, goodput)
+    load = options.load_model(raw, args.model)
+    # dense layers: no load in the whole file, not merely in the planning window (engine exports leave them out)
+    dense = [int(x) for x in np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)]
+    start, stop = parse_batch_range(args.batches, load.num_batches)
+    load = load.select_batches(start, stop)
+    by_goodput = costing.auto_by_goodput(args, load, [name])
+    if by_goodput is not None:
+        t0 = time.perf_counter()
+        plan = craft_by_goodput(load, cluster, by_goodput, dense_layers=dense, **params)
+        seconds = time.perf_counter() - t0
+    else:
+        plan, seconds = make_plan(name, load, cluster, options.budget(args), dense_layers=dense, **params)
+    plan = plan.with_params({**plan.params, "planned_on_batches": f"{start}:{stop}"})
+    with progress() as bar:  # before writing: a load that cannot be scored leaves no plan behind
+        task = bar.add_task("in-sample score", total=load.num_batches)
+        score = evaluate(plan, load, on_batches=lambda n: bar.advance(task, n))
+    write_plan(dest, plan)
+    for w in plan.warnings:
+        err.print(f"warning: {w}")
+    out.print(f"wrote {dest}: {plan.policy}, {plan.extra_replicas} extra replicas, "
+              f"{plan.max_slots_per_gpu} max slots per GPU, planned in {1000 * seconds:.1f} ms; "
+              f"in-sample balancedness {score.balancedness:.4f}")
+    note = plan.params.get("budget_note")
+    if isinstance(note, str):
+        out.print(f"budget note: {note}")
+    if plan.policy == "eplb" and "mode" in plan.params:
+        out.print(eplb_variant(plan, load, params, args.model))
