@@ -22,7 +22,7 @@ from _common import ROOT, fold_ranks, machine
 from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.io import save_png
 from moebalance.core.load import LoadMatrix, read_load
-from moebalance.cost.architecture import get_arch
+from moebalance.models import get_model
 from moebalance.cost.goodput import Workload, plan_cost
 from moebalance.cost.hardware import get_gpu
 from moebalance.cost.memory import EngineMemory, memory_per_gpu
@@ -39,7 +39,7 @@ RS = (1, 2, 4, 8, 16, 32)
 
 def fit_reserve() -> float:
     """The reserve (GiB) that makes EPLB take exactly 19% of DeepSeek-R1's KV cache on 8 nodes."""
-    arch = get_arch("deepseek-r1")
+    arch = get_model("deepseek-r1")
     bare = memory_per_gpu(arch, A100, num_gpus=64, gpus_per_node=8, replicas_per_gpu=58,
                           engine=EngineMemory(reserve_gib=0.0))
     kv_without = bare.replica_gb_per_gpu / bare.kv_cache_reduction
@@ -58,7 +58,7 @@ def kv_section(reserve: float) -> list[str]:
          "off by |", "|---|---|---|---|---|---|---|---|---|"]
     worst = 0.0
     for display, model, nodes, label, replicas, paper in KV_CASES:
-        r = memory_per_gpu(get_arch(model), A100, num_gpus=8 * nodes, gpus_per_node=8, replicas_per_gpu=replicas,
+        r = memory_per_gpu(get_model(model), A100, num_gpus=8 * nodes, gpus_per_node=8, replicas_per_gpu=replicas,
                            engine=engine)
         kv_without = r.kv_cache_gb_per_gpu + r.replica_gb_per_gpu
         off = 100 * (r.kv_cache_reduction - paper)
@@ -74,7 +74,7 @@ def kv_section(reserve: float) -> list[str]:
 
 
 def _plan_row(label: str, plan, test: LoadMatrix, model: str, engine: EngineMemory) -> dict:  # type: ignore[no-untyped-def]
-    cost = plan_cost(plan, test, get_arch(model), A100, engine=engine)
+    cost = plan_cost(plan, test, get_model(model), A100, engine=engine)
     return {"label": label, "extra": plan.extra_replicas / plan.num_gpus, "balancedness": evaluate(plan, test).balancedness,
             "kv": cost.memory.kv_cache_gb_per_gpu, "reduction": cost.memory.kv_cache_reduction,
             "concurrency": cost.memory.max_concurrency, "layer_ms": cost.modelled_layer_ms,
@@ -90,14 +90,14 @@ def goodput_section(engine: EngineMemory) -> tuple[list[str], dict[str, list[dic
          "KV cache holds.", ""]
     curves: dict[str, list[dict]] = {}
     for display, model, nodes in (("DeepSeek-R1", "deepseek-r1", 8), ("Kimi-K2", "kimi-k2", 6)):
-        arch = get_arch(model)
+        arch = get_model(model)
         G = 8 * nodes
         load = LoadMatrix(synthesize(model, num_batches=48, tokens_per_batch=16384, num_gpus=G, seed=0)["counts"],
                           preset=model)
         train, test = load.split(0.5)
         cluster = Cluster(num_nodes=nodes, gpus_per_node=8, intra_node_bandwidth=LINK_PRESETS["nvlink3"],
                           inter_node_bandwidth=LINK_PRESETS["efa-p4d"])
-        q = math.ceil(arch.spec.num_experts / G)
+        q = math.ceil(arch.num_experts / G)
         rows = [_plan_row("placement only (BASE)", make_plan("eplb", train, cluster, Budget(slots_per_gpu=q))[0], test,
                           model, engine),
                 _plan_row("EPLB", make_plan("eplb", train, cluster, Budget(slots_per_gpu=q + 1))[0], test, model, engine)]
@@ -151,12 +151,12 @@ def plot(curves: dict[str, list[dict]]) -> None:
 
 def grace_section(engine: EngineMemory) -> list[str]:
     model = "olmoe-1b-7b"
-    arch, gpu = get_arch(model), get_gpu("rtx4090")
+    arch, gpu = get_model(model), get_gpu("rtx4090")
     cluster = Cluster(num_nodes=2, gpus_per_node=2, intra_node_bandwidth=LINK_PRESETS["pcie4"],
                       inter_node_bandwidth=LINK_PRESETS["eth25"] / 2)
     load = fold_ranks(read_load(f"bundled:{model}-tokens"), cluster.num_gpus)
     train, test = load.split(0.5)
-    q = math.ceil(arch.spec.num_experts / cluster.num_gpus)
+    q = math.ceil(arch.num_experts / cluster.num_gpus)
     budget = Budget(slots_per_gpu=q + math.ceil(q / 2))
     configs = {"Vanilla": ("contiguous", {}, "uniform"), "HG": ("grace", {"replication": "none"}, "uniform"),
                "HG+DR+WRR": ("grace", {"replication": "dynamic"}, "wrr"),

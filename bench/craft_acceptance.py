@@ -84,12 +84,12 @@ def main() -> None:
         checks.append((preset.display_name, craft_gain / best_eplb, eplb_extra / plans["craft R = 8"].extra_replicas,
                        craft_gain / uniform_gain if uniform_gain > 0 else float("inf"),
                        hindsight_gain / uniform_gain if uniform_gain > 0 else float("inf")))
-        points = sweep(load, cluster, ["craft", "uniform", "eplb"], [0, 1, 2, 4, 8, 16, 32], num_groups=1).points
+        points = sweep(load, cluster, ["craft", "craft-uniform", "eplb"], [0, 1, 2, 4, 8, 16, 32], num_groups=1).points
         plot_sweep(points, ROOT / "docs" / "results" / f"craft_sweep_{name}.png",
                    f"{preset.display_name}-like, 8x8 GPUs, held-out", L, G)
-        sweep_rows = [p for p in points if p.policy in ("craft", "uniform")]
+        sweep_rows = [p for p in points if p.policy in ("craft", "craft-uniform")]
         ratio = {p.replicas_per_gpu: p.gain for p in sweep_rows if p.policy == "craft"}
-        uni = {p.replicas_per_gpu: p.gain for p in sweep_rows if p.policy == "uniform"}
+        uni = {p.replicas_per_gpu: p.gain for p in sweep_rows if p.policy == "craft-uniform"}
         checks[-1] = (*checks[-1], {R: ratio[R] / uni[R] for R in ratio if R > 0 and uni[R] > 0})
     out += ["", "## Acceptance ratios", "",
             "| model | CRAFT R=8 gain / best EPLB gain | EPLB extra replicas / CRAFT's | CRAFT gain / uniform gain at R=8 | hindsight / uniform at R=8 | CRAFT / uniform gain by R |",

@@ -134,3 +134,15 @@ def test_a_plan_file_under_auto_is_checked_against_the_r_it_records() -> None:
     with pytest.raises(BudgetError, match="integer >= 0"):
         Budget(replicas_per_gpu="auto").check(plan, chosen_replicas_per_gpu=-1)
     Budget(replicas_per_gpu="auto").check(plan, chosen_replicas_per_gpu=np.int64(1))
+
+
+def test_a_replica_budget_too_small_for_one_more_slot_is_noted_not_dropped() -> None:
+    # DeepSeek-V3 on 8x8 GPUs: 58 layers x 256 experts on 64 GPUs is 4 slots each with no spare; one more slot per
+    # GPU in every layer is 58 * 64 = 3,712 copies, so R = 29 (1,856 copies) buys nothing for equal slots
+    slots, cap = resolve_budget(Budget(replicas_per_gpu=29), 256, 64, 58).uniform_slots("eplb")
+    assert slots == 4 and cap.note is not None
+    assert "0 of the 1856 extra replicas allowed are used" in cap.note and "replicas_per_gpu >= 58" in cap.note
+    # at R = 58 the slot is paid for and there is nothing to note beyond the conversion
+    assert resolve_budget(Budget(replicas_per_gpu=58), 256, 64, 58).uniform_slots("eplb")[0] == 5
+    # R = 0 asks for no replicas: no note
+    assert resolve_budget(Budget(replicas_per_gpu=0), 256, 64, 58).uniform_slots("eplb")[1].note is None

@@ -209,11 +209,11 @@ def test_sweep_progress_counts_every_step_and_points_use_actual_replicas() -> No
     cluster = Cluster(num_nodes=2, gpus_per_node=2)
     L = load.num_layers
     calls = []
-    policies, replicas = ["craft", "uniform", "eplb", "greedy"], [0, 1, 2 * L]
+    policies, replicas = ["craft", "craft-uniform", "eplb", "greedy"], [0, 1, 2 * L]
     result = sweep(load, cluster, policies, replicas, on_step=lambda: calls.append(1))
     assert len(calls) == sweep_steps(load, cluster, policies, replicas) == 4 + 3 + 3 + 4 + 3
     point = {(p.policy, p.replicas_per_gpu): p for p in result.points}
     # CRAFT gives a layer at most G replicas, so at R = 2L it spends L * G, not 2L * G; uniform spends it all
     assert point[("craft", 2 * L)].extra_replicas == L * 4
-    assert point[("uniform", 2 * L)].extra_replicas == 2 * L * 4
+    assert point[("craft-uniform", 2 * L)].extra_replicas == 2 * L * 4
     assert point[("greedy", 1)].extra_replicas == 0 and result.skipped == []

@@ -8,13 +8,16 @@ progress bar on stderr. Each command is a module of :mod:`moebalance.app.command
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import moebalance
 from moebalance.app.commands import COMMANDS
 from moebalance.core.errors import MoebalanceError
+from moebalance.core.io import install_sigterm_handler
 
 __all__ = ["Parser", "build_parser", "main"]
 
@@ -43,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM (a scheduler, torchrun's agent, `kill`) stops a command as Ctrl-C does: no temporary file is left
+    previous = install_sigterm_handler() if threading.current_thread() is threading.main_thread() else None
     try:
         args.func(args)
     except MoebalanceError as exc:
@@ -53,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

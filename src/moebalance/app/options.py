@@ -27,7 +27,8 @@ from moebalance.cost.goodput import Workload
 from moebalance.cost.hardware import GPUS
 from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import Calibration
-from moebalance.engines import LOAD_FORMATS, read_any_load
+from moebalance.app.console import err
+from moebalance.engines import LOAD_FORMATS, open_load
 from moebalance.models import get_model
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
 from moebalance.routing import ROUTERS, Router, get_router
@@ -293,9 +294,14 @@ def load_model(load: LoadMatrix, name: str | None) -> LoadMatrix:
 
 def read_load(args: argparse.Namespace, *, model: bool = True) -> LoadMatrix:
     """``--load`` in its detected format, or ``--format``'s; with ``model``, ``--model`` names the load's model
-    (:func:`load_model`)."""
-    load = read_any_load(args.load, getattr(args, "format", None))
-    return load_model(load, getattr(args, "model", None)) if model else load
+    (:func:`load_model`). Where an engine file's shape named the model and ``--model`` did not, a note on stderr
+    says which."""
+    name = getattr(args, "model", None)
+    opened = open_load(args.load, getattr(args, "format", None))
+    if name is None:  # an engine file's model named from its shape: say so, and how to name another
+        for note in opened.notes:
+            err.print(f"note: {note}")
+    return load_model(opened.load, name) if model else opened.load
 
 
 def engine_from(args: argparse.Namespace) -> EngineMemory:

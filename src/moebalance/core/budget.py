@@ -165,7 +165,13 @@ class Capacity:
                 f"equal slots per GPU put {E} experts into {q * G} slots per layer, {extra} extra replicas in all, "
                 f"but replicas_per_gpu {R} allows {R * G}; raise it to at least {math.ceil(extra / G)}")
         if slots == q:
-            return slots, self
+            if R == 0 or q >= E:  # nothing to spend, or nothing more to hold
+                return slots, self
+            need = math.ceil((L * G * (q + 1) - L * E) / G)
+            note = (f"replicas_per_gpu {R} read as slots_per_gpu {q} in every layer for {policy}: "
+                    f"{L * (q * G - E)} of the {R * G} extra replicas allowed are used (one more slot per GPU in every "
+                    f"layer needs replicas_per_gpu >= {need}; craft spends replicas layer by layer)")
+            return slots, dataclasses.replace(self, note=note)
         note = (f"replicas_per_gpu {R} read as slots_per_gpu {slots} in every layer for {policy}: "
                 f"{L * (slots * G - E)} of the {R * G} extra replicas allowed")
         return slots, dataclasses.replace(self, note=note)

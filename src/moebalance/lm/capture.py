@@ -32,14 +32,14 @@ import torch
 
 from moebalance.core.errors import InputError
 from moebalance.core.io import write_npz
-from moebalance.core.load import LoadMatrix
+from moebalance.core.load import LM_PRESET, LoadMatrix
 from moebalance.core.trace import RoutingTrace
 from moebalance.lm.moe_lm import MoELM
 
 __all__ = ["PRESET", "Capture", "Layout", "capture", "make_layout", "write_capture"]
 
-#: The ``preset`` string of a capture.
-PRESET = "moebalance-moe-lm"
+#: The ``preset`` string of a capture (a load of this name has no served-model spec).
+PRESET = LM_PRESET
 
 
 @dataclass(frozen=True, slots=True)

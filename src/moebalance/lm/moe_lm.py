@@ -331,7 +331,17 @@ def checkpoint_config(path: str | os.PathLike[str]) -> ModelConfig:
         raise InputError(f"cannot read checkpoint {str(p)!r}: {exc}") from None
     if meta.get("format") != CHECKPOINT_FORMAT or "config" not in meta:
         raise InputError(f"{str(p)!r} is not a moebalance MoE LM checkpoint (no {CHECKPOINT_FORMAT!r} metadata)")
-    return ModelConfig.from_dict(json.loads(meta["config"]))
+    return stored_config(meta, p)
+
+
+def stored_config(meta: dict[str, str], path: Path) -> ModelConfig:
+    """The config a checkpoint's metadata holds as JSON; corrupt JSON is one line naming the file."""
+    try:
+        doc = json.loads(meta["config"])
+    except (json.JSONDecodeError, RecursionError, ValueError) as exc:
+        raise InputError(f"checkpoint {str(path)!r} holds a corrupt config in its metadata ({exc}); write it again "
+                         "with moebalance.lm.train") from None
+    return ModelConfig.from_dict(doc)
 
 
 def bundled_for(num_layers: int, num_experts: int, top_k: int) -> Path:
@@ -376,7 +386,7 @@ def load_checkpoint(path: str | os.PathLike[str] | None = None) -> MoELM:
         raise InputError(f"cannot read checkpoint {str(p)!r}: {exc}") from None
     if meta.get("format") != CHECKPOINT_FORMAT or "config" not in meta:
         raise InputError(f"{str(p)!r} is not a moebalance MoE LM checkpoint (no {CHECKPOINT_FORMAT!r} metadata)")
-    model = MoELM(ModelConfig.from_dict(json.loads(meta["config"])))
+    model = MoELM(stored_config(meta, p))
     want = model.state_dict()
     if set(want) != set(tensors) or any(want[k].shape != tensors[k].shape for k in want):
         raise InputError(f"checkpoint {str(p)!r} does not match its config (tensor names or shapes differ)")

@@ -159,12 +159,6 @@ class ModelSpec:
         check_fields(self, positive=("vocab_size", *(("dense_intermediate_size",) if self.num_dense_layers else ())))
 
     @property
-    def spec(self) -> ModelSpec:
-        """This spec: the name code written for the former ``cost.architecture.ModelArch`` (``arch.spec.x``)
-        reads; new code reads the fields directly."""
-        return self
-
-    @property
     def has_architecture(self) -> bool:
         """Whether the attention and vocabulary are given (what the parameter counts and the KV cache need)."""
         return self.attention is not None

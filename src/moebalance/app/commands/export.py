@@ -15,7 +15,7 @@ from moebalance.app.console import check_out, err, out
 from moebalance.core.errors import InputError
 from moebalance.core.io import dumps
 from moebalance.core.plan import Placement, read_plan
-from moebalance.engines import pad_plan, read_any_load
+from moebalance.engines import pad_plan, plan_layers, read_any_load
 from moebalance.engines.sglang import write_placement
 from moebalance.engines.trtllm import write_config
 from moebalance.engines.vllm import write_map
@@ -43,21 +43,27 @@ def add_parser(sub: Any) -> None:
                    help="layers to leave out of trtllm and vllm files (default: those the plan's load had no load in)")
     p.add_argument("--layer-updates-per-iter", type=options.non_negative, default=0,
                    help="trtllm: layers updated online per iteration (0: static)")
+    p.add_argument("--model", help="the model the plan is for, for its decoder-layer numbering and MTP layer (default: "
+                                   "the model the plan records, else the one model whose shape fits)")
+    p.add_argument("--num-hidden-layers", type=options.positive, metavar="H",
+                   help="the engine's num_hidden_layers (decoder layers), for a model moebalance does not list")
+    p.add_argument("--mtp-layers", type=options.non_negative, metavar="N",
+                   help="trtllm: write keys for N multi-token-prediction layers (TensorRT-LLM registers MTP layer i "
+                        "as decoder layer num_hidden_layers + i; default: the MTP rows the plan has)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
 
-def engine_layers(plan: Placement, given: str | None) -> tuple[list[int], list[int]]:
+def engine_layers(plan: Placement, given: str | None, model: str | None = None,
+                  num_hidden_layers: int | None = None) -> tuple[list[int], list[int]]:
     """``(engine layer id of every plan layer, the plan layers an MoE-layer file lists)``.
 
-    A plan made on a load that left dense layers out records the model's layer ids (``layer_ids``); otherwise plan
-    layer ``l`` is engine layer ``l``. The dense layers are ``--dense-layers`` (engine numbering) if given, else the
-    plan's layers without load (``dense_layers``).
+    The engine layer ids are :func:`moebalance.engines.layers.plan_layers`'s: the ids the plan records, else the
+    model's numbering (a plan of the MoE layers alone starts after the model's dense layers), else ``0 .. L - 1``.
+    The dense layers are ``--dense-layers`` (engine numbering) if given, else the plan's layers without load.
     """
     num_layers = plan.num_layers
-    recorded = plan.params.get("layer_ids")
-    ids = [int(x) for x in recorded] if isinstance(recorded, list) and len(recorded) == num_layers else \
-        list(range(num_layers))
+    ids = list(plan_layers(plan, model=model, num_hidden_layers=num_hidden_layers).layer_ids)
     if given is not None:
         try:
             dense_ids = {int(x) for x in given.split(",") if x.strip()}
@@ -85,23 +91,29 @@ def run(args: argparse.Namespace) -> None:
         plan, note = padding.plan, padding.describe(plan)
     elif args.load is not None or args.load_format is not None:
         raise InputError("--load and --load-format are used only with --pad")
-    ids, rows = engine_layers(plan, args.dense_layers)
+    if args.mtp_layers is not None and args.to != "trtllm":
+        raise InputError(f"--mtp-layers is for --to trtllm (TensorRT-LLM registers MTP layers with its load balancer);"
+                         f" {args.to}'s file has the decoder layers only (docs/formats.md)")
+    ids, rows = engine_layers(plan, args.dense_layers, args.model, args.num_hidden_layers)
     layers = [ids[r] for r in rows]
+    named = {"model": args.model, "num_hidden_layers": args.num_hidden_layers}
     if args.to == "sglang":
-        info = write_placement(dest, plan, ids)
+        info = write_placement(dest, plan, ids, **named)
         how = (f"sglang ... --init-expert-location {dest} --ep-size {info['ep_size']} "
                f"--ep-num-redundant-experts {info['ep_num_redundant_experts']}")
     elif args.to == "trtllm":
-        info = write_config(dest, plan, [(r, ids[r]) for r in rows], args.layer_updates_per_iter)
+        info = write_config(dest, plan, [(r, ids[r]) for r in rows], args.layer_updates_per_iter,
+                            mtp_layers=args.mtp_layers, **named)
+        layers = [int(x) for x in info.get("layers", layers)]
         how = f"moe_config.load_balancer: {dest} (num_slots {info['num_slots']}, ep_size {info['ep_size']})"
     else:
-        info = write_map(dest, plan, rows)
+        info = write_map(dest, plan, rows, **named)
         how = (f"{len(layers)} MoE layers x {info['num_slots']} slots; vLLM's EPLB with num_redundant_experts "
                f"{info['num_redundant_experts']} on {info['ep_size']} EP ranks (a released vLLM reads no placement "
                "file yet)")
     if args.json:
         sys.stdout.write(dumps({"format": args.to, "out": str(dest), "moe_layers": layers, "padding": note, **info}))
         return
-    if note:
-        err.print(note)
+    for line in [*([note] if note else []), *info.get("notes", ())]:
+        err.print(line)
     out.print(f"wrote {dest}: {plan.policy} plan, {info['num_slots']} slots per layer on {plan.num_gpus} GPUs; {how}")

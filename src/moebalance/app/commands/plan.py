@@ -81,7 +81,10 @@ def run(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - t0
     else:
         plan, seconds = make_plan(name, load, cluster, options.budget(args), dense_layers=dense, **params)
-    plan = plan.with_params({**plan.params, "planned_on_batches": f"{start}:{stop}"})
+    recorded = {"planned_on_batches": f"{start}:{stop}"}
+    if load.preset is not None:  # exports find the model's decoder layers (and MTP) from it
+        recorded["model"] = load.preset
+    plan = plan.with_params({**plan.params, **recorded})
     with progress() as bar:  # before writing: a load that cannot be scored leaves no plan behind
         task = bar.add_task("in-sample score", total=load.num_batches)
         score = evaluate(plan, load, on_batches=lambda n: bar.advance(task, n))
