@@ -17,8 +17,7 @@ Configurations (GRACE Figure 5's abbreviations):
 - eplb: DeepSeek EPLB (global) with the same slots per GPU, routed uniformly at random as vLLM does.
 
 Every configuration gets the same memory: ``S = ceil(E / G) + ceil(E / G / 2)`` expert slots per GPU in
-every layer, room for GRACE's uneven groups and for the replicas Eq. 2 asks for (with a quarter more
-instead, the groups use up the slack and DR can place no more replicas than FR); EPLB fills them with
+every layer, room for GRACE's uneven groups and for the replicas Eq. 2 asks for; EPLB fills them with
 replicas.
 
 Writes docs/results/grace.md. Run: .venv/bin/python bench/grace_ablation.py
@@ -157,6 +156,61 @@ def _directions(rows: list[Row]) -> list[str]:
     return out
 
 
+def _metric(score: Score, name: str) -> float:
+    t = score.traffic
+    assert t is not None and t.a2a_seconds is not None
+    values = {"cross": t.inter_node, "intra": t.intra_node, "a2a": float(t.a2a_seconds.mean()),
+              "std": score.load_std, "idle": score.gpu_idle}
+    return float(values[name])
+
+
+def _changes(rows: list[Row], new: str, old: str, metric: str, cluster: str | None = None) -> list[float]:
+    """Percent change of ``metric`` from config ``old`` to ``new`` in every (model, cluster) (or one cluster)."""
+    by = {(r.model, r.cluster, r.config): r.score for r in rows}
+    cells = dict.fromkeys((r.model, r.cluster) for r in rows if cluster is None or r.cluster == cluster)
+    return [100 * (_metric(by[(*c, new)], metric) / _metric(by[(*c, old)], metric) - 1) for c in cells]
+
+
+def _span(values: list[float], sign: bool = False) -> str:
+    """``lo to hi`` in percent (magnitudes unless ``sign``), or one number if both round alike."""
+    vals = values if sign else [abs(v) for v in values]
+    fmt = "{:+.0f}%" if sign else "{:.0f}%"
+    lo, hi = fmt.format(min(vals)), fmt.format(max(vals))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def _claims(rows: list[Row]) -> list[str]:
+    """The comparison with GRACE's Figure 5, from the rows."""
+    def c(new: str, old: str, metric: str, cluster: str | None = None, sign: bool = False) -> str:
+        return _span(_changes(rows, new, old, metric, cluster), sign)
+
+    return [
+        f"Against GRACE's Figure 5: grouping (HG) cuts cross-node copies by {c('HG', 'Vanilla', 'cross')} and "
+        f"intra-node cross-GPU copies by {c('HG', 'Vanilla', 'intra')} (paper: 3-26% and 10-36%); dynamic "
+        f"replication with WRR cuts HG's load deviation by {c('HG+DR+WRR', 'HG', 'std')} and its GPU idle time by "
+        f"{c('HG+DR+WRR', 'HG', 'idle')} (paper: 45-58% and 32-43%) and beats fixed replication (FR) by "
+        f"{c('HG+DR+WRR', 'HG+FR', 'std')} in load deviation; the locality router (TAR) cuts cross-node copies "
+        f"against WRR by {c('HG+DR+TAR', 'HG+DR+WRR', 'cross')} and changes all-to-all time by "
+        f"{c('HG+DR+TAR', 'HG+DR+WRR', 'a2a', sign=True)} (paper: -6 to -35% and -3 to -10%) at a cost in load "
+        "deviation. Three differences:",
+        "",
+        f"- All-to-all *time* does not follow traffic for HG: {c('HG', 'Vanilla', 'a2a', sign=True)} here, -8 to "
+        "-15% in the paper. Our bandwidth model (the busiest link of any GPU, dispatch + combine) makes HG slower "
+        "because grouping co-activated experts also concentrates the copies on the GPUs and the node that host "
+        "the hot groups, whose receive links become the bottleneck. Replication spreads those copies again. The "
+        "model has no per-message latency and assumes links run in parallel, so it weighs balanced receive "
+        "volumes more than a real 25 GbE cluster may.",
+        f"- TAR's intra-node copies against WRR: {c('HG+DR+TAR', 'HG+DR+WRR', 'intra', '2x2', True)} on 2 x 2 "
+        f"(paper: -6.7% on average), but {c('HG+DR+TAR', 'HG+DR+WRR', 'intra', '2x4', True)} on 2 x 4: with four "
+        "GPUs per node, the tokens that WRR sent to a replica on the other node now go to a replica on their own "
+        "node, which adds intra-node copies about as fast as own-GPU hits remove them.",
+        f"- TAR's cost in load deviation against the paper's average +21%: "
+        f"{c('HG+DR+TAR', 'HG+DR+WRR', 'std', '2x4', True)} on 2 x 4, "
+        f"{c('HG+DR+TAR', 'HG+DR+WRR', 'std', '2x2', True)} on 2 x 2, where a token's own GPU holds a quarter of "
+        "the experts and locality overrides the weights most.",
+    ]
+
+
 def main() -> None:
     rows, _ = run()
     text = "\n".join([
@@ -174,24 +228,7 @@ def main() -> None:
         "",
         *_directions(rows),
         "",
-        "Against GRACE's Figure 5: grouping (HG) cuts cross-node copies by 19-23% and intra-node cross-GPU copies",
-        "by 20-22% (paper: 3-26% and 10-36%); dynamic replication with WRR cuts HG's load deviation by 48-70% and",
-        "its GPU idle time by 57-75% (paper: 45-58% and 32-43%) and beats fixed replication (FR) by 22-32% in load",
-        "deviation; the locality router (TAR) cuts cross-node copies against WRR by 18-22% and all-to-all time by",
-        "0.6-3% (paper: 6-35% and 3-10%) at a cost in load deviation. Three differences:",
-        "",
-        "- All-to-all *time* does not follow traffic for HG: +3 to +15% here, -8 to -15% in the paper. Our",
-        "  bandwidth model (the busiest link of any GPU, dispatch + combine) makes HG slower because grouping",
-        "  co-activated experts also concentrates the copies on the GPUs and the node that host the hot groups,",
-        "  whose receive links become the bottleneck (the node split is fully non-uniform, so one node may hold",
-        "  most experts). Replication spreads those copies again; TAR is the fastest GRACE variant everywhere.",
-        "  The model has no per-message latency and assumes links run in parallel, so it weighs balanced receive",
-        "  volumes more than a real 25 GbE cluster may.",
-        "- TAR's intra-node copies: -9% against WRR on 2 x 2 (paper: -6.7% on average), but +1% on",
-        "  2 x 4: with four GPUs per node, the tokens that WRR sent to a replica on the other node now go to a",
-        "  replica on their own node, which adds intra-node copies about as fast as own-GPU hits remove them.",
-        "- TAR's cost in load deviation is larger than the paper's average +21%: +22-25% on 2 x 4, +60-70% on",
-        "  2 x 2, where a token's own GPU holds a quarter of the experts and locality overrides the weights most.",
+        *_claims(rows),
         "",
         "EPLB (global, the same memory filled with replicas, random replica choice) balances far better than",
         "any GRACE variant and sends about as much as Vanilla: GRACE trades balance for traffic, as its paper",

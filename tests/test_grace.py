@@ -27,20 +27,26 @@ from moebalance.algorithms.grace.grouping import (
     spectral_clustering,
     utilization,
 )
-from moebalance.algorithms.grace.plan import grace_plan
+from moebalance.algorithms.grace.plan import GracePlan, grace_plan
 from moebalance.algorithms.grace.replication import (
     hot_experts,
+    place_copies,
     predict_loads,
     replica_count,
     replica_shares,
     skew_ratio,
 )
+from moebalance.core.budget import Capacity, resolve_budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError, InputError
-from moebalance.core.load import LoadMatrix
+from moebalance.core.load import LoadMatrix, read_load
+from moebalance.core.options import check_choice
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.policies import Budget, make_plan
+from moebalance.policies.base import run_policy
+from moebalance.policies.grace import GRACE, GraceDiagnostics
+from moebalance.routing.simulate import evaluate
 from moebalance.workloads.synth import synthesize
 
 
@@ -55,6 +61,21 @@ def _shares_per_expert(plan: Placement) -> np.ndarray:
         for wg, pg in zip(wl, pl, strict=True):
             np.add.at(total[layer], np.asarray(pg, dtype=np.int64), np.asarray(wg))
     return total
+
+
+def _cap(budget: Budget, weight: np.ndarray, cluster: Cluster) -> Capacity:
+    """The capacity of ``budget`` for a planning load ``[L, E]`` on ``cluster``."""
+    L, E = np.shape(weight)
+    return resolve_budget(budget, E, cluster.num_gpus, L)
+
+
+def _plan(weight: np.ndarray, affinity: np.ndarray | None, cluster: Cluster, budget: Budget,
+          **options: object) -> Placement:
+    """:func:`grace_plan`'s placement within ``budget``."""
+    out = grace_plan(weight=weight, affinity=affinity, cluster=cluster, capacity=_cap(budget, weight, cluster),
+                     **options)  # type: ignore[arg-type]
+    assert isinstance(out, GracePlan)
+    return out.placement
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +142,15 @@ def test_eq3_predicted_loads_conserve_tokens() -> None:
     # W_p = 45 / 3 = 15; GPU 0 keeps 60 - 45 + 15 = 30, GPUs 1, 2 get 10 + 15 = 25. (The printed
     # W_p = W_max / 3 = 20 would predict 35, 30, 30, 10: 105 tokens out of 90.)
     w = np.array([60.0, 10, 10, 10])
-    out = predict_loads(w, 0, np.array([1, 2]), 45.0)
+    out = predict_loads(w, 0, [np.array([1, 2])], np.array([45.0]))
     assert out.tolist() == [30, 25, 25, 10] and out.sum() == w.sum()
     # shares 1/30 : 1/25 : 1/25 = 5 : 6 : 6
     assert np.allclose(replica_shares(out, np.array([0, 1, 2])), [5 / 17, 6 / 17, 6 / 17])
-    assert predict_loads(w, 0, np.array([], dtype=np.int64), 45.0).tolist() == w.tolist()
+    assert predict_loads(w, 0, [np.array([], dtype=np.int64)], np.array([45.0])).tolist() == w.tolist()
+    # per hot expert: 30 to GPU 1 and 15 to GPUs 2 and 3 (two copies): W_p = 15 and 5, GPU 0 keeps
+    # 60 - 30 + 15 - 15 + 5 = 35
+    out = predict_loads(w, 0, [np.array([1]), np.array([2, 3])], np.array([30.0, 15.0]))
+    assert out.tolist() == [35, 25, 15, 15] and out.sum() == w.sum()
 
 
 def _hand_load() -> LoadMatrix:
@@ -185,6 +210,55 @@ def test_replicas_budget_goes_to_the_most_skewed_layers() -> None:
                         Budget(replicas_per_gpu=1), grouping="uniform")
     assert plan.params["replicas_wanted"] == [1, 1] and plan.params["replicas"] == [0, 1]
     assert plan.gpu_experts[1][1] == (0, 4, 5, 6, 7) and plan.extra_replicas == 1
+
+
+def test_hot_experts_spread_over_free_slots() -> None:
+    # 12 experts on 4 GPUs with 4 slots: Vanilla blocks of 3, one free slot on every GPU. GPU 0 holds experts
+    # 0, 1, 2 with loads 30, 30, 4 (W = 64); the others 4, 3, 3 (W = 10). rho = 64 / 23.5 = 2.72 -> Eq. 2's n = 2.
+    # n = 2: threshold 64 * 2 / 3 = 42.7 -> hot {0, 1} (30 + 30 = 60); expert 0 takes GPUs 1 and 2 (least
+    # loaded, ties by id), expert 1 finds one free slot (GPU 3) for two copies: n = 2 does not fit.
+    # n = 1: threshold 32 -> hot {0, 1} again (30 is not above 32); expert 0 -> GPU 1, expert 1 -> GPU 2, one
+    # slot each. (Requiring every target to hold the whole hot set, two slots, replicated nothing here.)
+    # Eq. 3 per expert: W_p = 15 each; GPU 0 keeps 64 - 30 + 15 - 30 + 15 = 34, GPUs 1 and 2 get 25.
+    # Shares 1/34 : 1/25 -> 25/59 on GPU 0 and 34/59 on the copy, for both experts.
+    load = LoadMatrix(np.array([[[30, 30, 4, 4, 3, 3, 4, 3, 3, 4, 3, 3]]]))
+    plan, _ = make_plan("grace", load, Cluster(num_nodes=1, gpus_per_node=4), Budget(slots_per_gpu=4),
+                        grouping="uniform")
+    assert plan.params["replicas_wanted"] == [2] and plan.params["replicas"] == [1]
+    assert plan.params["hot_experts"] == [[0, 1]] and plan.params["hot_left_out"] == [0]
+    assert plan.gpu_experts[0] == ((0, 1, 2), (0, 3, 4, 5), (1, 6, 7, 8), (9, 10, 11))
+    assert plan.params["predicted_gpu_load"] == [[34.0, 25.0, 25.0, 10.0]]
+    assert plan.weights is not None
+    assert np.allclose(plan.weights[0][0], [25 / 59, 25 / 59, 1]) and np.isclose(plan.weights[0][1][0], 34 / 59)
+    assert np.isclose(plan.weights[0][2][0], 34 / 59) and plan.extra_replicas == 2
+
+
+def test_hot_experts_copied_while_slots_last() -> None:
+    # 14 experts on 4 GPUs with 4 slots: blocks 4, 4, 3, 3, so only GPUs 2 and 3 have a free slot. GPU 0 holds
+    # four experts of load 10 (W = 40); GPU 1 four of 1, GPUs 2 and 3 three of 1: W = [40, 4, 3, 3], rho = 3.2.
+    # n = 3 (hot: 4 experts, 30 is not above 30) and n = 2 (hot: 3 experts) need 3 and 2 GPUs with room per
+    # expert: no. n = 1: hot {0, 1, 2} (30 > 20), two free slots: experts 0 -> GPU 2 and 1 -> GPU 3 (least loaded,
+    # ties by id); expert 2 is left out, and the record says so. Eq. 3: W_p = 5 each.
+    load = LoadMatrix(np.array([[[10, 10, 10, 10, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]]]))
+    plan, _ = make_plan("grace", load, Cluster(num_nodes=1, gpus_per_node=4), Budget(slots_per_gpu=4),
+                        grouping="uniform")
+    assert plan.params["replicas_wanted"] == [3] and plan.params["replicas"] == [1]
+    assert plan.params["hot_experts"] == [[0, 1]] and plan.params["hot_left_out"] == [1]
+    assert plan.gpu_experts[0][2] == (0, 8, 9, 10) and plan.gpu_experts[0][3] == (1, 11, 12, 13)
+    assert plan.params["predicted_gpu_load"] == [[30.0, 4.0, 8.0, 8.0]]
+
+
+def test_place_copies() -> None:
+    order = np.array([2, 1, 3])
+    # one copy each: the first GPU of the order with a free slot
+    assert [t.tolist() for t in place_copies(np.array([5, 6]), 1, order, np.array([0, 1, 1, 1]))] == [[2], [1]]
+    # two copies each, room for three copies in all: the second expert does not fit
+    assert [t.tolist() for t in place_copies(np.array([5, 6]), 2, order, np.array([0, 1, 1, 1]))] == [[1, 2]]
+    # without memory limits every hot expert gets the same n least-loaded GPUs (Section 4.2)
+    big = np.full(4, 10)
+    assert [t.tolist() for t in place_copies(np.array([5, 6, 7]), 2, order, big)] == [[1, 2]] * 3
+    # a cap on the copies in all
+    assert len(place_copies(np.array([5, 6, 7]), 2, order, big, limit=5)) == 2
 
 
 # ----- Alg. 2 -----------------------------------------------------------------------------------------------
@@ -398,25 +472,22 @@ def test_policy_uses_the_knee_golden() -> None:
     # the case above as one layer on 1 node x 2 GPUs with 12 slots (cap 12 > 11: the cap does not bind): the
     # policy must record r = 0.2 and group {0..9} | {10..15}. Always taking the largest r would give 11 / 5 and
     # 1.0; always r = 0 would give 9 / 7 and 0.0.
-    plan = grace_plan(weight=np.ones((1, 16)), affinity=_two_topics_and_a_straggler()[None],
-                      cluster=Cluster(num_nodes=1, gpus_per_node=2), slots_per_gpu=12,
-                      replication="none")
-    assert plan.params["chosen_ratio"] == [[0.2]]
+    plan = _plan(np.ones((1, 16)), _two_topics_and_a_straggler()[None], Cluster(num_nodes=1, gpus_per_node=2),
+                 Budget(slots_per_gpu=12), replication="none")
+    assert plan.params["chosen_ratio"] == [0.2]
     assert set(plan.gpu_experts[0]) == {tuple(range(10)), tuple(range(10, 16))}
 
 
 def test_capped_sizes_record_no_ratio() -> None:
     # the same case with 8 slots: every r gives sizes 8, 8 (S(r) = 0 throughout), so no knee exists and the
     # plan records None rather than a misleading 0.0
-    plan = grace_plan(weight=np.ones((1, 16)), affinity=_two_topics_and_a_straggler()[None],
-                      cluster=Cluster(num_nodes=1, gpus_per_node=2), slots_per_gpu=8,
-                      replication="none")
-    assert plan.params["chosen_ratio"] == [[None]]
+    plan = _plan(np.ones((1, 16)), _two_topics_and_a_straggler()[None], Cluster(num_nodes=1, gpus_per_node=2),
+                 Budget(slots_per_gpu=8), replication="none")
+    assert plan.params["chosen_ratio"] == [None]
     assert plan.slots().tolist() == [[8, 8]]
-    fixed = grace_plan(weight=np.ones((1, 16)), affinity=_two_topics_and_a_straggler()[None],
-                       cluster=Cluster(num_nodes=1, gpus_per_node=2), slots_per_gpu=8,
-                       replication="none", ratio=0.5)
-    assert fixed.params["chosen_ratio"] == [[0.5]]  # a given ratio is recorded as given
+    fixed = _plan(np.ones((1, 16)), _two_topics_and_a_straggler()[None], Cluster(num_nodes=1, gpus_per_node=2),
+                  Budget(slots_per_gpu=8), replication="none", ratio=0.5)
+    assert fixed.params["chosen_ratio"] == [0.5]  # a given ratio is recorded as given
 
 
 # ----- affinity -------------------------------------------------------------------------------------------
@@ -479,9 +550,58 @@ def test_hierarchical_grouping_cuts_less_affinity_than_uniform(olmoe: LoadMatrix
     assert hier.extra_replicas == vanilla.extra_replicas == 0
     for level in ("node", "gpu"):
         assert _node_cut(hier, a, cluster, level) < 0.9 * _node_cut(vanilla, a, cluster, level), level
-    assert all(r is None or r in RATIO_GRID for row in hier.params["chosen_ratio"] for r in row)
-    assert any(r is not None for row in hier.params["chosen_ratio"] for r in row)
+    assert all(r is None or r in RATIO_GRID for r in hier.params["chosen_ratio"])
+    assert any(r is not None for r in hier.params["chosen_ratio"])
     assert np.all(np.sum(hier.params["node_experts"], axis=1) == 64)
+
+
+def _clique_trace(sizes: list[int], tokens: int, seed: int) -> LoadMatrix:
+    """One layer whose tokens each pick 2 experts of one clique: experts 0..sizes[0]-1 form the first, and so on;
+    a clique is picked in proportion to its size."""
+    rng = np.random.default_rng(seed)
+    starts = np.cumsum([0, *sizes])
+    clique = rng.choice(len(sizes), size=tokens, p=np.array(sizes) / sum(sizes))
+    first = rng.integers(0, np.array(sizes)[clique])
+    second = (first + rng.integers(1, np.array(sizes)[clique])) % np.array(sizes)[clique]
+    ids = (starts[clique][:, None] + np.stack([first, second], axis=1))[:, None, :]
+    trace = RoutingTrace(ids, np.zeros(tokens, int), np.zeros(tokens, int), num_experts=int(starts[-1]))
+    return LoadMatrix(trace.counts(), trace)
+
+
+def test_gpu_groups_bounded_across_nodes() -> None:
+    # A 12-expert clique and a 4-expert clique on 2 nodes x 2 GPUs, replicas budget (no per-layer cap), r = 0.
+    # Section 4.1 bounds GPU groups to E / D +- delta with E the experts of the layer: 16 / 4 = 4, delta = 1,
+    # so 3 to 5 experts on every GPU, and a node holds 6 to 10. Spectral node groups are the cliques, 12 and 4;
+    # Alg. 2's lines 6-21 trim the 12 to 10. (Bounding inside each node only, by its own experts, put 6 + 6
+    # on the GPUs of one node and 2 + 2 on the other.)
+    load = _clique_trace([12, 4], tokens=3000, seed=0)
+    plan, _ = make_plan("grace", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(replicas_per_gpu=8),
+                        replication="none", ratio=0.0)
+    assert plan.slots().min() >= 3 and plan.slots().max() <= 5
+    assert sorted(plan.params["node_experts"][0]) == [6, 10]
+    # the knee chooses r per layer over the same bounds, whatever r it picks
+    knee, _ = make_plan("grace", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(replicas_per_gpu=8),
+                        replication="none")
+    r = knee.params["chosen_ratio"][0]
+    _, _, lo, hi = alg2_bounds(16, 4, 0.0 if r is None else r)
+    assert lo <= knee.slots().min() and knee.slots().max() <= hi
+
+
+@pytest.mark.parametrize(("nodes", "gpn", "experts", "r"), [(2, 2, 16, 0.0), (2, 4, 64, 0.3), (4, 2, 30, 0.5),
+                                                         (3, 1, 10, 0.2), (2, 4, 6, 0.0)])
+@pytest.mark.parametrize("budget", [Budget(slots_per_gpu=40), Budget(replicas_per_gpu=40)], ids=["slots", "replicas"])
+def test_every_gpu_group_within_the_layer_bound(nodes: int, gpn: int, experts: int, r: float, budget: Budget) -> None:
+    # random skewed affinities (a few heavy pairs): whatever the spectral node clusters, every GPU group of every
+    # layer holds E / G +- delta experts (alg2_bounds with the layer's E and G), nodes their GPUs' share
+    rng = np.random.default_rng(experts)
+    a = rng.pareto(1.0, size=(3, experts, experts))
+    a = a + a.transpose(0, 2, 1)
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=gpn)
+    plan = _plan(np.ones((3, experts)), a, cluster, budget, replication="none", ratio=r)
+    _, _, lo, hi = alg2_bounds(experts, cluster.num_gpus, r)
+    assert plan.slots().min() >= lo and plan.slots().max() <= hi
+    node_sizes = plan.slots().reshape(3, nodes, gpn).sum(axis=2)
+    assert node_sizes.tolist() == plan.params["node_experts"]
 
 
 def _block_trace(num_blocks: int, block_size: int, tokens: int, seed: int) -> tuple[LoadMatrix, np.ndarray]:
@@ -519,10 +639,13 @@ def test_golden_capped_node_groups_keep_topics_whole(seed: int) -> None:
     plan, _ = make_plan("grace", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(slots_per_gpu=4),
                         replication="none")
     assert {frozenset(g) for g in plan.gpu_experts[0]} == _partition(block)
-    # 6 topics on 2 x 2 GPUs with 8 slots: no co-activation crosses a GPU
+    # 6 topics on 2 x 2 GPUs with 8 slots and r = 0.5 (GPU groups of 6 +- 3, at most 8; nodes of 6 to 16): no
+    # co-activation crosses a GPU (two topics on each GPU of one node, one on each of the other). The knee
+    # would choose r = 0 here: its curve has two points only, (S, U) = (1, 0.79) for r <= 0.2 and (2, 1) above,
+    # no point lies above the chord, and ties go to the smaller r
     load, block = _block_trace(6, 4, tokens=3000, seed=seed)
     plan, _ = make_plan("grace", load, Cluster(num_nodes=2, gpus_per_node=2), Budget(slots_per_gpu=8),
-                        replication="none")
+                        replication="none", ratio=0.5)
     assert load.trace is not None
     assert cut_affinity(affinity(load.trace)[0], plan.copies[0].argmax(axis=1)) == 0
 
@@ -550,6 +673,50 @@ def test_variants_make_valid_plans(olmoe: LoadMatrix, grouping: str, replication
     assert again.gpu_experts == plan.gpu_experts and again.weights == plan.weights
 
 
+def test_dynamic_replication_cuts_grouping_deviation_on_esft() -> None:
+    # Real routing (DeepSeek's ESFT release, bundled:esft-law; docs/synth.md): 26 layers x 64 experts, the first
+    # 4 batches (2,048 tokens), 1 node x 8 GPUs with 9 slots (one free slot per GPU and layer). GRACE
+    # Section 5.3 reports that dynamic replication with weighted round-robin cuts grouping's load deviation by
+    # 45-58%. Copies that had to share one target GPU fitted 33 replicas and cut it by 21%; one free slot per
+    # copy fits a replica in every layer and cuts it by 41%. (GRACE stays below contiguous blocks in
+    # balancedness on this trace: docs/results/grace_real.md.)
+    load = read_load("bundled:esft-law").select_batches(0, 4)
+    cluster = Cluster(num_nodes=1, gpus_per_node=8)
+    grouped, _ = make_plan("grace", load, cluster, Budget(slots_per_gpu=9), replication="none")
+    full, _ = make_plan("grace", load, cluster, Budget(slots_per_gpu=9))
+    assert all(n >= 1 for n in full.params["replicas"]) and full.extra_replicas >= 80
+    hg, dr = evaluate(grouped, load, "uniform").load_std, evaluate(full, load, "wrr").load_std
+    assert dr <= 0.65 * hg
+
+
+def test_typed_diagnostics(olmoe: LoadMatrix) -> None:
+    cluster = Cluster(num_nodes=2, gpus_per_node=2)
+    result = run_policy(GRACE, olmoe, cluster, Budget(slots_per_gpu=20), {})
+    d = result.diagnostics
+    assert isinstance(d, GraceDiagnostics)
+    assert len(d.replicas) == len(d.skew) == len(d.predicted_gpu_load) == olmoe.num_layers
+    assert d.chosen_ratio is not None and d.node_experts is not None
+    for key, value in d.as_params().items():  # the plan's params hold the record field by field
+        assert result.placement.params[key] == value
+    direct = grace_plan(weight=olmoe.total(), affinity=affinity(olmoe.trace), cluster=cluster,  # type: ignore[arg-type]
+                        capacity=_cap(Budget(slots_per_gpu=20), olmoe.total(), cluster))
+    assert direct.record.replicas == d.replicas and direct.placement.gpu_experts == result.placement.gpu_experts
+    vanilla = grace_plan(weight=olmoe.total(), affinity=None, cluster=cluster, grouping="uniform",
+                         capacity=_cap(Budget(slots_per_gpu=20), olmoe.total(), cluster))
+    assert vanilla.record.chosen_ratio is None and vanilla.record.node_experts is None
+
+
+def test_check_choice() -> None:
+    assert check_choice("grouping", "uniform", ("hierarchical", "uniform")) == "uniform"
+    for value in ("spectral", 1, None):
+        with pytest.raises(InputError, match=r"grouping \(.*\) must be 'hierarchical' or 'uniform'$"):
+            check_choice("grouping", value, ("hierarchical", "uniform"))
+    with pytest.raises(BudgetError, match=r"x \('d'\) must be 'a', 'b' or 'c'$"):
+        check_choice("x", "d", ("a", "b", "c"), BudgetError)
+    with pytest.raises(InputError, match=r"x \('d'\) must be 'a'$"):
+        check_choice("x", "d", ("a",))
+
+
 def test_replicas_budget_keeps_per_gpu_memory(olmoe: LoadMatrix) -> None:
     # R = 2 over 16 layers: 8 extra replicas in all and at most 16 * 16 + 2 experts on a GPU
     cluster = Cluster(num_nodes=2, gpus_per_node=2)
@@ -562,7 +729,7 @@ def test_replicas_budget_keeps_per_gpu_memory(olmoe: LoadMatrix) -> None:
 def test_fixed_ratio_is_used(olmoe: LoadMatrix) -> None:
     cluster = Cluster(num_nodes=1, gpus_per_node=4)
     plan, _ = make_plan("grace", olmoe, cluster, Budget(slots_per_gpu=24), ratio=0.25, replication="none")
-    assert plan.params["ratio"] == 0.25 and {r for row in plan.params["chosen_ratio"] for r in row} == {0.25}
+    assert plan.params["ratio"] == 0.25 and set(plan.params["chosen_ratio"]) == {0.25}
     # 64 experts in 4 groups: E = 16, delta = round(4) = 4 -> sizes in [12, 20]
     sizes = plan.slots()
     assert sizes.min() >= 12 and sizes.max() <= 20
@@ -582,10 +749,16 @@ def test_grace_plan_takes_any_affinity(olmoe: LoadMatrix) -> None:
     assert olmoe.trace is not None
     cluster = Cluster(num_nodes=2, gpus_per_node=2)
     mixed = mixed_affinity([olmoe.trace, olmoe.select_batches(0, 3)])
-    plan = grace_plan(weight=olmoe.total(), affinity=mixed, cluster=cluster, slots_per_gpu=20)
+    plan = _plan(olmoe.total(), mixed, cluster, Budget(slots_per_gpu=20))
     Budget(slots_per_gpu=20).check(plan)
     with pytest.raises(InputError, match="needs an affinity"):
-        grace_plan(weight=olmoe.total(), affinity=None, cluster=cluster, slots_per_gpu=20)
+        _plan(olmoe.total(), None, cluster, Budget(slots_per_gpu=20))
+    # the capacity must be resolved for this load and cluster
+    with pytest.raises(InputError, match=r"resolved for \[L, E, G\] = \[16, 64, 8\] but the load and cluster are "
+                                         r"\[16, 64, 4\]") as info:
+        grace_plan(weight=olmoe.total(), affinity=mixed, cluster=cluster,
+                   capacity=resolve_budget(Budget(slots_per_gpu=20), 64, 8, 16))
+    _one_line(info)
 
 
 def test_inputs_refused() -> None:
@@ -595,11 +768,11 @@ def test_inputs_refused() -> None:
         make_plan("grace", counts_only, cluster, Budget(slots_per_gpu=5))
     assert "\n" not in str(info.value)
     make_plan("grace", counts_only, cluster, Budget(slots_per_gpu=5), grouping="uniform")  # Vanilla: counts suffice
-    for key, value, match in [("grouping", "spectral", "grouping .'spectral'. must be one of: hierarchical, uniform"),
-                              ("replication", "all", "must be one of: dynamic, fixed, none"),
-                              ("ratio", -0.1, r"ratio \(-0.1\) must be a non-negative number"),
+    for key, value, match in [("grouping", "spectral", "grouping .'spectral'. must be 'hierarchical' or 'uniform'"),
+                              ("replication", "all", "must be 'dynamic', 'fixed' or 'none'"),
+                              ("ratio", -0.1, r"ratio \(-0.1\) must be a finite non-negative number .* or None for the knee"),
                               ("ratio", True, "ratio"),
-                              ("node_ratio", "x", r"node_ratio \('x'\) must be a non-negative number"),
+                              ("node_ratio", "x", r"node_ratio \('x'\) must be a finite non-negative number"),
                               ("seed", -1, r"seed \(-1\) must be a non-negative integer")]:
         with pytest.raises(InputError, match=match):
             make_plan("grace", counts_only, cluster, Budget(slots_per_gpu=5), **{"grouping": "uniform", key: value})
@@ -627,10 +800,11 @@ def test_grace_plan_refuses_bad_weight_and_affinity(olmoe: LoadMatrix) -> None:
     ]
     for weight, aff, match in cases:
         with pytest.raises(InputError, match=match) as info:
-            grace_plan(weight=weight, affinity=aff, cluster=cluster, slots_per_gpu=5)  # type: ignore[arg-type]
+            grace_plan(weight=weight, affinity=aff, cluster=cluster,  # type: ignore[arg-type]
+                       capacity=resolve_budget(Budget(slots_per_gpu=5), 8, 2, 1))
         _one_line(info)
     with pytest.raises(InputError, match="weight has"):  # Vanilla checks the weight too
-        grace_plan(weight=-w, affinity=None, cluster=cluster, slots_per_gpu=5, grouping="uniform")
+        _plan(-w, None, cluster, Budget(slots_per_gpu=5), grouping="uniform")
     with pytest.raises(InputError, match=r"group_load has 1 NaN"):
         replica_count(np.array([1.0, np.nan]))
 
@@ -661,7 +835,7 @@ def test_grouping_functions_refuse_bad_input() -> None:
         (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, 3, 2), r"num_min \[3, 3\] exceeds num_max \[2, 2\]"),
         (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, -1, 4), r"num_min \(-1\) must be a non-negative integer"),
         (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, 1, [3, 3, 3]), r"num_max .* one per group \(2 of them\)"),  # type: ignore[arg-type]
-        (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, 1, 3, "best"), r"assign \('best'\) must be one of"),  # type: ignore[arg-type]
+        (lambda: refine_groups(a, np.array([0, 0, 1, 1]), 2, 1, 3, "best"), r"assign \('best'\) must be 'gain' or 'printed'"),  # type: ignore[arg-type]
         (lambda: utilization(a, np.array([0, 1])), r"groups has shape \[2\]"),
         (lambda: cut_affinity(nan, np.array([0, 0, 1, 1])), "NaN or infinite"),
         (lambda: size_deviation(np.array([0, 2]), 2), r"groups holds ids from 0 to 2"),

@@ -38,8 +38,6 @@ __all__ = [
     "Planned",
     "Policy",
     "PolicyConfig",
-    "check_choice",
-    "check_int",
     "run_policy",
 ]
 
@@ -215,19 +213,3 @@ def _run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix
         params_out["layer_ids"] = [int(x) for x in load.layer_ids]
     return PlanResult(plan.with_params(params_out, policy=policy.name), config, diagnostics, used, seconds)
 
-
-# ----- validators for configs' __post_init__ ------------------------------------------------------------------
-
-def check_choice(name: str, value: object, choices: tuple[str, ...], error: type[Exception] = InputError) -> None:
-    """``value`` must be one of ``choices`` (also refuses non-strings from ``--set``)."""
-    if not isinstance(value, str) or value not in choices:
-        raise error(f"{name} ({value!r}) must be {' or '.join(repr(c) for c in choices)}")
-
-
-def check_int(name: str, value: object, *, minimum: int | None = None, error: type[Exception] = InputError) -> int:
-    """``value`` as an ``int`` (numpy integers accepted), at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or (minimum is not None and value < minimum):
-        what = "an integer" if minimum is None else ("a non-negative integer" if minimum == 0 else
-                                                     f"an integer >= {minimum}")
-        raise error(f"{name} ({value!r}) must be {what}")
-    return int(value)

@@ -31,7 +31,8 @@ from moebalance.core.budget import Capacity
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError
 from moebalance.core.load import LoadMatrix
-from moebalance.policies.base import Diagnostics, Planned, Policy, PolicyConfig, check_choice
+from moebalance.core.options import check_choice
+from moebalance.policies.base import Diagnostics, Planned, Policy, PolicyConfig
 
 __all__ = ["CRAFT", "CraftConfig", "CraftDiagnostics", "craft"]
 

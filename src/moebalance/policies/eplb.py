@@ -24,8 +24,9 @@ from moebalance.core.budget import Capacity
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError
 from moebalance.core.load import LoadMatrix
+from moebalance.core.options import check_int
 from moebalance.core.plan import Placement
-from moebalance.policies.base import Diagnostics, Planned, Policy, PolicyConfig, check_int
+from moebalance.policies.base import Diagnostics, Planned, Policy, PolicyConfig
 
 __all__ = ["EPLB", "EplbConfig", "EplbDiagnostics", "eplb"]
 

@@ -7,26 +7,29 @@ the knee of Eq. 1), replication of the heaviest group's hot experts (Section 4.2
 from the predicted loads (Eq. 3), in :func:`moebalance.algorithms.grace.plan.grace_plan`.
 
 Budgets: ``slots_per_gpu S`` caps every GPU in every layer; ``replicas_per_gpu R`` caps the replicas over all
-layers (``auto`` is refused: GRACE does not choose ``R``).
+layers (``auto`` is refused: GRACE does not choose ``R``). The capacity is passed to the algorithm as resolved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from moebalance.algorithms.grace.grouping import affinity as trace_affinity
+from moebalance.algorithms.grace.grouping import check_ratio
 from moebalance.algorithms.grace.plan import (
+    GROUPINGS,
+    REPLICATIONS,
+    GraceRecord,
     Grouping,
     Replication,
-    check_option,
-    check_ratio,
-    check_seed,
     grace_plan,
 )
 from moebalance.core.budget import Capacity
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
+from moebalance.core.options import check_choice, check_int
 from moebalance.policies.base import Diagnostics, Planned, Policy, PolicyConfig
 
 __all__ = ["GRACE", "GraceConfig", "GraceDiagnostics", "grace"]
@@ -36,9 +39,10 @@ __all__ = ["GRACE", "GraceConfig", "GraceDiagnostics", "grace"]
 class GraceConfig(PolicyConfig):
     """``grouping``: ``"hierarchical"`` (Section 4.1; needs the token-level trace, ``topk_ids``, to measure
     affinity) or ``"uniform"`` (Vanilla, contiguous blocks; counts suffice). ``replication``: ``"dynamic"``
-    (Eq. 2), ``"fixed"`` (one replica of the hot experts, Section 5.3) or ``"none"``. ``ratio``: Alg. 2's ``r``
-    for the GPU level, or None for the knee of Eq. 1 per (layer, node). ``node_ratio``: None (fully
-    non-uniform node groups, as the paper) or a ratio bounding them likewise. ``seed``: k-means restarts."""
+    (Eq. 2), ``"fixed"`` (one replica of the hot experts, Section 5.3) or ``"none"``. ``ratio``: Alg. 2's ``r``,
+    or None for the knee of Eq. 1 per layer. ``node_ratio``: None (node groups bounded only by what their GPU
+    groups may hold) or a ratio bounding them by Alg. 2 for ``N`` groups as well (beyond the paper).
+    ``seed``: k-means restarts."""
 
     grouping: Grouping = "hierarchical"
     replication: Replication = "dynamic"
@@ -47,21 +51,22 @@ class GraceConfig(PolicyConfig):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_option("grouping", self.grouping, ("hierarchical", "uniform"))
-        check_option("replication", self.replication, ("dynamic", "fixed", "none"))
+        check_choice("grouping", self.grouping, GROUPINGS)
+        check_choice("replication", self.replication, REPLICATIONS)
         object.__setattr__(self, "ratio", check_ratio("ratio", self.ratio, "the knee of Eq. 1"))
         object.__setattr__(self, "node_ratio", check_ratio("node_ratio", self.node_ratio,
-                                                           "fully non-uniform node groups"))
-        object.__setattr__(self, "seed", check_seed(self.seed))
+                                                           "node groups bounded only by their GPUs'"))
+        object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0))
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class GraceDiagnostics(Diagnostics):
-    """Per layer: Eq. 2's replica count ``n`` and the ``n`` the budget allowed (the rest of GRACE's record,
-    hot experts, skew, predicted loads, chosen ratios, is in the plan's params)."""
+class GraceDiagnostics(GraceRecord, Diagnostics):
+    """GRACE's record (:class:`~moebalance.algorithms.grace.plan.GraceRecord`: Eq. 2's replica counts, hot
+    experts, skew, Eq. 3's predicted loads, the chosen ratios), typed; the plan's params hold it field by field."""
 
-    replicas_wanted: list[int]
-    replicas: list[int]
+    @classmethod
+    def of(cls, record: GraceRecord) -> GraceDiagnostics:
+        return cls(**{f.name: getattr(record, f.name) for f in dataclasses.fields(record)})
 
 
 def grace(load: LoadMatrix, cluster: Cluster, capacity: Capacity, config: GraceConfig) -> Planned:
@@ -73,17 +78,10 @@ def grace(load: LoadMatrix, cluster: Cluster, capacity: Capacity, config: GraceC
                              "(topk_ids, src_gpu, batch); this load has counts only (synthesize with "
                              "token_level=True, or use grouping='uniform')")
         aff = trace_affinity(load.trace)
-    if capacity.layer_slots is not None:
-        budget: dict[str, int] = {"slots_per_gpu": capacity.layer_slots}
-    else:
-        R, _ = capacity.replicas("grace")  # refuses auto
-        budget = {"replicas_per_gpu": int(R or 0)}
-    plan = grace_plan(weight=load.total(), affinity=aff, cluster=cluster, **budget, grouping=config.grouping,
-                      replication=config.replication, ratio=config.ratio, node_ratio=config.node_ratio,
-                      seed=config.seed)
-    diagnostics = GraceDiagnostics(replicas_wanted=list(plan.params["replicas_wanted"]),
-                                   replicas=list(plan.params["replicas"]))
-    return Planned(plan, diagnostics)
+    result = grace_plan(weight=load.total(), affinity=aff, cluster=cluster, capacity=capacity,
+                        grouping=config.grouping, replication=config.replication, ratio=config.ratio,
+                        node_ratio=config.node_ratio, seed=config.seed)
+    return Planned(result.placement, GraceDiagnostics.of(result.record))
 
 
 GRACE = Policy("grace", GraceConfig, grace)

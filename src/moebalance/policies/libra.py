@@ -25,8 +25,9 @@ import numpy as np
 
 from moebalance.algorithms.prefetch import phase1_count, prefetch_layers
 from moebalance.core.errors import InputError
+from moebalance.core.options import check_choice, check_int
 from moebalance.core.plan import Placement
-from moebalance.policies.base import PolicyConfig, check_choice, check_int
+from moebalance.policies.base import PolicyConfig
 
 __all__ = ["LIBRA", "DynamicPolicy", "LibraConfig", "batch_plan", "buffer_slots"]
 

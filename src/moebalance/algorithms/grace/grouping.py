@@ -33,6 +33,7 @@ import numpy as np
 
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
+from moebalance.core.options import check_choice, check_int
 from moebalance.core.trace import RoutingTrace
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "affinity",
     "alg2_bounds",
     "blas_single_thread",
+    "check_ratio",
     "controlled_grouping",
     "cut_affinity",
     "import_spectral",
@@ -166,12 +168,6 @@ def _check_values(a: np.ndarray, name: str) -> None:
                          f"at {where}); counts must be >= 0")
 
 
-def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise InputError(f"{name} ({value!r}) must be an integer >= {minimum}")
-    return int(value)
-
-
 def _check_groups(groups: object, n: int | None, num_groups: int | None, name: str = "groups") -> np.ndarray:
     """``int64 [n]``: one group id in ``[0, num_groups)`` per expert (any ``n`` / no upper bound when None)."""
     g = np.asarray(groups)
@@ -196,11 +192,17 @@ def _check_bound(name: str, value: object, num_groups: int) -> np.ndarray:
     return np.broadcast_to(v.astype(np.int64), (num_groups,))
 
 
-def _check_ratio(ratio: object) -> float:
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float | np.integer | np.floating) \
-            or not math.isfinite(ratio) or ratio < 0:
-        raise InputError(f"ratio ({ratio!r}) must be a finite non-negative number (GRACE's r, e.g. 0.3)")
-    return float(ratio)
+def check_ratio(name: str, value: object, none_means: str | None = None) -> float | None:
+    """A finite non-negative ratio (GRACE's ``r``) as a ``float``; None is accepted when ``none_means`` says
+    what it stands for, else refused."""
+    if value is None and none_means is not None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating) \
+            or not math.isfinite(value) or value < 0:
+        alternative = "" if none_means is None else f", or None for {none_means}"
+        raise InputError(f"{name} ({value!r}) must be a finite non-negative number (GRACE's r, e.g. 0.3)"
+                         f"{alternative}")
+    return float(value)
 
 
 def _canonical(labels: np.ndarray, k: int) -> np.ndarray:
@@ -234,7 +236,7 @@ def spectral_clustering(affinity: np.ndarray, num_clusters: int, seed: int | Seq
     Example: a block-diagonal affinity with blocks ``{0, 2}`` and ``{1, 3}`` gives ``[0, 1, 0, 1]``.
     """
     a = _check_affinity(affinity)
-    k = _check_count("num_clusters", num_clusters, 1)
+    k = check_int("num_clusters", num_clusters, minimum=1)
     random_state = _random_state(seed)
     import_spectral()  # before threads are limited, so that the limit reaches SciPy's BLAS and OpenMP too
     with blas_single_thread():
@@ -277,7 +279,7 @@ def _spectral_labels(a: np.ndarray, k: int, random_state: int) -> np.ndarray:
 def spectral_clustering_in_context(affinity: np.ndarray, num_clusters: int, seed: int | Sequence[int]) -> np.ndarray:
     """:func:`spectral_clustering` for a caller already in ``blas_single_thread``, entered after
     :func:`import_spectral`, so that one context serves many clusterings."""
-    return _spectral_labels(_check_affinity(affinity), _check_count("num_clusters", num_clusters, 1),
+    return _spectral_labels(_check_affinity(affinity), check_int("num_clusters", num_clusters, minimum=1),
                             _random_state(seed))
 
 
@@ -289,9 +291,9 @@ def alg2_bounds(num_experts: int, num_groups: int, ratio: float) -> tuple[int, i
     ``E = floor(n / D)``, ``delta = max(1, round(E * r))``, ``num_min = max(1, E - delta)`` (0 when ``n < D``),
     ``num_max = E + delta``. Example: 64 experts, 8 groups, ``r = 0.3``: ``(8, 2, 6, 10)``.
     """
-    n = _check_count("num_experts", num_experts, 0)
-    e = n // _check_count("num_groups", num_groups, 1)
-    delta = max(1, round(e * _check_ratio(ratio)))
+    n = check_int("num_experts", num_experts, minimum=0)
+    e = n // check_int("num_groups", num_groups, minimum=1)
+    delta = max(1, round(e * float(check_ratio("ratio", ratio) or 0.0)))
     num_min = max(1, e - delta) if num_experts >= num_groups else 0
     return e, delta, num_min, e + delta
 
@@ -301,14 +303,14 @@ def refine_groups(affinity: np.ndarray, labels: np.ndarray, num_groups: int, num
     """Alg. 2 lines 6-21: ``int64 [n]`` groups with ``num_min[d] <= |L_d| <= num_max[d]`` from initial clusters.
 
     ``labels [n]`` are the initial clusters ``C_d``, ids in ``[0, num_groups)`` (some may be empty); the bounds
-    are one number or one per group (GRACE's node level caps each node by its memory, see the policy).
+    are one number or one per group (GRACE's node level: what a node's GPUs may hold).
     Needs ``sum(num_min) <= n <= sum(num_max)``. The readings of lines 14 and 19-20 are in the module docstring.
 
     Example: see ``tests/test_grace.py::test_alg2_steps_6_to_21_hand_case``, derived line by line.
     """
     a = _check_affinity(affinity)
     n = a.shape[0]
-    D = _check_count("num_groups", num_groups, 1)
+    D = check_int("num_groups", num_groups, minimum=1)
     labels = _check_groups(labels, n, D, "labels")
     hi = _check_bound("num_max", num_max, D)
     lo = _check_bound("num_min", num_min, D)
@@ -318,8 +320,7 @@ def refine_groups(affinity: np.ndarray, labels: np.ndarray, num_groups: int, num
     if not lo.sum() <= n <= hi.sum():
         raise InputError(f"{n} experts cannot form {D} groups of num_min {lo.tolist()} to num_max {hi.tolist()}; "
                          f"give bounds with sum(num_min) ({int(lo.sum())}) <= {n} <= sum(num_max) ({int(hi.sum())})")
-    if assign not in ("gain", "printed"):
-        raise InputError(f"assign ({assign!r}) must be one of: gain, printed")
+    check_choice("assign", assign, ("gain", "printed"))
     group = labels.copy()
     omega: list[int] = []
     for d in range(D):  # lines 6-12: trim clusters above num_max, keeping the most attached experts (peeling)
@@ -392,7 +393,7 @@ def controlled_grouping(affinity: np.ndarray, num_groups: int, ratio: float, see
     """
     a = _check_affinity(affinity)
     n = a.shape[0]
-    D = _check_count("num_groups", num_groups, 1)
+    D = check_int("num_groups", num_groups, minimum=1)
     _, _, lo, hi = alg2_bounds(n, D, ratio)
     if cap is not None:
         if isinstance(cap, bool) or not isinstance(cap, int | np.integer) or cap * D < n:
@@ -418,7 +419,7 @@ def utilization(affinity: np.ndarray, groups: np.ndarray) -> float:
 
 def size_deviation(groups: np.ndarray, num_groups: int) -> float:
     """Eq. 1's ``S``: the root-mean-square deviation of group sizes from the ideal ``n / D`` (real-valued)."""
-    D = _check_count("num_groups", num_groups, 1)
+    D = check_int("num_groups", num_groups, minimum=1)
     g = _check_groups(groups, None, D)
     sizes = np.bincount(g, minlength=D)
     return float(np.sqrt(np.mean((sizes - g.size / D) ** 2)))
