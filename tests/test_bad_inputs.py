@@ -372,3 +372,23 @@ def test_atomic_path_removes_its_temporary_on_error(tmp_path) -> None:
         tmp.write_text("half")
         raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_address_space_limit_is_the_limit_and_an_unforeseen_memory_error_is_one_line(tmp_path: Path) -> None:
+    """Under ``ulimit -v`` the size check uses the limit: counts of 65,536 x 65,536 tokens' batches fit this
+    machine's memory but not 4 GB of address space, so synth refuses them in one line before allocating."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 10**9, 4 * 10**9))
+
+    out = tmp_path / "x.npz"
+    proc = subprocess.run([sys.executable, "-m", "moebalance", "synth", "--preset", "deepseek-v3", "--batches", "65536",
+                           "--tokens-per-batch", "65536", "--gpus", "8", "--out", str(out)], capture_output=True,
+                          text=True, preexec_fn=limit, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("moebalance: error:"), proc.stderr
+    assert "of memory (or ulimit -v)" in lines[0]
+    assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import moebalance
 from moebalance.app.commands import COMMANDS
+from moebalance.app.console import drop_notes, flush_notes
 from moebalance.core.errors import MoebalanceError
 from moebalance.core.io import install_sigterm_handler
 
@@ -50,13 +51,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = install_sigterm_handler() if threading.current_thread() is threading.main_thread() else None
     try:
         args.func(args)
+        flush_notes()
     except MoebalanceError as exc:
+        drop_notes()
         sys.stderr.write(f"moebalance: error: {exc}\n")
         return 2
     except OSError as exc:  # unwritable output folder, disk full, ...
+        drop_notes()
         sys.stderr.write(f"moebalance: error: {exc.strerror or exc}: {exc.filename or ''}\n")
         return 2
+    except MemoryError:  # a size no check foresaw: still one line, never a traceback
+        drop_notes()
+        sys.stderr.write("moebalance: error: out of memory; the inputs ask for more than this machine (or its ulimit) "
+                         "holds: use fewer GPUs, slots, batches or tokens\n")
+        return 2
     except KeyboardInterrupt:
+        drop_notes()
         return 130
     finally:
         if previous is not None:

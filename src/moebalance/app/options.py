@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from moebalance.app.console import note
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.errors import InputError
@@ -27,7 +28,6 @@ from moebalance.cost.goodput import Workload
 from moebalance.cost.hardware import GPUS
 from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import Calibration
-from moebalance.app.console import err
 from moebalance.engines import LOAD_FORMATS, open_load
 from moebalance.models import get_model
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
@@ -299,8 +299,8 @@ def read_load(args: argparse.Namespace, *, model: bool = True) -> LoadMatrix:
     name = getattr(args, "model", None)
     opened = open_load(args.load, getattr(args, "format", None))
     if name is None:  # an engine file's model named from its shape: say so, and how to name another
-        for note in opened.notes:
-            err.print(f"note: {note}")
+        for text in opened.notes:
+            note(text)
     return load_model(opened.load, name) if model else opened.load
 
 

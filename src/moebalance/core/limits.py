@@ -22,11 +22,19 @@ MAX_TOKENS = 2**62
 
 
 def machine_memory_bytes() -> int:
-    """Physical memory of this machine in bytes (64 GiB where the platform does not say)."""
+    """Memory this process may use, in bytes: the machine's physical memory (64 GiB where the platform does not
+    say), or the address-space limit (``ulimit -v``) where that is lower."""
     try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+        physical = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # not POSIX
-        return 64 * 2**30
+        physical = 64 * 2**30
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        return physical
+    return physical if soft == resource.RLIM_INFINITY or soft <= 0 else min(physical, int(soft))
 
 
 def _human(nbytes: int) -> str:
@@ -52,7 +60,7 @@ def check_alloc(shape: Iterable[int], itemsize: int, what: str, fix: str = "") -
     limit = machine_memory_bytes()
     if nbytes > limit:
         raise InputError(f"{what} of shape {dims} would take {_human(nbytes)}, more than this machine's "
-                         f"{_human(limit)} of memory" + (f"; {fix}" if fix else ""))
+                         f"{_human(limit)} of memory (or ulimit -v)" + (f"; {fix}" if fix else ""))
     return count
 
 

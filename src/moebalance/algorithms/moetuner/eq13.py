@@ -16,6 +16,7 @@ import numpy as np
 from moebalance.algorithms.moetuner.deadline import Deadline
 from moebalance.algorithms.moetuner.statistics import gpu_totals, inverse_bandwidth, sizes_on_gpus, swap_gpus
 from moebalance.core.cluster import Cluster
+from moebalance.core.limits import check_alloc
 
 __all__ = ["Eq13Infeasible", "balance_totals", "lpt_totals", "meets_totals", "narrow_sizes", "pair_subset_swap"]
 
@@ -58,6 +59,8 @@ def balance_totals(sizes: np.ndarray, gpu_of_cluster: np.ndarray, totals: tuple[
     """
     L, G = sizes.shape
     gpu = gpu_of_cluster.copy()
+    check_alloc((G, G, G), 8, "Eq. 13's swap table [G, G, G]", "MoETuner's integer programs are for tens of GPUs, "
+                "not thousands: plan fewer GPUs, or use eplb or craft")
     swap = np.tile(np.arange(G), (G, G, 1))  # swap[a, b, g]: GPU g with a and b exchanged
     ga, gb = np.meshgrid(np.arange(G), np.arange(G), indexing="ij")
     swap[ga, gb, ga], swap[ga, gb, gb] = gb, ga

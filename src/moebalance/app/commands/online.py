@@ -12,7 +12,7 @@ import numpy as np
 
 from moebalance.app import options
 from moebalance.app.capture_inputs import build_traces, capture_model, concatenated, hidden_states
-from moebalance.app.console import err, out, progress
+from moebalance.app.console import err, note, out, progress
 from moebalance.app.online_report import online_markdown, online_table, plot_online
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> None:
     for p in dynamic:
         if "predictor" not in params[p]:
             params[p]["predictor"], notes[p] = default_predictor(args, load, hidden)
-            err.print(f"note: {p} predicts with {params[p]['predictor']}: {notes[p]} (--set predictor=NAME to choose)")
+            note(f"{p} predicts with {params[p]['predictor']}: {notes[p]} (--set predictor=NAME to choose)")
     lookahead = any(params[p]["predictor"] == "lookahead" for p in dynamic)
     model = capture_model(args.checkpoint, load) if lookahead and hidden is not None else None
     build = concatenated(build_traces(args.build))
