@@ -1263,10 +1263,13 @@ def test_plan_model_gives_eplb_the_models_groups(inp: Path, outdir: Path, capsys
 
 
 def test_plan_model_on_a_load_that_names_one(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # the bundled load names its model: --model would change nothing without the cost model
-    assert_user_error(["plan", "--load", "bundled:olmoe-1b-7b-tokens", "--policy", "greedy", *CLUSTER,
-                       "--slots-per-gpu", 16, "--model", "olmoe-1b-7b", "--out", outdir / "p.json"], capsys, tmp_path,
-                      "the load names its model already (olmoe-1b-7b)", "--gpu")
+    # --model confirming the model the load (or an engine file's shape) names is accepted; another model's is not
+    base = ["plan", "--load", "bundled:olmoe-1b-7b-tokens", "--policy", "greedy", "--nodes", 2, "--gpus-per-node", 4,
+            "--slots-per-gpu", 8]
+    rc, _, err = run_cli([*base, "--model", "olmoe-1b-7b", "--out", outdir / "p.json"], capsys)
+    assert rc == 0, err
+    assert read_plan(outdir / "p.json").params["model"] == "olmoe-1b-7b"
+    assert_user_error([*base, "--model", "deepseek-v3", "--out", outdir / "q.json"], capsys, tmp_path, "--model deepseek-v3")
 
 
 @pytest.mark.parametrize(("extra", "fragment"), [

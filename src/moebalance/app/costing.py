@@ -16,7 +16,7 @@ from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
 from moebalance.routing import Router
 
-__all__ = ["CostFn", "auto_by_goodput", "bytes_per_copy", "check_model_used", "cost_fn", "refuse_cost_options"]
+__all__ = ["CostFn", "auto_by_goodput", "bytes_per_copy", "cost_fn", "refuse_cost_options"]
 
 #: ``(plan, held-out load, router) -> PlanCost``.
 CostFn = Callable[[Placement, LoadMatrix, "str | Router"], PlanCost]
@@ -34,14 +34,6 @@ def refuse_cost_options(args: argparse.Namespace, why: str) -> None:
     given = options.given_cost_options(args)
     if given:
         raise InputError(f"{given[0]} is used {why}; drop it")
-
-
-def check_model_used(args: argparse.Namespace, load: LoadMatrix, costed: bool) -> None:
-    """``--model`` names the load's model, or the cost model's; refuse it where it changes nothing (``load`` as
-    read, before :func:`options.load_model`)."""
-    if args.model is not None and load.preset == args.model and not costed:
-        raise InputError(f"--model {args.model}: the load names its model already ({load.preset}), and --model is "
-                         "used otherwise only with --gpu (the cost model); drop --model or give --gpu")
 
 
 def cost_fn(args: argparse.Namespace, load: LoadMatrix) -> CostFn | None:

@@ -116,7 +116,10 @@ def _inferred(load: LoadMatrix) -> tuple[str, ...]:
     ids = None if load.layer_ids is None else load.layer_ids.tolist()
     loaded = None if ids is not None else (load.counts.sum(axis=(0, 2)) > 0).tolist()
     note = choose_model(load.num_layers, load.num_experts, ids, loaded).note
-    return () if note is None else (note,)
+    if note is None:  # the reader named the model on less evidence than the rows give here: still say so
+        note = (f"the load is taken as {load.preset} from its shape ({load.num_layers} layers x {load.num_experts} "
+                "experts); --model NAME names another")
+    return (note,)
 
 
 def read_any_load(path: str | os.PathLike[str], fmt: str | None = None, *, gpus: int = 1, batch_tokens: int = 4096,

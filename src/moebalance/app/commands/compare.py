@@ -80,7 +80,6 @@ def run(args: argparse.Namespace) -> None:
     per_policy = options.resolve_set(args.set, policies, first=first)
     cluster = options.cluster(args)
     raw = options.read_load(args, model=False)
-    costing.check_model_used(args, raw, args.gpu is not None)
     load = options.load_model(raw, args.model)
     budget = options.budget(args)
     several = len(routers) > 1

@@ -68,7 +68,6 @@ def run(args: argparse.Namespace) -> None:
     params = options.resolve_set(args.set, [name], first=first, policy_flag="--policy")[name]
     cluster = options.cluster(args)
     raw = options.read_load(args, model=False)
-    costing.check_model_used(args, raw, goodput)
     load = options.load_model(raw, args.model)
     # dense layers: no load in the whole file, not merely in the planning window (engine exports leave them out)
     dense = [int(x) for x in np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)]

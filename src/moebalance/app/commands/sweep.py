@@ -48,7 +48,6 @@ def run(args: argparse.Namespace) -> None:
     params = options.resolve_set(args.set, policies, first=first, keys=sweep_keys)
     cluster = options.cluster(args)
     raw = options.read_load(args, model=False)
-    costing.check_model_used(args, raw, args.gpu is not None)
     load = options.load_model(raw, args.model)
     if args.gpu is None and options.links(args):  # a sweep scores balance only, unless the cost model runs
         raise InputError("--intra-link and --inter-link are used by sweep only with --gpu (the cost model); drop them")
