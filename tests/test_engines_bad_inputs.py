@@ -161,3 +161,17 @@ def test_sglang_placement_values(tmp_path: Path) -> None:
     one_line(lambda: read_any_plan(tmp_path / "nan.json", cluster), PlanError, "integer expert ids")
     (tmp_path / "neg.json").write_text('{"physical_to_logical_map": [[0, 1, 2, -3]]}')
     one_line(lambda: read_any_plan(tmp_path / "neg.json", cluster), PlanError, "expert id -3")
+
+
+def test_trtllm_digit_keys_too_long_for_int(tmp_path: Path) -> None:
+    """A quoted 5,000-digit layer key (YAML) or statistics key: Python refuses to convert it. Before: a ValueError
+    traceback."""
+    cluster = Cluster(num_nodes=1, gpus_per_node=2)
+    (tmp_path / "key.yaml").write_text(yaml.safe_dump({"num_slots": 4, "initial_global_assignments":
+                                                       {"9" * 5000: [0, 1, 2, 3]}}))
+    text = one_line(lambda: read_any_plan(tmp_path / "key.yaml", cluster), InputError, "layer id", "non-negative")
+    assert len(text) < 400
+    counts = np.ones(E, dtype=np.int64)
+    folder = _stats(tmp_path / "stats", {"0_3": counts, "0_" + "9" * 5000: counts})
+    text = one_line(lambda: read_any_load(folder), InputError, "'{iteration}_{layer}'")
+    assert len(text) < 400

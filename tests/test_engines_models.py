@@ -208,3 +208,39 @@ def test_vllm_map_leaves_the_mtp_layer_out(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "m.json").read_text())
     assert len(rows) == 58 and rows == slot_table(plan).phy2log[DENSE:H].tolist()
     assert any("MTP layer (61) left out" in n for n in info["notes"])
+
+
+# ------------------------------------------------------------------------------------------ review fixes
+
+def test_an_exported_file_scores_on_the_moe_only_load_it_was_planned_on(tmp_path: Path) -> None:
+    """A plan on a plain [58, 256] load is written with DeepSeek-V3's 61 rows (SGLang) or keys 3..60 (TensorRT-LLM);
+    read back against that same load, rows 3..60 are its 58 layers. Before: 'the plan has 61 layers ... but the load
+    has 58' and 'places layer 60 but the load has 58 layers'."""
+    load = LoadMatrix(_layer_counts(58, 0, 11))
+    plan = _plan(58, seed=3)
+    write_placement(tmp_path / "init.json", plan)
+    write_config(tmp_path / "lb.yaml", plan, mtp_layers=1)
+    for name in ("init.json", "lb.yaml"):
+        back = read_any_plan(tmp_path / name, CLUSTER, load=load)
+        assert back.num_layers == 58 and back.gpu_experts == plan.gpu_experts, name
+    # a load that names no model and fits none keeps its own rows: a 61-row file does not fit it
+    other = LoadMatrix(_layer_counts(57, 0, 12))
+    with pytest.raises(PlanError, match="places layer 61 but the load has 57 layers"):
+        read_any_plan(tmp_path / "lb.yaml", CLUSTER, load=other)
+
+
+def test_vllm_routed_experts_of_a_named_model_have_its_experts(tmp_path: Path) -> None:
+    """One short request never picks expert 255: the ids alone say 255 experts. Named as DeepSeek-V3 it has 256.
+    Before: 'does not fit model 'deepseek-v3': it has 255 experts per layer'."""
+    rng = np.random.default_rng(13)
+    routed = np.zeros((1, H, 8), dtype=np.uint16)
+    for layer in range(DENSE, H):
+        routed[0, layer] = rng.choice(E - 1, size=8, replace=False)
+    np.save(tmp_path / "req.npy", routed)
+    load = read_any_load(tmp_path / "req.npy", "vllm", model="deepseek-v3")
+    assert load.num_experts == E and load.preset == "deepseek-v3" and load.counts[..., E - 1].sum() == 0
+    assert read_any_load(tmp_path / "req.npy", "vllm").num_experts == E - 1  # no model named: the ids decide
+    routed[0, DENSE, 0] = E
+    np.save(tmp_path / "bad.npy", routed)
+    with pytest.raises(InputError, match="expert id 256 is not below"):
+        read_any_load(tmp_path / "bad.npy", "vllm", model="deepseek-v3")

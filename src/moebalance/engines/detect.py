@@ -23,7 +23,8 @@ from moebalance.core.io import read_json
 from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load
 from moebalance.core.plan import Placement, read_plan, with_dense_layers
 
-__all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "OpenedLoad", "detect_load", "open_load", "read_any_load", "read_any_plan"]
+__all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "OpenedLoad", "detect_load", "moe_layer_ids", "open_load", "read_any_load",
+           "read_any_plan"]
 
 #: ``--format`` values of a load.
 LOAD_FORMATS = ("moebalance", "sglang", "trtllm", "vllm")
@@ -128,10 +129,31 @@ def read_any_load(path: str | os.PathLike[str], fmt: str | None = None, *, gpus:
     return open_load(path, fmt, model=model, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts).load
 
 
+def moe_layer_ids(load: LoadMatrix) -> np.ndarray | None:
+    """The decoder-layer ids ``D .. H - 1`` of a load that is a model's MoE layers alone (``[B, L_moe, E]``, no ids
+    recorded: a plain ``.npy`` of a model with dense layers first), the model being the load's preset or the one
+    its shape fits (:func:`moebalance.engines.layers.choose_model`); ``None`` for any other load."""
+    from moebalance.engines.layers import choose_model, decoder_layers
+    from moebalance.models import MODELS
+
+    if load.layer_ids is not None:
+        return None
+    named = load.preset if load.preset in MODELS else None
+    try:
+        spec = choose_model(load.num_layers, load.num_experts, None, None, named).spec
+    except InputError:  # the load's recorded model does not fit its shape: no numbering to assume
+        return None
+    if spec is None or spec.num_dense_layers == 0 or load.num_layers != spec.num_layers:
+        return None
+    return np.arange(spec.num_dense_layers, decoder_layers(spec), dtype=np.int64)
+
+
 def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, fmt: str | None = None,
                   load: LoadMatrix | None = None) -> Placement:
     """The plan in ``path``: a moebalance plan, or an engine's placement file laid out on ``cluster`` (needed for
-    engine files, which do not record the topology); ``load`` gives the layers and experts to align with."""
+    engine files, which do not record the topology); ``load`` gives the layers and experts to align with. Engine
+    files number the model's decoder layers: on a load of the MoE layers alone (:func:`moe_layer_ids`) a TensorRT-LLM
+    YAML's keys, and an SGLang map with more rows than the load, give the load's layers from the model's ids."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"plan file {str(p)!r} does not exist")
@@ -155,12 +177,17 @@ def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, 
                          "--gpus-per-node")
     E = None if load is None else load.num_experts
     ids = None if load is None else load.layer_ids
+    moe_only = None if load is None or ids is not None else moe_layer_ids(load)
     if kind == "sglang":
         from moebalance.engines.sglang import read_placement
 
         plan = read_placement(p, cluster, E)
+        if moe_only is not None and load is not None and plan.num_layers > load.num_layers:
+            ids = moe_only  # the engine's rows of every decoder layer, scored on the MoE layers alone
     else:
         from moebalance.engines.trtllm import read_config
+
+        ids = ids if moe_only is None else moe_only  # TensorRT-LLM's keys are decoder-layer ids
 
         if load is None:
             moe: list[int] = []

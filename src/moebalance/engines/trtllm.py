@@ -42,8 +42,14 @@ from moebalance.engines.slots import slot_table
 
 __all__ = ["read_config", "read_statistics", "write_config"]
 
-_KEY = re.compile(r"^(\d+)_(\d+)$")
-_LAYER = re.compile(r"^[0-9]+$")
+_KEY = re.compile(r"([0-9]{1,18})_([0-9]{1,18})")  # fullmatch; 18 digits fit int64 (Python refuses > 4300 digits)
+_LAYER = re.compile(r"[0-9]{1,18}")
+
+
+def _shown(key: object) -> str:
+    """``key``'s repr, cut to 40 characters (a key may be thousands long)."""
+    text = repr(key)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def read_statistics(folder: str | os.PathLike[str], *, model: str | None = None) -> LoadMatrix:
@@ -68,9 +74,9 @@ def read_statistics(folder: str | os.PathLike[str], *, model: str | None = None)
         try:
             with safe_open(str(f), framework="numpy") as fh:
                 for key in fh.keys():
-                    m = _KEY.match(key)
+                    m = _KEY.fullmatch(key)
                     if m is None:
-                        raise InputError(f"{str(f)!r} has key {key!r}; TensorRT-LLM's statistics keys are "
+                        raise InputError(f"{str(f)!r} has key {_shown(key)}; TensorRT-LLM's statistics keys are "
                                          "'{iteration}_{layer}'")
                     v = np.asarray(fh.get_tensor(key))
                     if v.shape != (E,) or not np.issubdtype(v.dtype, np.integer) or (v < 0).any():
@@ -137,9 +143,9 @@ def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int 
         raise InputError(f"{str(p)!r}: initial_global_assignments must map layer ids to lists of {slots} expert ids")
     rows: dict[int, list[int]] = {}
     for key, ids in assign.items():
-        layer = int(key) if isinstance(key, str) and _LAYER.match(key) else key  # pydantic reads "3" as 3
+        layer = int(key) if isinstance(key, str) and _LAYER.fullmatch(key) else key  # pydantic reads "3" as 3
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise InputError(f"{str(p)!r}: layer id {key!r} must be a non-negative integer")
+            raise InputError(f"{str(p)!r}: layer id {_shown(key)} must be a non-negative integer")
         if layer in rows:
             raise InputError(f"{str(p)!r}: layer {layer} is listed twice ({key!r} and {layer!r} are one layer)")
         if not isinstance(ids, list) or len(ids) != slots or \

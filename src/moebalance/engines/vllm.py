@@ -99,9 +99,15 @@ def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_to
     if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int)
                                     or num_experts < 1):
         raise InputError(f"--experts ({num_experts!r}) must be a positive integer, the model's expert count")
+    if num_experts is None and model is not None:  # a named model has its experts, picked or not
+        from moebalance.models import get_model
+
+        num_experts, limit = get_model(model).num_experts, f"{model}'s expert count"
+    else:
+        limit = "--experts"
     E = int(ids.max()) + 1 if num_experts is None else num_experts
     if ids.max() >= E:
-        raise InputError(f"{str(p)!r}: expert id {int(ids.max())} is not below --experts {E}")
+        raise InputError(f"{str(p)!r}: expert id {int(ids.max())} is not below {limit} {E}")
     lengths = [len(a) for a in reqs]
     batch, src, b, filled, j = [], [], 0, 0, 0
     for n in lengths:
