@@ -81,3 +81,16 @@ def test_rebalance_experts_hierarchical_refuses_what_the_reference_asserts() -> 
     for kind in (AssertionError, EplbArgumentError, InputError):
         with pytest.raises(kind, match=r"num_groups \(3\) must be divisible by num_nodes \(2\)"):
             rebalance_experts_hierarchical(np.ones((1, 6)), 6, 3, 2, 2)
+
+
+def test_drop_in_helpers_refuse_bad_arguments_catchably_three_ways() -> None:
+    """The reference asserts its preconditions: code written against it catches AssertionError; ours also names
+    the value as an InputError / BudgetError (a moebalance user error)."""
+    from moebalance.core.errors import BudgetError, InputError
+    from moebalance.eplb import balanced_packing, replicate_experts
+
+    w = np.ones((1, 6))
+    for call in (lambda: balanced_packing(w, 4), lambda: replicate_experts(w, 5)):
+        for kind in (AssertionError, InputError, BudgetError):
+            with pytest.raises(kind):
+                call()

@@ -449,7 +449,7 @@ def balanced_packing(
     packs = _count(num_packs, "num_packs")
     num_items = weight_np.shape[1]
     if num_items % packs != 0:
-        raise InputError(f"the number of items ({num_items}) must be divisible by num_packs ({packs})")
+        raise EplbArgumentError(f"the number of items ({num_items}) must be divisible by num_packs ({packs})")
     pack_index, rank_in_pack = _pack(weight_np, packs)
     if isinstance(weight, torch.Tensor):
         return torch.from_numpy(pack_index), torch.from_numpy(rank_in_pack)
@@ -478,7 +478,7 @@ def replicate_experts(
     slots = _count(num_phy, "num_phy")
     num_log = weight_np.shape[1]
     if slots < num_log:
-        raise BudgetError(f"num_phy ({slots}) must be at least the number of experts ({num_log})")
+        raise EplbArgumentError(f"num_phy ({slots}) must be at least the number of experts ({num_log})")
     phy2log, rank, logcnt = _replicate(weight_np, slots)
     if isinstance(weight, torch.Tensor):
         return torch.from_numpy(phy2log), torch.from_numpy(rank), torch.from_numpy(logcnt)
