@@ -70,6 +70,20 @@ def test_values_parse_as_json_where_they_can() -> None:
     assert options.resolve_set(["replica_counts=[1, 2]"], ["craft"])["craft"] == {"replica_counts": [1, 2]}
 
 
+def test_a_value_too_long_to_convert_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A 5,000-digit ``--set`` or ``--router-set`` value raised Python's ValueError (integer string conversion
+    limit) out of ``json.loads``: a traceback instead of one line."""
+    long = "9" * 5000
+    with pytest.raises(InputError, match=r"^--set seed: 9{20}\.\.\. cannot be read \(Exceeds the limit") as info:
+        options.resolve_set([f"seed={long}"], ["grace"])
+    assert "\n" not in str(info.value) and len(str(info.value)) < 200
+    assert_user_error(["plan", "--load", "bundled:olmoe-1b-7b-tokens", "--policy", "grace", "--nodes", 1,
+                       "--gpus-per-node", 8, "--replicas-per-gpu", 1, "--set", f"seed={long}", "--out", "p.json"],
+                      capsys, "--set seed: 999")
+    assert_user_error(["evaluate", "--plan", "p.json", "--load", "x.npy", "--router", "rebalance", "--router-set",
+                       f"eps={long}"], capsys, "--router-set eps: 999")
+
+
 @pytest.mark.parametrize(("items", "policies", "message"), [
     (["speed=3"], ["greedy"], "--set speed: policy 'greedy' has no parameter 'speed'; it takes none"),
     (["speed=3"], ["eplb", "greedy"], "--set speed: no policy among --policies eplb,greedy has parameter 'speed'; "
@@ -131,6 +145,17 @@ def test_fraction_is_in_zero_one(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         options.fraction(text)
     assert options.fraction("1") == 1.0 and options.fraction("0.79") == 0.79
+
+
+def test_a_number_with_a_newline_is_named_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """float() accepts surrounding whitespace, and the message quoted the text as given: a newline in the value
+    split the error over two lines."""
+    for parse in (options.fraction, options.non_negative_float):
+        with pytest.raises(argparse.ArgumentTypeError) as info:
+            parse("-2\n")
+        assert str(info.value).startswith("-2 must be") and "\n" not in str(info.value)
+    assert_user_error(["cost", "--model", "deepseek-v3", "--gpu", "h100-80gb", "--nodes", 1, "--gpus-per-node", 8,
+                       "--memory-fraction", "2\n"], capsys, "--memory-fraction: 2 must be in (0, 1]")
 
 
 def test_replicas_per_gpu_type() -> None:

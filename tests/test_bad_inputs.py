@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import warnings
@@ -72,6 +73,18 @@ def test_large_counts_whose_total_fits_are_kept_exactly() -> None:
     edge = np.zeros((1, 1, 3), dtype=np.int64)
     edge[0, 0] = [2**61, 2**60, 2**59]
     assert int(LoadMatrix(edge).counts.sum()) == 2**61 + 2**60 + 2**59
+
+
+def test_the_total_limit_is_exact_near_it() -> None:
+    """Two entries of ``2**61 - 1`` and a zero total ``2**62 - 2``, below the limit (the quick bound, largest x
+    size, is not), but float64 rounds each to ``2**61`` and the total to ``2**62``: the load was refused. The exact
+    total keeps it, and ``2**62`` itself is refused."""
+    below = LoadMatrix(np.array([[[2**61 - 1, 2**61 - 1, 0]]], dtype=np.int64))
+    assert int(below.counts.sum(dtype=object)) == 2**62 - 2
+    with pytest.raises(InputError, match=r"sums to 4\.612e\+18 tokens"):
+        LoadMatrix(np.array([[[2**61, 2**61]]], dtype=np.int64))
+    with pytest.raises(InputError, match=r"sums to 4\.612e\+18 tokens"):
+        LoadMatrix(np.array([[[2**61 - 1, 2**61 - 1, 2]]], dtype=np.uint64))
 
 
 # ----- float counts: converted exactly, no numpy warnings --------------------------------------------------------
@@ -292,6 +305,14 @@ def test_calibrate_refuses_absurd_measurements(tmp_path, capsys, column: int, va
     assert not (tmp_path / "cal.json").exists()
 
 
+def test_a_calibration_with_an_unreadable_number_is_one_line(tmp_path, capsys) -> None:
+    """A calibration JSON holding a 5,000-digit integer raised Python's ValueError (integer string conversion
+    limit) out of the reader: a traceback."""
+    (tmp_path / "cal.json").write_text('{"format": "moebalance.calibration", "launch_us": ' + "1" * 5000 + "}")
+    assert_user_error(["cost", "--model", "deepseek-v3", "--gpu", "h100-80gb", "--nodes", 1, "--gpus-per-node", 8,
+                       "--calibration", tmp_path / "cal.json"], capsys, "calibration", "cannot be read")
+
+
 def test_measurements_built_in_code_are_checked_too() -> None:
     good = {"experts": [8.0], "tokens_per_expert": [128.0], "hidden_size": [4096.0], "ffn_size": [1024.0]}
     assert Measurements(**good, seconds=np.array([1e-3])).seconds.tolist() == [1e-3]
@@ -372,6 +393,48 @@ def test_atomic_path_removes_its_temporary_on_error(tmp_path) -> None:
         tmp.write_text("half")
         raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
+
+
+def _temporary_name(target: Path) -> str:
+    """The name :func:`atomic_path` gives a temporary of ``target`` on this host now (the write is abandoned)."""
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        name = tmp.name
+        raise RuntimeError("abandon")
+    return name
+
+
+def test_hosts_whose_names_share_a_long_prefix_keep_each_others_temporaries(tmp_path, monkeypatch) -> None:
+    """Host names were cut to 32 characters (and dots made dashes): two hosts on one shared folder whose names
+    agree that far took each other's temporaries for their own and removed those of the other's live writers."""
+    prefix = "gpu-partition-a-cluster-example-"  # 32 characters: cluster node names share it
+    tokens = {}
+    for name in (prefix + "node001", prefix + "node002", "a.b", "a-b"):
+        monkeypatch.setattr(socket, "gethostname", lambda name=name: name)
+        tokens[name] = _temporary_name(tmp_path / "probe").split("@")[1].split(".")[0]
+    assert len(set(tokens.values())) == 4, tokens
+    assert tokens["a-b"] == "a-b" and all(len(t) <= 32 for t in tokens.values())
+    # a writer on node002 whose pid is not a process on node001: node001's next write must leave its temporary
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True, check=True).stdout)
+    theirs = tmp_path / f".plan.json.{pid}@{tokens[prefix + 'node002']}.abcdefgh.tmp"
+    theirs.write_text("x")
+    monkeypatch.setattr(socket, "gethostname", lambda: prefix + "node001")
+    atomic_write_text(tmp_path / "plan.json", "done\n")
+    assert theirs.exists()
+
+
+def test_files_that_only_look_like_temporaries_are_kept_and_do_not_stop_a_write(tmp_path) -> None:
+    """A pid too large for the OS (``os.kill`` raised OverflowError: every later write of that output ended in a
+    traceback), a zero-padded or non-ASCII number: no writer of ours names a temporary so; they stay."""
+    target = tmp_path / "plan.json"
+    host = _temporary_name(tmp_path / "probe").split("@")[1].split(".")[0]
+    odd = [f".plan.json.{'9' * 30}@{host}.abc.tmp", f".plan.json.0000001234567@{host}.abc.tmp",
+           f".plan.json.\u0663\u0663\u0663\u0663\u0663\u0663\u0663@{host}.abc.tmp"]
+    for name in odd:
+        (tmp_path / name).write_text("x")
+    assert remove_stale_temporaries(target) == []
+    atomic_write_text(target, "done\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*odd, "plan.json"])
 
 
 def test_an_address_space_limit_is_the_limit_and_an_unforeseen_memory_error_is_one_line(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from moebalance.app.console import note
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.errors import InputError
+from moebalance.core.io import read_json
 from moebalance.core.limits import check_count
 from moebalance.core.load import LoadMatrix
 from moebalance.cost.goodput import Workload
@@ -110,7 +111,7 @@ def fraction(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
+        raise argparse.ArgumentTypeError(f"{text.strip()} must be in (0, 1]")
     return value
 
 
@@ -121,7 +122,7 @@ def non_negative_float(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not (value >= 0.0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+        raise argparse.ArgumentTypeError(f"{text.strip()} must be a finite number >= 0")
     return value
 
 
@@ -319,10 +320,7 @@ def calibration_from(args: argparse.Namespace) -> Calibration:
     if getattr(args, "calibration", None) is None:
         return Calibration()
     path = Path(args.calibration)
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InputError(f"cannot read calibration {str(path)!r}: {exc}") from None
+    doc = read_json(path, "calibration")
     fields = {f.name for f in dataclasses.fields(Calibration)}
     if not isinstance(doc, dict) or doc.get("format") != "moebalance.calibration" or not set(doc) - {"format"} <= fields:
         raise InputError(f"{str(path)!r} is not a calibration written by 'moebalance calibrate' (keys: "
@@ -347,6 +345,9 @@ def parse_items(items: Sequence[str] | None, flag: str = "--set") -> list[tuple[
             value = json.loads(text)
         except (json.JSONDecodeError, RecursionError):
             value = text
+        except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+            raise InputError(f"{flag} {key}: {text[:20]}... cannot be read ({str(exc).split(':')[0]}); give a "
+                             "smaller number") from None
         out.append((key, value))
     return out
 

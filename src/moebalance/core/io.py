@@ -13,6 +13,7 @@ UTF-8, not JSON, nested past Python's recursion limit, an integer too long to co
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -37,8 +38,14 @@ def _umask() -> int:
 
 
 def _host() -> str:
-    """This host's name (at most 32 characters, each outside ``[A-Za-z0-9_-]`` replaced), for temporary names."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:32] or "host"
+    """This host's name for temporary names: as it is when it is at most 32 characters of ``[A-Za-z0-9_-]``, else
+    its first 23 such characters and 8 hex digits of its SHA-256, so that two hosts whose names share a long prefix
+    or differ only in other characters (``a.b``, ``a-b``) never take each other's temporaries for their own."""
+    name = socket.gethostname()
+    safe = re.sub(r"[^A-Za-z0-9_-]", "-", name)
+    if safe == name and 0 < len(name) <= 32:
+        return name
+    return f"{safe[:23]}-{hashlib.sha256(name.encode('utf-8', 'surrogateescape')).hexdigest()[:8]}"
 
 
 def _alive(pid: int) -> bool:
@@ -47,7 +54,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
+    except (OSError, OverflowError):  # another user's process; or a number no process has: not ours to judge
         return True
     return True
 
@@ -55,7 +62,7 @@ def _alive(pid: int) -> bool:
 def remove_stale_temporaries(target: Path) -> list[Path]:
     """Remove the temporaries of ``target`` (``.NAME.<pid>@<host>.*.tmp``) that a process of this host left when it
     was killed; returns them. Those of live processes, of other hosts and of other names are kept."""
-    pattern = re.compile(rf"^\.{re.escape(target.name)}\.(\d+)@{re.escape(_host())}\.[^.]+\.tmp$")
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.([1-9]\d*)@{re.escape(_host())}\.[^.]+\.tmp$", re.ASCII)
     removed: list[Path] = []
     try:
         candidates = list(target.parent.iterdir())

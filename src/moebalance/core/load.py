@@ -85,14 +85,26 @@ def check_counts(value: object, name: str = "counts") -> np.ndarray:
     if peak >= MAX_TOKENS:
         bad = _first(arr >= MAX_TOKENS)
         raise InputError(f"{name}{list(bad)} is {arr[bad]:.4g}; counts must be below 2**62 tokens")
-    if int(peak) * arr.size >= MAX_TOKENS:  # Python ints: the bound cannot wrap; only then sum (in float64)
-        total = float(arr.sum(dtype=np.float64))
+    if int(peak) * arr.size >= MAX_TOKENS:  # Python ints: the bound cannot wrap; only then the exact total
+        total = _exact_total(arr)
         if total >= MAX_TOKENS:
             B, L, E = arr.shape
             raise InputError(f"{name} sums to {total:.4g} tokens over its {B} batches x {L} layers x {E} experts; "
                              "the total must be below 2**62 so that no sum of counts wraps int64: store token "
                              "counts, not scaled values")
     return arr.astype(np.int64, copy=False)
+
+
+def _exact_total(arr: np.ndarray) -> int:
+    """The exact sum of whole non-negative counts below ``2**62``, as a Python int (float64 would round near the
+    limit): each count split into its high and low 31 bits, summed in int64 chunks that cannot wrap."""
+    flat = arr.reshape(-1)
+    total = 0
+    step = 1 << 24  # a chunk's sum of 31-bit halves stays below 2**55
+    for start in range(0, flat.size, step):
+        part = flat[start:start + step].astype(np.int64)
+        total += (int((part >> 31).sum()) << 31) + int((part & ((1 << 31) - 1)).sum())
+    return total
 
 
 def _first(mask: np.ndarray) -> tuple[int, ...]:
