@@ -1385,3 +1385,26 @@ def test_export_mtp_layer_and_model_flags(tmp_path: Path, capsys: pytest.Capture
                           tmp_path / "s.json"], capsys)
     assert rc == 0, err
     assert np.asarray(json.loads((tmp_path / "s.json").read_text())["physical_to_logical_map"]).shape == (4, 8)
+
+
+def test_model_reaches_the_engine_reader(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM routed experts that never pick expert 255: ``--model deepseek-v3`` gives the model's 256 experts (and
+    its 8 expert groups) on ``plan`` and on ``import``, which stores the model (before: refused as 255 experts)."""
+    rng = np.random.default_rng(13)
+    routed = np.zeros((1, 61, 8), dtype=np.uint16)
+    for layer in range(3, 61):
+        routed[0, layer] = rng.choice(255, size=8, replace=False)
+    np.save(tmp_path / "req.npy", routed)
+    rc, _, err = run_cli(["plan", "--load", tmp_path / "req.npy", "--format", "vllm", "--model", "deepseek-v3",
+                            "--policy", "eplb", "--nodes", 8, "--gpus-per-node", 8, "--slots-per-gpu", 4, "--out",
+                            tmp_path / "p.json"], capsys)
+    assert rc == 0, err
+    plan = read_plan(tmp_path / "p.json")
+    assert plan.num_experts == 256 and plan.params["model"] == "deepseek-v3" and plan.params["num_groups"] == 8
+    rc, _, err = run_cli(["import", "--load", tmp_path / "req.npy", "--format", "vllm", "--model", "deepseek-v3",
+                          "--out", tmp_path / "t.npz"], capsys)
+    assert rc == 0, err
+    from moebalance.core.load import read_load
+
+    load = read_load(tmp_path / "t.npz")
+    assert load.num_experts == 256 and load.preset == "deepseek-v3"

@@ -30,6 +30,7 @@ from moebalance.cost.hardware import GPUS
 from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import Calibration
 from moebalance.engines import LOAD_FORMATS, open_load
+from moebalance.engines.detect import detect_load
 from moebalance.models import get_model
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
 from moebalance.routing import ROUTERS, Router, get_router
@@ -298,10 +299,12 @@ def read_load(args: argparse.Namespace, *, model: bool = True) -> LoadMatrix:
     (:func:`load_model`). Where an engine file's shape named the model and ``--model`` did not, a note on stderr
     says which."""
     name = getattr(args, "model", None)
-    opened = open_load(args.load, getattr(args, "format", None))
-    if name is None:  # an engine file's model named from its shape: say so, and how to name another
-        for text in opened.notes:
-            note(text)
+    fmt = getattr(args, "format", None)
+    # an engine file's reader takes the model named (its expert count, its layer numbering); a moebalance load is
+    # checked against it by load_model below
+    opened = open_load(args.load, fmt, model=None if (fmt or detect_load(args.load)) == "moebalance" else name)
+    for text in opened.notes:  # the model an engine file's shape named: say so, and how to name another
+        note(text)
     return load_model(opened.load, name) if model else opened.load
 
 

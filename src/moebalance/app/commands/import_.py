@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from moebalance.app import options
-from moebalance.app.console import check_out, out
+from moebalance.app.console import check_out, note, out
 from moebalance.core.load import write_load
-from moebalance.engines import read_any_load
+from moebalance.engines import open_load
 
 __all__ = ["add_parser", "run"]
 
@@ -26,15 +26,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gpus", type=options.count(options.MAX_GPUS), default=1,
                    help="vLLM: data-parallel ranks the requests go to")
     p.add_argument("--batch-tokens", type=options.positive, default=4096, help="vLLM: tokens per batch (whole requests)")
-    p.add_argument("--experts", type=options.positive, help="vLLM: experts per layer (default: the largest id seen + 1)")
+    p.add_argument("--experts", type=options.positive,
+                   help="vLLM: experts per layer (default: --model's, else the largest id seen + 1)")
+    p.add_argument("--model", help="the model the dump was recorded for (default: the one model whose shape fits, "
+                                   "with a note); stored in the .npz")
     options.add_format(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> None:
     dest = check_out(args.out, ".npz")
-    load = read_any_load(args.load, args.format, gpus=args.gpus, batch_tokens=args.batch_tokens,
-                         num_experts=args.experts)
+    opened = open_load(args.load, args.format, model=args.model, gpus=args.gpus, batch_tokens=args.batch_tokens,
+                       num_experts=args.experts)
+    load = opened.load
+    for text in opened.notes:
+        note(text)
     write_load(dest, load)
     B, L, E = load.counts.shape
     dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)
