@@ -129,11 +129,18 @@ class Membership:
         self.store_owner = store_owner
         self.prefix = prefix
         self._rounds = 0
+        #: Joins of the group so far (:meth:`start_heartbeat`): the heartbeat, exit records and verdict of each
+        #: join have keys of their own, so a process that joins again never reads its last join's records.
+        self._joins = 0
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
     def _key(self, *parts: object) -> str:
         return "/".join((self.prefix, *map(str, parts)))
+
+    def _joined(self, *parts: object) -> str:
+        """A key of the current join (heartbeats, exit records, the verdict)."""
+        return self._key("join", self._joins, *parts)
 
     def _missing(self, keys: list[str]) -> list[int]:
         """Wait (bounded) for every key; the ranks whose key did not come. Polls: a store's own timed-out wait
@@ -190,8 +197,23 @@ class Membership:
         except Exception:
             pass  # the readers' problem now: they fail on the store in their own agree
 
+    def next_join(self) -> Any:
+        """Begin a new join of the group (every rank alike, once per ``init_process_group``): its heartbeats, exit
+        records and verdict get keys of their own, so a process that joins again never reads its last join's
+        (a heartbeat still running from it is stopped). Returns the store the process group is to use: the
+        group's store under a prefix of this join, so that torch's own keys are fresh too."""
+        import torch.distributed as dist
+
+        if self._beat is not None:
+            self._stop.set()
+            self._beat.join(timeout=2 * BEAT_SECONDS)
+            self._beat = None
+        self._joins += 1
+        return dist.PrefixStore(self._joined("group"), self.store)
+
     def start_heartbeat(self) -> None:
-        """Start adding 1 to this rank's counter every :data:`BEAT_SECONDS` (a daemon thread, own connection)."""
+        """Start adding 1 to this rank's counter of the current join (:meth:`next_join`) every
+        :data:`BEAT_SECONDS` (a daemon thread, own connection)."""
         if self._beat is not None and self._beat.is_alive():
             return
         self._stop = threading.Event()
@@ -200,7 +222,7 @@ class Membership:
             store = self.store.clone()
         except Exception:  # a store without clone(): share it (its operations are serialised)
             store = self.store
-        key = self._key("beat", self.rank)
+        key = self._joined("beat", self.rank)
 
         def beat() -> None:
             try:
@@ -223,7 +245,7 @@ class Membership:
     def leave(self, record: str = "done") -> None:
         """Post this rank's exit record (``done``, ``survivor``, or ``error:<line>``) and stop its heartbeat."""
         try:
-            self.store.set(self._key("exit", self.rank), record)
+            self.store.set(self._joined("exit", self.rank), record)
         except Exception:
             pass  # the store's host has gone already: nobody is left to read it
         self._stop.set()
@@ -231,16 +253,16 @@ class Membership:
             self._beat.join(timeout=2 * BEAT_SECONDS)
 
     def _verdict(self) -> str | None:
-        key = self._key("verdict")
+        key = self._joined("verdict")
         return self.store.get(key).decode("utf-8", "replace") if self.store.check([key]) else None
 
     def _beats(self) -> list[int]:
-        return [int(self.store.add(self._key("beat", r), 0)) for r in range(self.world_size)]
+        return [int(self.store.add(self._joined("beat", r), 0)) for r in range(self.world_size)]
 
     def _blame(self, stalled: list[int], where: str, why: str) -> str | None:
         """The verdict on the ranks whose heartbeat stopped, or ``None`` if none is to blame."""
-        records = {r: self.store.get(self._key("exit", r)).decode("utf-8", "replace")
-                   if self.store.check([self._key("exit", r)]) else None for r in stalled}
+        records = {r: self.store.get(self._joined("exit", r)).decode("utf-8", "replace")
+                   if self.store.check([self._joined("exit", r)]) else None for r in stalled}
         left = [r for r in stalled if records[r] is None]
         if left:
             s, its = ("s", "their") if len(left) > 1 else ("", "its")
@@ -261,7 +283,7 @@ class Membership:
         where, why = collective_name(exc), failure_reason(exc)
         verdict: str | None = None
         try:
-            self.store.set(self._key("exit", self.rank), "survivor")  # alive, giving up: not a cause
+            self.store.set(self._joined("exit", self.rank), "survivor")  # alive, giving up: not a cause
             verdict = self._verdict()
             if verdict is None:
                 before = self._beats()
@@ -274,7 +296,7 @@ class Membership:
                     stalled = [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]]
                     text = self._blame(stalled, where, why)
                     if text is not None:
-                        verdict = self.store.compare_set(self._key("verdict"), "", text).decode("utf-8", "replace")
+                        verdict = self.store.compare_set(self._joined("verdict"), "", text).decode("utf-8", "replace")
         except Exception as err:
             verdict = (f"{where} failed ({why}) and the group's store is unreachable too ({failure_reason(err)}): "
                        f"{self.store_owner}, which hosts it, has stopped; see its log")

@@ -48,7 +48,7 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 _PRELOAD = ["torch", "torch.distributed", "numpy", "moebalance.runtime"]
 #: Seconds the caller waits, after a rank reported a failed collective, for the process that caused it to show.
-_GRACE = 2.0
+_GRACE = 5.0
 
 
 def _context() -> Any:
@@ -190,14 +190,18 @@ def _connect(timeout: float | None) -> Membership:
 
         seconds = dist_timeout(timeout)
         addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-        try:
-            store, rank, world_size = next(dist.rendezvous("env://", rank, world_size,
-                                                           timeout=timedelta(seconds=seconds)))
-        except Exception as exc:
-            raise GroupError(f"could not reach the group's store at {addr}:{port} within {seconds:g} s "
-                             f"({failure_reason(exc)}): is rank 0's launcher running there? ({TIMEOUT_ENV} sets the "
-                             "wait in seconds)") from exc
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        if not port.isdigit() or not 0 < int(port) < 2**16:
+            raise InputError(f"MASTER_PORT={port!r} must be a TCP port (1 to 65535); start the ranks with torchrun")
+        try:  # as env:// does, but rank 0 does not wait here for the others: the agreement names who is missing
+            store = dist.TCPStore(addr, int(port), world_size, is_master=rank == 0 and not agent,
+                                  timeout=timedelta(seconds=seconds), wait_for_workers=False, multi_tenant=True)
+        except Exception as exc:
+            where = ("could not serve the group's store" if rank == 0 and not agent
+                     else "could not reach the group's store")
+            raise GroupError(f"rank {rank} {where} at {addr}:{port} within {seconds:g} s ({failure_reason(exc)}): "
+                             f"is {'the port free' if rank == 0 and not agent else 'its host running there'}? "
+                             f"({TIMEOUT_ENV} sets the wait in seconds)") from exc
         prefix = f"moebalance/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         owner = "the torchrun agent of the first node" if agent else "rank 0"
         _MEMBERSHIP = Membership(store, rank, world_size, seconds, hosts_store=rank == 0 and not agent,
@@ -254,7 +258,7 @@ def init_from_env(backend: str | None = None, timeout: float | None = None) -> t
     if not dist.is_initialized():
         member = _connect(timeout)
         member.agree(None, "join the process group")
-        dist.init_process_group(backend, store=member.store, rank=member.rank, world_size=member.world_size,
+        dist.init_process_group(backend, store=member.next_join(), rank=member.rank, world_size=member.world_size,
                                 timeout=timedelta(seconds=member.timeout))
         member.start_heartbeat()
     return dist.get_rank(), dist.get_world_size(), device
