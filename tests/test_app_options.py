@@ -192,9 +192,9 @@ def test_every_command_is_a_module_with_add_parser_and_run() -> None:
 
 
 @pytest.mark.parametrize(("argv", "fragment"), [
-    # --gpu is no longer read as --gpus-per-node
+    # an abbreviation is never read as the option it starts (--gpus was --gpus-per-node before)
     (["online", "--load", "x.npz", "--policy", "eplb", "--nodes", "1", "--gpus-per-node", "2", "--slots-per-gpu",
-      "4", "--warmup", "0:1", "--gpu", "h100-80gb"], "unrecognized arguments: --gpu h100-80gb"),
+      "4", "--warmup", "0:1", "--gpus", "2"], "unrecognized arguments: --gpus 2"),
     (["plan", "--load", "x.npz", "--policy", "greedy", "--nodes", "1", "--gpus-per-node", "2", "--slots-per-gpu",
       "4", "--batch", "0:1", "--out", "p.json"], "unrecognized arguments: --batch 0:1"),
 ])

@@ -18,6 +18,10 @@ Legend: ``B`` batches, ``L`` layers, ``E`` experts, ``G`` GPUs, ``N`` extra expe
 Each served batch is scored with the router (``uniform`` for static policies and ``rebalance`` for ``libra``
 unless one is given): per ``(batch, layer)`` the imbalance ratio ``max_g / mean_g`` of GPU load and the
 balancedness ``mean_g / max_g`` (docs/design.md, "Metrics"); a batch's imbalance ratio is its mean over layers.
+
+With ``pricing`` every served batch is also priced as a forward step, with what re-plans and prefetches expose
+(:mod:`moebalance.online.pricing`): a re-plan's new plan then serves as its moves land (``sync``, ``async``, in
+chunks of layers), not at once.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.online.predictors import AccuracyTally, HistoryPredictor, Predictor, make_predictor
+from moebalance.online.pricing import Rearranger, StepPricing, exposed_prefetch, step_time, time_summary
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES, make_plan
 from moebalance.policies.libra import LibraConfig, batch_plan, buffer_slots
 from moebalance.routing import Router, get_router
@@ -69,6 +74,8 @@ class OnlineResult:
     #: Mean balancedness and imbalance ratio over every served ``(batch, layer)`` with load.
     balancedness: float
     mean_imbalance_ratio: float
+    #: The served batches priced in time (:func:`moebalance.online.pricing.time_summary`), with ``pricing`` only.
+    time: dict[str, Any] | None = None
 
     @property
     def experts_moved(self) -> float:
@@ -102,6 +109,8 @@ class OnlineResult:
             out["prediction_accuracy"] = None if acc is None else round(acc, 6)
             out["per_layer_accuracy"] = [None if not np.isfinite(v) else round(float(v), 6)
                                          for v in self.per_layer_accuracy]
+        if self.time is not None:
+            out["time"] = self.time
         return out
 
 
@@ -110,22 +119,55 @@ def moved_copies(old: Placement, new: Placement) -> int:
     return int(np.maximum(new.copies - old.copies, 0).sum())
 
 
-def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(imbalance [L], balancedness [L])`` of one batch ``load`` (a single-batch load)."""
-    loads, _, _ = replay_loads(plan, load, router, np.random.default_rng((seed, batch)))
+@dataclass
+class _Clock:
+    """The served batches' step seconds, what balancing exposed, and their tokens, filled batch by batch."""
+
+    pricing: StepPricing | None
+    served: int
+    step: np.ndarray = dataclasses.field(init=False)
+    exposed: np.ndarray = dataclasses.field(init=False)
+    tokens: np.ndarray = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.step, self.exposed, self.tokens = np.zeros(self.served), np.zeros(self.served), np.zeros(self.served)
+
+    def summary(self, moved_bytes: float, rearrangements: int) -> dict[str, Any] | None:
+        if self.pricing is None:
+            return None
+        return time_summary(self.step, self.exposed, self.tokens, moved_bytes, rearrangements)
+
+
+def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int,
+           pricing: StepPricing | None = None) -> tuple[np.ndarray, np.ndarray, Any]:
+    """``(imbalance [L], balancedness [L], step or None)`` of one batch ``load`` (a single-batch load); with
+    ``pricing`` also its :class:`~moebalance.online.pricing.StepTime` (the same routed picks)."""
+    rng = np.random.default_rng((seed, batch))
+    if pricing is None:
+        loads, _, _ = replay_loads(plan, load, router, rng)
+        moved = None
+    else:
+        loads, moved, _ = replay_loads(plan, load, router, rng, with_traffic=load.trace is not None,
+                                       bytes_per_copy=pricing.bytes_per_copy, node_forwarding=pricing.node_forwarding)
     m = layer_metrics(loads, load.counts, plan.replica_counts())
-    return m.imbalance[0], m.balancedness[0]
+    if pricing is None:
+        return m.imbalance[0], m.balancedness[0], None
+    trace = load.trace
+    tokens = float(trace.topk_ids.shape[0] if trace is not None else load.counts[0].sum(axis=1).max() / pricing.model.top_k)
+    st = step_time(plan, load, loads, None if moved is None else moved.a2a_seconds, tokens, pricing)
+    return m.imbalance[0], m.balancedness[0], (st, tokens)
 
 
 def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str, params: Mapping[str, Any] | None = None,
            *, warmup: tuple[int, int], batches: tuple[int, int] | None = None, router: str | Router | None = None,
            replan_every: int | None = None, window: int | None = None, seed: int = 0,
            hidden: np.ndarray | None = None, model: Any = None, build: LoadMatrix | None = None,
-           progress: Callable[[int], None] | None = None) -> OnlineResult:
+           progress: Callable[[int], None] | None = None, pricing: StepPricing | None = None) -> OnlineResult:
     """Replay ``load``'s batches ``batches`` (default: all after the warm-up) through ``policy``.
 
     ``hidden [N, L, D]`` and ``model`` serve the ``lookahead`` predictor; ``build`` is the path predictor's build
-    split (default: the warm-up batches). ``progress(1)`` is called after each served batch.
+    split (default: the warm-up batches). ``progress(1)`` is called after each served batch. ``pricing`` prices
+    every served batch in time (the result's ``time``).
     """
     params = dict(params or {})
     B = load.num_batches
@@ -149,19 +191,23 @@ def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str, para
     if dynamic is not None and replan_every is not None:
         raise InputError(f"{policy} replans every batch from its predictor; --replan-every and --window apply to "
                          "static policies")
+    if pricing is not None:
+        pricing.check(load)
     warm = load.select_batches(a, b)
+    clock = _Clock(pricing, d - c)
     if dynamic is None:
         return _replay_static(load, warm, cluster, budget, policy, params, (c, d), get_router(router or "uniform"),
-                              replan_every, window if window is not None else replan_every, seed, progress)
+                              replan_every, window if window is not None else replan_every, seed, progress, clock)
     config = LibraConfig.from_params(policy, params)
     assert isinstance(config, LibraConfig)
     return _replay_dynamic(load, warm, cluster, budget, config, (c, d), get_router(router or "rebalance"), seed,
-                           hidden, model, build if build is not None else warm, progress)
+                           hidden, model, build if build is not None else warm, progress, clock)
 
 
 def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget: Budget, policy: str,
                    params: dict[str, Any], served: tuple[int, int], router: Router, every: int | None,
-                   window: int | None, seed: int, progress: Callable[[int], None] | None) -> OnlineResult:
+                   window: int | None, seed: int, progress: Callable[[int], None] | None,
+                   clock: _Clock) -> OnlineResult:
     c, d = served
     plan = make_plan(policy, warm, cluster, budget, **params)[0]
     L = load.num_layers
@@ -170,23 +216,32 @@ def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget:
     moved = np.zeros(d - c)
     replans = 0
     extra = plan.extra_replicas
+    moves = Rearranger(plan, clock.pricing)
     for i, bt in enumerate(range(c, d)):
         if every is not None and i > 0 and i % every == 0:
-            assert window is not None
-            new = make_plan(policy, load.select_batches(max(0, bt - window), bt), cluster, budget, **params)[0]
-            moved[i] = moved_copies(plan, new)
-            plan, replans = new, replans + 1
-            extra = max(extra, plan.extra_replicas)
-        imb[i], bal[i] = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt)
+            if window is None:  # unreachable: replay defaults the window to the interval
+                raise InputError("a periodic re-plan needs a window")
+            moves.replan(make_plan(policy, load.select_batches(max(0, bt - window), bt), cluster, budget, **params)[0])
+            replans += 1
+        serving, exposed = moves.before_step()
+        moved[i] = moved_copies(plan, serving)
+        plan = serving
+        extra = max(extra, plan.extra_replicas)
+        imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing)
+        if priced is not None:
+            st, clock.tokens[i] = priced
+            clock.step[i], clock.exposed[i] = st.seconds + exposed, exposed
+            moves.after_step(clock.step[i])
         if progress is not None:
             progress(1)
     return _result(policy, router, served, imb, bal, moved, extra / cluster.num_gpus, replans, None,
-                   {**params, **({"replan_every": every, "window": window} if every else {})})
+                   {**params, **({"replan_every": every, "window": window} if every else {})},
+                   clock.summary(moves.moved_bytes, moves.rearrangements))
 
 
 def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget: Budget, config: LibraConfig,
                     served: tuple[int, int], router: Router, seed: int, hidden: np.ndarray | None, model: Any,
-                    build: LoadMatrix, progress: Callable[[int], None] | None) -> OnlineResult:
+                    build: LoadMatrix, progress: Callable[[int], None] | None, clock: _Clock) -> OnlineResult:
     c, d = served
     base = make_plan(config.base, warm, cluster, budget)[0]  # the base policy's defaults, under the budget
     trace = load.trace
@@ -206,6 +261,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
     bal = np.full((d - c, L), np.nan)
     moved = np.zeros(d - c)
     tally = AccuracyTally(L)
+    last = 0.0  # the previous step's last expert phase, which hides layer 0's prefetch
     for i, bt in enumerate(range(c, d)):
         if trace is not None and predictor is not None:
             pred = predictor.predict(trace, bt, G)
@@ -222,7 +278,14 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
             demand = np.zeros((L, G, load.num_experts)) if got is None else got
         plan, extras = batch_plan(base, demand, config)
         moved[i] = int((extras >= 0).sum())
-        imb[i], bal[i] = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt)
+        imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing)
+        if priced is not None and clock.pricing is not None:
+            st, clock.tokens[i] = priced
+            clock.exposed[i] = exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, clock.pricing.model,
+                                                cluster.intra_node_bandwidth, oracle=config.predictor == "oracle",
+                                                weight_bytes=clock.pricing.engine.weight_bytes)
+            clock.step[i] = st.seconds + clock.exposed[i]
+            last = float(st.expert[st.expert > 0][-1]) if (st.expert > 0).any() else last
         if progress is not None:
             progress(1)
     per_layer_acc = tally.per_layer()
@@ -230,12 +293,15 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
     params = {**dataclasses.asdict(config), "phase1": config.phase1, "buffer_slots_per_gpu": buffer_slots(config),
               "base_extra_replicas": base.extra_replicas}
     # without tokens there is no per-token accuracy: nan per layer (null in JSON), the predictor still named
+    bpe = clock.pricing.bytes_per_expert if clock.pricing is not None else 0
     return _result("libra", router, served, imb, bal, moved, slots, 0,
-                   per_layer_acc if trace is not None else np.full(L, np.nan), params)
+                   per_layer_acc if trace is not None else np.full(L, np.nan), params,
+                   clock.summary(float(moved.sum()) * bpe, int((moved > 0).sum())))
 
 
 def _result(policy: str, router: Router, served: tuple[int, int], imb: np.ndarray, bal: np.ndarray, moved: np.ndarray,
-            slots: float, replans: int, acc: np.ndarray | None, params: dict[str, Any]) -> OnlineResult:
+            slots: float, replans: int, acc: np.ndarray | None, params: dict[str, Any],
+            time: dict[str, Any] | None = None) -> OnlineResult:
     if not np.isfinite(imb).any():
         raise InputError("the served batches carry no load in any layer; there is nothing to score")
     with warnings.catch_warnings():
@@ -245,5 +311,5 @@ def _result(policy: str, router: Router, served: tuple[int, int], imb: np.ndarra
     return OnlineResult(policy=policy, router=router.label, batches=np.arange(*served), per_batch_imbalance=per_imb,
                         per_batch_balancedness=per_bal, per_batch_moved=moved, replica_slots_per_gpu=float(slots),
                         replans=replans, per_layer_accuracy=acc, params=params,
-                        balancedness=float(np.nanmean(bal)), mean_imbalance_ratio=float(np.nanmean(imb)))
+                        balancedness=float(np.nanmean(bal)), mean_imbalance_ratio=float(np.nanmean(imb)), time=time)
 

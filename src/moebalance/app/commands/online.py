@@ -13,17 +13,27 @@ import numpy as np
 from moebalance.app import options
 from moebalance.app.capture_inputs import build_traces, capture_model, concatenated, hidden_states
 from moebalance.app.console import err, note, out, progress
-from moebalance.app.online_report import online_markdown, online_table, plot_online
+from moebalance.app.costing import refuse_cost_options
+from moebalance.app.online_report import online_markdown, online_table, plot_online, plot_online_time
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix, parse_batch_range
+from moebalance.cost.hardware import get_gpu
 from moebalance.cost.time import prefetch_seconds
 from moebalance.models import get_model
+from moebalance.online.pricing import DEFAULT_OVERHEAD_MS, REARRANGE_MODES, StepPricing
 from moebalance.online.replay import OnlineResult, replay
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
 
-__all__ = ["add_parser", "default_predictor", "prefetch", "run"]
+__all__ = ["add_parser", "default_predictor", "prefetch", "pricing_from", "run"]
+
+#: The cost options a step of online does not use (the memory and the request mix of ``cost``'s goodput).
+_UNUSED_COST = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
+                ("--output-tokens", "output_tokens"), ("--prefill-chunk", "prefill_chunk"))
+#: The re-plan pricing options, which need --gpu and --replan-every.
+_REARRANGE = (("--rearrange", "rearrange"), ("--rearrange-overhead-ms", "rearrange_overhead_ms"),
+              ("--layers-per-step", "layers_per_step"))
 
 
 def add_parser(sub: Any) -> None:
@@ -48,10 +58,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--checkpoint", help="the model that made the capture (libra with lookahead)")
     p.add_argument("--seed", type=options.non_negative, default=0)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out-dir", help="write online.md, online.json and online.png (imbalance per batch) here")
+    p.add_argument("--out-dir", help="write online.md, online.json and online.png (imbalance per batch) here; with "
+                                     "--gpu also online_time.png (step time per batch)")
     p.add_argument("--model", help="also model the copies each batch loads (prefetch GiB, ms per GPU and layer over "
-                                   "--intra-link), for this model; also names the load's model")
-    options.add_links(p, inter=False)
+                                   "--intra-link), for this model; also names the load's model and, with --gpu, the "
+                                   "priced one (default: the load's)")
+    options.add_links(p)
+    options.add_cost_options(p, gpu_required=False)
+    p.add_argument("--rearrange", choices=REARRANGE_MODES,
+                   help="with --gpu and --replan-every: a re-plan's moves stop serving (sync, the default) or run "
+                        "beside it, the new plan serving once they land (async)")
+    p.add_argument("--rearrange-overhead-ms", type=options.non_negative_float, metavar="MS",
+                   help=f"host time a sync rearrangement exposes besides its transfer (default {DEFAULT_OVERHEAD_MS:g}: "
+                        "SGLang's measured host time per rearrangement; docs/design.md gives the source)")
+    p.add_argument("--layers-per-step", type=options.positive, metavar="C",
+                   help="a re-plan moves C layers per step, as TensorRT-LLM's layer_updates_per_iter and SGLang's "
+                        "layers per chunk (default: all at once)")
     options.add_format(p)
     p.set_defaults(func=run)
 
@@ -85,6 +107,32 @@ def prefetch(result: OnlineResult, model_name: str, load: LoadMatrix, cluster: C
             "mean_ms_per_gpu_and_layer": round(float(prefetch_seconds(per_gpu_layer, spec, intra)) * 1e3, 6)}
 
 
+def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | None:
+    """The step pricing of ``--gpu`` (the model ``--model`` or the load's), else None; refuses the pricing flags
+    without ``--gpu`` and those it does not use."""
+    rearrange = [flag for flag, dest in _REARRANGE if getattr(args, dest) is not None]
+    if args.gpu is None:
+        refuse_cost_options(args, "by online with --gpu (a step's time)")
+        given = [*rearrange, *(["--inter-link"] if args.inter_link is not None else [])]
+        if given:
+            raise InputError(f"{given[0]} is used by online with --gpu (a step's time); give --gpu or drop it")
+        return None
+    for flag, dest in _UNUSED_COST:
+        if getattr(args, dest) is not None:
+            raise InputError(f"{flag} is not used by online (a step's time needs no memory or request mix); drop it")
+    if rearrange and args.replan_every is None:
+        raise InputError(f"{rearrange[0]} prices periodic re-plans; give --replan-every K or drop it")
+    name = args.model or load.preset
+    if name is None:
+        raise InputError("the load names no model; give --model with --gpu (e.g. --model olmoe-1b-7b)")
+    return StepPricing(model=get_model(name), gpu=get_gpu(args.gpu), engine=options.engine_from(args),
+                       calibration=options.calibration_from(args), rearrange=args.rearrange or "sync",
+                       overhead_ms=DEFAULT_OVERHEAD_MS if args.rearrange_overhead_ms is None else
+                       args.rearrange_overhead_ms, layers_per_step=args.layers_per_step,
+                       node_forwarding=args.dispatch == "node",
+                       prompt_tokens=options.workload_from(args).prompt_tokens)
+
+
 def run(args: argparse.Namespace) -> None:
     policies = list(dict.fromkeys(p.strip() for p in args.policy.split(",") if p.strip()))
     if not policies:
@@ -96,8 +144,8 @@ def run(args: argparse.Namespace) -> None:
     params = options.resolve_set(args.set, policies, first=first, policy_flag="--policy")  # checks the names too
     if args.window is not None and args.replan_every is None:
         raise InputError("--window needs --replan-every K: the window is what a periodic re-plan looks at")
-    if args.intra_link is not None and args.model is None:
-        raise InputError("--intra-link is used by online only with --model (the prefetch's time); give --model")
+    if args.intra_link is not None and args.model is None and args.gpu is None:
+        raise InputError("--intra-link is used by online only with --model or --gpu (the copies' time); give one")
     out_dir = None if args.out_dir is None else Path(args.out_dir)
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out-dir {args.out_dir!r} is a file; give a folder")
@@ -108,6 +156,7 @@ def run(args: argparse.Namespace) -> None:
         if (spec.num_layers, spec.num_experts) != (load.num_layers, load.num_experts):
             raise InputError(f"--model {args.model} has {spec.num_layers} MoE layers x {spec.num_experts} experts but "
                              f"the load {load.num_layers} x {load.num_experts}")
+    pricing = pricing_from(args, load)
     warm = parse_batch_range(args.warmup, load.num_batches)
     served = (warm[1], load.num_batches) if args.batches is None else parse_batch_range(args.batches, load.num_batches)
     budget = options.budget(args)
@@ -136,7 +185,7 @@ def run(args: argparse.Namespace) -> None:
             results.append(replay(load, cluster, budget, p, params[p], warmup=warm, batches=served, router=router,
                                   replan_every=args.replan_every if periodic else None,
                                   window=args.window if periodic else None, seed=args.seed, hidden=hidden,
-                                  model=model, build=build, progress=advance))
+                                  model=model, build=build, progress=advance, pricing=pricing))
     title = (f"{args.load}: batches {served[0]}:{served[1]} served one at a time after warm-up {warm[0]}:{warm[1]}, "
              f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}")
     docs = [r.as_dict() for r in results]
@@ -154,9 +203,12 @@ def run(args: argparse.Namespace) -> None:
         atomic_write_text(out_dir / "online.json", dumps({"title": title, "results": docs}))
         atomic_write_text(out_dir / "online.md", online_markdown(results, title, costs))
         plot_online(results, out_dir / "online.png", title)
+        if pricing is not None:
+            plot_online_time(results, out_dir / "online_time.png", title)
     if args.json:
         sys.stdout.write(dumps(docs[0] if len(docs) == 1 else {"results": docs}))
         return
     out.print(online_table(results, title, costs))
     if out_dir is not None:
-        err.print(f"wrote {out_dir / 'online.md'}, online.json and online.png")
+        extra = ", online.png and online_time.png" if pricing is not None else " and online.png"
+        err.print(f"wrote {out_dir / 'online.md'}, online.json{extra}")

@@ -8,16 +8,23 @@ from typing import Any
 
 import numpy as np
 
+from moebalance.algorithms.migration import align, bounded
 from moebalance.app import costing, options
 from moebalance.app.console import check_out, err, out, progress
-from moebalance.core.errors import InputError
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError, PlanError
 from moebalance.core.load import LoadMatrix, parse_batch_range
-from moebalance.core.plan import Placement, write_plan
+from moebalance.core.plan import Placement, read_plan, write_plan
 from moebalance.cost.auto import craft_by_goodput
+from moebalance.cost.memory import GIB
+from moebalance.cost.transfer import schedule_transfers
 from moebalance.policies import POLICIES, get_policy, make_plan
 from moebalance.routing.simulate import evaluate
 
-__all__ = ["add_parser", "eplb_variant", "run"]
+__all__ = ["add_parser", "eplb_variant", "migrate", "report_moves", "run"]
+
+#: ``--migration`` (or ``--set migration=``) values: docs/design.md, "Online replay and prediction".
+MIGRATIONS = ("fresh", "aligned", "bounded")
 
 
 def add_parser(sub: Any) -> None:
@@ -34,6 +41,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", required=True, help="output plan .json")
     options.add_model(p, "--auto-by goodput")
     p.add_argument("--seed", type=options.non_negative, default=0)
+    p.add_argument("--previous", help="the plan in service (.json): re-plan moving few experts from it")
+    p.add_argument("--migration", choices=MIGRATIONS,
+                   help="with --previous: the fresh plan as planned, aligned onto the previous GPUs to keep the "
+                        "most experts in place (default), or bounded by --max-moves")
+    p.add_argument("--max-moves", type=options.non_negative,
+                   help="with --migration bounded: expert copies one GPU may receive, summed over layers")
     options.add_cost_options(p, gpu_required=False)
     options.add_format(p)
     p.set_defaults(func=run)
@@ -53,8 +66,79 @@ def eplb_variant(plan: Placement, load: LoadMatrix, params: dict[str, Any], mode
     return f"eplb ran {mode}: {groups} expert group(s), {source}; {nodes} node(s) {verdict} them"
 
 
+def _check_migration_flags(args: argparse.Namespace) -> None:
+    if args.previous is None:
+        given = "--migration" if args.migration is not None else "--max-moves" if args.max_moves is not None else None
+        if given:
+            raise InputError(f"{given} needs --previous OLD.json, the plan in service")
+    elif args.migration == "bounded" and args.max_moves is None:
+        raise InputError("--migration bounded needs --max-moves M, the copies one GPU may receive per re-plan")
+    elif args.max_moves is not None and args.migration != "bounded":
+        raise InputError(f"--max-moves is used only by --migration bounded, not {args.migration or 'aligned'}; "
+                         "drop it or add --migration bounded")
+
+
+def migrate(plan: Placement, previous: Placement, args: argparse.Namespace, load: LoadMatrix) -> Placement:
+    """``plan`` laid onto ``previous`` as ``--migration`` says (hierarchical EPLB keeps its node blocks)."""
+    if previous.cluster.to_dict() != plan.cluster.to_dict() or (previous.num_layers, previous.num_experts) != (
+            plan.num_layers, plan.num_experts):
+        raise PlanError(f"--previous {args.previous} is a plan of {previous.num_layers} layers x "
+                        f"{previous.num_experts} experts on {previous.cluster.num_nodes} x "
+                        f"{previous.cluster.gpus_per_node} GPUs, but this plan is {plan.num_layers} x "
+                        f"{plan.num_experts} on {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node}; give the "
+                        "plan in service for the same model and cluster")
+    mode = args.migration or "aligned"
+    keep_nodes = plan.params.get("mode") == "hierarchical"
+    if mode == "aligned":
+        return align(previous, plan, keep_nodes=keep_nodes)
+    if mode == "bounded":
+        return bounded(previous, plan, int(args.max_moves), load, keep_nodes=keep_nodes)
+    return plan.with_params({**plan.params, "migration": "fresh"})
+
+
+def report_moves(previous: Placement, plan: Placement, load: LoadMatrix, cluster: Cluster) -> str:
+    """One line: experts moved, GiB and the transfer schedule (rounds, seconds) when the model is known."""
+    model = load.model
+    if model is None:
+        moved = schedule_transfers(previous, plan, 0, cluster).moved_experts
+        return f"migration: {moved} experts moved; give --model for their GiB and the transfer time"
+    s = schedule_transfers(previous, plan, model.expert_params() * 2, cluster)  # bf16 weights
+    return (f"migration: {s.moved_experts} experts moved, {s.moved_bytes / GIB:.2f} GiB of {model.display_name} "
+            f"(bf16), {s.rounds} transfer rounds, {1000 * s.seconds:.1f} ms on the cluster's links")
+
+
+def take_migration_items(args: argparse.Namespace) -> None:
+    """``--set migration=fresh|aligned|bounded`` and ``--set max_moves=M`` are the migration flags' other spelling
+    (they are not a policy's options): moved onto ``args.migration`` / ``args.max_moves``, the rest left to the
+    policy. A flag and an item that disagree are refused."""
+    rest = []
+    for item in args.set or ():
+        key, sep, value = item.partition("=")
+        if sep and key in ("migration", "max_moves"):
+            dest = key
+            parsed: object = value
+            if key == "max_moves":
+                try:
+                    parsed = int(value)
+                except ValueError:
+                    raise InputError(f"--set max_moves={value}: give a whole number of expert copies") from None
+                if parsed < 1:
+                    raise InputError(f"--set max_moves={value} must be >= 1")
+            elif value not in MIGRATIONS:
+                raise InputError(f"--set migration={value}: choose one of {', '.join(MIGRATIONS)}")
+            flag = getattr(args, dest)
+            if flag is not None and flag != parsed:
+                raise InputError(f"--set {item} and --{dest.replace('_', '-')} {flag} disagree; give one")
+            setattr(args, dest, parsed)
+        else:
+            rest.append(item)
+    args.set = rest
+
+
 def run(args: argparse.Namespace) -> None:
     dest = check_out(args.out, ".json")
+    take_migration_items(args)
+    _check_migration_flags(args)
     name, _ = get_policy(args.policy)  # an unknown or dynamic policy fails before any file is read
     goodput = args.auto_by == "goodput"
     if not goodput:  # the cost model's flags would be ignored
@@ -84,6 +168,9 @@ def run(args: argparse.Namespace) -> None:
     if load.preset is not None:  # exports find the model's decoder layers (and MTP) from it
         recorded["model"] = load.preset
     plan = plan.with_params({**plan.params, **recorded})
+    previous = None if args.previous is None else read_plan(args.previous)
+    if previous is not None:
+        plan = migrate(plan, previous, args, load)
     with progress() as bar:  # before writing: a load that cannot be scored leaves no plan behind
         task = bar.add_task("in-sample score", total=load.num_batches)
         score = evaluate(plan, load, on_batches=lambda n: bar.advance(task, n))
@@ -98,3 +185,5 @@ def run(args: argparse.Namespace) -> None:
         out.print(f"budget note: {note}")
     if plan.policy == "eplb" and "mode" in plan.params:
         out.print(eplb_variant(plan, load, params, args.model))
+    if previous is not None:
+        out.print(report_moves(previous, plan, load, cluster))

@@ -1,0 +1,316 @@
+"""``online`` priced in time (:mod:`moebalance.online.pricing`): a served batch as a forward step, a re-plan's
+stall (``sync``) or delay (``async``), moved in chunks of layers, and Libra's prefetch hidden under the layer before.
+
+Hand-derived cases use a small model whose expert is ``3 H F = 3 x 1000 x 1500`` parameters, 9 MB in bf16: 20 us
+over NVLink 4 (450 GB/s), 180 us over InfiniBand NDR (50 GB/s). Larger checks use the bundled OLMoE-like trace
+(16 layers, 64 experts, top-8, 8 source GPUs), whose model is OLMoE-1B-7B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import assert_user_error, run_cli
+
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix, read_bundled
+from moebalance.core.plan import Placement
+from moebalance.cost.goodput import plan_cost
+from moebalance.cost.hardware import get_gpu
+from moebalance.models import get_model
+from moebalance.online.pricing import (
+    DEFAULT_OVERHEAD_MS,
+    Rearranger,
+    StepPricing,
+    exposed_prefetch,
+    hybrid,
+    step_time,
+)
+from moebalance.online.replay import replay
+from moebalance.policies import make_plan
+
+SMALL = dataclasses.replace(get_model("olmoe-1b-7b"), hidden_size=1000, moe_intermediate_size=1500)
+US = 1e-6
+ONE_NODE = Cluster(num_nodes=1, gpus_per_node=2)  # NVLink 4 by default: 450 GB/s
+H100 = get_gpu("h100-80gb")
+
+
+def plan_of(layers: Sequence[Sequence[Sequence[int]]], cluster: Cluster = ONE_NODE, experts: int = 2) -> Placement:
+    return Placement(gpu_experts=[[list(g) for g in layer] for layer in layers], num_experts=experts, cluster=cluster)
+
+
+def pricing(**kw: Any) -> StepPricing:
+    return StepPricing(model=SMALL, gpu=H100, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# re-plans: sync stall, async delay, layers per step
+# ----------------------------------------------------------------------------------------------------------
+
+OLD = plan_of([[[0], [1]], [[0], [1]]])  # 2 layers, 2 experts, 2 GPUs, no replica
+NEW = plan_of([[[0, 1], [1]], [[0, 1], [1]]])  # GPU 0 also hosts expert 1 in both layers
+
+
+def test_sync_stall_is_the_transfer_plus_the_host_overhead() -> None:
+    moves = Rearranger(OLD, pricing(overhead_ms=5.0))
+    moves.replan(NEW)
+    # GPU 0 receives expert 1 of each layer from GPU 1: GPU 1 sends twice, 2 rounds of 9 MB / 450 GB/s = 20 us each;
+    # serving stops for them and for the 5 ms of host time: 5.04 ms, and the new plan serves this very step
+    plan, exposed = moves.before_step()
+    assert exposed == pytest.approx(5e-3 + 40 * US, rel=1e-12)
+    assert plan is NEW and moves.rearrangements == 1 and moves.moved_bytes == 2 * 9_000_000
+    moves.after_step(1e-3)
+    assert moves.before_step() == (NEW, 0.0)  # nothing left to move
+    # the default host overhead is SGLang's measured second
+    assert pricing().overhead_ms == DEFAULT_OVERHEAD_MS == 1000.0
+
+
+def test_sync_with_one_layer_per_step_stalls_each_step_for_its_layer() -> None:
+    moves = Rearranger(OLD, pricing(overhead_ms=5.0, layers_per_step=1))
+    moves.replan(NEW)
+    # step 1: layer 0's one copy, 1 round of 20 us, plus the host's 5 ms; layer 0 serves the new plan, layer 1 the old
+    plan, exposed = moves.before_step()
+    assert exposed == pytest.approx(5e-3 + 20 * US, rel=1e-12)
+    assert [list(map(list, layer)) for layer in plan.gpu_experts] == [[[0, 1], [1]], [[0], [1]]]
+    assert moves.moved_bytes == 9_000_000
+    moves.after_step(1e-3)
+    # step 2: layer 1's copy, 20 us, no host overhead again; the new plan is complete
+    plan, exposed = moves.before_step()
+    assert exposed == pytest.approx(20 * US, rel=1e-12) and plan is NEW and moves.moved_bytes == 2 * 9_000_000
+
+
+def test_async_delay_is_the_steps_the_transfer_takes() -> None:
+    moves = Rearranger(OLD, pricing(rearrange="async"))
+    moves.replan(NEW)
+    # the 40 us transfer runs beside steps of 15 us: after 1 step 15 us, after 2 30 us (< 40), after 3 45 us:
+    # ceil(40 / 15) = 3 steps on the old plan, the new one from the 4th; nothing exposed
+    served = []
+    for _ in range(5):
+        plan, exposed = moves.before_step()
+        assert exposed == 0.0
+        served.append(plan is NEW)
+        moves.after_step(15 * US)
+    assert served == [False, False, False, True, True]
+    assert moves.rearrangements == 1 and moves.moved_bytes == 2 * 9_000_000
+
+
+def test_a_replan_that_moves_nothing_is_free() -> None:
+    moves = Rearranger(OLD, pricing())
+    same = plan_of([[[0], [1]], [[0], [1]]])
+    moves.replan(same)
+    assert moves.before_step() == (same, 0.0)
+    assert moves.rearrangements == 0 and moves.moved_bytes == 0
+    # without pricing a re-plan serves at once (the imbalance-only replay)
+    free = Rearranger(OLD, None)
+    free.replan(NEW)
+    assert free.before_step() == (NEW, 0.0)
+
+
+def test_inter_node_moves_take_the_network() -> None:
+    two_nodes = Cluster(num_nodes=2, gpus_per_node=1)
+    old = plan_of([[[0], [1]]], two_nodes)
+    moves = Rearranger(old, pricing(overhead_ms=0.0))
+    moves.replan(plan_of([[[0, 1], [1]]], two_nodes))
+    # one copy across nodes: 9 MB / 50 GB/s = 180 us
+    assert moves.before_step()[1] == pytest.approx(180 * US, rel=1e-12)
+
+
+def test_hybrid_takes_the_landed_layers() -> None:
+    mixed = hybrid(OLD, NEW, [1])
+    assert [list(map(list, layer)) for layer in mixed.gpu_experts] == [[[0], [1]], [[0, 1], [1]]]
+
+
+def test_pricing_refuses_bad_settings() -> None:
+    for kw, fragment in (({"rearrange": "later"}, "rearrange mode 'later'"),
+                         ({"overhead_ms": -1.0}, "overhead (-1.0 ms)"), ({"layers_per_step": 0}, "layers per step (0)")):
+        with pytest.raises(InputError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            pricing(**kw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Libra's prefetch
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_prefetch_that_fits_under_the_previous_layer_is_hidden() -> None:
+    copies = np.array([[1, 0], [1, 1]])  # layer 0: GPU 0 loads 1 expert (20 us); layer 1: each GPU 1 (20 us)
+    expert = np.array([30 * US, 50 * US])
+    # layer 0 hides under the previous step's last layer (25 us >= 20 us), layer 1 under layer 0 (30 us >= 20 us)
+    assert exposed_prefetch(copies, expert, 25 * US, SMALL, 450.0, oracle=False) == 0.0
+
+
+def test_prefetch_that_does_not_fit_is_exposed() -> None:
+    copies = np.array([[1, 0], [2, 1]])  # layer 0: 20 us; layer 1: GPU 0 loads 2 experts, 40 us
+    expert = np.array([30 * US, 50 * US])
+    # layer 0: 20 us under 25 us, hidden; layer 1: 40 us under layer 0's 30 us, 10 us exposed
+    assert exposed_prefetch(copies, expert, 25 * US, SMALL, 450.0, oracle=False) == pytest.approx(10 * US)
+    # the first served step has nothing before it: layer 0's 20 us are exposed as well
+    assert exposed_prefetch(copies, expert, 0.0, SMALL, 450.0, oracle=False) == pytest.approx(30 * US)
+    # a layer with no load hides nothing: layer 2's 20 us hide under layer 0's 30 us, the last layer with load
+    three = np.array([[1, 0], [0, 0], [1, 0]])
+    assert exposed_prefetch(three, np.array([30 * US, 0.0, 50 * US]), 25 * US, SMALL, 450.0, oracle=False) == 0.0
+    # with the batch's true routing the copies start after the gate: 20 + 40 us, all exposed
+    assert exposed_prefetch(copies, expert, 25 * US, SMALL, 450.0, oracle=True) == pytest.approx(60 * US)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a served step, and the replay priced in time
+# ----------------------------------------------------------------------------------------------------------
+
+OLMOE = get_model("olmoe-1b-7b")
+OLMOE_CLUSTER = Cluster(num_nodes=2, gpus_per_node=4)
+
+
+@pytest.fixture(scope="module")
+def olmoe() -> LoadMatrix:
+    return read_bundled("olmoe-1b-7b-tokens")
+
+
+def test_step_layers_match_the_cost_model(olmoe: LoadMatrix) -> None:
+    """The step's experts and all-to-all are the cost model's layer time on the same batch (an independent path)."""
+    budget = Budget(slots_per_gpu=9)
+    plan = make_plan("eplb", olmoe.select_batches(0, 4), OLMOE_CLUSTER, budget)[0]
+    res = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", warmup=(0, 4), batches=(4, 5),
+                 pricing=StepPricing(model=OLMOE, gpu=H100))
+    assert res.time is not None
+    batch = olmoe.select_batches(4, 5)
+    cost = plan_cost(plan, batch, OLMOE, H100, router="uniform")
+    from moebalance.routing import get_router
+    from moebalance.routing.simulate import replay_loads
+
+    loads, moved, _ = replay_loads(plan, batch, get_router("uniform"), np.random.default_rng(0), with_traffic=True,
+                                   bytes_per_copy=OLMOE.hidden_size * 2)
+    assert moved is not None
+    st = step_time(plan, batch, loads, moved.a2a_seconds, 256.0, StepPricing(model=OLMOE, gpu=H100))
+    assert float(st.expert.sum() + st.a2a.sum()) == pytest.approx(cost.modelled_layer_ms * 1e-3 * 16, rel=1e-9)
+    assert st.rest > 0
+    assert res.time["per_batch_step_ms"][0] == pytest.approx(st.seconds * 1e3, rel=1e-5)
+    assert res.time["exposed_balancing_ms"] == 0 and res.time["moved_gib"] == 0 and res.time["rearrangements"] == 0
+    assert res.time["tokens_per_s"] == pytest.approx(256 / st.seconds, rel=1e-5)
+
+
+def test_replay_sync_exposes_each_rearrangement(olmoe: LoadMatrix) -> None:
+    budget = Budget(slots_per_gpu=9)
+    kw: dict[str, Any] = {"warmup": (0, 4), "batches": (4, 10), "replan_every": 2, "window": 1}
+    sync = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100), **kw)
+    plain = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", **kw)
+    t = sync.time
+    assert t is not None and plain.time is None and "time" not in plain.as_dict()
+    assert sync.replans == 2 and t["rearrangements"] == 2 and t["moved_gib"] > 0
+    # each re-plan stalls for its 1 s of host time and its transfer, at the batch it serves from (2 and 4)
+    assert 2000.0 < t["exposed_balancing_ms"] < 2100.0
+    steps = np.array(t["per_batch_step_ms"])
+    assert steps[[2, 4]].min() > 1000.0 > steps[[0, 1, 3, 5]].max()
+    # sync serves the new plan at once: the same imbalance as the replay without pricing
+    np.testing.assert_array_equal(sync.per_batch_imbalance, plain.per_batch_imbalance)
+    np.testing.assert_array_equal(sync.per_batch_moved, plain.per_batch_moved)
+    # async: nothing exposed, the new plans serve later, the same moves
+    lazy = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100, rearrange="async"),
+                  **kw)
+    assert lazy.time is not None and lazy.time["exposed_balancing_ms"] == 0.0
+    assert lazy.time["tokens_per_s"] > t["tokens_per_s"]
+
+
+def test_replay_libra_oracle_exposes_its_prefetch(olmoe: LoadMatrix) -> None:
+    budget = Budget(slots_per_gpu=8)
+    p = StepPricing(model=OLMOE, gpu=H100)
+    res = replay(olmoe, OLMOE_CLUSTER, budget, "libra", {"predictor": "oracle", "n": 2}, warmup=(0, 4),
+                 batches=(4, 7), pricing=p)
+    assert res.time is not None
+    # every copy is exposed: per layer the busiest GPU's copies x 6.29 MB / 450 GB/s; at least the mean's share
+    copies = res.per_batch_moved.sum()
+    assert res.time["moved_gib"] == pytest.approx(copies * p.bytes_per_expert / 2**30, rel=1e-5)
+    mean_ms = copies / 8 * p.bytes_per_expert / 450e9 * 1e3
+    assert res.time["exposed_balancing_ms"] >= mean_ms * (1 - 1e-6)
+    assert res.time["rearrangements"] == 3
+    with pytest.raises(InputError, match="OLMoE-1B-7B has 16 MoE layers"):
+        replay(LoadMatrix(olmoe.counts[:, :4]), OLMOE_CLUSTER, budget, "eplb", warmup=(0, 4), batches=(4, 5),
+               pricing=p)
+
+
+def test_replay_on_counts_only_estimates_the_all_to_all(olmoe: LoadMatrix) -> None:
+    counts = LoadMatrix(olmoe.counts, preset="olmoe-1b-7b")
+    res = replay(counts, OLMOE_CLUSTER, Budget(slots_per_gpu=8), "libra", {"predictor": "history", "n": 1},
+                 warmup=(0, 4), batches=(4, 6), pricing=StepPricing(model=OLMOE, gpu=H100))
+    assert res.time is not None and min(res.time["per_batch_step_ms"]) > 0
+    # 256 tokens per batch: each layer's picks over top-8
+    assert res.time["tokens_per_s"] == pytest.approx(2 * 256 / sum(res.time["per_batch_step_ms"]) * 1e3, rel=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def olmoe_file(olmoe: LoadMatrix, tmp_path: Path) -> Path:
+    sub = olmoe.select_batches(0, 6)
+    assert sub.trace is not None
+    path = tmp_path / "olmoe.npz"
+    np.savez(path, counts=sub.counts, topk_ids=sub.trace.topk_ids, src_gpu=sub.trace.src_gpu, batch=sub.trace.batch)
+    return path
+
+
+def online(load: Path, policy: str, *extra: Any) -> list[Any]:
+    return ["online", "--load", load, "--policy", policy, "--nodes", "2", "--gpus-per-node", "4", "--warmup", "0:2",
+            "--model", "olmoe-1b-7b", *extra]
+
+
+TIME_KEYS = {"step_ms_mean", "step_ms_p50", "step_ms_p99", "tokens_per_s", "exposed_balancing_ms", "moved_gib",
+             "rearrangements", "per_batch_step_ms"}
+
+
+def test_cli_online_gpu_json_table_and_plot(olmoe_file: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "report"
+    argv = online(olmoe_file, "eplb,libra", "--slots-per-gpu", "9", "--set", "libra.predictor=oracle", "--set",
+                  "libra.n=1", "--replan-every", "2", "--window", "1", "--gpu", "h100-80gb", "--out-dir", out)
+    rc, text, err = run_cli([*argv, "--json"], capsys)
+    assert rc == 0, err
+    eplb, libra = json.loads(text)["results"]
+    for doc in (eplb, libra):
+        assert set(doc["time"]) == TIME_KEYS and len(doc["time"]["per_batch_step_ms"]) == 4
+    assert eplb["time"]["rearrangements"] == 1 and eplb["time"]["exposed_balancing_ms"] > 1000.0
+    assert libra["time"]["exposed_balancing_ms"] > 0 and libra["time"]["moved_gib"] > 0
+    assert sorted(p.name for p in out.iterdir()) == ["online.json", "online.md", "online.png", "online_time.png"]
+    assert (out / "online_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "online.md").read_text()
+    assert "tokens / s" in md and "online_time.png" in md
+    # the table: sorted by tokens/s, fastest first (libra's exposed copies cost ms, eplb's re-plan a second)
+    rc, text, _ = run_cli(argv[:-2], capsys)
+    assert rc == 0 and "tokens" in text and text.index("libra (oracle") < text.index("eplb (every 2")
+    # a static policy that never re-plans moves nothing and exposes nothing
+    doc = json.loads(run_cli([*online(olmoe_file, "eplb", "--slots-per-gpu", "9", "--gpu", "h100-80gb"), "--json"],
+                             capsys)[1])
+    assert doc["time"]["exposed_balancing_ms"] == 0 and doc["time"]["moved_gib"] == 0
+    # async and layers per step
+    doc = json.loads(run_cli([*online(olmoe_file, "eplb", "--slots-per-gpu", "9", "--gpu", "h100-80gb",
+                                      "--replan-every", "2", "--window", "1", "--rearrange", "async"), "--json"],
+                             capsys)[1])
+    assert doc["time"]["exposed_balancing_ms"] == 0 and doc["time"]["rearrangements"] == 1
+    doc = json.loads(run_cli([*online(olmoe_file, "eplb", "--slots-per-gpu", "9", "--gpu", "h100-80gb",
+                                      "--replan-every", "2", "--window", "1", "--layers-per-step", "8",
+                                      "--rearrange-overhead-ms", "0"), "--json"], capsys)[1])
+    steps = doc["time"]["per_batch_step_ms"]
+    assert 0 < doc["time"]["exposed_balancing_ms"] < 1000.0 and steps[2] > steps[0] and steps[3] > steps[0]
+
+
+def test_cli_online_gpu_refusals(olmoe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = online(olmoe_file, "eplb", "--slots-per-gpu", "9")
+    assert_user_error([*base, "--rearrange", "async"], capsys, "--rearrange", "--gpu")
+    assert_user_error([*base, "--calibration", "x.json"], capsys, "--calibration", "--gpu")
+    assert_user_error([*base, "--inter-link", "eth200"], capsys, "--inter-link", "--gpu")
+    assert_user_error([*base, "--gpu", "h100-80gb", "--layers-per-step", "2"], capsys, "--layers-per-step",
+                      "--replan-every")
+    assert_user_error([*base, "--gpu", "h100-80gb", "--memory-fraction", "0.8"], capsys, "--memory-fraction",
+                      "not used by online")
+    assert_user_error([*base, "--gpu", "h100-80gb", "--replan-every", "2", "--layers-per-step", "0"], capsys,
+                      "--layers-per-step")
