@@ -1343,10 +1343,14 @@ def test_sigterm_stops_a_command_like_ctrl_c(tmp_path: Path) -> None:
     import time
 
     out = tmp_path / "big.npz"
-    proc = subprocess.Popen([sys.executable, "-m", "moebalance", "synth", "--preset", "deepseek-v3", "--batches",
-                             "100000", "--tokens-per-batch", "4096", "--gpus", "8", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(4.0)  # past the imports: inside the generator
+    argv = ["synth", "--preset", "deepseek-v3", "--batches", "100000", "--tokens-per-batch", "4096", "--gpus", "8",
+            "--out", str(out)]
+    # "ready" once the imports are done (they take seconds on a loaded machine); main then installs its handler
+    # within microseconds and the generator runs for minutes
+    script = f"import sys; from moebalance.app.cli import main; print('ready', flush=True); sys.exit(main({argv!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

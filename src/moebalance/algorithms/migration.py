@@ -39,7 +39,10 @@ from scipy.optimize import linear_sum_assignment
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.plan import Placement
 
-__all__ = ["align", "bounded", "in_place_order"]
+__all__ = ["MIGRATIONS", "align", "bounded", "in_place_order", "keeps_node_blocks", "lay_onto"]
+
+#: How a re-plan is laid onto the plan in service: as planned, :func:`align` or :func:`bounded`.
+MIGRATIONS = ("fresh", "aligned", "bounded")
 
 _BLOCKED = -1e15
 
@@ -267,3 +270,27 @@ def bounded(previous: Placement, fresh: Placement, max_moves: int, load: Any, *,
     params: dict[str, Any] = {**fresh.params, "migration": "bounded", "max_moves": int(max_moves)}
     return Placement([lay.rows for lay in layers], fresh.num_experts, fresh.cluster, policy=fresh.policy,
                      params=params)
+
+
+def keeps_node_blocks(plan: Placement) -> bool:
+    """Whether a re-plan of ``plan``'s policy keeps whole nodes as blocks: hierarchical EPLB lays its plan out per
+    node (its groups packed onto nodes first), so only whole nodes and GPUs within a node may be exchanged."""
+    return plan.params.get("mode") == "hierarchical"
+
+
+def lay_onto(previous: Placement, fresh: Placement, migration: str, *, max_moves: int | None = None,
+             load: Any = None) -> Placement:
+    """``fresh`` laid onto the plan in service ``previous`` as ``migration`` says: ``fresh`` (as planned, recorded
+    in its params), ``aligned`` (:func:`align`) or ``bounded`` (:func:`bounded` with ``max_moves`` on ``load``, the
+    planning window); node blocks kept where :func:`keeps_node_blocks` says."""
+    keep = keeps_node_blocks(fresh)
+    if migration == "aligned":
+        return align(previous, fresh, keep_nodes=keep)
+    if migration == "bounded":
+        if max_moves is None or load is None:
+            raise InputError("migration bounded needs max_moves (the copies one GPU may receive per re-plan) and "
+                             "the planning window's load")
+        return bounded(previous, fresh, max_moves, load, keep_nodes=keep)
+    if migration == "fresh":
+        return fresh.with_params({**fresh.params, "migration": "fresh"})
+    raise InputError(f"migration {migration!r} is unknown; choose one of: {', '.join(MIGRATIONS)}")

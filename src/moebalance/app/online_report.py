@@ -13,7 +13,7 @@ from rich.table import Table
 from moebalance.core.io import save_png
 from moebalance.online.replay import OnlineResult
 
-__all__ = ["online_label", "online_markdown", "online_table", "plot_online", "plot_online_time"]
+__all__ = ["failure_notes", "online_label", "online_markdown", "online_table", "plot_online", "plot_online_time"]
 
 _COLUMNS = ("policy", "router", "mean imbalance", "max imbalance", "balancedness", "experts moved / batch",
             "replica slots / GPU", "prediction accuracy")
@@ -26,9 +26,27 @@ def online_label(r: OnlineResult) -> str:
     p = r.params
     if r.policy == "libra":
         return f"libra ({p['predictor']}, n={p['n']}, alpha={p['alpha']})"
-    if r.replans:
-        return f"{r.policy} (every {p['replan_every']} on {p['window']})"
-    return r.policy
+    label = r.policy
+    if "replan_every" in p:
+        how = f", {p['migration']}" if "migration" in p else ""
+        label = f"{r.policy} (every {p['replan_every']} on {p['window']}{how})"
+    return label
+
+
+def failure_notes(results: Sequence[OnlineResult]) -> list[str]:
+    """One line per policy and ``--fail`` batch: the stall, the batches until balance is back, the balance after."""
+    lines = []
+    for r in results:
+        for f in r.failures:
+            stall = "not priced (give --gpu)" if f["stall_ms"] is None else f"{f['stall_ms']:,.1f} ms"
+            back = ("never back within 2% of its level before" if f["recovery_batches"] is None and
+                    f["imbalance_before"] is not None else "no batch before it to compare" if f["recovery_batches"]
+                    is None else f"back within 2% of its level before after {f['recovery_batches']} batch(es)")
+            gpus = ", ".join(str(g) for g in f["gpus"])
+            lines.append(f"{online_label(r)}: GPU {gpus} lost at batch {f['batch']}: stall {stall}, "
+                         f"{f['reloaded_experts']} experts reloaded, {back}; after it mean imbalance "
+                         f"{f['mean_imbalance_after']:.3f}, balancedness {f['balancedness_after']:.4f}")
+    return lines
 
 
 def _cells(r: OnlineResult, prefetch: Mapping[str, float] | None) -> list[str]:
@@ -91,6 +109,9 @@ def online_markdown(results: Sequence[OnlineResult], title: str,
                   "experts and the all-to-all per layer, the rest of the model, and what balancing exposes: a "
                   "re-plan's stall, a prefetch that does not fit under the layer before); rows by tokens per second. "
                   "Moved GiB: expert weights received, all GPUs and batches."]
+    notes = failure_notes(results)
+    if notes:
+        lines += ["", "Failures (balance over the surviving GPUs):", ""] + [f"- {n}" for n in notes]
     lines += ["", "![imbalance per batch](online.png)", ""]
     if timed:
         lines += ["![step time per batch](online_time.png)", ""]

@@ -132,9 +132,10 @@ class StepTime:
 
 
 def step_time(plan: Placement, batch: LoadMatrix, loads: np.ndarray, a2a: np.ndarray | None, tokens: float,
-              pricing: StepPricing) -> StepTime:
+              pricing: StepPricing, *, lost: int = 0) -> StepTime:
     """The step of one served batch (a one-batch ``batch``) through ``plan``: ``loads [1, L, G]`` the router's
-    picks per GPU, ``a2a [1, L]`` the token-level replay's all-to-all seconds (``None`` for counts: estimated)."""
+    picks per GPU, ``a2a [1, L]`` the token-level replay's all-to-all seconds (``None`` for counts: estimated);
+    ``lost`` failed GPUs leave their data-parallel share to the survivors' ranks."""
     cluster = plan.cluster
     has = (plan.copies > 0).astype(np.float64)  # [L, E, G]
     touched = np.einsum("le,leg->lg", (batch.counts[0] > 0).astype(np.float64), has)
@@ -142,7 +143,7 @@ def step_time(plan: Placement, batch: LoadMatrix, loads: np.ndarray, a2a: np.nda
     expert = expert_seconds(loads[0], touched, pricing.model, pricing.gpu, pricing.calibration,
                             weight_bytes=engine.weight_bytes).max(axis=1)
     comm = a2a[0] if a2a is not None else a2a_estimate(loads[0], cluster, pricing.bytes_per_copy)
-    ranks = cluster.num_gpus // engine.attention_group(cluster.gpus_per_node)
+    ranks = (cluster.num_gpus - lost) // engine.attention_group(cluster.gpus_per_node)
     per_rank = tokens / max(ranks, 1)
     rest = rest_seconds(per_rank, pricing.model, pricing.gpu, engine, cluster.gpus_per_node,
                         logits_per_rank=per_rank / pricing.prompt_tokens, calibration=pricing.calibration)
@@ -201,6 +202,16 @@ class Rearranger:
         self.rearrangements = 0
         self.moved_bytes = 0
         self._move: _Move | None = None
+        self._pending = 0.0
+
+    def recover(self, new: Placement, seconds: float = 0.0, moved_bytes: int = 0) -> None:
+        """GPUs were lost: ``new`` serves the next step, which waits ``seconds`` (the moves and reloads,
+        :func:`moebalance.online.failure.recovery_cost`) and the host's overhead; a re-plan in flight is abandoned."""
+        self.serving, self._move = new, None
+        if self.pricing is not None:
+            self._pending = seconds + self.pricing.overhead_ms * 1e-3
+            self.moved_bytes += moved_bytes
+            self.rearrangements += 1
 
     def replan(self, new: Placement) -> None:
         p = self.pricing
@@ -222,6 +233,9 @@ class Rearranger:
     def before_step(self) -> tuple[Placement, float]:
         """``(plan serving the next step, seconds exposed before it)``."""
         m = self._move
+        if self._pending:
+            pending, self._pending = self._pending, 0.0
+            return self.serving, pending
         if m is None or self.pricing is None:
             return self.serving, 0.0
         exposed, before = 0.0, m.landed

@@ -28,17 +28,27 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from moebalance.algorithms.migration import MIGRATIONS, align, lay_onto
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.online.failure import (
+    DEFAULT_RELOAD_GBPS,
+    check_capacity,
+    check_failures,
+    failure_report,
+    plan_on_survivors,
+    recovery_cost,
+    survivor_load,
+)
 from moebalance.online.predictors import AccuracyTally, HistoryPredictor, Predictor, make_predictor
 from moebalance.online.pricing import Rearranger, StepPricing, exposed_prefetch, step_time, time_summary
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES, make_plan
@@ -76,6 +86,8 @@ class OnlineResult:
     mean_imbalance_ratio: float
     #: The served batches priced in time (:func:`moebalance.online.pricing.time_summary`), with ``pricing`` only.
     time: dict[str, Any] | None = None
+    #: One object per ``--fail`` batch (:func:`moebalance.online.failure.failure_report`).
+    failures: tuple[dict[str, Any], ...] = ()
 
     @property
     def experts_moved(self) -> float:
@@ -111,6 +123,8 @@ class OnlineResult:
                                          for v in self.per_layer_accuracy]
         if self.time is not None:
             out["time"] = self.time
+        if self.failures:
+            out["failures"] = list(self.failures)
         return out
 
 
@@ -128,6 +142,8 @@ class _Clock:
     step: np.ndarray = dataclasses.field(init=False)
     exposed: np.ndarray = dataclasses.field(init=False)
     tokens: np.ndarray = dataclasses.field(init=False)
+    #: Bytes moved besides a dynamic policy's prefetches (its base re-planned after a failure).
+    moved_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         self.step, self.exposed, self.tokens = np.zeros(self.served), np.zeros(self.served), np.zeros(self.served)
@@ -139,9 +155,13 @@ class _Clock:
 
 
 def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int,
-           pricing: StepPricing | None = None) -> tuple[np.ndarray, np.ndarray, Any]:
+           pricing: StepPricing | None = None, lost: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, Any]:
     """``(imbalance [L], balancedness [L], step or None)`` of one batch ``load`` (a single-batch load); with
-    ``pricing`` also its :class:`~moebalance.online.pricing.StepTime` (the same routed picks)."""
+    ``pricing`` also its :class:`~moebalance.online.pricing.StepTime` (the same routed picks). ``lost`` GPUs serve
+    nothing: their tokens go to the survivors and balance is over the survivors
+    (:mod:`moebalance.online.failure`)."""
+    G = plan.num_gpus
+    load = survivor_load(load, lost, G, renumber=False)
     rng = np.random.default_rng((seed, batch))
     if pricing is None:
         loads, _, _ = replay_loads(plan, load, router, rng)
@@ -149,12 +169,13 @@ def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: 
     else:
         loads, moved, _ = replay_loads(plan, load, router, rng, with_traffic=load.trace is not None,
                                        bytes_per_copy=pricing.bytes_per_copy, node_forwarding=pricing.node_forwarding)
-    m = layer_metrics(loads, load.counts, plan.replica_counts())
+    alive = np.setdiff1d(np.arange(G), np.asarray(lost, dtype=np.int64))
+    m = layer_metrics(loads[:, :, alive] if lost else loads, load.counts, plan.replica_counts())
     if pricing is None:
         return m.imbalance[0], m.balancedness[0], None
     trace = load.trace
     tokens = float(trace.topk_ids.shape[0] if trace is not None else load.counts[0].sum(axis=1).max() / pricing.model.top_k)
-    st = step_time(plan, load, loads, None if moved is None else moved.a2a_seconds, tokens, pricing)
+    st = step_time(plan, load, loads, None if moved is None else moved.a2a_seconds, tokens, pricing, lost=len(lost))
     return m.imbalance[0], m.balancedness[0], (st, tokens)
 
 
@@ -162,12 +183,17 @@ def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str, para
            *, warmup: tuple[int, int], batches: tuple[int, int] | None = None, router: str | Router | None = None,
            replan_every: int | None = None, window: int | None = None, seed: int = 0,
            hidden: np.ndarray | None = None, model: Any = None, build: LoadMatrix | None = None,
-           progress: Callable[[int], None] | None = None, pricing: StepPricing | None = None) -> OnlineResult:
+           progress: Callable[[int], None] | None = None, pricing: StepPricing | None = None,
+           migration: str = "fresh", max_moves: int | None = None, failures: Sequence[tuple[int, int]] = (),
+           reload_gbps: float = DEFAULT_RELOAD_GBPS) -> OnlineResult:
     """Replay ``load``'s batches ``batches`` (default: all after the warm-up) through ``policy``.
 
     ``hidden [N, L, D]`` and ``model`` serve the ``lookahead`` predictor; ``build`` is the path predictor's build
     split (default: the warm-up batches). ``progress(1)`` is called after each served batch. ``pricing`` prices
-    every served batch in time (the result's ``time``).
+    every served batch in time (the result's ``time``). ``migration`` lays a static policy's periodic re-plans onto
+    the plan in service (:func:`moebalance.algorithms.migration.lay_onto`; ``bounded`` with ``max_moves``).
+    ``failures``: ``(GPU, batch)`` pairs, the GPU gone from that served batch on, experts only it held reloaded
+    over ``reload_gbps`` GB/s (:mod:`moebalance.online.failure`).
     """
     params = dict(params or {})
     B = load.num_batches
@@ -193,23 +219,63 @@ def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str, para
                          "static policies")
     if pricing is not None:
         pricing.check(load)
+    if migration not in MIGRATIONS:
+        raise InputError(f"migration {migration!r} is unknown; choose one of: {', '.join(MIGRATIONS)}")
+    if (migration == "bounded") != (max_moves is not None):
+        raise InputError("max_moves goes with migration bounded (the copies one GPU may receive per re-plan): give "
+                         "both or neither")
+    if migration != "fresh" and (dynamic is not None or replan_every is None):
+        raise InputError(f"migration {migration} lays periodic re-plans onto the plan in service; it needs a static "
+                         "policy with --replan-every K")
+    if not (isinstance(reload_gbps, int | float) and np.isfinite(reload_gbps) and reload_gbps > 0):
+        raise InputError(f"the reload link ({reload_gbps!r} GB/s) must be a positive number")
+    fails = check_failures(failures, cluster.num_gpus, (c, d))
     warm = load.select_batches(a, b)
     clock = _Clock(pricing, d - c)
     if dynamic is None:
         return _replay_static(load, warm, cluster, budget, policy, params, (c, d), get_router(router or "uniform"),
-                              replan_every, window if window is not None else replan_every, seed, progress, clock)
+                              replan_every, window if window is not None else replan_every, seed, progress, clock,
+                              _Moves(migration, max_moves, fails, reload_gbps))
     config = LibraConfig.from_params(policy, params)
     assert isinstance(config, LibraConfig)
     return _replay_dynamic(load, warm, cluster, budget, config, (c, d), get_router(router or "rebalance"), seed,
-                           hidden, model, build if build is not None else warm, progress, clock)
+                           hidden, model, build if build is not None else warm, progress, clock,
+                           _Moves(migration, max_moves, fails, reload_gbps))
+
+
+@dataclass(frozen=True, slots=True)
+class _Moves:
+    """How re-plans are laid on (``migration``, ``max_moves``) and the failures ``{batch: GPUs}``."""
+
+    migration: str
+    max_moves: int | None
+    fails: dict[int, tuple[int, ...]]
+    reload_gbps: float
+
+    def check_capacity(self, plan: Placement) -> None:
+        """Refuse failures after which the survivors cannot hold every expert in ``plan``'s slots per GPU."""
+        lost: set[int] = set()
+        for bt, gpus in self.fails.items():
+            lost.update(gpus)
+            check_capacity(plan.max_slots_per_gpu, plan.num_gpus - len(lost), plan.num_experts,
+                           f"--fail {','.join(f'{g}@{bt}' for g in gpus)}")
+
+    def recover(self, serving: Placement, new: Placement, lost: tuple[int, ...], pricing: StepPricing | None,
+                event: dict[str, Any]) -> tuple[float, int]:
+        """``(seconds, bytes)`` of a failure's moves; ``event`` gains the reloaded experts."""
+        bpe = pricing.bytes_per_expert if pricing is not None else 0
+        seconds, moved, event["reloaded"] = recovery_cost(serving, new, lost, bpe, self.reload_gbps)
+        return seconds, moved
 
 
 def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget: Budget, policy: str,
                    params: dict[str, Any], served: tuple[int, int], router: Router, every: int | None,
                    window: int | None, seed: int, progress: Callable[[int], None] | None,
-                   clock: _Clock) -> OnlineResult:
+                   clock: _Clock, how: _Moves) -> OnlineResult:
     c, d = served
     plan = make_plan(policy, warm, cluster, budget, **params)[0]
+    how.check_capacity(plan)
+    slots = plan.max_slots_per_gpu
     L = load.num_layers
     imb = np.full((d - c, L), np.nan)
     bal = np.full((d - c, L), np.nan)
@@ -217,33 +283,60 @@ def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget:
     replans = 0
     extra = plan.extra_replicas
     moves = Rearranger(plan, clock.pricing)
+    lost: tuple[int, ...] = ()
+    events: list[dict[str, Any]] = []
     for i, bt in enumerate(range(c, d)):
-        if every is not None and i > 0 and i % every == 0:
-            if window is None:  # unreachable: replay defaults the window to the interval
-                raise InputError("a periodic re-plan needs a window")
-            moves.replan(make_plan(policy, load.select_batches(max(0, bt - window), bt), cluster, budget, **params)[0])
+        periodic = every is not None and i > 0 and i % every == 0
+        if window is None and periodic:  # unreachable: replay defaults the window to the interval
+            raise InputError("a periodic re-plan needs a window")
+        recent = load.select_batches(max(0, bt - window), bt) if window is not None and (
+            periodic or bt in how.fails) else warm
+        event: dict[str, Any] | None = None
+        if bt in how.fails:  # serving stops: the survivors' plan, aligned, with the lost GPUs' only copies reloaded
+            lost = tuple(sorted({*lost, *how.fails[bt]}))
+            new = align(moves.serving, plan_on_survivors(policy, recent, cluster, lost, slots, params))
+            event = {"batch": bt, "gpus": how.fails[bt], "stall_s": None}
+            moves.recover(new, *how.recover(moves.serving, new, lost, clock.pricing, event))
+            events.append(event)
+            replans += 1
+        elif periodic:
+            fresh = (plan_on_survivors(policy, recent, cluster, lost, slots, params) if lost
+                     else make_plan(policy, recent, cluster, budget, **params)[0])
+            if how.migration != "fresh":
+                fresh = lay_onto(moves.serving, fresh, how.migration, max_moves=how.max_moves, load=recent)
+            moves.replan(fresh)
             replans += 1
         serving, exposed = moves.before_step()
+        if event is not None and clock.pricing is not None:
+            event["stall_s"] = exposed
         moved[i] = moved_copies(plan, serving)
         plan = serving
         extra = max(extra, plan.extra_replicas)
-        imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing)
+        imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
         if priced is not None:
             st, clock.tokens[i] = priced
             clock.step[i], clock.exposed[i] = st.seconds + exposed, exposed
             moves.after_step(clock.step[i])
         if progress is not None:
             progress(1)
-    return _result(policy, router, served, imb, bal, moved, extra / cluster.num_gpus, replans, None,
-                   {**params, **({"replan_every": every, "window": window} if every else {})},
-                   clock.summary(moves.moved_bytes, moves.rearrangements))
+    params = {**params, **({"replan_every": every, "window": window} if every else {}),
+              **({"migration": how.migration} if how.migration != "fresh" else {}),
+              **({"max_moves": how.max_moves} if how.max_moves is not None else {})}
+    return _result(policy, router, served, imb, bal, moved, extra / cluster.num_gpus, replans, None, params,
+                   clock.summary(moves.moved_bytes, moves.rearrangements), events)
 
 
 def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget: Budget, config: LibraConfig,
                     served: tuple[int, int], router: Router, seed: int, hidden: np.ndarray | None, model: Any,
-                    build: LoadMatrix, progress: Callable[[int], None] | None, clock: _Clock) -> OnlineResult:
+                    build: LoadMatrix, progress: Callable[[int], None] | None, clock: _Clock,
+                    how: _Moves) -> OnlineResult:
     c, d = served
     base = make_plan(config.base, warm, cluster, budget)[0]  # the base policy's defaults, under the budget
+    how.check_capacity(base)
+    base_slots = base.max_slots_per_gpu
+    lost: tuple[int, ...] = ()
+    events: list[dict[str, Any]] = []
+    whole = load
     trace = load.trace
     G, L = cluster.num_gpus, load.num_layers
     predictor: Predictor | None = None
@@ -263,6 +356,19 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
     tally = AccuracyTally(L)
     last = 0.0  # the previous step's last expert phase, which hides layer 0's prefetch
     for i, bt in enumerate(range(c, d)):
+        stall = 0.0
+        if bt in how.fails:  # the base re-planned on the survivors, aligned; the lost tokens go to the survivors
+            lost = tuple(sorted({*lost, *how.fails[bt]}))
+            new = align(base, plan_on_survivors(config.base, warm, cluster, lost, base_slots, {}))
+            event: dict[str, Any] = {"batch": bt, "gpus": how.fails[bt], "stall_s": None}
+            seconds, nbytes = how.recover(base, new, lost, clock.pricing, event)
+            if clock.pricing is not None:
+                stall = event["stall_s"] = seconds + clock.pricing.overhead_ms * 1e-3
+                clock.moved_bytes += nbytes
+            events.append(event)
+            base = new
+            load = survivor_load(whole, lost, G, renumber=False)
+            trace = load.trace
         if trace is not None and predictor is not None:
             pred = predictor.predict(trace, bt, G)
             demand = pred.demand
@@ -276,14 +382,19 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
         else:
             got = HistoryPredictor(config.window).predict_counts(load.counts, bt, G)
             demand = np.zeros((L, G, load.num_experts)) if got is None else got
+        if lost:  # the lost GPUs ask for nothing and take no extras
+            demand = _spread(demand, lost, trace is None)
         plan, extras = batch_plan(base, demand, config)
+        if lost:
+            plan, extras = _without(plan, base, extras, lost)
         moved[i] = int((extras >= 0).sum())
-        imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing)
+        imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
         if priced is not None and clock.pricing is not None:
             st, clock.tokens[i] = priced
             clock.exposed[i] = exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, clock.pricing.model,
                                                 cluster.intra_node_bandwidth, oracle=config.predictor == "oracle",
                                                 weight_bytes=clock.pricing.engine.weight_bytes)
+            clock.exposed[i] += stall
             clock.step[i] = st.seconds + clock.exposed[i]
             last = float(st.expert[st.expert > 0][-1]) if (st.expert > 0).any() else last
         if progress is not None:
@@ -294,14 +405,36 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
               "base_extra_replicas": base.extra_replicas}
     # without tokens there is no per-token accuracy: nan per layer (null in JSON), the predictor still named
     bpe = clock.pricing.bytes_per_expert if clock.pricing is not None else 0
-    return _result("libra", router, served, imb, bal, moved, slots, 0,
+    return _result("libra", router, served, imb, bal, moved, slots, len(events),
                    per_layer_acc if trace is not None else np.full(L, np.nan), params,
-                   clock.summary(float(moved.sum()) * bpe, int((moved > 0).sum())))
+                   clock.summary(float(moved.sum()) * bpe + clock.moved_bytes, int((moved > 0).sum()) + len(events)),
+                   events)
+
+
+def _spread(demand: np.ndarray, lost: Sequence[int], counts_only: bool) -> np.ndarray:
+    """``demand [L, G, E]`` with nothing on the ``lost`` GPUs; for counts (every GPU's share alike) their share
+    spread over the survivors."""
+    out = np.array(demand, dtype=np.float64)
+    G = out.shape[1]
+    alive = np.setdiff1d(np.arange(G), np.asarray(lost, dtype=np.int64))
+    if counts_only:
+        out[:, alive, :] = out.sum(axis=1, keepdims=True) / alive.size
+    out[:, list(lost), :] = 0.0
+    return out
+
+
+def _without(plan: Placement, base: Placement, extras: np.ndarray, lost: Sequence[int]) -> tuple[Placement, np.ndarray]:
+    """The batch's plan and ``extras [L, G, N]`` with no extras on the ``lost`` GPUs."""
+    extras = extras.copy()
+    extras[:, list(lost), :] = -1
+    rows = [[list(base.gpu_experts[li][g]) + [int(e) for e in extras[li, g] if e >= 0] for g in range(plan.num_gpus)]
+            for li in range(plan.num_layers)]
+    return Placement(rows, plan.num_experts, plan.cluster, policy=plan.policy, params=plan.params), extras
 
 
 def _result(policy: str, router: Router, served: tuple[int, int], imb: np.ndarray, bal: np.ndarray, moved: np.ndarray,
             slots: float, replans: int, acc: np.ndarray | None, params: dict[str, Any],
-            time: dict[str, Any] | None = None) -> OnlineResult:
+            time: dict[str, Any] | None = None, events: Sequence[dict[str, Any]] = ()) -> OnlineResult:
     if not np.isfinite(imb).any():
         raise InputError("the served batches carry no load in any layer; there is nothing to score")
     with warnings.catch_warnings():
@@ -311,5 +444,6 @@ def _result(policy: str, router: Router, served: tuple[int, int], imb: np.ndarra
     return OnlineResult(policy=policy, router=router.label, batches=np.arange(*served), per_batch_imbalance=per_imb,
                         per_batch_balancedness=per_bal, per_batch_moved=moved, replica_slots_per_gpu=float(slots),
                         replans=replans, per_layer_accuracy=acc, params=params,
-                        balancedness=float(np.nanmean(bal)), mean_imbalance_ratio=float(np.nanmean(imb)), time=time)
+                        balancedness=float(np.nanmean(bal)), mean_imbalance_ratio=float(np.nanmean(imb)), time=time,
+                        failures=tuple(failure_report(events, per_imb, per_bal, served[0])))
 

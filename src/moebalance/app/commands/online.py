@@ -10,11 +10,18 @@ from typing import Any
 
 import numpy as np
 
+from moebalance.algorithms.migration import MIGRATIONS
 from moebalance.app import options
 from moebalance.app.capture_inputs import build_traces, capture_model, concatenated, hidden_states
 from moebalance.app.console import err, note, out, progress
 from moebalance.app.costing import refuse_cost_options
-from moebalance.app.online_report import online_markdown, online_table, plot_online, plot_online_time
+from moebalance.app.online_report import (
+    failure_notes,
+    online_markdown,
+    online_table,
+    plot_online,
+    plot_online_time,
+)
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_write_text, dumps
@@ -22,6 +29,7 @@ from moebalance.core.load import LoadMatrix, parse_batch_range
 from moebalance.cost.hardware import get_gpu
 from moebalance.cost.time import prefetch_seconds
 from moebalance.models import get_model
+from moebalance.online.failure import DEFAULT_RELOAD_GBPS, parse_failure
 from moebalance.online.pricing import DEFAULT_OVERHEAD_MS, REARRANGE_MODES, StepPricing
 from moebalance.online.replay import OnlineResult, replay
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
@@ -74,6 +82,17 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--layers-per-step", type=options.positive, metavar="C",
                    help="a re-plan moves C layers per step, as TensorRT-LLM's layer_updates_per_iter and SGLang's "
                         "layers per chunk (default: all at once)")
+    p.add_argument("--migration", choices=MIGRATIONS,
+                   help="with --replan-every: each re-plan as planned (fresh, the default), aligned onto the plan in "
+                        "service to keep the most experts in place, or bounded by --max-moves")
+    p.add_argument("--max-moves", type=options.non_negative, metavar="M",
+                   help="with --migration bounded: expert copies one GPU may receive per re-plan, summed over layers")
+    p.add_argument("--fail", action="append", metavar="G@BATCH",
+                   help="GPU G is gone from served batch BATCH on: static policies and libra's base re-plan on the "
+                        "survivors (repeatable)")
+    p.add_argument("--reload-link", type=options.link, metavar="PRESET|GBPS",
+                   help=f"with --fail and --gpu: the host link experts only a lost GPU held are reloaded over "
+                        f"(default pcie5, {DEFAULT_RELOAD_GBPS:g} GB/s)")
     options.add_format(p)
     p.set_defaults(func=run)
 
@@ -133,6 +152,20 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
                        prompt_tokens=options.workload_from(args).prompt_tokens)
 
 
+def _check_moves(args: argparse.Namespace) -> None:
+    """Refuse the migration and failure flags where they do nothing."""
+    if args.migration not in (None, "fresh") and args.replan_every is None:
+        raise InputError(f"--migration {args.migration} lays periodic re-plans onto the plan in service; give "
+                         "--replan-every K or drop it")
+    if args.migration == "bounded" and args.max_moves is None:
+        raise InputError("--migration bounded needs --max-moves M, the copies one GPU may receive per re-plan")
+    if args.max_moves is not None and args.migration != "bounded":
+        raise InputError(f"--max-moves is used only by --migration bounded, not {args.migration or 'fresh'}; drop it "
+                         "or add --migration bounded")
+    if args.reload_link is not None and (args.fail is None or args.gpu is None):
+        raise InputError("--reload-link prices the reloads after --fail with --gpu; give both or drop it")
+
+
 def run(args: argparse.Namespace) -> None:
     policies = list(dict.fromkeys(p.strip() for p in args.policy.split(",") if p.strip()))
     if not policies:
@@ -142,6 +175,7 @@ def run(args: argparse.Namespace) -> None:
         raise InputError("--router-set needs --router NAME")
     first = [] if args.groups is None else [("--groups", "num_groups", args.groups)]
     params = options.resolve_set(args.set, policies, first=first, policy_flag="--policy")  # checks the names too
+    _check_moves(args)
     if args.window is not None and args.replan_every is None:
         raise InputError("--window needs --replan-every K: the window is what a periodic re-plan looks at")
     if args.intra_link is not None and args.model is None and args.gpu is None:
@@ -172,6 +206,7 @@ def run(args: argparse.Namespace) -> None:
     lookahead = any(params[p]["predictor"] == "lookahead" for p in dynamic)
     model = capture_model(args.checkpoint, load) if lookahead and hidden is not None else None
     build = concatenated(build_traces(args.build))
+    failures = [parse_failure(v) for v in args.fail or ()]
     results: list[OnlineResult] = []
     with progress() as bar:
         for p in policies:
@@ -185,7 +220,10 @@ def run(args: argparse.Namespace) -> None:
             results.append(replay(load, cluster, budget, p, params[p], warmup=warm, batches=served, router=router,
                                   replan_every=args.replan_every if periodic else None,
                                   window=args.window if periodic else None, seed=args.seed, hidden=hidden,
-                                  model=model, build=build, progress=advance, pricing=pricing))
+                                  model=model, build=build, progress=advance, pricing=pricing,
+                                  migration=(args.migration or "fresh") if periodic else "fresh",
+                                  max_moves=args.max_moves if periodic else None, failures=failures,
+                                  reload_gbps=args.reload_link or DEFAULT_RELOAD_GBPS))
     title = (f"{args.load}: batches {served[0]}:{served[1]} served one at a time after warm-up {warm[0]}:{warm[1]}, "
              f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}")
     docs = [r.as_dict() for r in results]
@@ -209,6 +247,8 @@ def run(args: argparse.Namespace) -> None:
         sys.stdout.write(dumps(docs[0] if len(docs) == 1 else {"results": docs}))
         return
     out.print(online_table(results, title, costs))
+    for line in failure_notes(results):
+        out.print(f"failure: {line}")
     if out_dir is not None:
         extra = ", online.png and online_time.png" if pricing is not None else " and online.png"
         err.print(f"wrote {out_dir / 'online.md'}, online.json{extra}")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from moebalance.algorithms.migration import align, bounded
+from moebalance.algorithms.migration import MIGRATIONS, lay_onto
 from moebalance.app import costing, options
 from moebalance.app.console import check_out, err, out, progress
 from moebalance.core.cluster import Cluster
@@ -22,9 +22,6 @@ from moebalance.policies import POLICIES, get_policy, make_plan
 from moebalance.routing.simulate import evaluate
 
 __all__ = ["add_parser", "eplb_variant", "migrate", "report_moves", "run"]
-
-#: ``--migration`` (or ``--set migration=``) values: docs/design.md, "Online replay and prediction".
-MIGRATIONS = ("fresh", "aligned", "bounded")
 
 
 def add_parser(sub: Any) -> None:
@@ -87,13 +84,8 @@ def migrate(plan: Placement, previous: Placement, args: argparse.Namespace, load
                         f"{previous.cluster.gpus_per_node} GPUs, but this plan is {plan.num_layers} x "
                         f"{plan.num_experts} on {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node}; give the "
                         "plan in service for the same model and cluster")
-    mode = args.migration or "aligned"
-    keep_nodes = plan.params.get("mode") == "hierarchical"
-    if mode == "aligned":
-        return align(previous, plan, keep_nodes=keep_nodes)
-    if mode == "bounded":
-        return bounded(previous, plan, int(args.max_moves), load, keep_nodes=keep_nodes)
-    return plan.with_params({**plan.params, "migration": "fresh"})
+    return lay_onto(previous, plan, args.migration or "aligned",
+                    max_moves=None if args.max_moves is None else int(args.max_moves), load=load)
 
 
 def report_moves(previous: Placement, plan: Placement, load: LoadMatrix, cluster: Cluster) -> str:
