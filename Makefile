@@ -45,6 +45,8 @@ bench: $(STAMP)
 	$(PY) bench/libra_report.py  # needs MOEBALANCE_ESFT_DIR (docs/results/libra.md says what); skips without it
 	$(PY) bench/real_report.py  # the same
 	$(PY) bench/cost_report.py
+	$(PY) bench/online_time.py  # needs MOEBALANCE_ESFT_DIR, as libra_report.py
+	$(PY) bench/bench_online_time.py  # a 1M-token trace: synth about 7 minutes, then 14 online runs
 	$(PY) bench/bench_large.py  # a 1M-token trace: about 12 minutes, most of it synth
 
 # Refresh constraints.txt on purpose: the newest releases within pyproject's ranges, in a scratch venv; the lint

@@ -183,3 +183,26 @@ def test_node_forwarding_sends_a_token_once_per_node() -> None:
     assert (per_gpu.inter_node, per_gpu.inter_node_dedup) == (by_node.inter_node, by_node.inter_node_dedup) == (2, 1)
     assert per_gpu.a2a_seconds[0, 0] == pytest.approx(2 * 1000 * 2 / 1.0 / 1e9)  # 2 copies over GPU 0's NIC, twice
     assert by_node.a2a_seconds[0, 0] == pytest.approx(2 * 1000 * 1 / 1.0 / 1e9)  # 1 copy; the forward is fast
+
+
+@pytest.mark.parametrize("forwarding", [False, True])
+def test_traffic_seconds_only_times_as_the_full_count(forwarding: bool) -> None:
+    """The priced replay's shortcut: the same all-to-all seconds per (batch, layer), copy counts left at zero."""
+    from moebalance.routing.simulate import traffic
+
+    rng = np.random.default_rng(3)
+    cluster = Cluster(num_nodes=2, gpus_per_node=4)
+    plan = Placement(random_replica_layers(rng, 3, 16, 8), 16, cluster)
+    T, K = 200, 4
+    for batches in (1, 3):
+        topk = np.stack([np.stack([rng.choice(16, K, replace=False) for _ in range(3)]) for _ in range(T)])
+        batch = np.sort(rng.integers(0, batches, T))
+        batch[0] = 0
+        batch[-1] = batches - 1
+        trace = RoutingTrace(topk, rng.integers(0, 8, T), batch, num_experts=16)
+        dest = ROUTERS["random"].assign_tokens(plan, trace, rng)
+        full = traffic(plan, trace, dest, bytes_per_copy=4096, node_forwarding=forwarding)
+        fast = traffic(plan, trace, dest, bytes_per_copy=4096, node_forwarding=forwarding, seconds_only=True)
+        assert full.a2a_seconds is not None and fast.a2a_seconds is not None
+        assert np.array_equal(full.a2a_seconds, fast.a2a_seconds)
+        assert full.inter_node > 0 and fast.inter_node == 0

@@ -168,7 +168,8 @@ def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: 
         moved = None
     else:
         loads, moved, _ = replay_loads(plan, load, router, rng, with_traffic=load.trace is not None,
-                                       bytes_per_copy=pricing.bytes_per_copy, node_forwarding=pricing.node_forwarding)
+                                       bytes_per_copy=pricing.bytes_per_copy, node_forwarding=pricing.node_forwarding,
+                                       seconds_only=True)
     alive = np.setdiff1d(np.arange(G), np.asarray(lost, dtype=np.int64))
     m = layer_metrics(loads[:, :, alive] if lost else loads, load.counts, plan.replica_counts())
     if pricing is None:

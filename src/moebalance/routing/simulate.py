@@ -163,9 +163,10 @@ def a2a_seconds(pair_copies: np.ndarray, cluster: Cluster, bytes_per_copy: int) 
 
 
 def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_copy: int | None = None, *,
-            node_forwarding: bool = False) -> Traffic:
+            node_forwarding: bool = False, seconds_only: bool = False) -> Traffic:
     """Count dispatch copies for ``dest [T, L, K]``, the GPU serving each (token, pick); with
-    ``bytes_per_copy``, also the all-to-all time of every ``(b, l)``.
+    ``bytes_per_copy``, also the all-to-all time of every ``(b, l)``. ``seconds_only`` (with ``bytes_per_copy``)
+    computes the times alone and leaves the copy counts and the matrix at zero (a step's price needs no more).
 
     ``node_forwarding`` times the all-to-all as DeepEP's normal kernels and GRACE's dispatch move tokens: a token
     crosses the network once per destination node, to the GPU of that node with its own local index (the same
@@ -183,19 +184,24 @@ def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_co
         d = np.sort(dest[:, layer, :], axis=1)
         first = np.ones(d.shape, dtype=bool)
         first[:, 1:] = d[:, 1:] != d[:, :-1]
-        same_gpu = d == src[:, None]
-        same_node = (d // gpn) == (src // gpn)[:, None]
-        local += int(np.count_nonzero(first & same_gpu))
-        intra += int(np.count_nonzero(first & same_node & ~same_gpu))
-        inter += int(np.count_nonzero(first & ~same_node))
-        nodes = np.sort(d // gpn, axis=1)
-        first_node = np.ones(nodes.shape, dtype=bool)
-        first_node[:, 1:] = nodes[:, 1:] != nodes[:, :-1]
-        inter_dedup += int(np.count_nonzero(first_node & (nodes != (src // gpn)[:, None])))
-        pairs = (src[:, None] * G + d)[first]
-        matrix += np.bincount(pairs, minlength=G * G)
+        counts = not (seconds_only and bytes_per_copy)
+        if counts or node_forwarding:
+            same_gpu = d == src[:, None]
+            same_node = (d // gpn) == (src // gpn)[:, None]
+            nodes = np.sort(d // gpn, axis=1)
+            first_node = np.ones(nodes.shape, dtype=bool)
+            first_node[:, 1:] = nodes[:, 1:] != nodes[:, :-1]
+        if counts:
+            local += int(np.count_nonzero(first & same_gpu))
+            intra += int(np.count_nonzero(first & same_node & ~same_gpu))
+            inter += int(np.count_nonzero(first & ~same_node))
+            inter_dedup += int(np.count_nonzero(first_node & (nodes != (src // gpn)[:, None])))
+            pairs = (src[:, None] * G + d)[first]
+            matrix += np.bincount(pairs, minlength=G * G)
         if seconds is not None and bytes_per_copy:
             b = trace.batch[:, None]
+            if B == 1:  # one batch (a served step): no batch offset to add
+                b = np.zeros((1, 1), dtype=np.int64)
             if node_forwarding:
                 src_node, lane = (src // gpn)[:, None], (src % gpn)[:, None]
                 rail = (d // gpn) * gpn + lane  # the destination node's GPU on the token's rail
@@ -280,12 +286,14 @@ class Score:
 
 def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.random.Generator, *,
                  with_traffic: bool = False, bytes_per_copy: int | None = None, node_forwarding: bool = False,
-                 on_batches: Callable[[int], None] | None = None) -> tuple[np.ndarray, Traffic | None, bool]:
+                 on_batches: Callable[[int], None] | None = None,
+                 seconds_only: bool = False) -> tuple[np.ndarray, Traffic | None, bool]:
     """``(gpu_load [B, L, G], traffic or None, whole_tokens)``: ``load`` replayed through ``plan``.
 
     A token-level load is routed per token (each pick's GPU, checked against the plan); the loads then count
     whole picks, except for ``uniform``, whose loads stay its exact fractional split (``whole_tokens``
-    False). With ``with_traffic`` the same picks are counted as all-to-all copies (:func:`traffic`).
+    False). With ``with_traffic`` the same picks are counted as all-to-all copies (:func:`traffic`; with
+    ``seconds_only``, timed only).
 
     The trace is routed a few batches at a time (:meth:`RoutingTrace.batch_chunks`), so the per-pick
     temporaries (``int64`` GPUs) are bounded by a chunk whatever the trace's length; a trace of up to 16M
@@ -309,7 +317,8 @@ def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
             flat = (sub.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest
             loads[start:stop] = np.bincount(flat.ravel(), minlength=(stop - start) * L * G).reshape(-1, L, G)
         if with_traffic:
-            parts.append(traffic(plan, sub, dest, bytes_per_copy, node_forwarding=node_forwarding))
+            parts.append(traffic(plan, sub, dest, bytes_per_copy, node_forwarding=node_forwarding,
+                                 seconds_only=seconds_only))
         if on_batches is not None:
             on_batches(stop - start)
     if loads is None:
