@@ -108,6 +108,43 @@ def test_move_aware_keeps_a_good_placement_and_moves_little_otherwise() -> None:
                     assert n[i] == o[i] or list(n).count(o[i]) < list(o).count(o[i])
 
 
+def _placement(phy2log: np.ndarray, num_ranks: int) -> Any:
+    """The plan ``phy2log [L, P]`` as a :class:`Placement`: rank ``r`` holds its block of ``P / R`` slots."""
+    from moebalance.core.cluster import Cluster
+    from moebalance.core.plan import Placement
+
+    return Placement(phy2log.reshape(phy2log.shape[0], num_ranks, -1).tolist(), int(phy2log.max()) + 1,
+                     Cluster(num_nodes=1, gpus_per_node=num_ranks))
+
+
+def test_move_aware_lays_the_fresh_plan_as_align_does() -> None:
+    """4 experts of load 1, 2 ranks of 3 slots. Old map [2, 0, 3 | 1, 0, 0] (copies 3, 1, 1, 1: rank loads
+    1/3 + 1 + 1 = 7/3 and 2/3 + 1 = 5/3, balancedness 2 / (7/3) = 6/7). Fresh [1, 2, 1 | 3, 0, 0] (copies 2, 2, 1, 1:
+    loads 2 and 2, balancedness 1), so the old map is replaced. Experts kept: rank 0 ({0, 2, 3}) taking block 0
+    ({1, 2}) keeps 1, rank 1 ({0, 1}) taking block 1 ({0, 3}) keeps 1: 2; exchanged, rank 0 keeps {0, 3} and rank 1
+    keeps {1}: 3, the best, not the identity. Rank 0 gets [3, 0, 0] with 0 in its old slot 1, 3 in its old slot 2
+    and the second 0 in slot 0: [0, 0, 3]; rank 1 gets [1, 2, 1] with 1 in slot 0: [1, 2, 1]. One expert is
+    received (2 on rank 1). Before: the plug-in counted copies (rank 1 "keeps" both 0s), found a tie and kept the
+    identity [2, 1, 1 | 3, 0, 0], receiving 1 on rank 0 and 3 on rank 1."""
+    from moebalance.algorithms.migration import align
+
+    old, fresh, w = np.array([[2, 0, 3, 1, 0, 0]]), np.array([[1, 2, 1, 3, 0, 0]]), np.ones((1, 4))
+    np.testing.assert_allclose(balancedness(old, w, 2), [6 / 7])
+    np.testing.assert_allclose(balancedness(fresh, w, 2), [1.0])
+    got = move_aware(old, fresh, w, 2, 0.02)
+    assert got.tolist() == [[0, 0, 3, 1, 2, 1]]
+    aligned = align(_placement(old, 2), _placement(fresh, 2))
+    assert [[list(r) for r in layer] for layer in aligned.gpu_experts] == [[[0, 0, 3], [1, 2, 1]]]
+    # through vLLM's interface, with the fresh plan EPLB's: every layer replaced is align's
+    wt = _weight(8)
+    fresh = make_policy("eplb").rebalance_experts(wt, P, 1, 1, R).numpy()
+    old = np.tile(np.concatenate([np.arange(E), np.arange(P - E)]), (L, 1))
+    assert (balancedness(old, wt.double().numpy(), R) < 0.98 * balancedness(fresh, wt.double().numpy(), R)).all()
+    got = make_policy("move-aware").rebalance_experts(wt, P, 1, 1, R, torch.from_numpy(old)).numpy()
+    want = np.array(align(_placement(old, R), _placement(fresh, R)).gpu_experts).reshape(L, P)
+    assert np.array_equal(got, want) and not np.array_equal(got, keep_slots(old, fresh, R))
+
+
 def test_move_aware_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
     w = _weight(3)
     wn = w.double().numpy()
@@ -343,3 +380,16 @@ def test_fill_empty_places_missing_experts_first() -> None:
         [[3, 0, 2, 1], [0, 1, 2, 3]]  # expert 0 is missing; layers without an empty slot are left as they are
     with pytest.raises(InputError, match="old_global_expert_indices holds -2"):
         make_policy("eplb").rebalance_experts(torch.ones(1, 4), 4, 1, 1, 2, torch.tensor([[0, 1, 2, -2]]))
+
+
+def test_move_aware_replaces_a_scaled_up_map_keeping_what_it_holds() -> None:
+    """Load [4, 3, 2, 1] on 2 ranks of 2 slots; the current map [0, 1 | 2, -1] lacks expert 3. Filled, [0, 1 | 2, 3]
+    loads 7 and 3 (balancedness 5/7) against a fresh [1, 2 | 0, 3] loading 5 and 5, so the fresh plan is laid on.
+    Rank 0 holds {0, 1}, rank 1 {2} (the empty slot holds nothing): as laid out they keep 1 (expert 1), exchanged 2
+    (0 on rank 0, 2 on rank 1). Rank 0 gets [0, 3] (0 in its slot 0), rank 1 [2, 1] (2 in its slot 0). Through the
+    policy, EPLB's fresh plan is [0, 3 | 1, 2] (0 and 3, 1 and 2 paired: 5 and 5), which keeps 0 and 2 as laid out:
+    the same map."""
+    w = np.array([[4.0, 3.0, 2.0, 1.0]])
+    got = make_policy("move-aware").rebalance_experts(torch.from_numpy(w), 4, 1, 1, 2, torch.tensor([[0, 1, 2, -1]]))
+    assert got.tolist() == [[0, 3, 2, 1]]
+    assert move_aware(np.array([[0, 1, 2, -1]]), np.array([[1, 2, 0, 3]]), w, 2, 0.02).tolist() == [[0, 3, 2, 1]]

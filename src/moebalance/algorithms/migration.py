@@ -39,7 +39,7 @@ from scipy.optimize import linear_sum_assignment
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.plan import Placement
 
-__all__ = ["MIGRATIONS", "align", "bounded", "in_place_order", "keeps_node_blocks", "lay_onto"]
+__all__ = ["MIGRATIONS", "align", "align_rows", "bounded", "in_place_order", "keeps_node_blocks", "lay_onto"]
 
 #: How a re-plan is laid onto the plan in service: as planned, :func:`align` or :func:`bounded`.
 MIGRATIONS = ("fresh", "aligned", "bounded")
@@ -63,21 +63,32 @@ def in_place_order(previous_row: Sequence[int], fresh_row: Sequence[int]) -> lis
     return [next(rest) if k is None else k for k in out]
 
 
-def _score_matrix(prev_row: Sequence[Sequence[int]], fresh_row: Sequence[Sequence[int]], prev_has: np.ndarray,
-                  fresh_has: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+def _has(rows: Sequence[Sequence[int]], num_experts: int) -> np.ndarray:
+    """``int64 [E, G]``: 1 where GPU ``g``'s row holds expert ``e`` (an empty slot, ``-1``, holds nothing)."""
+    has = np.zeros((num_experts, len(rows)), dtype=np.int64)
+    for g, row in enumerate(rows):
+        ids = np.asarray(row, dtype=np.int64)
+        has[ids[ids >= 0], g] = 1
+    return has
+
+
+def _score_matrix(prev_row: Sequence[Sequence[int]], fresh_row: Sequence[Sequence[int]], num_experts: int,
+                  allowed: np.ndarray) -> np.ndarray:
     """``float64 [G, G]``: experts kept if GPU ``i`` takes fresh set ``j``, ``* (E + 1)`` plus those kept in their
-    slot; ``_BLOCKED`` where sizes differ. ``*_has`` are ``bool [E, G]``."""
-    E, G = prev_has.shape
-    kept = prev_has.T.astype(np.int64) @ fresh_has.astype(np.int64)  # [G, G]
+    slot; ``_BLOCKED`` where not ``allowed``. Empty slots (``-1``) in ``prev_row`` keep nothing."""
+    E, G = num_experts, len(prev_row)
+    fresh_has = _has(fresh_row, E)
+    kept = _has(prev_row, E).T @ fresh_has  # [G, G]
     pos = np.full((G, E), np.iinfo(np.int64).max, dtype=np.int64)  # first slot of e on old GPU i
     for i, row in enumerate(prev_row):
         for p in range(len(row) - 1, -1, -1):
-            pos[i, row[p]] = p
+            if row[p] >= 0:
+                pos[i, row[p]] = p
     sizes = np.array([len(r) for r in fresh_row], dtype=np.int64)
     in_slot = np.zeros((G, G), dtype=np.int64)
     for s in np.unique(sizes):
         cols = np.flatnonzero(sizes == s)
-        in_slot[:, cols] = (pos < s).astype(np.int64) @ fresh_has[:, cols].astype(np.int64)
+        in_slot[:, cols] = (pos < s).astype(np.int64) @ fresh_has[:, cols]
     return np.where(allowed, (kept * (E + 1) + in_slot).astype(np.float64), _BLOCKED)
 
 
@@ -99,6 +110,33 @@ def _assign_nodes(score: np.ndarray, nodes: int, per_node: int) -> tuple[np.ndar
     return sigma, total
 
 
+def align_rows(previous_rows: Sequence[Sequence[int]], fresh_rows: Sequence[Sequence[int]], num_experts: int, *,
+               node_blocks: tuple[int, int] | None = None,
+               match_previous_slots: bool = False) -> list[tuple[int, list[int]]]:
+    """One layer of :func:`align` on plain rows: per GPU ``i``, the fresh set ``j`` it takes and the indices into
+    ``fresh_rows[j]`` in its slot order (:func:`in_place_order`), so GPU ``i``'s new row is
+    ``[fresh_rows[j][k] for k in ks]``.
+
+    ``previous_rows`` may hold empty slots (``-1``, as an engine marks slots it added): they keep nothing and may
+    miss experts. ``node_blocks=(N, n)`` permutes whole nodes of ``n`` GPUs and GPUs within a node only;
+    ``match_previous_slots`` exchanges a set only onto a GPU with as many previous slots (a :class:`PlanError`
+    when the sizes cannot match). Example: ``align_rows([[0, 1], [2, 3]], [[3, 2], [1, 0]], 4) ==
+    [(1, [1, 0]), (0, [1, 0])]``: GPU 0 takes fresh set 1 as ``[0, 1]``, GPU 1 set 0 as ``[2, 3]``.
+    """
+    fsize = np.array([len(r) for r in fresh_rows])
+    rsize = np.array([len(r) for r in previous_rows]) if match_previous_slots else fsize
+    allowed = rsize[:, None] == fsize[None, :]
+    score = _score_matrix(previous_rows, fresh_rows, num_experts, allowed)
+    if node_blocks is not None:
+        sigma, _ = _assign_nodes(score, *node_blocks)
+    else:
+        sigma, _ = _assign(score)
+    if not allowed[np.arange(len(sigma)), sigma].all():
+        raise PlanError(f"the fresh plan's slots per GPU {sorted(fsize.tolist())} cannot take the previous plan's "
+                        f"{sorted(rsize.tolist())}; re-plan with the same slots per GPU")
+    return [(j, in_place_order(previous_rows[i], fresh_rows[j])) for i, j in enumerate(sigma.tolist())]
+
+
 def align(previous: Placement, fresh: Placement, *, keep_nodes: bool = False,
           match_previous_slots: bool = False) -> Placement:
     """``fresh`` relabelled per layer so the most experts stay where ``previous`` has them (module docstring).
@@ -114,24 +152,18 @@ def align(previous: Placement, fresh: Placement, *, keep_nodes: bool = False,
     cluster = fresh.cluster
     rows: list[list[list[int]]] = []
     weights: list[list[list[float]]] | None = None if fresh.weights is None else []
+    nodes = (cluster.num_nodes, cluster.gpus_per_node) if keep_nodes and cluster.num_nodes > 1 else None
     for layer in range(fresh.num_layers):
         prow, frow = previous.gpu_experts[layer], fresh.gpu_experts[layer]
-        fsize = np.array([len(r) for r in frow])
-        rsize = np.array([len(r) for r in prow]) if match_previous_slots else fsize
-        allowed = rsize[:, None] == fsize[None, :]
-        score = _score_matrix(prow, frow, previous.copies[layer] > 0, fresh.copies[layer] > 0, allowed)
-        if keep_nodes and cluster.num_nodes > 1:
-            sigma, _ = _assign_nodes(score, cluster.num_nodes, cluster.gpus_per_node)
-        else:
-            sigma, _ = _assign(score)
-        if not allowed[np.arange(len(sigma)), sigma].all():
-            raise PlanError(f"layer {layer}: the fresh plan's slots per GPU {sorted(fsize.tolist())} cannot take "
-                            f"the previous plan's {sorted(rsize.tolist())}; re-plan with the same slots per GPU")
-        order = [in_place_order(prow[i], frow[j]) for i, j in enumerate(sigma.tolist())]
-        rows.append([[frow[j][k] for k in ks] for j, ks in zip(sigma.tolist(), order, strict=True)])
+        try:
+            picks = align_rows(prow, frow, fresh.num_experts, node_blocks=nodes,
+                               match_previous_slots=match_previous_slots)
+        except PlanError as exc:
+            raise PlanError(f"layer {layer}: {exc}") from None
+        rows.append([[frow[j][k] for k in ks] for j, ks in picks])
         if weights is not None:
             frw = fresh.weights[layer]  # type: ignore[index]
-            weights.append([[frw[j][k] for k in ks] for j, ks in zip(sigma.tolist(), order, strict=True)])
+            weights.append([[frw[j][k] for k in ks] for j, ks in picks])
     params: dict[str, Any] = {**fresh.params, "migration": "aligned"}
     return Placement(rows, fresh.num_experts, cluster, policy=fresh.policy, params=params, weights=weights)
 

@@ -20,9 +20,11 @@ registers another policy, so :func:`register` replaces the ``"default"`` entry, 
   balances nothing;
 - ``move-aware``: honours ``old_global_expert_indices`` (vLLM RFC #31671 asks for migration-aware placement):
   the current placement is kept, no expert moved, while its balancedness is within ``MOEBALANCE_VLLM_EPLB_TOLERANCE``
-  (default 0.02, relative) of a fresh EPLB plan's; otherwise the fresh plan's per-GPU sets are matched to the ranks
-  that already hold most of their experts (an assignment problem per layer: no more moves than the fresh plan
-  as laid out, often far fewer) and an expert staying on a rank keeps its slot. The matching may move a GPU's set
+  (default 0.02, relative) of a fresh EPLB plan's; otherwise the fresh plan is laid onto the ranks as ``aligned``
+  migration lays a re-plan (:func:`moebalance.algorithms.migration.align_rows`, the per-layer step of ``align``):
+  each rank takes the fresh per-GPU set that keeps the most distinct experts it holds (an exact assignment per
+  layer: no more experts received than by the fresh plan as laid out, often far fewer; a second copy of an expert
+  a rank keeps is a local copy) and an expert staying on a rank keeps its slot. The matching may move a GPU's set
   to another node, which leaves the balance as it is but not hierarchical EPLB's group-to-node packing. When the
   slot count changed (elastic EP), the fresh plan is taken as it is. After an elastic scale-up vLLM passes the
   current map with ``-1`` in the slots it added: those are empty slots, never an expert id. The current placement
@@ -114,10 +116,11 @@ def fill_empty(old: np.ndarray, weight: np.ndarray, num_ranks: int) -> np.ndarra
 def move_aware(old: np.ndarray, fresh: np.ndarray, weight: np.ndarray, num_ranks: int,
                tolerance: float) -> np.ndarray:
     """``int64 [L, P]``: per layer, ``old`` (its empty slots filled, :func:`fill_empty`) if it holds every expert
-    and its balancedness is within ``tolerance`` of ``fresh``'s, else ``fresh`` with its rank blocks matched to
-    the ranks holding most of their experts and staying experts in their old slots (module docstring). Never
-    returns an empty slot."""
-    from scipy.optimize import linear_sum_assignment
+    and its balancedness is within ``tolerance`` of ``fresh``'s, else ``fresh`` laid onto the ranks as
+    :func:`moebalance.algorithms.migration.align` lays a plan (:func:`~moebalance.algorithms.migration.align_rows`
+    on ``old``'s rank blocks, its empty slots keeping nothing): each rank takes the fresh block that keeps the most
+    of the experts it holds, staying experts in their old slots (module docstring). Never returns an empty slot."""
+    from moebalance.algorithms.migration import align_rows
 
     if old.shape != fresh.shape or fresh.shape[1] % num_ranks:  # elastic EP changed the slots: nothing to keep
         return fresh
@@ -130,43 +133,26 @@ def move_aware(old: np.ndarray, fresh: np.ndarray, weight: np.ndarray, num_ranks
     keep = present.all(axis=1) & \
         (balancedness(filled, weight, num_ranks) >= (1.0 - tolerance) * balancedness(fresh, weight, num_ranks))
     out = filled
-    rank_of = np.repeat(np.arange(num_ranks), S)
     for layer in np.flatnonzero(~keep):
         new_blocks = fresh[layer].reshape(num_ranks, S)
-        old_blocks = old[layer].reshape(num_ranks, S)
-        held = old[layer] >= 0  # an empty slot holds nothing to keep
-        have = np.zeros((num_ranks, E))
-        np.add.at(have, (rank_of[held], old[layer][held]), 1.0)
-        want = np.zeros((num_ranks, E))
-        np.add.at(want, (rank_of, new_blocks.ravel()), 1.0)
-        overlap = np.minimum(want[:, None, :], have[None, :, :]).sum(axis=2)  # [new block, rank]
-        blocks, ranks = linear_sum_assignment(-overlap)
-        for b, r in zip(blocks, ranks, strict=True):
-            out[layer, r * S:(r + 1) * S] = _keep_slots(old_blocks[r], new_blocks[b])
+        picks = align_rows(old[layer].reshape(num_ranks, S).tolist(), new_blocks.tolist(), E)
+        out[layer] = np.concatenate([new_blocks[b][ks] for b, ks in picks])
     return out
 
 
 def keep_slots(old: np.ndarray, fresh: np.ndarray, num_ranks: int) -> np.ndarray:
-    """``fresh [L, P]`` with, in every rank block, the experts that were already there kept in their old slots."""
+    """``fresh [L, P]`` with, in every rank block, the experts that were already there kept in their old slots
+    (:func:`moebalance.algorithms.migration.in_place_order`)."""
+    from moebalance.algorithms.migration import in_place_order
+
     S = fresh.shape[1] // num_ranks
     out = fresh.copy()
     for layer in range(fresh.shape[0]):
         for r in range(num_ranks):
-            out[layer, r * S:(r + 1) * S] = _keep_slots(old[layer, r * S:(r + 1) * S], fresh[layer, r * S:(r + 1) * S])
+            block = slice(r * S, (r + 1) * S)
+            out[layer, block] = fresh[layer, block][in_place_order(old[layer, block].tolist(),
+                                                                   fresh[layer, block].tolist())]
     return out
-
-
-def _keep_slots(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``new``'s experts in ``old``'s slot order where they were already there, the rest in the free slots."""
-    slots = np.full(old.shape, -1, dtype=np.int64)
-    todo = list(new)
-    for i, e in enumerate(old):
-        if e in todo:
-            slots[i] = e
-            todo.remove(e)
-    free = np.flatnonzero(slots < 0)
-    slots[free] = todo
-    return slots
 
 
 def make_policy(variant: str, base: type | None = None) -> type:
