@@ -18,8 +18,11 @@ per task, too few for distinct 8,192-token batches, so these batches reuse token
 batch grows, not how a predictor generalises. A batch's tokens are dealt to the 8 ranks in contiguous blocks.
 
 Policies: static EPLB planned on the warm-up with one extra slot per GPU and layer; periodic EPLB re-planned every
-``K`` served batches on the last ``W`` (sync and async rearrangement); Libra (path predictor and the batch's true
-routing, ``n`` = 2, 4, 8 extra experts per GPU and layer); contiguous homes (no replicas, no balancing) as the floor.
+``K`` served batches on the last ``W`` (sync and async rearrangement), each re-plan laid onto the plan in service
+``fresh`` (as planned), ``aligned`` (the fresh plan's per-GPU sets given to the GPUs that keep the most in place) or
+``bounded`` (at most ``MAX_MOVES`` copies into each GPU per re-plan; docs/design.md, "Priced in time"); Libra (path
+predictor and the batch's true routing, ``n`` = 2, 4, 8 extra experts per GPU and layer); contiguous homes (no
+replicas, no balancing) as the floor.
 Each with the uniform router and with ``rebalance`` (load-aware sharding of a replicated expert's tokens); libra's
 uniform-router variant is Libra's Lina-like ablation.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,10 @@ G, E = 8, 64
 SMALL, JOIN = 512, 16  # 8,192 tokens = 16 batches of 512
 SERVED_LARGE = 24  # served 8,192-token batches per workload
 K, W = 4, 4  # periodic EPLB: re-plan every K served batches on the last W
+# bounded migration: copies one GPU may receive per re-plan, summed over the 26 layers (one per layer on average, of
+# its 26 x 9 = 234 slots); fresh re-plans move far more (the report states how many)
+MAX_MOVES = 26
+MIGRATIONS = ("fresh", "aligned", "bounded")
 NS = (2, 4, 8)
 SWEEP = (2, 4, 8)  # batches of 1,024, 2,048 and 4,096 tokens, a few policies only
 SWEEP_POLICIES = ("contiguous (no replicas)", "static EPLB", "Libra (path, n = 2)", "Libra (path, n = 4)",
@@ -118,6 +126,12 @@ def workloads(folder: Path) -> dict[tuple[str, int], dict[str, Any]]:
 
 # ----- runs -----------------------------------------------------------------------------------------------------
 
+def periodic(mode: str, migration: str) -> str:
+    """The label of periodic EPLB with rearrangement ``mode`` (sync, async) and ``migration``."""
+    how = f"bounded M = {MAX_MOVES}" if migration == "bounded" else migration
+    return f"periodic EPLB {mode}, {how} (every {K} on {W})"
+
+
 def specs() -> list[tuple[str, dict[str, Any]]]:
     """``(label, replay arguments)`` of every policy, each with the uniform and the rebalance router."""
     homes, eplb = Budget(slots_per_gpu=E // G), Budget(slots_per_gpu=E // G + 1)
@@ -125,11 +139,11 @@ def specs() -> list[tuple[str, dict[str, Any]]]:
     base: list[tuple[str, dict[str, Any]]] = [
         ("contiguous (no replicas)", {"policy": "contiguous", "budget": homes}),
         ("static EPLB", {"policy": "eplb", "budget": eplb, "params": one}),
-        (f"periodic EPLB sync (every {K} on {W})", {"policy": "eplb", "budget": eplb, "params": one,
-                                                    "replan_every": K, "window": W, "rearrange": "sync"}),
-        (f"periodic EPLB async (every {K} on {W})", {"policy": "eplb", "budget": eplb, "params": one,
-                                                     "replan_every": K, "window": W, "rearrange": "async"}),
     ]
+    base += [(periodic(mode, mig), {"policy": "eplb", "budget": eplb, "params": one, "replan_every": K, "window": W,
+                                    "rearrange": mode, "migration": mig,
+                                    "max_moves": MAX_MOVES if mig == "bounded" else None})
+             for mode in ("sync", "async") for mig in MIGRATIONS]
     base += [(f"Libra ({pred}, n = {n})", {"policy": "libra", "budget": homes,
                                           "params": {"n": n, "alpha": 0.5, "predictor": pred}})
              for pred in ("path", "oracle") for n in NS]
@@ -152,7 +166,8 @@ def run_cell(work: dict[str, Any]) -> list[tuple[str, OnlineResult]]:
         pricing = StepPricing(model=model, gpu=gpu, rearrange=spec.get("rearrange", "sync"))
         r = replay(work["load"], cluster, spec["budget"], spec["policy"], spec.get("params", {}),
                    warmup=(0, work["warm"]), router=spec["router"], replan_every=spec.get("replan_every"),
-                   window=spec.get("window"), build=work["build"], pricing=pricing)
+                   window=spec.get("window"), build=work["build"], pricing=pricing,
+                   migration=spec.get("migration", "fresh"), max_moves=spec.get("max_moves"))
         out.append((label, r))
     return out
 
@@ -181,7 +196,7 @@ def _plot(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]], path: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 6.5), dpi=100, sharey=True)
+    fig, axes = plt.subplots(1, len(cells), figsize=(4.2 * len(cells), 8.5), dpi=100, sharey=True)
     labels = [f"{label}, {r.router}" for label, r in next(iter(cells.values()))]
     for ax, ((work, tokens), runs) in zip(np.atleast_1d(axes), cells.items(), strict=True):
         floor = runs[0][1].time["tokens_per_s"]  # type: ignore[index]
@@ -236,11 +251,12 @@ def findings(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]]) -> li
         lb_label, lb = max(libra, key=lambda lr: _tps(lr[1]))
         ora = [(lab, r) for lab, r in runs if lab.startswith("Libra (oracle")]
         ol_label, ol = max(ora, key=lambda lr: _tps(lr[1]))
-        sync = _get(runs, f"periodic EPLB sync (every {K} on {W})", "rebalance")
-        asy = _get(runs, f"periodic EPLB async (every {K} on {W})", "rebalance")
+        sync = _get(runs, periodic("sync", "fresh"), "rebalance")
+        asy = _get(runs, periodic("async", "fresh"), "rebalance")
         assert lb.time is not None and ol.time is not None and sync.time is not None
         w.append(f"- **{work}, {tokens:,} tokens per batch.** Fastest: {best_label}, {_tps(best) / floor:.3f}x "
-                 f"contiguous. Static EPLB (best router) {_tps(static) / floor:.3f}x. Periodic EPLB with rebalance: "
+                 f"contiguous. Static EPLB (best router) {_tps(static) / floor:.3f}x. Periodic EPLB (fresh) with "
+                 "rebalance: "
                  f"sync {_tps(sync) / floor:.3f}x ({sync.time['exposed_balancing_ms']:.0f} ms exposed over "
                  f"{sync.time['rearrangements']} rearrangements), async {_tps(asy) / floor:.3f}x. Libra (path) at its "
                  f"best ({lb_label}, {lb.router}) {_tps(lb) / floor:.3f}x with {lb.time['exposed_balancing_ms']:.1f} ms "
@@ -283,8 +299,8 @@ def async_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]]) -> 
     """Why async periodic EPLB moves nothing at 512 tokens: a re-plan's transfer outlasts K steps."""
     w = []
     for (work, tokens), runs in cells.items():
-        sync = _get(runs, f"periodic EPLB sync (every {K} on {W})", "rebalance").time
-        asy = _get(runs, f"periodic EPLB async (every {K} on {W})", "rebalance").time
+        sync = _get(runs, periodic("sync", "fresh"), "rebalance").time
+        asy = _get(runs, periodic("async", "fresh"), "rebalance").time
         static = _get(runs, "static EPLB", "rebalance").time
         assert sync is not None and asy is not None and static is not None
         transfer = (sync["exposed_balancing_ms"] - sync["rearrangements"] * DEFAULT_OVERHEAD_MS) / sync["rearrangements"]
@@ -295,6 +311,82 @@ def async_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]]) -> 
                  f"{asy['moved_gib']:.1f} GiB over {asy['rearrangements']} re-plans"
                  + (": every re-plan was abandoned by the next before it landed, so async periodic EPLB served the "
                     "warm-up plan throughout (its row equals static EPLB's)." if asy["moved_gib"] == 0 else "."))
+    return w
+
+
+def migration_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]]) -> list[str]:
+    """What ``aligned`` and ``bounded`` change against ``fresh`` (periodic EPLB, rebalance router), per cell."""
+    pricing = StepPricing(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb"))
+    gib = pricing.bytes_per_expert / 2 ** 30
+    slots = pricing.model.num_layers * (E // G + 1)
+
+    def t(runs: list[tuple[str, OnlineResult]], mode: str, mig: str) -> dict[str, Any]:
+        r = _get(runs, periodic(mode, mig), "rebalance")
+        assert r.time is not None
+        return {**r.time, "imb": r.mean_imbalance_ratio}
+
+    def per_replan(x: dict[str, Any]) -> tuple[float, float]:
+        """(copies received per GPU per re-plan, transfer ms per re-plan) of a sync row."""
+        n = max(x["rearrangements"], 1)
+        return x["moved_gib"] / gib / n / G, (x["exposed_balancing_ms"] - x["rearrangements"] * pricing.overhead_ms) / n
+
+    fresh_copies = [per_replan(t(runs, "sync", "fresh"))[0] for runs in cells.values()]
+    w = [f"Migration-aware re-planning (periodic EPLB, rebalance router). A fresh re-plan moves "
+         f"{min(fresh_copies):.0f}-{max(fresh_copies):.0f} expert copies into each GPU (of its {slots} slots: "
+         f"{pricing.model.num_layers} layers x {E // G + 1}); `bounded` here allows M = {MAX_MOVES} per GPU and "
+         f"re-plan, one per layer on average, {MAX_MOVES / max(fresh_copies):.0%}-{MAX_MOVES / min(fresh_copies):.0%} "
+         "of that. Per cell, fresh / aligned / bounded:", ""]
+    for (work, tokens), runs in cells.items():
+        floor = _tps(runs[0][1])
+        rows = {(mode, mig): t(runs, mode, mig) for mode in ("sync", "async") for mig in MIGRATIONS}
+        sync = [per_replan(rows["sync", mig]) for mig in MIGRATIONS]
+
+        def three(key: str, fmt: str, mode: str, rows: dict[tuple[str, str], dict[str, Any]] = rows) -> str:
+            return " / ".join(format(rows[mode, mig][key], fmt) for mig in MIGRATIONS)
+
+        def rel(mode: str, rows: dict[tuple[str, str], dict[str, Any]] = rows, floor: float = floor) -> str:
+            return " / ".join(f"{rows[mode, mig]['tokens_per_s'] / floor:.3f}x" for mig in MIGRATIONS)
+
+        f_gib, a_gib = rows["sync", "fresh"]["moved_gib"], rows["sync", "aligned"]["moved_gib"]
+        host = rows["sync", "fresh"]["rearrangements"] * pricing.overhead_ms
+        w.append(f"- **{work}, {tokens:,} tokens.** Sync: moved {three('moved_gib', '.1f', 'sync')} GiB "
+                 f"(aligned {1 - a_gib / f_gib:.0%} fewer than fresh; copies received per GPU and "
+                 f"re-plan {' / '.join(f'{c:.0f}' for c, _ in sync)}), transfer per re-plan "
+                 f"{' / '.join(f'{m:.1f}' for _, m in sync)} ms, exposed "
+                 f"{three('exposed_balancing_ms', '.0f', 'sync')} ms of which {host:.0f} ms is host overhead, so "
+                 f"tokens/s {three('tokens_per_s', ',.0f', 'sync')} ({rel('sync')} contiguous). Async: moved "
+                 f"{three('moved_gib', '.1f', 'async')} GiB, tokens/s {three('tokens_per_s', ',.0f', 'async')} "
+                 f"({rel('async')}), imbalance {three('imb', '.3f', 'async')}.")
+    w += ["", *migration_summary(cells, t)]
+    return w
+
+
+def migration_summary(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]],
+                      t: Callable[[list[tuple[str, OnlineResult]], str, str], dict[str, Any]]) -> list[str]:
+    """The sentences that sum :func:`migration_note` up over the cells (``t``: a row's ``time`` and imbalance)."""
+    def change(mode: str, mig: str) -> str:
+        x = [t(runs, mode, mig)["tokens_per_s"] / t(runs, mode, "fresh")["tokens_per_s"] - 1 for runs in cells.values()]
+        lo, hi = f"{min(x):+.1%}", f"{max(x):+.1%}"
+        return lo if lo == hi else f"{lo} to {hi}"
+
+    host = min(t(runs, "sync", "fresh")["rearrangements"] * DEFAULT_OVERHEAD_MS /
+               t(runs, "sync", "fresh")["exposed_balancing_ms"] for runs in cells.values())
+    cut = [1 - t(runs, "sync", "bounded")["moved_gib"] / t(runs, "sync", "fresh")["moved_gib"]
+           for runs in cells.values()]
+    w = [f"So: synchronous, the {DEFAULT_OVERHEAD_MS:g} ms host overhead per re-plan is at least {host:.1%} of fresh's "
+         f"exposed time, and moving fewer weights changes tokens/s by {change('sync', 'aligned')} (aligned) and "
+         f"{change('sync', 'bounded')} (bounded, {min(cut):.0%}-{max(cut):.0%} fewer GiB): the stall is the host's, "
+         "not the links'. Asynchronous, aligned serves fresh's balance with fewer GiB (tokens/s "
+         f"{change('async', 'aligned')}); bounded serves a plan between the old and the fresh one, tokens/s "
+         f"{change('async', 'bounded')} against fresh."]
+    for (work, tokens), runs in cells.items():
+        fresh, bnd = t(runs, "async", "fresh"), t(runs, "async", "bounded")
+        if fresh["moved_gib"] == 0 and bnd["moved_gib"] > 0:
+            others = "fresh's and aligned's never do" if t(runs, "async", "aligned")["moved_gib"] == 0 else \
+                "fresh's never does"
+            w[0] += (f" At {work}, {tokens:,} tokens, bounded's smaller transfer lands before the next re-plan "
+                     f"({others}), and the plan it lands, fit to the last {W} batches, serves the next ones at "
+                     f"imbalance {bnd['imb']:.3f} against the warm-up plan's {fresh['imb']:.3f}.")
     return w
 
 
@@ -347,14 +439,18 @@ def main() -> None:
          "never re-plan; K and W here are ours. Libra: 8 home experts per GPU plus a double-buffered prefetch "
          "of n = 2, 4, 8 extras per GPU and layer, from the path predictor (built on the build split) or the batch's "
          "true routing (oracle). Each policy with the uniform router and with `rebalance` (libra with uniform is "
-         "Libra's Lina-like ablation). Not in this report: migration-aware re-planning (`--migration fresh|aligned|"
-         "bounded`) and losing a GPU (`--fail`), built beside this report and not yet in it, and the synthetic drifting "
-         "DeepSeek-V3-like trace on 8 x 8 H100.", "",
+         "Libra's Lina-like ablation). Periodic EPLB lays each re-plan onto the plan in service `fresh` (as planned), "
+         "`aligned` (the fresh plan's per-GPU expert sets given to the GPUs that keep the most of them in place, "
+         "same balance) or `bounded` (`--migration bounded --max-moves M`: at most M = "
+         f"{MAX_MOVES} copies into each GPU per re-plan, summed over the 26 layers, the moves that buy the most "
+         "balance first; it reaches the aligned plan over several re-plans). Not in this report: losing a GPU "
+         "(`online --fail`) and the synthetic drifting DeepSeek-V3-like trace on 8 x 8 H100.", "",
          "Columns: mean imbalance = busiest GPU over mean GPU load per (batch, layer), averaged; step ms = the "
          "modelled forward step of one batch, with what balancing exposes; tokens/s = served tokens over the summed "
          "steps; vs contiguous = tokens/s over the contiguous floor's; moved GiB = expert weights received over all "
          "GPUs and served batches; exposed ms = balancing time on the critical path, summed over served batches; "
-         "rearrangements = re-plans that moved experts (static) or batches whose prefetch loaded any (libra). Rows "
+         "rearrangements = re-plans that had experts to move (static; an async one abandoned before it landed "
+         "included) or batches whose prefetch loaded any (libra). Rows "
          "sorted by tokens/s.", ""]
     for (name, tokens), runs in full.items():
         cell = works[name, tokens]
@@ -362,7 +458,8 @@ def main() -> None:
               f"{cell['load'].num_batches - cell['warm']} served batches after a warm-up of {cell['warm']}.", "",
               *_table(runs), ""]
     w += ["![tokens/s over contiguous](online_time.png)", "", "## Where balancing pays", "", *findings(full), "",
-          "Periodic EPLB's asynchronous mode at these intervals:", "", *async_note(full), "",
+          "Periodic EPLB's asynchronous mode at these intervals (fresh re-plans):", "", *async_note(full), "",
+          *migration_note(full), "",
           "## Batch size: where per-batch balancing starts to pay", "",
           f"The same workloads at 1,024, 2,048 and 4,096 tokens per batch ({', '.join(str(j) for j in SWEEP)} of the "
           f"512-token batches joined, drawn with replacement as at 8,192; {SERVED_LARGE} served batches), with a few "
