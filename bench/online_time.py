@@ -449,8 +449,8 @@ def main() -> None:
          "modelled forward step of one batch, with what balancing exposes; tokens/s = served tokens over the summed "
          "steps; vs contiguous = tokens/s over the contiguous floor's; moved GiB = expert weights received over all "
          "GPUs and served batches; exposed ms = balancing time on the critical path, summed over served batches; "
-         "rearrangements = re-plans that had experts to move (static; an async one abandoned before it landed "
-         "included) or batches whose prefetch loaded any (libra). Rows "
+         "rearrangements = re-plans whose copies landed (static; an async one abandoned before it landed is not "
+         "counted) or batches whose prefetch loaded any (libra). Rows "
          "sorted by tokens/s.", ""]
     for (name, tokens), runs in full.items():
         cell = works[name, tokens]

@@ -227,7 +227,6 @@ class Rearranger:
         if sum(s.moved_experts for s in plans) == 0:  # nothing to move: the new plan serves at once, for free
             self.serving, self._move = new, None
             return
-        self.rearrangements += 1
         self._move = _Move(new, chunks, [s.seconds for s in plans], [s.moved_bytes for s in plans])
 
     def before_step(self) -> tuple[Placement, float]:
@@ -247,6 +246,8 @@ class Rearranger:
             while m.landed < len(m.chunks) and finish[m.landed] <= m.elapsed * (1 + 1e-12):
                 m.landed += 1
         self.moved_bytes += sum(m.bytes[before:m.landed])
+        if before == 0 and m.landed > 0:  # a rearrangement counts once its first chunk lands (not if abandoned)
+            self.rearrangements += 1
         landed = [li for c in m.chunks[:m.landed] for li in c]
         if m.landed == len(m.chunks):
             self.serving, self._move = m.target, None
