@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.table import Table
@@ -120,41 +121,34 @@ def online_markdown(results: Sequence[OnlineResult], title: str,
 
 def plot_online(results: Sequence[OnlineResult], path: Path, title: str) -> None:
     """One line per policy: the imbalance ratio of every served batch (Libra Figure 9's lower panel)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
-    for r in results:
-        ax.plot(r.batches, r.per_batch_imbalance, linewidth=1.3, marker="o", markersize=2.5,
-                label=f"{online_label(r)}, {r.router}: mean {r.mean_imbalance_ratio:.3f}, "
-                      f"{r.replica_slots_per_gpu:g} slots/GPU")
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xlabel("batch")
-    ax.set_ylabel("imbalance ratio (max / mean GPU load)")
-    ax.set_title(title, fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    save_png(fig, path)
+    lines = [(r.batches, r.per_batch_imbalance, f"{online_label(r)}, {r.router}: mean {r.mean_imbalance_ratio:.3f}, "
+              f"{r.replica_slots_per_gpu:g} slots/GPU") for r in results]
+    _plot_per_batch(lines, path, title, "imbalance ratio (max / mean GPU load)", reference=1.0)
 
 
 def plot_online_time(results: Sequence[OnlineResult], path: Path, title: str) -> None:
     """One line per policy priced in time: the modelled step time of every served batch."""
+    lines = [(r.batches, r.time["per_batch_step_ms"], f"{online_label(r)}, {r.router}: "
+              f"{r.time['tokens_per_s']:,.0f} tokens/s, exposed {r.time['exposed_balancing_ms']:.1f} ms")
+             for r in results if r.time is not None]
+    _plot_per_batch(lines, path, title, "modelled step time (ms)")
+
+
+def _plot_per_batch(lines: Sequence[tuple[Any, Any, str]], path: Path, title: str, ylabel: str,
+                    reference: float | None = None) -> None:
+    """One line per ``(batches, values, label)`` against the served batch, saved as PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
-    for r in results:
-        if r.time is None:
-            continue
-        ax.plot(r.batches, r.time["per_batch_step_ms"], linewidth=1.3, marker="o", markersize=2.5,
-                label=f"{online_label(r)}, {r.router}: {r.time['tokens_per_s']:,.0f} tokens/s, "
-                      f"exposed {r.time['exposed_balancing_ms']:.1f} ms")
+    for x, y, label in lines:
+        ax.plot(x, y, linewidth=1.3, marker="o", markersize=2.5, label=label)
+    if reference is not None:
+        ax.axhline(reference, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xlabel("batch")
-    ax.set_ylabel("modelled step time (ms)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

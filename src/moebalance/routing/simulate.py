@@ -200,8 +200,6 @@ def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_co
             matrix += np.bincount(pairs, minlength=G * G)
         if seconds is not None and bytes_per_copy:
             b = trace.batch[:, None]
-            if B == 1:  # one batch (a served step): no batch offset to add
-                b = np.zeros((1, 1), dtype=np.int64)
             if node_forwarding:
                 src_node, lane = (src // gpn)[:, None], (src % gpn)[:, None]
                 rail = (d // gpn) * gpn + lane  # the destination node's GPU on the token's rail
