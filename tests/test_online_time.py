@@ -29,9 +29,12 @@ from moebalance.models import get_model
 from moebalance.online.pricing import (
     DEFAULT_OVERHEAD_MS,
     Rearranger,
+    RouterTimer,
     StepPricing,
     exposed_prefetch,
+    exposed_router,
     hybrid,
+    local_seconds,
     step_time,
 )
 from moebalance.online.replay import replay
@@ -170,6 +173,70 @@ def test_prefetch_that_does_not_fit_is_exposed() -> None:
     assert exposed_prefetch(three, np.array([30 * US, 0.0, 50 * US]), 25 * US, SMALL, 450.0, oracle=False) == 0.0
     # with the batch's true routing the copies start after the gate: 20 + 40 us, all exposed
     assert exposed_prefetch(copies, expert, 25 * US, SMALL, 450.0, oracle=True) == pytest.approx(60 * US)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the router's host time beside the local phase
+# ----------------------------------------------------------------------------------------------------------
+
+
+def test_router_time_under_the_local_phase_is_hidden() -> None:
+    # one layer, two GPUs: GPU 0 computes 40 us of local picks then 20 us of remote ones, GPU 1 30 + 10 us
+    expert = np.array([[60 * US, 40 * US]])
+    local = np.array([[40 * US, 30 * US]])
+    # a 25 us router ends before either local phase: the layer still takes 60 us
+    assert exposed_router(25 * US, expert, local) == 0.0
+    # 35 us: GPU 1 waits 5 us (35 + 10 = 45 us) but GPU 0 still sets the layer at 60 us
+    assert exposed_router(35 * US, expert, local) == 0.0
+    # 50 us: GPU 0 finishes at 50 + 20 = 70 us, GPU 1 at 60 us: 10 us exposed
+    assert exposed_router(50 * US, expert, local) == pytest.approx(10 * US)
+    # no local picks at all: the router's whole 50 us is exposed; a layer with no load exposes nothing
+    assert exposed_router(50 * US, np.array([[60 * US, 40 * US], [0.0, 0.0]]), np.zeros((2, 2))) == pytest.approx(50 * US)
+
+
+def test_local_seconds_count_the_picks_the_token_gpu_holds() -> None:
+    from moebalance.core.trace import RoutingTrace
+
+    plan = plan_of([[[0], [1]]])  # GPU 0 holds expert 0, GPU 1 expert 1
+    # three tokens, top-1: on GPU 0 one picks expert 0 (local) and one expert 1 (remote); on GPU 1 one picks expert 1
+    trace = RoutingTrace(topk_ids=[[[0]], [[1]], [[1]]], src_gpu=[0, 0, 1], batch=[0, 0, 0], num_experts=2)
+    got = local_seconds(plan, LoadMatrix(trace.counts(), trace=trace), pricing())
+    from moebalance.cost.time import expert_seconds
+
+    one = expert_seconds(1.0, 1.0, SMALL, H100)  # each GPU: one local pick of one expert
+    np.testing.assert_allclose(got, [[one, one]])
+
+
+def test_router_timer_measures_and_keeps_the_routing() -> None:
+    from moebalance.routing import get_router
+
+    router = get_router("rebalance")
+    timer = RouterTimer(router)
+    plan = plan_of([[[0, 1], [1]]])
+    counts = np.array([[[5, 7]]])
+    got = timer.router.split_counts(plan, counts, np.random.default_rng(1))
+    np.testing.assert_array_equal(got, router.split_counts(plan, counts, np.random.default_rng(1)))
+    assert timer.seconds > 0 and timer.router.name == "rebalance"
+
+
+def test_replay_exposes_a_slow_router_and_not_a_fast_one(olmoe: LoadMatrix) -> None:
+    budget = Budget(slots_per_gpu=9)
+    kw: dict[str, Any] = {"warmup": (0, 4), "batches": (4, 6), "router": "rebalance"}
+    slow = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100, router_ms=10.0), **kw)
+    free = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100, router_ms=0.0), **kw)
+    assert slow.time is not None and free.time is not None and free.time["exposed_balancing_ms"] == 0.0
+    # 10 ms per layer is far beyond a 256-token batch's local phase: nearly all of 16 layers x 2 batches x 10 ms
+    assert 300.0 < slow.time["exposed_balancing_ms"] <= 320.0
+    assert slow.time["step_ms_mean"] - free.time["step_ms_mean"] == pytest.approx(
+        slow.time["exposed_balancing_ms"] / 2, rel=1e-6)
+    # measured (the default): positive, and a router that ignores loads is never charged
+    measured = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100), **kw)
+    assert measured.time is not None and measured.time["exposed_balancing_ms"] >= 0.0
+    uniform = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100, router_ms=10.0),
+                     warmup=(0, 4), batches=(4, 6))
+    assert uniform.time is not None and uniform.time["exposed_balancing_ms"] == 0.0
+    with pytest.raises(InputError, match="router time"):
+        StepPricing(model=OLMOE, gpu=H100, router_ms=-1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -321,6 +388,8 @@ def test_cli_online_gpu_refusals(olmoe_file: Path, capsys: pytest.CaptureFixture
     assert_user_error([*base, "--rearrange", "async"], capsys, "--rearrange", "--gpu")
     assert_user_error([*base, "--calibration", "x.json"], capsys, "--calibration", "--gpu")
     assert_user_error([*base, "--inter-link", "eth200"], capsys, "--inter-link", "--gpu")
+    assert_user_error([*base, "--router-ms", "0.1"], capsys, "--router-ms", "--gpu")
+    assert_user_error([*base, "--gpu", "h100-80gb", "--router-ms", "-1"], capsys, "--router-ms")
     assert_user_error([*base, "--gpu", "h100-80gb", "--layers-per-step", "2"], capsys, "--layers-per-step",
                       "--replan-every")
     assert_user_error([*base, "--gpu", "h100-80gb", "--memory-fraction", "0.8"], capsys, "--memory-fraction",

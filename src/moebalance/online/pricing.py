@@ -32,8 +32,16 @@ the GPUs hold.
 :func:`moebalance.cost.time.prefetch_seconds`, and the layer exposes ``max(0, max_g copy[l, g] - max_g
 t_expert[l - 1, g])`` (the all-to-all shares the links, so it hides nothing). Layer 0's copies hide under the
 previous step's last layer (nothing before the first served step). With the batch's true routing (the ``oracle``
-predictor) the copies cannot start before the gate: every layer's copy is exposed in full. The token rebalancer's
-CPU time is not modelled.
+predictor) the copies cannot start before the gate: every layer's copy is exposed in full.
+
+**Router time.** A router whose choice depends on the batch's load (``rebalance``, ``minmax``: those that decide on
+the host after the gate) costs its CPU time, measured on the replay's own routing of the batch (after one untimed
+warm-up call, so compilation is not charged) and taken per MoE layer with load, or fixed with
+``StepPricing.router_ms``. It runs beside each GPU's local phase (Libra's two-stage execution, Section 3: the picks
+whose expert the token's own GPU holds are computed first, the rest wait for the router's decision), so a layer
+exposes ``max_g(max(local[g], r) + remote[g]) - max_g(local[g] + remote[g])``, with ``local[g]`` the roofline of
+GPU ``g``'s local picks and ``remote[g]`` the rest of its expert time. A router that ignores loads (``uniform``,
+``random``) picks copies on the GPU as tokens are dispatched and exposes nothing.
 
 The ``time`` summary counts as ``rearrangements`` the re-plans that moved experts (static policies) or the served
 batches whose prefetch loaded any (``libra``), and as ``moved_gib`` the expert weights received over all GPUs.
@@ -41,10 +49,12 @@ batches whose prefetch loaded any (``libra``), and as ``moved_gib`` the expert w
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -56,9 +66,10 @@ from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.memory import GIB, EngineMemory
 from moebalance.cost.time import Calibration, expert_seconds, prefetch_seconds, rest_seconds
 from moebalance.models import ModelSpec
+from moebalance.routing.base import Router
 
-__all__ = ["DEFAULT_OVERHEAD_MS", "REARRANGE_MODES", "Rearranger", "StepPricing", "StepTime", "exposed_prefetch",
-           "hybrid", "step_time", "time_summary"]
+__all__ = ["DEFAULT_OVERHEAD_MS", "REARRANGE_MODES", "Rearranger", "RouterTimer", "StepPricing", "StepTime",
+           "exposed_prefetch", "exposed_router", "hybrid", "local_seconds", "step_time", "time_summary"]
 
 #: The host's fixed cost of one synchronous rearrangement, ms: SGLang's measured host time per rearrangement
 #: (docs/design.md, "Online replay and prediction", gives the source and the numbers); the transfer is modelled on
@@ -85,6 +96,8 @@ class StepPricing:
     node_forwarding: bool = False
     #: Tokens per prompt: a step computes one next-token logit per prompt.
     prompt_tokens: int = 1000
+    #: A load-dependent router's CPU time per MoE layer, ms (``None``: measured on the replay's routing).
+    router_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.rearrange not in REARRANGE_MODES:
@@ -95,6 +108,8 @@ class StepPricing:
             raise InputError(f"layers per step ({self.layers_per_step!r}) must be a positive number of layers")
         if isinstance(self.prompt_tokens, bool) or self.prompt_tokens < 1:
             raise InputError(f"prompt tokens ({self.prompt_tokens!r}) must be a positive number")
+        if self.router_ms is not None and not (math.isfinite(self.router_ms) and self.router_ms >= 0):
+            raise InputError(f"the router time ({self.router_ms} ms per layer) must be a finite number >= 0")
 
     @property
     def bytes_per_expert(self) -> int:
@@ -124,6 +139,8 @@ class StepTime:
     #: ``float64 [L]``: the all-to-all per layer (dispatch and combine).
     a2a: np.ndarray
     rest: float
+    #: ``float64 [L, G]``: each GPU's grouped GEMM per layer.
+    expert_gpu: np.ndarray | None = None
 
     @property
     def seconds(self) -> float:
@@ -140,14 +157,74 @@ def step_time(plan: Placement, batch: LoadMatrix, loads: np.ndarray, a2a: np.nda
     has = (plan.copies > 0).astype(np.float64)  # [L, E, G]
     touched = np.einsum("le,leg->lg", (batch.counts[0] > 0).astype(np.float64), has)
     engine = pricing.engine
-    expert = expert_seconds(loads[0], touched, pricing.model, pricing.gpu, pricing.calibration,
-                            weight_bytes=engine.weight_bytes).max(axis=1)
+    per_gpu = np.asarray(expert_seconds(loads[0], touched, pricing.model, pricing.gpu, pricing.calibration,
+                                        weight_bytes=engine.weight_bytes), dtype=np.float64)
+    expert = per_gpu.max(axis=1)
     comm = a2a[0] if a2a is not None else a2a_estimate(loads[0], cluster, pricing.bytes_per_copy)
     ranks = (cluster.num_gpus - lost) // engine.attention_group(cluster.gpus_per_node)
     per_rank = tokens / max(ranks, 1)
     rest = rest_seconds(per_rank, pricing.model, pricing.gpu, engine, cluster.gpus_per_node,
                         logits_per_rank=per_rank / pricing.prompt_tokens, calibration=pricing.calibration)
-    return StepTime(expert=np.asarray(expert, dtype=np.float64), a2a=np.asarray(comm, dtype=np.float64), rest=rest)
+    return StepTime(expert=np.asarray(expert, dtype=np.float64), a2a=np.asarray(comm, dtype=np.float64), rest=rest,
+                    expert_gpu=per_gpu)
+
+
+def local_seconds(plan: Placement, batch: LoadMatrix, pricing: StepPricing) -> np.ndarray:
+    """``float64 [L, G]``: the roofline of each GPU's local picks in a one-batch ``batch`` (picks whose expert the
+    token's own GPU holds; for counts, each GPU's even share of every expert it holds)."""
+    has = plan.copies > 0  # [L, E, G]
+    L, E, G = has.shape
+    trace = batch.trace
+    if trace is not None:
+        ids = trace.topk_ids  # [T, L, K]
+        src = trace.src_gpu
+        local = has[np.arange(L)[None, :, None], ids, src[:, None, None]]  # [T, L, K]
+        where = (np.arange(L)[None, :, None] * G + src[:, None, None]) * E + ids  # flat (l, g, e)
+        hits = np.bincount(where[local], minlength=L * G * E).reshape(L, G, E)
+        picks = hits.sum(axis=2).astype(np.float64)
+        touched = (hits > 0).sum(axis=2).astype(np.float64)
+    else:
+        share = batch.counts[0].astype(np.float64) / G  # [L, E]: each GPU's even share
+        picks = np.einsum("le,leg->lg", share, has.astype(np.float64))
+        touched = np.einsum("le,leg->lg", (share > 0).astype(np.float64), has.astype(np.float64))
+    return np.asarray(expert_seconds(picks, touched, pricing.model, pricing.gpu, pricing.calibration,
+                                     weight_bytes=pricing.engine.weight_bytes), dtype=np.float64)
+
+
+def exposed_router(router_s: float, expert: np.ndarray, local: np.ndarray) -> float:
+    """Seconds a router's ``router_s`` per layer exposes beside the local phase, summed over the layers with load:
+    ``expert, local [L, G]`` each GPU's expert time and its local picks' share (module docstring)."""
+    local = np.minimum(local, expert)
+    remote = expert - local
+    busy = expert.max(axis=1) > 0
+    after = (np.maximum(local, router_s) + remote).max(axis=1)
+    before = expert.max(axis=1)
+    return float(np.where(busy, after - before, 0.0).sum())
+
+
+class RouterTimer:
+    """``router`` with its host time measured: :attr:`router` calls the same functions and adds their seconds to
+    :attr:`seconds`. The first call per router name in a process runs once untimed first (numba compiles then)."""
+
+    _warm: ClassVar[set[str]] = set()
+
+    def __init__(self, router: Router) -> None:
+        self.seconds = 0.0
+        self.router = dataclasses.replace(
+            router, split_counts=self._timed(router.name, router.split_counts),
+            assign_tokens=self._timed(router.name, router.assign_tokens),
+            assign_kept=None if router.assign_kept is None else self._timed(router.name, router.assign_kept))
+
+    def _timed(self, name: str, fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        def call(*args: Any) -> np.ndarray:
+            if name not in RouterTimer._warm:  # compile outside the clock, on a throw-away generator
+                fn(*args[:-1], np.random.default_rng(0))
+                RouterTimer._warm.add(name)
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.seconds += time.perf_counter() - t0
+            return out
+        return call
 
 
 def exposed_prefetch(copies: np.ndarray, expert: np.ndarray, previous_last: float, model: ModelSpec,

@@ -50,7 +50,16 @@ from moebalance.online.failure import (
     survivor_load,
 )
 from moebalance.online.predictors import AccuracyTally, HistoryPredictor, Predictor, make_predictor
-from moebalance.online.pricing import Rearranger, StepPricing, exposed_prefetch, step_time, time_summary
+from moebalance.online.pricing import (
+    Rearranger,
+    RouterTimer,
+    StepPricing,
+    exposed_prefetch,
+    exposed_router,
+    local_seconds,
+    step_time,
+    time_summary,
+)
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES, make_plan
 from moebalance.policies.libra import LibraConfig, batch_plan, buffer_slots
 from moebalance.routing import Router, get_router
@@ -167,9 +176,11 @@ def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: 
         loads, _, _ = replay_loads(plan, load, router, rng)
         moved = None
     else:
-        loads, moved, _ = replay_loads(plan, load, router, rng, with_traffic=load.trace is not None,
-                                       bytes_per_copy=pricing.bytes_per_copy, node_forwarding=pricing.node_forwarding,
-                                       seconds_only=True)
+        decides = router.assign_kept is not None  # a load-dependent router decides on the host after the gate
+        timer = RouterTimer(router) if decides and pricing.router_ms is None else None
+        loads, moved, _ = replay_loads(plan, load, router if timer is None else timer.router, rng,
+                                       with_traffic=load.trace is not None, bytes_per_copy=pricing.bytes_per_copy,
+                                       node_forwarding=pricing.node_forwarding, seconds_only=True)
     alive = np.setdiff1d(np.arange(G), np.asarray(lost, dtype=np.int64))
     m = layer_metrics(loads[:, :, alive] if lost else loads, load.counts, plan.replica_counts())
     if pricing is None:
@@ -177,7 +188,12 @@ def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: 
     trace = load.trace
     tokens = float(trace.topk_ids.shape[0] if trace is not None else load.counts[0].sum(axis=1).max() / pricing.model.top_k)
     st = step_time(plan, load, loads, None if moved is None else moved.a2a_seconds, tokens, pricing, lost=len(lost))
-    return m.imbalance[0], m.balancedness[0], (st, tokens)
+    hidden_router = 0.0
+    if decides and st.expert_gpu is not None:
+        busy = max(int((load.counts[0].sum(axis=1) > 0).sum()), 1)
+        per_layer = timer.seconds / busy if timer is not None else (pricing.router_ms or 0.0) * 1e-3
+        hidden_router = exposed_router(per_layer, st.expert_gpu, local_seconds(plan, load, pricing))
+    return m.imbalance[0], m.balancedness[0], (st, tokens, hidden_router)
 
 
 def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str, params: Mapping[str, Any] | None = None,
@@ -315,7 +331,8 @@ def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget:
         extra = max(extra, plan.extra_replicas)
         imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
         if priced is not None:
-            st, clock.tokens[i] = priced
+            st, clock.tokens[i], routing = priced
+            exposed += routing
             clock.step[i], clock.exposed[i] = st.seconds + exposed, exposed
             moves.after_step(clock.step[i])
         if progress is not None:
@@ -391,8 +408,8 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
         moved[i] = int((extras >= 0).sum())
         imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
         if priced is not None and clock.pricing is not None:
-            st, clock.tokens[i] = priced
-            clock.exposed[i] = exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, clock.pricing.model,
+            st, clock.tokens[i], routing = priced
+            clock.exposed[i] = routing + exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, clock.pricing.model,
                                                 cluster.intra_node_bandwidth, oracle=config.predictor == "oracle",
                                                 weight_bytes=clock.pricing.engine.weight_bytes)
             clock.exposed[i] += stall

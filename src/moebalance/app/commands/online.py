@@ -79,6 +79,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rearrange-overhead-ms", type=options.non_negative_float, metavar="MS",
                    help=f"host time a sync rearrangement exposes besides its transfer (default {DEFAULT_OVERHEAD_MS:g}: "
                         "SGLang's measured host time per rearrangement; docs/design.md gives the source)")
+    p.add_argument("--router-ms", type=options.non_negative_float, metavar="MS",
+                   help="with --gpu: a load-dependent router's (rebalance, minmax) host time per MoE layer, exposed "
+                        "where it outlasts the local phase (default: measured on the replay's own routing)")
     p.add_argument("--layers-per-step", type=options.positive, metavar="C",
                    help="a re-plan moves C layers per step, as TensorRT-LLM's layer_updates_per_iter and SGLang's "
                         "layers per chunk (default: all at once)")
@@ -132,7 +135,8 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
     rearrange = [flag for flag, dest in _REARRANGE if getattr(args, dest) is not None]
     if args.gpu is None:
         refuse_cost_options(args, "by online with --gpu (a step's time)")
-        given = [*rearrange, *(["--inter-link"] if args.inter_link is not None else [])]
+        given = [*rearrange, *(["--inter-link"] if args.inter_link is not None else []),
+                 *(["--router-ms"] if args.router_ms is not None else [])]
         if given:
             raise InputError(f"{given[0]} is used by online with --gpu (a step's time); give --gpu or drop it")
         return None
@@ -149,7 +153,7 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
                        overhead_ms=DEFAULT_OVERHEAD_MS if args.rearrange_overhead_ms is None else
                        args.rearrange_overhead_ms, layers_per_step=args.layers_per_step,
                        node_forwarding=args.dispatch == "node",
-                       prompt_tokens=options.workload_from(args).prompt_tokens)
+                       prompt_tokens=options.workload_from(args).prompt_tokens, router_ms=args.router_ms)
 
 
 def _check_moves(args: argparse.Namespace) -> None:
