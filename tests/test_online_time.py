@@ -227,6 +227,7 @@ def test_replay_exposes_a_slow_router_and_not_a_fast_one(olmoe: LoadMatrix) -> N
     assert slow.time is not None and free.time is not None and free.time["exposed_balancing_ms"] == 0.0
     # 10 ms per layer is far beyond a 256-token batch's local phase: nearly all of 16 layers x 2 batches x 10 ms
     assert 300.0 < slow.time["exposed_balancing_ms"] <= 320.0
+    assert slow.time["exposed_router_ms"] == slow.time["exposed_balancing_ms"]
     assert slow.time["step_ms_mean"] - free.time["step_ms_mean"] == pytest.approx(
         slow.time["exposed_balancing_ms"] / 2, rel=1e-6)
     # measured (the default): positive, and a router that ignores loads is never charged

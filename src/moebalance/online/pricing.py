@@ -338,13 +338,15 @@ class Rearranger:
 
 
 def time_summary(step_s: np.ndarray, exposed_s: np.ndarray, tokens: np.ndarray, moved_bytes: float,
-                 rearrangements: int) -> dict[str, Any]:
-    """The ``time`` object of ``online --json``: ``step_s``, ``exposed_s`` and ``tokens`` per served batch ``[B']``."""
+                 rearrangements: int, router_s: np.ndarray | None = None) -> dict[str, Any]:
+    """The ``time`` object of ``online --json``: ``step_s``, ``exposed_s`` and ``tokens`` per served batch ``[B']``;
+    ``router_s [B']``, the router's share of ``exposed_s``, is also given on its own (``exposed_router_ms``)."""
     ms = step_s * 1e3
     total = float(step_s.sum())
     return {"step_ms_mean": round(float(ms.mean()), 6), "step_ms_p50": round(float(np.percentile(ms, 50)), 6),
             "step_ms_p99": round(float(np.percentile(ms, 99)), 6),
             "tokens_per_s": round(float(tokens.sum()) / total, 3) if total > 0 else 0.0,
             "exposed_balancing_ms": round(float(exposed_s.sum()) * 1e3, 6),
+            "exposed_router_ms": round(float(router_s.sum()) * 1e3 if router_s is not None else 0.0, 6),
             "moved_gib": round(moved_bytes / GIB, 6), "rearrangements": int(rearrangements),
             "per_batch_step_ms": [round(float(v), 6) for v in ms]}

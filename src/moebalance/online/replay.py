@@ -150,17 +150,20 @@ class _Clock:
     served: int
     step: np.ndarray = dataclasses.field(init=False)
     exposed: np.ndarray = dataclasses.field(init=False)
+    #: The router's share of ``exposed``.
+    router: np.ndarray = dataclasses.field(init=False)
     tokens: np.ndarray = dataclasses.field(init=False)
     #: Bytes moved besides a dynamic policy's prefetches (its base re-planned after a failure).
     moved_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         self.step, self.exposed, self.tokens = np.zeros(self.served), np.zeros(self.served), np.zeros(self.served)
+        self.router = np.zeros(self.served)
 
     def summary(self, moved_bytes: float, rearrangements: int) -> dict[str, Any] | None:
         if self.pricing is None:
             return None
-        return time_summary(self.step, self.exposed, self.tokens, moved_bytes, rearrangements)
+        return time_summary(self.step, self.exposed, self.tokens, moved_bytes, rearrangements, self.router)
 
 
 def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int,
@@ -331,8 +334,8 @@ def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget:
         extra = max(extra, plan.extra_replicas)
         imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
         if priced is not None:
-            st, clock.tokens[i], routing = priced
-            exposed += routing
+            st, clock.tokens[i], clock.router[i] = priced
+            exposed += clock.router[i]
             clock.step[i], clock.exposed[i] = st.seconds + exposed, exposed
             moves.after_step(clock.step[i])
         if progress is not None:
@@ -408,10 +411,11 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
         moved[i] = int((extras >= 0).sum())
         imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
         if priced is not None and clock.pricing is not None:
-            st, clock.tokens[i], routing = priced
-            clock.exposed[i] = routing + exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, clock.pricing.model,
-                                                cluster.intra_node_bandwidth, oracle=config.predictor == "oracle",
-                                                weight_bytes=clock.pricing.engine.weight_bytes)
+            st, clock.tokens[i], clock.router[i] = priced
+            copy = exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, clock.pricing.model,
+                                    cluster.intra_node_bandwidth, oracle=config.predictor == "oracle",
+                                    weight_bytes=clock.pricing.engine.weight_bytes)
+            clock.exposed[i] = clock.router[i] + copy
             clock.exposed[i] += stall
             clock.step[i] = st.seconds + clock.exposed[i]
             last = float(st.expert[st.expert > 0][-1]) if (st.expert > 0).any() else last
