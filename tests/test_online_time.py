@@ -344,7 +344,8 @@ def online(load: Path, policy: str, *extra: Any) -> list[Any]:
 
 
 TIME_KEYS = {"step_ms_mean", "step_ms_p50", "step_ms_p99", "tokens_per_s", "exposed_balancing_ms", "moved_gib",
-             "rearrangements", "per_batch_step_ms"}
+             "rearrangements", "per_batch_step_ms",
+             "exposed_router_ms"}  # the contract's keys, and the router's share of the exposed time
 
 
 def test_cli_online_gpu_json_table_and_plot(olmoe_file: Path, tmp_path: Path,
