@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import online_time_v3 as v3
 from _common import ROOT, batches_load, esft_batches, esft_from_args, esft_sequences, machine
 
 from moebalance.core.budget import Budget
@@ -178,7 +179,7 @@ def _table(runs: list[tuple[str, OnlineResult]]) -> list[str]:
     floor = next(r for label, r in runs if label.startswith("contiguous")).time
     assert floor is not None
     lines = ["| policy | router | mean imbalance | step ms mean | step ms p99 | tokens/s | vs contiguous | moved GiB | "
-             "exposed ms | rearrangements |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "exposed ms | of which router | rearrangements |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted(runs, key=lambda lr: -lr[1].time["tokens_per_s"])  # type: ignore[index]
     for label, r in rows:
         t = r.time
@@ -186,7 +187,7 @@ def _table(runs: list[tuple[str, OnlineResult]]) -> list[str]:
         lines.append(f"| {label} | {r.router} | {r.mean_imbalance_ratio:.3f} | {t['step_ms_mean']:.2f} | "
                      f"{t['step_ms_p99']:.2f} | {t['tokens_per_s']:,.0f} | "
                      f"{t['tokens_per_s'] / floor['tokens_per_s']:.3f} | {t['moved_gib']:.1f} | "
-                     f"{t['exposed_balancing_ms']:.1f} | {t['rearrangements']} |")
+                     f"{t['exposed_balancing_ms']:.1f} | {t['exposed_router_ms']:.1f} | {t['rearrangements']} |")
     return lines
 
 
@@ -303,7 +304,8 @@ def async_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]]) -> 
         asy = _get(runs, periodic("async", "fresh"), "rebalance").time
         static = _get(runs, "static EPLB", "rebalance").time
         assert sync is not None and asy is not None and static is not None
-        transfer = (sync["exposed_balancing_ms"] - sync["rearrangements"] * DEFAULT_OVERHEAD_MS) / sync["rearrangements"]
+        transfer = (sync["exposed_balancing_ms"] - sync["exposed_router_ms"]
+                    - sync["rearrangements"] * DEFAULT_OVERHEAD_MS) / sync["rearrangements"]
         w.append(f"- {work}, {tokens:,} tokens: a re-plan's transfer takes {transfer:.1f} ms against a step of "
                  f"{static['step_ms_mean']:.2f} ms, so an async re-plan needs about "
                  f"{math.ceil(transfer / static['step_ms_mean'])} step(s) of serving before it lands, and the next "
@@ -328,7 +330,8 @@ def migration_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]])
     def per_replan(x: dict[str, Any]) -> tuple[float, float]:
         """(copies received per GPU per re-plan, transfer ms per re-plan) of a sync row."""
         n = max(x["rearrangements"], 1)
-        return x["moved_gib"] / gib / n / G, (x["exposed_balancing_ms"] - x["rearrangements"] * pricing.overhead_ms) / n
+        transfer = x["exposed_balancing_ms"] - x["exposed_router_ms"] - x["rearrangements"] * pricing.overhead_ms
+        return x["moved_gib"] / gib / n / G, transfer / n
 
     fresh_copies = [per_replan(t(runs, "sync", "fresh"))[0] for runs in cells.values()]
     w = [f"Migration-aware re-planning (periodic EPLB, rebalance router). A fresh re-plan moves "
@@ -390,6 +393,38 @@ def migration_summary(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]
     return w
 
 
+def v3_section(drift: dict[int, list[tuple[str, OnlineResult]]], failed: list[tuple[str, OnlineResult]]) -> list[str]:
+    """The drifting DeepSeek-V3-like trace on 8 x 8 H100, and losing a GPU (bench/online_time_v3.py)."""
+    w = ["## A drifting DeepSeek-V3-like workload on 8 x 8 H100", "",
+         f"A synthetic counts-level trace (`moebalance synth`'s routing model for DeepSeek-V3: 58 MoE layers x 256 "
+         f"experts, top-8) with its popularity drifting fast (AR(1) log-popularity, standard deviation "
+         f"{v3.DRIFT_SIGMA}, correlation time {v3.DRIFT_TIMESCALE:g} batches), {v3.WARM} warm-up and {v3.SERVED} "
+         "served batches, priced with the `deepseek-v3` preset on 8 nodes x 8 H100 (NVLink 4 inside a node, the "
+         "default inter-node link). Static EPLB is hierarchical (8 groups) with 5 slots per GPU and layer (64 "
+         f"redundant experts); periodic EPLB re-plans every {v3.K} on the last {v3.W} (bounded: M = {v3.M}); Libra "
+         "keeps 4 homes per GPU and prefetches n extras from the history predictor (a counts-level trace has no "
+         "token paths) or the batch's true routing. Details in `bench/online_time_v3.py`.", ""]
+    for per_gpu, runs in drift.items():
+        floor = _tps(runs[0][1])
+        static = _get(runs, "static EPLB", "rebalance")
+        best_label, best = max(((lab, r) for lab, r in runs), key=lambda lr: _tps(lr[1]))
+        sync = _get(runs, f"periodic EPLB sync, fresh (every {v3.K} on {v3.W})", "rebalance")
+        asy = _get(runs, f"periodic EPLB async, aligned (every {v3.K} on {v3.W})", "rebalance")
+        w += [f"### {per_gpu:,} tokens per GPU ({per_gpu * v3.G:,} per batch)", "", *_table(runs), "",
+              f"Fastest: {best_label}, {_tps(best) / floor:.3f}x contiguous, {_tps(best) / _tps(static):.3f}x static "
+              f"EPLB. Static EPLB ages with the drift (imbalance {static.mean_imbalance_ratio:.3f}); periodic EPLB "
+              f"sync recovers balance ({sync.mean_imbalance_ratio:.3f}) but pays {_tps(sync) / _tps(static):.3f}x "
+              f"static's tokens/s for its stalls; async aligned {_tps(asy) / _tps(static):.3f}x at imbalance "
+              f"{asy.mean_imbalance_ratio:.3f}.", ""]
+    w += [f"### Losing a GPU ({v3.PER_GPU[0]:,} tokens per GPU)", "",
+          f"GPU {v3.FAIL_GPU} is gone from served batch {v3.FAIL_AT} on (`online --fail "
+          f"{v3.FAIL_GPU}@{v3.WARM + v3.FAIL_AT}`): static policies re-plan on the 63 survivors with aligned moves "
+          "and reload the experts whose only copy was lost over PCIe 5; Libra re-plans its base. Recovery: served "
+          "batches after the failure until the mean imbalance is within 2% of its level before the failure.", "",
+          *v3.failure_table(failed), ""]
+    return w
+
+
 def main() -> None:
     folder = esft_from_args(__doc__, "docs/results/online_time.md")
     if folder is None:
@@ -403,6 +438,13 @@ def main() -> None:
         cells[key] = run_cell(work)
         print(f"{key[0]}, {key[1]} tokens: {len(cells[key])} runs in {time.perf_counter() - t:.0f} s", flush=True)
     full = {k: v for k, v in cells.items() if not works[k].get("sweep")}
+    drift = {}
+    for per_gpu in v3.PER_GPU:
+        t = time.perf_counter()
+        drift[per_gpu] = v3.run(v3.trace(per_gpu))
+        print(f"DeepSeek-V3, {per_gpu} tokens per GPU: {len(drift[per_gpu])} runs in {time.perf_counter() - t:.0f} s",
+              flush=True)
+    failed = v3.run(v3.trace(v3.PER_GPU[0]), fail=True)
     _plot(full, res / "online_time.png")
     seconds = time.perf_counter() - t0
     w = ["# What balancing costs in time: online replay priced as forward steps", "",
@@ -423,8 +465,9 @@ def main() -> None:
          f"and receives at most one expert) plus {DEFAULT_OVERHEAD_MS:g} ms of host overhead; an asynchronous "
          "re-plan exposes nothing and serves the old plan until its transfer has had the steps it needs; Libra's "
          "prefetch of each layer's extras over NVLink 4, hidden under the previous layer's expert phase where it "
-         "fits, and exposed in full with the batch's true routing (the copy cannot start before the gate). The "
-         "rebalancer's CPU time is not priced. 1 node x 8 H100-SXM5-80GB, NVLink 4 (450 GB/s per GPU and "
+         "fits, and exposed in full with the batch's true routing (the copy cannot start before the gate); the "
+         "`rebalance` router's CPU time, measured on this machine per batch and layer, exposed where it outlasts "
+         "each GPU's local phase (Libra's two-stage execution; column \"of which router\"). 1 node x 8 H100-SXM5-80GB, NVLink 4 (450 GB/s per GPU and "
          "direction), bf16 weights, all default engine and calibration settings.", "",
          f"Workloads (details in `bench/online_time.py`'s docstring): the first 40% of each task's sequences are the "
          f"build split (warm-up and the path predictor's table), the rest are served. Domain-pure: one task per batch, "
@@ -443,8 +486,7 @@ def main() -> None:
          "`aligned` (the fresh plan's per-GPU expert sets given to the GPUs that keep the most of them in place, "
          "same balance) or `bounded` (`--migration bounded --max-moves M`: at most M = "
          f"{MAX_MOVES} copies into each GPU per re-plan, summed over the 26 layers, the moves that buy the most "
-         "balance first; it reaches the aligned plan over several re-plans). Not in this report: losing a GPU "
-         "(`online --fail`) and the synthetic drifting DeepSeek-V3-like trace on 8 x 8 H100.", "",
+         "balance first; it reaches the aligned plan over several re-plans).", "",
          "Columns: mean imbalance = busiest GPU over mean GPU load per (batch, layer), averaged; step ms = the "
          "modelled forward step of one batch, with what balancing exposes; tokens/s = served tokens over the summed "
          "steps; vs contiguous = tokens/s over the contiguous floor's; moved GiB = expert weights received over all "
@@ -463,7 +505,8 @@ def main() -> None:
           "## Batch size: where per-batch balancing starts to pay", "",
           f"The same workloads at 1,024, 2,048 and 4,096 tokens per batch ({', '.join(str(j) for j in SWEEP)} of the "
           f"512-token batches joined, drawn with replacement as at 8,192; {SERVED_LARGE} served batches), with a few "
-          "policies, all with the rebalance router; tokens/s ratios:", "", *crossover(cells), ""]
+          "policies, all with the rebalance router; tokens/s ratios:", "", *crossover(cells), "",
+          *v3_section(drift, failed)]
     (res / "online_time.md").write_text("\n".join(w))
     print(f"wrote {res / 'online_time.md'} in {seconds:.0f} s")
 

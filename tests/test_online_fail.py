@@ -146,6 +146,20 @@ def test_a_lost_gpu_serves_nothing_and_balance_is_over_the_survivors() -> None:
     assert res.as_dict()["failures"] == [f]
 
 
+def test_libra_after_a_failure_prefetches_for_the_survivors_only() -> None:
+    """The prefetcher plans on the survivors: an idle lost GPU would draw phase 2's copies, which then go nowhere
+    (the balance Libra bought with them lost: on this load the mean imbalance after rose from 1.002 to 1.039)."""
+    load = drifting(batches=12, layers=2, experts=16)
+    cluster = Cluster(num_nodes=2, gpus_per_node=4)
+    kw: dict[str, Any] = {"warmup": (0, 2), "router": "rebalance"}
+    params = {"predictor": "oracle", "n": 2, "base": "eplb"}
+    whole = replay(load, cluster, Budget(slots_per_gpu=3), "libra", params, **kw)
+    failed = replay(load, cluster, Budget(slots_per_gpu=3), "libra", params, failures=[(1, 6)], **kw)
+    f = failed.failures[0]
+    assert f["imbalance_before"] == pytest.approx(whole.per_batch_imbalance[:4].mean())
+    assert f["mean_imbalance_after"] <= f["imbalance_before"] * 1.02 and f["recovery_batches"] == 0
+
+
 def test_three_experts_recover_at_once() -> None:
     # 3 experts on 4 GPUs of 2 slots; after GPU 0 fails the 3 survivors hold each expert twice: 5 + 5 each
     load = LoadMatrix(np.full((6, 1, 3), 10, dtype=np.int64))

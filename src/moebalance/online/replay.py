@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from moebalance.algorithms.migration import MIGRATIONS, align, lay_onto
+from moebalance.algorithms.prefetch import prefetch_layers
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
@@ -405,9 +406,8 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
             demand = np.zeros((L, G, load.num_experts)) if got is None else got
         if lost:  # the lost GPUs ask for nothing and take no extras
             demand = _spread(demand, lost, trace is None)
-        plan, extras = batch_plan(base, demand, config)
-        if lost:
-            plan, extras = _without(plan, base, extras, lost)
+        plan, extras = batch_plan(base, demand, config) if not lost else _survivors_batch_plan(base, demand, config,
+                                                                                                   lost)
         moved[i] = int((extras >= 0).sum())
         imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
         if priced is not None and clock.pricing is not None:
@@ -445,13 +445,20 @@ def _spread(demand: np.ndarray, lost: Sequence[int], counts_only: bool) -> np.nd
     return out
 
 
-def _without(plan: Placement, base: Placement, extras: np.ndarray, lost: Sequence[int]) -> tuple[Placement, np.ndarray]:
-    """The batch's plan and ``extras [L, G, N]`` with no extras on the ``lost`` GPUs."""
-    extras = extras.copy()
-    extras[:, list(lost), :] = -1
-    rows = [[list(base.gpu_experts[li][g]) + [int(e) for e in extras[li, g] if e >= 0] for g in range(plan.num_gpus)]
-            for li in range(plan.num_layers)]
-    return Placement(rows, plan.num_experts, plan.cluster, policy=plan.policy, params=plan.params), extras
+def _survivors_batch_plan(base: Placement, demand: np.ndarray, config: LibraConfig,
+                          lost: Sequence[int]) -> tuple[Placement, np.ndarray]:
+    """:func:`~moebalance.policies.libra.batch_plan` on the survivors alone: the prefetcher never sees the ``lost``
+    GPUs (idle, they would draw phase 2's copies, which then go nowhere); ``extras [L, G, N]`` is ``-1`` there."""
+    G = base.num_gpus
+    alive = np.setdiff1d(np.arange(G), np.asarray(lost, dtype=np.int64))
+    hosted = base.copies.transpose(0, 2, 1) > 0  # [L, G, E]
+    extras = np.full((base.num_layers, G, config.n), -1, dtype=np.int64)
+    extras[:, alive] = prefetch_layers(demand[:, alive], hosted[:, alive], config.n, config.alpha)
+    rows = [[list(base.gpu_experts[li][g]) + [int(e) for e in extras[li, g] if e >= 0] for g in range(G)]
+            for li in range(base.num_layers)]
+    plan = Placement(rows, base.num_experts, base.cluster, policy="libra",
+                     params={"base": base.policy, "n": config.n, "alpha": config.alpha})
+    return plan, extras
 
 
 def _result(policy: str, router: Router, served: tuple[int, int], imb: np.ndarray, bal: np.ndarray, moved: np.ndarray,
