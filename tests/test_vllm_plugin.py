@@ -145,6 +145,31 @@ def test_move_aware_lays_the_fresh_plan_as_align_does() -> None:
     assert np.array_equal(got, want) and not np.array_equal(got, keep_slots(old, fresh, R))
 
 
+def test_move_aware_keeps_hierarchical_node_packing() -> None:
+    """2 nodes x 2 ranks of 2 slots, 8 experts of load [8, 8, 1, 1, 1, 1, 1, 1], old map [0 1 | 2 3 || 4 5 | 6 7]
+    (rank 0 carries 16). The fresh hierarchical plan packs A = [0 2], B = [4 5] on node 0 and C = [1 3], D = [6 7]
+    on node 1 (busiest rank 9), so the old map is replaced. Rank by rank the best matching keeps 6 in place (rank 0
+    takes A or C: 1 kept, rank 1 the other: 1, rank 2 B: 2, rank 3 D: 2) but puts A and C on node 0, splitting both
+    fresh nodes. Node by node, node 0 takes fresh node 0 (A, B: 1 kept) or fresh node 1 (C, D: 1 kept) and node 1
+    the other (2 kept): 3 kept, and each node holds one fresh node's experts."""
+    old = np.array([[0, 1, 2, 3, 4, 5, 6, 7]])
+    fresh = np.array([[0, 2, 4, 5, 1, 3, 6, 7]])
+    w = np.array([[8.0, 8, 1, 1, 1, 1, 1, 1]])
+    packed = sorted([[0, 2, 4, 5], [1, 3, 6, 7]])
+    flat = move_aware(old, fresh, w, 4, 0.02)
+    assert int((flat == old).sum()) == 6
+    assert sorted([sorted(flat[0, :4].tolist()), sorted(flat[0, 4:].tolist())]) != packed
+    nodes = move_aware(old, fresh, w, 4, 0.02, num_nodes=2)
+    assert sorted([sorted(nodes[0, :4].tolist()), sorted(nodes[0, 4:].tolist())]) == packed
+    assert int((nodes == old).sum()) == 3
+    # through vLLM's interface: 2 groups on 2 nodes is hierarchical EPLB; every node holds whole groups
+    wt = torch.tensor(w)
+    fresh_h = make_policy("eplb").rebalance_experts(wt, 8, 2, 2, 4).numpy()
+    got = make_policy("move-aware").rebalance_experts(wt, 8, 2, 2, 4, torch.from_numpy(old)).numpy()
+    for half in (slice(0, 4), slice(4, 8)):
+        assert sorted(got[0, half].tolist()) in (sorted(fresh_h[0, :4].tolist()), sorted(fresh_h[0, 4:].tolist()))
+
+
 def test_move_aware_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
     w = _weight(3)
     wn = w.double().numpy()

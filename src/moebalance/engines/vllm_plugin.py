@@ -24,8 +24,9 @@ registers another policy, so :func:`register` replaces the ``"default"`` entry, 
   migration lays a re-plan (:func:`moebalance.algorithms.migration.align_rows`, the per-layer step of ``align``):
   each rank takes the fresh per-GPU set that keeps the most distinct experts it holds (an exact assignment per
   layer: no more experts received than by the fresh plan as laid out, often far fewer; a second copy of an expert
-  a rank keeps is a local copy) and an expert staying on a rank keeps its slot. The matching may move a GPU's set
-  to another node, which leaves the balance as it is but not hierarchical EPLB's group-to-node packing. When the
+  a rank keeps is a local copy) and an expert staying on a rank keeps its slot. Where the fresh plan is
+  hierarchical EPLB (``num_nodes > 1`` dividing ``num_groups`` and ``num_ranks``) whole nodes are matched as
+  blocks, then ranks within a node, so each node keeps the groups the fresh plan packed onto it. When the
   slot count changed (elastic EP), the fresh plan is taken as it is. After an elastic scale-up vLLM passes the
   current map with ``-1`` in the slots it added: those are empty slots, never an expert id. The current placement
   is then judged with them filled (:func:`fill_empty`: experts without a copy first, then the most load per copy),
@@ -114,12 +115,13 @@ def fill_empty(old: np.ndarray, weight: np.ndarray, num_ranks: int) -> np.ndarra
 
 
 def move_aware(old: np.ndarray, fresh: np.ndarray, weight: np.ndarray, num_ranks: int,
-               tolerance: float) -> np.ndarray:
+               tolerance: float, num_nodes: int = 1) -> np.ndarray:
     """``int64 [L, P]``: per layer, ``old`` (its empty slots filled, :func:`fill_empty`) if it holds every expert
     and its balancedness is within ``tolerance`` of ``fresh``'s, else ``fresh`` laid onto the ranks as
     :func:`moebalance.algorithms.migration.align` lays a plan (:func:`~moebalance.algorithms.migration.align_rows`
     on ``old``'s rank blocks, its empty slots keeping nothing): each rank takes the fresh block that keeps the most
-    of the experts it holds, staying experts in their old slots (module docstring). Never returns an empty slot."""
+    of the experts it holds, staying experts in their old slots (module docstring); ``num_nodes > 1``: whole nodes of
+    ``num_ranks // num_nodes`` ranks are matched as blocks (hierarchical plans). Never returns an empty slot."""
     from moebalance.algorithms.migration import align_rows
 
     if old.shape != fresh.shape or fresh.shape[1] % num_ranks:  # elastic EP changed the slots: nothing to keep
@@ -133,9 +135,10 @@ def move_aware(old: np.ndarray, fresh: np.ndarray, weight: np.ndarray, num_ranks
     keep = present.all(axis=1) & \
         (balancedness(filled, weight, num_ranks) >= (1.0 - tolerance) * balancedness(fresh, weight, num_ranks))
     out = filled
+    nodes = (num_nodes, num_ranks // num_nodes) if num_nodes > 1 and num_ranks % num_nodes == 0 else None
     for layer in np.flatnonzero(~keep):
         new_blocks = fresh[layer].reshape(num_ranks, S)
-        picks = align_rows(old[layer].reshape(num_ranks, S).tolist(), new_blocks.tolist(), E)
+        picks = align_rows(old[layer].reshape(num_ranks, S).tolist(), new_blocks.tolist(), E, node_blocks=nodes)
         out[layer] = np.concatenate([new_blocks[b][ks] for b, ks in picks])
     return out
 
@@ -180,7 +183,8 @@ def make_policy(variant: str, base: type | None = None) -> type:
                 raise InputError(f"old_global_expert_indices holds {bad}; vLLM marks an empty slot -1 and the experts "
                                  f"0..{w.shape[1] - 1}")
             if variant == "move-aware":
-                fresh = move_aware(old_np, fresh, w, num_ranks, tolerance)
+                hierarchical = num_nodes > 1 and num_groups % num_nodes == 0 and num_ranks % num_nodes == 0
+                fresh = move_aware(old_np, fresh, w, num_ranks, tolerance, num_nodes if hierarchical else 1)
             elif old_np.shape == fresh.shape and fresh.shape[1] % num_ranks == 0:
                 fresh = keep_slots(old_np, fresh, num_ranks)  # as vLLM's default: experts staying keep their slot
         return torch.from_numpy(np.ascontiguousarray(fresh))
