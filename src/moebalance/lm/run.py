@@ -22,6 +22,11 @@ What happens:
    ``batch`` = step, tokens rank-major as in a capture) routed by the router's own ``assign_tokens`` on the
    layer's plan with the runtime's seeding, ``numpy.random.default_rng((router_seed, layer, step))``
    (:mod:`moebalance.runtime.ep`). They must be equal, integer for integer.
+5. With ``exact`` (libra's exact mode, :mod:`moebalance.runtime.exact`) every MoE layer plans its extras and
+   routing after its gate and copies the extras into a prefetch buffer of ``n`` slots; the simulator's
+   prediction is then libra with the batch's true routing (:func:`moebalance.policies.libra.batch_plan` on the
+   batch's per-source demand, routed by the router on that per-batch plan), and the report gives per layer the
+   time from the gate to the start of expert compute, split into planning, copying and routing.
 
 Bytes are the runtime's: float32 hidden states (``D * 4`` bytes a row), dispatch and combine, split by link as
 the plan's cluster maps ranks to nodes.
@@ -46,11 +51,16 @@ from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.lm.capture import Layout, make_layout
 from moebalance.lm.moe_lm import MoELM, load_checkpoint, save_checkpoint
+from moebalance.online.predictors import demand_of
+from moebalance.policies.libra import LibraConfig, batch_plan
 from moebalance.routing import Router, get_router
 from moebalance.runtime import (
     EPConfig,
+    ExactConfig,
     ExpertParallelMoE,
+    ExpertPrefetcher,
     agreed_inputs,
+    check_exact,
     dense_moe,
     guarded,
     init_from_env,
@@ -120,6 +130,23 @@ class RunReport:
     #: ``int8 [B, L, W]`` with two-stage execution: 1 where the rebalancer finished inside the local phase, 0
     #: where the local phase finished first; ``None`` without it.
     rebalancer_hidden: np.ndarray | None = field(default=None, repr=False)
+    #: Libra's exact mode, or ``None``.
+    exact: ExactConfig | None = None
+    #: Exact mode: ``float64 [B, L, W, 3]`` each rank's seconds from the gate to the start of expert compute,
+    #: as (planning, copying, routing) (:class:`~moebalance.runtime.ExactTiming`), and ``int64 [B, L, W]`` the
+    #: extra experts each rank received; ``None`` without exact mode.
+    exact_seconds: np.ndarray | None = field(default=None, repr=False)
+    extras_received: np.ndarray | None = field(default=None, repr=False)
+
+    def exact_per_layer(self) -> list[dict[str, Any]] | None:
+        """Exact mode: per layer, the mean over batches and ranks of the time from the gate to the start of expert
+        compute and of its parts, in milliseconds."""
+        s = self.exact_seconds
+        if s is None:
+            return None
+        mean = s.mean(axis=(0, 2)) * 1e3 if s.shape[0] and s.shape[2] else np.zeros((s.shape[1], 3))
+        return [{"layer": layer, "gate_to_expert_ms": round(float(m.sum()), 4), "plan_ms": round(float(m[0]), 4),
+                 "copy_ms": round(float(m[1]), 4), "route_ms": round(float(m[2]), 4)} for layer, m in enumerate(mean)]
 
     def hidden_per_batch(self) -> list[float] | None:
         """Per batch, the fraction of (layer, rank) forwards whose rebalancer finished inside the local phase."""
@@ -148,7 +175,11 @@ class RunReport:
                     # forwards that ran the router in the thread (every (batch, layer, rank) when it qualifies)
                     "two_stage_forwards": int((self.rebalancer_hidden >= 0).sum()),
                     "rebalancer_hidden_forwards": int((self.rebalancer_hidden == 1).sum()),
-                    "rebalancer_hidden_per_batch": [round(v, 4) for v in self.hidden_per_batch() or []]})}
+                    "rebalancer_hidden_per_batch": [round(v, 4) for v in self.hidden_per_batch() or []]}),
+                **({} if self.exact is None or self.extras_received is None else
+                   {"exact": {"n": self.exact.n, "alpha": self.exact.alpha,
+                              "extras_received": int(self.extras_received.sum()),
+                              "per_layer": self.exact_per_layer()}})}
 
 
 def check_plan(plan: Placement, model: MoELM, world_size: int) -> None:
@@ -195,31 +226,36 @@ def dense_reference(model: MoELM, inputs: Sequence[Sequence[np.ndarray]],
 
 
 def _rank_main(rank: int, world_size: int, checkpoint: str, plan_doc: dict[str, Any], router: str | Router, seed: int,
-               inputs: list[list[np.ndarray]], two_stage: bool = False) -> dict[str, Any]:
+               inputs: list[list[np.ndarray]], two_stage: bool = False,
+               exact: ExactConfig | None = None) -> dict[str, Any]:
     """One rank of a local launch (a module-level function, so that it can be launched): :func:`rank_body`."""
     return rank_body(rank, load_checkpoint(checkpoint), Placement.from_json_dict(plan_doc), router, seed, inputs,
-                     two_stage=two_stage)
+                     two_stage=two_stage, exact=exact)
 
 
 def rank_body(rank: int, model: MoELM, plan: Placement, router: str | Router, seed: int,
               inputs: Sequence[Sequence[np.ndarray]], device: torch.device | str = "cpu", *,
-              two_stage: bool = False) -> dict[str, Any]:
+              two_stage: bool = False, exact: ExactConfig | None = None) -> dict[str, Any]:
     """One rank's run, the same under the local launcher and torchrun: the model with expert-parallel MoE layers
     over every batch, on ``device``, in the default process group. Returns its logits, picks and counts.
 
     ``two_stage``: Libra's two-stage execution (:class:`~moebalance.runtime.EPConfig` ``router_thread``), and
     per ``(batch, layer)`` whether the router finished inside the local phase (``hidden``: 1, 0, or -1 where the
-    router ran first)."""
+    router ran first). ``exact``: libra's exact mode, with one prefetch buffer of ``exact.n`` slots shared by
+    the layers, and per ``(batch, layer)`` its timing (``exact_seconds [B, L, 3]``) and extras received."""
     model = model.to(device)
-    config = EPConfig(router=router, router_seed=seed, router_thread=two_stage)
+    config = EPConfig(router=router, router_seed=seed, router_thread=two_stage, exact=exact)
+    prefetcher = None if exact is None else ExpertPrefetcher(exact.n)
     layers = []
     for layer in range(model.config.num_layers):
         gate, experts, gate_config, bias = model.moe_parts(layer)
         layers.append(ExpertParallelMoE.from_full(plan, layer, gate, experts, gate_config, config,
-                                                  selection_bias_E=bias))
+                                                  selection_bias_E=bias, prefetcher=prefetcher))
     B, L = len(inputs), model.config.num_layers
     computed = np.zeros((B, L), dtype=np.int64)
     hidden = np.full((B, L), -1, dtype=np.int8)
+    exact_s = np.zeros((B, L, 3))
+    extras = np.zeros((B, L), dtype=np.int64)
     sent = {"intra_node": 0, "inter_node": 0}
     expert_s = routing_s = 0.0
     logits, ids = [], []
@@ -234,6 +270,9 @@ def rank_body(rank: int, model: MoELM, plan: Placement, router: str | Router, se
                 computed[step, layer] = st.tokens_computed
                 if st.rebalancer_hidden is not None:
                     hidden[step, layer] = int(st.rebalancer_hidden)
+                if st.exact is not None:
+                    exact_s[step, layer] = (st.exact.plan_seconds, st.exact.copy_seconds, st.exact.route_seconds)
+                    extras[step, layer] = st.prefetch_received
                 by = st.bytes()
                 for kind in sent:
                     sent[kind] += by[f"dispatch_sent_{kind}"] + by[f"combine_sent_{kind}"]
@@ -245,34 +284,45 @@ def rank_body(rank: int, model: MoELM, plan: Placement, router: str | Router, se
             idx = torch.as_tensor(per_rank[rank], device=device)
             logits.append(model(idx, moe=ep).logits.cpu().numpy())
             ids.append(np.stack(picks, axis=1))
+    if prefetcher is not None:
+        prefetcher.drain()
     return {"logits": logits, "ids": ids, "computed": computed, "hidden": hidden, "sent": sent,
-            "expert_seconds": expert_s,
+            "exact_seconds": exact_s if exact is not None else None, "extras": extras, "expert_seconds": expert_s,
             "routing_seconds": routing_s, "tokens": int(sum(p[rank].size for p in inputs))}
 
 
-def predicted_loads(plan: Placement, trace: RoutingTrace, router: str | Router, seed: int) -> np.ndarray:
+def predicted_loads(plan: Placement, trace: RoutingTrace, router: str | Router, seed: int,
+                    exact: ExactConfig | None = None) -> np.ndarray:
     """``int64 [B, L, W]``: picks per GPU that the router's ``assign_tokens`` gives each batch and layer of
-    ``trace``, with the runtime's seeding (``default_rng((seed, layer, batch))``) on the layer's plan."""
+    ``trace``, with the runtime's seeding (``default_rng((seed, layer, batch))``) on the layer's plan; with
+    ``exact``, on libra's per-batch plan made from the batch's true routing (``predictor=oracle``)."""
     B, L, W = trace.num_batches, trace.num_layers, plan.num_gpus
     r = get_router(router)
     out = np.zeros((B, L, W), dtype=np.int64)
+    libra = None if exact is None else LibraConfig(predictor="oracle", n=exact.n, alpha=exact.alpha)
     for b in range(B):
         sel = np.flatnonzero(trace.batch == b)
+        served = plan
+        if libra is not None:
+            demand = demand_of(trace.topk_ids[sel], trace.src_gpu[sel], W, trace.num_experts)
+            served = batch_plan(plan, demand, libra)[0]
         for layer in range(L):
             sub = RoutingTrace(trace.topk_ids[sel, layer:layer + 1], trace.src_gpu[sel], np.zeros(sel.size, np.int64),
                                num_experts=trace.num_experts)
-            dest = r.assign_tokens(layer_placement(plan, layer), sub, np.random.default_rng((seed, layer, b)))
+            dest = r.assign_tokens(layer_placement(served, layer), sub, np.random.default_rng((seed, layer, b)))
             out[b, layer] = np.bincount(dest.ravel(), minlength=W)
     return out
 
 
 def _prepare(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, world_size: int,
-             router: str | Router, batch_tokens: int, seq_len: int | None,
-             ) -> tuple[MoELM, Layout, list[list[np.ndarray]]]:
+             router: str | Router, batch_tokens: int, seq_len: int | None, two_stage: bool = False,
+             exact: ExactConfig | None = None) -> tuple[MoELM, Layout, list[list[np.ndarray]]]:
     """The model, the batch layout and every rank's inputs, checked: the same in every process."""
     get_router(router)  # an unknown name fails here, in one line, before any process starts
+    EPConfig(router=router, router_thread=two_stage, exact=exact)  # so do the options the layers will take
     lm = model if isinstance(model, MoELM) else load_checkpoint(model)
     check_plan(plan, lm, world_size)
+    check_exact(exact, plan.num_experts, buffer=False)
     S = lm.config.max_seq_len if seq_len is None else seq_len
     if S > lm.config.max_seq_len:
         raise InputError(f"seq_len ({S}) exceeds the model's max_seq_len ({lm.config.max_seq_len})")
@@ -283,14 +333,15 @@ def _prepare(model: MoELM | str | os.PathLike[str] | None, plan: Placement, toke
 def run_model(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, *,
               world_size: int, router: str | Router = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
               seq_len: int | None = None, timeout: float = 300.0, two_stage: bool = False,
-              progress: Callable[[int], None] | None = None) -> RunReport:
+              exact: ExactConfig | None = None, progress: Callable[[int], None] | None = None) -> RunReport:
     """Run ``tokens`` through the model on ``world_size`` local gloo ranks under ``plan`` and check it (module doc).
 
     ``model`` is a model, a checkpoint path, or ``None`` for the bundled checkpoint. ``progress(1)`` is called
-    after each batch of the dense reference. Under torchrun use :func:`run_torchrun`.
+    after each batch of the dense reference. ``exact``: libra's exact mode on ``plan`` as the base placement.
+    Under torchrun use :func:`run_torchrun`.
     """
     t0 = time.perf_counter()
-    lm, layout, inputs = _prepare(model, plan, tokens, world_size, router, batch_tokens, seq_len)
+    lm, layout, inputs = _prepare(model, plan, tokens, world_size, router, batch_tokens, seq_len, two_stage, exact)
     with tempfile.TemporaryDirectory(prefix="moebalance-run-") as tmp:
         if isinstance(model, MoELM):
             path = str(Path(tmp) / "model.safetensors")
@@ -299,14 +350,15 @@ def run_model(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tok
             path = str(lm_path(model))
         ref = dense_reference(lm, inputs, progress)
         outs = launch(_rank_main, world_size, path, plan.to_json_dict(), router, router_seed, inputs, two_stage,
-                      timeout=timeout)
-    return _report(plan, layout, outs, ref, router, router_seed, t0)
+                      exact, timeout=timeout)
+    return _report(plan, layout, outs, ref, router, router_seed, t0, exact)
 
 
 def run_torchrun(model: MoELM | str | os.PathLike[str] | None, plan: Placement, tokens: np.ndarray, *,
                  router: str | Router = "uniform", router_seed: int = 0, batch_tokens: int = 2048,
                  seq_len: int | None = None, backend: str | None = None, two_stage: bool = False,
-                 timeout: float | None = None, progress: Callable[[int], None] | None = None) -> RunReport | None:
+                 exact: ExactConfig | None = None, timeout: float | None = None,
+                 progress: Callable[[int], None] | None = None) -> RunReport | None:
     """:func:`run_model` in a process that torchrun started: this process runs its rank (``RANK``) of the group
     torchrun set up (:func:`moebalance.runtime.init_from_env`: NCCL on GPU ``LOCAL_RANK`` where CUDA is available,
     else gloo). Every rank must call it with the same arguments. The ranks' results are gathered on rank 0,
@@ -323,11 +375,13 @@ def run_torchrun(model: MoELM | str | os.PathLike[str] | None, plan: Placement, 
     owned = not torch.distributed.is_initialized()
     _, world_size = torchrun_world()
     with agreed_inputs(timeout, "check the run's inputs"):
-        lm, layout, inputs = _prepare(model, plan, tokens, world_size, router, batch_tokens, seq_len)
+        lm, layout, inputs = _prepare(model, plan, tokens, world_size, router, batch_tokens, seq_len, two_stage,
+                                      exact)
     rank, world_size, device = init_from_env(backend, timeout)
     try:
         with guarded():
-            mine = rank_body(rank, copy.deepcopy(lm), plan, router, router_seed, inputs, device, two_stage=two_stage)
+            mine = rank_body(rank, copy.deepcopy(lm), plan, router, router_seed, inputs, device, two_stage=two_stage,
+                             exact=exact)
             outs: list[Any] | None = [None] * world_size if rank == 0 else None
             torch.distributed.gather_object(mine, outs, dst=0)
     finally:
@@ -340,12 +394,12 @@ def run_torchrun(model: MoELM | str | os.PathLike[str] | None, plan: Placement, 
         return None
     assert outs is not None
     ref = dense_reference(lm, inputs, progress)
-    return _report(plan, layout, outs, ref, router, router_seed, t0)
+    return _report(plan, layout, outs, ref, router, router_seed, t0, exact)
 
 
 def _report(plan: Placement, layout: Layout, outs: Sequence[dict[str, Any]],
             ref: tuple[list[np.ndarray], list[np.ndarray]], router: str | Router, router_seed: int,
-            t0: float) -> RunReport:
+            t0: float, exact: ExactConfig | None = None) -> RunReport:
     """The report from every rank's :func:`rank_body` result and the dense reference ``(logits, ids)``."""
     ref_logits, ref_ids = ref
     world_size = len(outs)
@@ -361,7 +415,7 @@ def _report(plan: Placement, layout: Layout, outs: Sequence[dict[str, Any]],
         run_ids.append(ids)
     _, src, bat = layout.token_order()
     trace = RoutingTrace(np.concatenate(run_ids), src, bat, num_experts=plan.num_experts)
-    predicted = predicted_loads(plan, trace, router, router_seed)
+    predicted = predicted_loads(plan, trace, router, router_seed, exact)
     computed = np.stack([o["computed"] for o in outs], axis=2)
     hidden = np.stack([o["hidden"] for o in outs], axis=2)
     loads = computed.astype(np.float64)
@@ -375,7 +429,9 @@ def _report(plan: Placement, layout: Layout, outs: Sequence[dict[str, Any]],
                      router_seed=router_seed, num_tokens=trace.num_tokens, num_batches=layout.num_batches,
                      ranks=ranks, computed=computed, predicted=predicted, max_abs_logit_diff=diff,
                      routing_mismatches=mismatches, balancedness=bal, seconds=time.perf_counter() - t0, trace=trace,
-                     rebalancer_hidden=hidden if (hidden >= 0).any() else None)
+                     rebalancer_hidden=hidden if (hidden >= 0).any() else None, exact=exact,
+                     exact_seconds=None if exact is None else np.stack([o["exact_seconds"] for o in outs], axis=2),
+                     extras_received=None if exact is None else np.stack([o["extras"] for o in outs], axis=2))
 
 
 def lm_path(model: str | os.PathLike[str] | None) -> Path:

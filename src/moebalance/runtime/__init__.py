@@ -26,6 +26,8 @@ Modules: :mod:`~moebalance.runtime.gating` (top-k gating and capacity),
 :mod:`~moebalance.runtime.route` (which GPU serves each pick, on every rank alike),
 :mod:`~moebalance.runtime.ep` (the layer, Libra Section 3.1's two-stage execution),
 :mod:`~moebalance.runtime.prefetch` (per-batch plans: Libra's extra experts in a double buffer),
+:mod:`~moebalance.runtime.exact` (exact mode: Libra's extras and routing planned after each layer's gate),
+:mod:`~moebalance.runtime.stats` (what a forward reports, exact mode's time from the gate to the experts),
 :mod:`~moebalance.runtime.agree` (every rank fails alike on one rank's bad input),
 :mod:`~moebalance.runtime.errors` (errors every rank raises alike; :class:`GroupError`),
 :mod:`~moebalance.runtime.group` (bounded waits: agreeing before joining, naming a rank that left),
@@ -43,8 +45,16 @@ from moebalance.runtime.dispatch import (
     build_local,
     make_dispatcher,
 )
-from moebalance.runtime.ep import EPConfig, EPStats, ExpertParallelMoE, MoEOutput
+from moebalance.runtime.ep import EPConfig, ExpertParallelMoE
 from moebalance.runtime.errors import GroupError
+from moebalance.runtime.exact import (
+    ExactConfig,
+    ExactPlan,
+    check_exact,
+    exact_demand,
+    exact_layer_plan,
+    plan_exact,
+)
 from moebalance.runtime.experts import ExpertWeights, dense_moe, expert_ffn, random_experts
 from moebalance.runtime.gating import GateConfig, GateOutput, apply_capacity, expert_capacity, topk_gating
 from moebalance.runtime.group import DEFAULT_TIMEOUT, TIMEOUT_ENV, dist_timeout
@@ -59,6 +69,7 @@ from moebalance.runtime.launch import (
 from moebalance.runtime.prefetch import ExpertPrefetcher, Fetch, PrefetchResult, batch_extras, plan_fetches
 from moebalance.runtime.rearrange import RearrangeReport, Transfer, plan_transfers, rearrange
 from moebalance.runtime.route import KEEPS_LOCAL, keeps_local, layer_placement, route_picks, slot_table
+from moebalance.runtime.stats import EPStats, ExactTiming, MoEOutput
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -71,6 +82,9 @@ __all__ = [
     "Dispatcher",
     "EPConfig",
     "EPStats",
+    "ExactConfig",
+    "ExactPlan",
+    "ExactTiming",
     "ExpertParallelMoE",
     "ExpertPrefetcher",
     "ExpertWeights",
@@ -91,8 +105,11 @@ __all__ = [
     "batch_extras",
     "build_dispatch",
     "build_local",
+    "check_exact",
     "dense_moe",
     "dist_timeout",
+    "exact_demand",
+    "exact_layer_plan",
     "exchange_counts",
     "expert_capacity",
     "expert_ffn",
@@ -104,6 +121,7 @@ __all__ = [
     "make_dispatcher",
     "p2p_exchange",
     "plan_digest",
+    "plan_exact",
     "plan_fetches",
     "plan_transfers",
     "random_experts",

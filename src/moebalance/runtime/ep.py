@@ -11,10 +11,13 @@ Forward on each rank (inference only: nothing here is differentiable through the
    with the replicated gate; a failure is not raised yet;
 2. all-gather the routing with every rank's check (:mod:`moebalance.runtime.agree`: if any rank failed, all
    raise the same error here); with a per-batch plan, wait for this layer's extras in the prefetch buffer
-   and post the next layer's copies (:mod:`moebalance.runtime.prefetch`);
+   and post the next layer's copies (:mod:`moebalance.runtime.prefetch`); in exact mode
+   (``EPConfig.exact``, :mod:`moebalance.runtime.exact`), plan this layer's extras and the rebalancer's routing
+   from the gathered routing and post the extras' copies;
 3. choose every pick's replica with the plan's router on every rank
    (:func:`~moebalance.runtime.route.route_picks`: docs/design.md, "Routers", the same router code as the
-   simulator, seeded identically everywhere), on the per-batch layer plan when there is one;
+   simulator, seeded identically everywhere), on the per-batch layer plan when there is one (in exact mode
+   the planner's routing, then wait for the copies);
 4. dispatch, compute, combine (:mod:`moebalance.runtime.dispatch`).
 
 Libra Section 3.1's two-stage execution is ``local_first=True``: the dispatch all-to-all is started
@@ -58,6 +61,7 @@ from moebalance.runtime.dispatch import (
     build_local,
     make_dispatcher,
 )
+from moebalance.runtime.exact import ExactConfig, check_exact, exact_layer_plan, warm_up
 from moebalance.runtime.experts import ExpertWeights, expert_ffn
 from moebalance.runtime.gating import GateConfig, GateOutput, topk_gating
 from moebalance.runtime.prefetch import ExpertPrefetcher, PrefetchResult, batch_extras
@@ -69,9 +73,10 @@ from moebalance.runtime.route import (
     route_picks,
     slot_table,
 )
+from moebalance.runtime.stats import Clock, EPStats, ExactTiming, MoEOutput
 
 #: Re-exported from :mod:`moebalance.runtime.route`: ``KEEPS_LOCAL``, ``keeps_local``, ``layer_placement``,
-#: ``route_picks``, ``slot_table``.
+#: ``route_picks``, ``slot_table``; from :mod:`moebalance.runtime.stats`: ``EPStats``, ``MoEOutput``.
 __all__ = ["KEEPS_LOCAL", "EPConfig", "EPStats", "ExpertParallelMoE", "MoEOutput", "keeps_local", "layer_placement",
            "route_picks", "slot_table"]
 
@@ -100,120 +105,22 @@ class EPConfig:
     #: dispatched and computed. Only for routers that keep every pick with a copy on its own GPU there
     #: (:data:`KEEPS_LOCAL`); with the others the layer routes first, as without the flag.
     router_thread: bool = False
+    #: Exact mode (:mod:`moebalance.runtime.exact`): each layer plans its extras and routing after its gate,
+    #: from the batch's routing, and copies the extras into its prefetch buffer; ``None``: off.
+    exact: ExactConfig | None = None
 
     def __post_init__(self) -> None:
         get_router(self.router)  # raises on an unknown name, listing the valid ones
+        if self.exact is not None and not isinstance(self.exact, ExactConfig):
+            raise InputError(f"exact ({type(self.exact).__name__}) must be a moebalance.runtime.ExactConfig or None")
+        if self.exact is not None and self.router_thread:
+            raise InputError("exact mode plans a layer's extras and routing before its experts compute, so the router "
+                             "cannot run beside the local phase; turn router_thread off or exact mode off")
         if isinstance(self.router_seed, bool) or not isinstance(self.router_seed, int) or self.router_seed < 0:
             raise InputError(f"router_seed ({self.router_seed!r}) must be a non-negative integer")
         m = self.max_tokens_per_rank
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m < 2**24):
             raise InputError(f"max_tokens_per_rank ({m!r}) must be an integer in [0, 2**24), or None for no bound")
-
-
-@dataclass(frozen=True, slots=True)
-class EPStats:
-    """One rank's account of one forward.
-
-    Example: on 2 GPUs of one node, rank 0 computing 5 picks on its 2 slots and sending 3 rows of 4 KiB::
-
-        tokens_per_slot = [3, 2], send_rows = [2, 3], recv_rows = [0, 1], link_kind = [0, 1]
-
-    (``send_rows[rank]`` counts this rank's tokens served locally: copies that cost nothing.)
-    """
-
-    rank: int
-    #: ``int64 [S]``: picks computed by each local physical slot (a second copy of an expert on one GPU: 0);
-    #: with a per-batch plan ``[S + n]``, the base slots, then this batch's extras.
-    tokens_per_slot: np.ndarray
-    #: ``int64 [G]``: dispatch rows to each rank; at ``rank``, the own tokens served here (not sent).
-    send_rows: np.ndarray
-    #: ``int64 [G]``: dispatch rows from each rank; at ``rank``, the same local count.
-    recv_rows: np.ndarray
-    #: ``int8 [G]``: 0 this rank, 1 same node, 2 another node (``plan.cluster``).
-    link_kind: np.ndarray
-    #: Bytes of one hidden-state row (``H * dtype size``); combine rows are the same size.
-    bytes_per_row: int
-    #: This rank's picks dropped by the capacity.
-    dropped_picks: int
-    #: Seconds gathering the routing (including waiting for the slowest rank to reach the gather) and
-    #: running the router and :func:`~moebalance.runtime.dispatch.build_dispatch` on the host.
-    routing_seconds: float
-    #: Seconds of expert FFN compute, local and remote picks (CUDA events on GPU, wall time on CPU).
-    expert_seconds: float
-    #: Extra experts this rank received into its prefetch buffer for this forward, and their bytes; and the
-    #: copies it sent to other ranks' buffers (0 without a per-batch plan, or when the buffer already held them).
-    prefetch_received: int = 0
-    prefetch_bytes_received: int = 0
-    prefetch_sent: int = 0
-    prefetch_bytes_sent: int = 0
-    #: Wall seconds the router (and the dispatch planning) took; ``None`` when the layer had nothing to route.
-    router_seconds: float | None = None
-    #: Wall seconds of the local phase (MoE_local) in the two-stage threaded path; ``None`` otherwise.
-    local_seconds: float | None = None
-    #: Two-stage threaded path only: True when the router finished before the local phase did (its cost hidden).
-    rebalancer_hidden: bool | None = None
-
-    @property
-    def tokens_computed(self) -> int:
-        """Picks this GPU served: what the simulator calls its load."""
-        return int(self.tokens_per_slot.sum())
-
-    def bytes(self) -> dict[str, int]:
-        """Bytes moved by this rank, by direction and link; combine is dispatch reversed."""
-        out: dict[str, int] = {}
-        for kind, name in ((1, "intra_node"), (2, "inter_node")):
-            sent = int(self.send_rows[self.link_kind == kind].sum()) * self.bytes_per_row
-            recv = int(self.recv_rows[self.link_kind == kind].sum()) * self.bytes_per_row
-            out[f"dispatch_sent_{name}"] = out[f"combine_received_{name}"] = sent
-            out[f"dispatch_received_{name}"] = out[f"combine_sent_{name}"] = recv
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class MoEOutput:
-    """A forward's result on one rank."""
-
-    #: ``[T_r, H]`` the MoE output of this rank's tokens (dtype of the input).
-    out: torch.Tensor
-    gate: GateOutput
-    stats: EPStats
-    #: ``int64 [T, K]``: the GPU of every pick of every rank's token (-1 dropped), identical on all ranks.
-    dest: np.ndarray
-
-
-class _Clock:
-    """Sums compute spans: CUDA events on the current stream (no device-wide sync that would wait for the
-    all-to-all in flight and spoil the overlap), wall time on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.spans: list[Any] = []
-
-    def start(self) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def stop(self, start: Any) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.spans.append((start, ev))
-        else:
-            self.spans.append(time.perf_counter() - start)
-
-    def busy(self) -> bool:
-        """CUDA: whether the last span's kernels are still running (always False on the CPU)."""
-        return self.cuda and bool(self.spans) and not self.spans[-1][1].query()
-
-    def seconds(self) -> float:
-        if not self.cuda:
-            return float(sum(self.spans))
-        if self.spans:
-            self.spans[-1][1].synchronize()
-        return sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +172,9 @@ class ExpertParallelMoE:
             raise InputError(f"the plan has {plan.num_experts} experts; the routing is gathered as float32, exact "
                              "for expert ids below 2**24, so use at most 2**24 experts per layer")
         self._step = 0
+        check_exact(self.config.exact, plan.num_experts, prefetcher)
+        if self.config.exact is not None:
+            warm_up()  # the planner's kernels loaded now, not in the first forward's timing
         self.set_plan(plan, experts)
 
     @classmethod
@@ -329,6 +239,9 @@ class ExpertParallelMoE:
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or not 0 <= step < 2**62:
             raise InputError(f"step ({step!r}) must be a non-negative integer")
         layer_plan, slot_of = self.layer_plan, self.slot_of
+        if batch_plan is not None and self.config.exact is not None:
+            raise InputError("this layer runs exact mode, which plans each batch's extras after the gate; pass no "
+                             "batch_plan, or build the layer without EPConfig(exact=...)")
         if batch_plan is not None:
             if self.prefetcher is not None:
                 self.prefetcher.extras(self.plan, batch_plan)
@@ -384,16 +297,27 @@ class ExpertParallelMoE:
             pf = self.prefetcher.acquire(self, prep.batch_plan)
 
         layer_plan, slot_of, x = prep.layer_plan, prep.slot_of, x_TH
+        planned: np.ndarray | None = None
+        mark = {"gate": t0}  # exact mode's instants, from the end of the gate to the first expert compute
+        if self.config.exact is not None:  # plan this layer's extras and routing, then post the extras' copies
+            mark["gathered"] = time.perf_counter()
+            xp = exact_layer_plan(layer_plan, ids, kept, tokens_per_rank, self.config.exact, self.config.router)
+            mark["planned"] = time.perf_counter()
+            layer_plan, planned = xp.layer_plan, xp.dest
+            slot_of = slot_table(layer_plan)[self.rank]
+            if self.prefetcher is not None:
+                self.prefetcher.post(self, xp.extras)
         rng = np.random.default_rng((self.config.router_seed, self.layer, step))
 
         def route(device: torch.device) -> tuple[np.ndarray, DispatchMeta, float, float]:
             t = time.perf_counter()
-            dest = route_picks(layer_plan, self.config.router, ids, kept, tokens_per_rank, rng)
+            dest = planned if planned is not None else \
+                route_picks(layer_plan, self.config.router, ids, kept, tokens_per_rank, rng)
             meta = build_dispatch(dest, ids, allr[:, K:], tokens_per_rank, self.rank, slot_of, device)
             end = time.perf_counter()
             return dest, meta, end - t, end
 
-        clock = _Clock(x.device)
+        clock = Clock(x.device)
         local_seconds: float | None = None
         hidden: bool | None = None
         if self.config.router_thread and keeps_local(self.config.router):
@@ -421,14 +345,20 @@ class ExpertParallelMoE:
             remote_out = self._compute(received, meta.remote, pf.weights)
             clock.stop(t)
         else:
-            dest, meta, router_seconds, _ = route(x.device)
+            dest, meta, router_seconds, mark["routed"] = route(x.device)
+            if self.config.exact is not None and self.prefetcher is not None:
+                pf = self.prefetcher.ready(self)  # this layer's extras, posted before the dispatch was planned
+            mark["copied"] = time.perf_counter()
             pending = self.dispatcher.dispatch(x, meta, async_op=self.config.local_first)
+            # the experts start now with local_first (MoE_local while the dispatch is in flight), else once it landed
+            landed = None if self.config.local_first else pending.wait()
+            mark["expert"] = time.perf_counter()
             first = None
-            if self.config.local_first:  # Libra 3.1: MoE_local while the dispatch is in flight
+            if landed is None:
                 t = clock.start()
                 first = self._compute(x.index_select(0, meta.local_token), meta.local, pf.weights)
                 clock.stop(t)
-            received = pending.wait()
+            received = pending.wait() if landed is None else landed
             t = clock.start()
             remote_out = self._compute(received, meta.remote, pf.weights)
             local_out = first if first is not None else \
@@ -437,8 +367,14 @@ class ExpertParallelMoE:
         back = self.dispatcher.combine(remote_out.to(x.dtype), meta)
         out = self._merge(x, local_out, back, meta)
         slots = len(layer_plan.gpu_experts[0][self.rank])
+        timing = None
+        if self.config.exact is not None:  # the three parts add up to the gate's end -> the first expert compute
+            m = mark
+            timing = ExactTiming(plan_seconds=m["planned"] - m["gathered"], copy_seconds=m["copied"] - m["routed"],
+                                 route_seconds=(m["gathered"] - m["gate"]) + (m["routed"] - m["planned"])
+                                 + (m["expert"] - m["copied"]))
         stats = self._stats(meta, prep.gate, x, gather_seconds + router_seconds, clock.seconds(), slots, pf,
-                            router_seconds, local_seconds, hidden)
+                            router_seconds, local_seconds, hidden, timing)
         return MoEOutput(out=out, gate=prep.gate, dest=dest, stats=stats)
 
     __call__ = forward
@@ -458,7 +394,7 @@ class ExpertParallelMoE:
 
     def _stats(self, meta: DispatchMeta, gate: GateOutput, x: torch.Tensor, routing_seconds: float,
                compute: float, num_slots: int, pf: PrefetchResult, router_seconds: float,
-               local_seconds: float | None, hidden: bool | None) -> EPStats:
+               local_seconds: float | None, hidden: bool | None, exact: ExactTiming | None) -> EPStats:
         slots = torch.cat([meta.local.pick_slot, meta.remote.pick_slot]).cpu().numpy()
         send = np.asarray(meta.send_counts, dtype=np.int64)
         recv = np.asarray(meta.recv_counts, dtype=np.int64)
@@ -469,4 +405,4 @@ class ExpertParallelMoE:
                        routing_seconds=routing_seconds, expert_seconds=compute,
                        prefetch_received=pf.received, prefetch_bytes_received=pf.bytes_received,
                        prefetch_sent=pf.sent, prefetch_bytes_sent=pf.bytes_sent, router_seconds=router_seconds,
-                       local_seconds=local_seconds, rebalancer_hidden=hidden)
+                       local_seconds=local_seconds, rebalancer_hidden=hidden, exact=exact)

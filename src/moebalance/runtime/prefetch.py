@@ -232,13 +232,22 @@ class ExpertPrefetcher:
         owner = self._layers.get(layer)
         if owner is None or not self._buffers:
             return False
-        base = owner.plan
-        extras = self.extras(base, batch_plan)[layer]
+        return self.post(owner, self.extras(owner.plan, batch_plan)[layer])
+
+    def post(self, owner: ExpertParallelMoE, extras: Sequence[Sequence[int]]) -> bool:
+        """Post the copies that fill buffer ``owner.layer % 2`` with ``extras [G]`` (each GPU's extras of that layer,
+        checked by the caller: at most ``N``, none hosted there), without waiting; exact mode plans them after the
+        gate. A collective in spirit, as :meth:`start`; False when the buffer already holds or receives that fill."""
+        layer = owner.layer
+        if not self._buffers:
+            return False
+        extras = tuple(tuple(int(e) for e in row) for row in extras)
         buf = self._buffers[layer % 2]
         key = (layer, extras)
         if buf.key == key:
             return False
         buf.wait()  # an earlier fill still in flight completes first: messages match in posting order
+        base = owner.plan
         rank = owner.rank
         fetches = plan_fetches(base, layer, extras)
         staged = staged_through_host(self.group, buf.flat.device)
@@ -276,15 +285,23 @@ class ExpertPrefetcher:
     def acquire(self, layer: ExpertParallelMoE, batch_plan: Placement) -> PrefetchResult:
         """Buffer ``layer.layer % 2`` filled with the layer's extras under ``batch_plan`` (started now if it was
         not), then the copies for the next layer posted into the other buffer. Every rank calls it alike."""
-        bpe = layer.experts.bytes_per_expert()
         if not self._buffers:
             return PrefetchResult(None, 0, 0, 0, 0)
         self.start(batch_plan, layer.layer)
+        result = self.ready(layer)
+        self.start(batch_plan, layer.layer + 1)  # Libra Section 4: the next layer's copies overlap this layer
+        return result
+
+    def ready(self, layer: ExpertParallelMoE) -> PrefetchResult:
+        """Buffer ``layer.layer % 2`` once the copies posted into it have landed (what they moved is reported by
+        the first forward that waits for them; later ones report zeros)."""
+        if not self._buffers:
+            return PrefetchResult(None, 0, 0, 0, 0)
+        bpe = layer.experts.bytes_per_expert()
         buf = self._buffers[layer.layer % 2]
         buf.wait()
         received, sent = (0, 0) if buf.reported else buf.counts
         buf.reported = True
-        self.start(batch_plan, layer.layer + 1)  # Libra Section 4: the next layer's copies overlap this layer
         return PrefetchResult(self.views(layer.layer % 2), received, received * bpe, sent, sent * bpe)
 
     def drain(self) -> None:

@@ -1,5 +1,13 @@
 """``moebalance run``: the MoE language model expert-parallel on local gloo ranks (or under torchrun) under a plan,
-checked against the dense single-process model and the simulator."""
+checked against the dense single-process model and the simulator.
+
+``--policy libra`` runs libra's exact mode on the plan as its base placement (:mod:`moebalance.runtime.exact`):
+every MoE layer plans its extra experts and routing after its gate, from the batch's routing, copies the extras
+into a prefetch buffer, then dispatches. ``--set`` takes libra's ``predictor`` (``exact``, the default, or its
+alias ``oracle``: the runtime plans after the gate only), ``n`` and ``alpha``; the router defaults to
+``rebalance``. The report adds, per layer, the time from the gate to the start of expert compute, split into
+planning, copying and routing.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.table import Table
@@ -19,8 +27,16 @@ from moebalance.app.console import err, out, progress
 from moebalance.core.errors import InputError
 from moebalance.core.io import dumps
 from moebalance.core.plan import Placement, read_plan
+from moebalance.routing import ROUTERS
 
-__all__ = ["add_parser", "bundled_for_plan", "run"]
+if TYPE_CHECKING:
+    from moebalance.lm.run import RunReport
+    from moebalance.runtime import ExactConfig
+
+__all__ = ["EXACT_KEYS", "add_parser", "bundled_for_plan", "exact_from", "run"]
+
+#: The ``--set`` keys of libra that ``run`` uses (the plan file is the base placement).
+EXACT_KEYS = ("predictor", "n", "alpha")
 
 
 def add_parser(sub: Any) -> None:
@@ -29,7 +45,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--world-size", type=options.count(options.MAX_GPUS),
                    help="local ranks, one per GPU of the plan (under torchrun: WORLD_SIZE, the default)")
     p.add_argument("--plan", required=True)
-    options.add_router(p)
+    p.add_argument("--policy", metavar="libra",
+                   help="libra: Libra's exact mode on the plan as base placement (each layer plans its extra experts "
+                        "and routing after its gate); default: the plan as it is")
+    options.add_set(p, groups=False)
+    options.add_router(p, default=None, help=f"router: {', '.join(sorted(ROUTERS))} (default uniform; rebalance with "
+                                             "--policy libra)")
     add_text(p, tokens_default=4096)
     p.add_argument("--batch-tokens", type=options.positive, default=2048, help="tokens per forward step")
     p.add_argument("--seed", type=options.non_negative, default=0, help="router seed")
@@ -56,12 +77,35 @@ def bundled_for_plan(plan: Placement) -> Path:
                      f"({', '.join(shapes)}); plan on a capture of a bundled model, or give --checkpoint")
 
 
+def exact_from(args: argparse.Namespace) -> ExactConfig | None:
+    """Libra's exact mode from ``--policy libra`` and ``--set``; ``None`` without ``--policy``."""
+    from moebalance.runtime import ExactConfig
+
+    if args.policy is None:
+        if args.set:
+            raise InputError("--set configures --policy libra; give --policy libra or drop --set")
+        return None
+    if args.policy != "libra":
+        raise InputError(f"--policy {args.policy!r}: run takes libra (exact mode on the --plan file as base "
+                         "placement); without --policy it runs the plan as it is")
+    params = options.resolve_set(args.set, ["libra"], policy_flag="--policy")["libra"]
+    predictor = params.pop("predictor", "exact")
+    if predictor not in ("exact", "oracle"):
+        raise InputError(f"--set predictor={predictor}: run plans libra after each layer's gate, from the batch's own "
+                         "routing; use predictor=exact (or its alias oracle)")
+    other = [k for k in params if k not in EXACT_KEYS]
+    if other:
+        raise InputError(f"--set {other[0]}: run takes only {', '.join(EXACT_KEYS)} for libra (the --plan file is the "
+                         "base placement)")
+    return ExactConfig(**params)
+
+
 def run(args: argparse.Namespace) -> None:
     """Local gloo ranks (``--world-size``), or this process's rank of a torchrun launch; rank 0 reports."""
     from moebalance.lm.capture import make_layout  # torch: loaded by the commands that run the model
     from moebalance.lm.moe_lm import load_checkpoint
-    from moebalance.lm.run import LOGIT_TOLERANCE, RunReport, check_plan, run_model, run_torchrun
-    from moebalance.runtime import KEEPS_LOCAL, agreed_inputs, torchrun_env
+    from moebalance.lm.run import LOGIT_TOLERANCE, check_plan, run_model, run_torchrun
+    from moebalance.runtime import KEEPS_LOCAL, agreed_inputs, check_exact, torchrun_env
 
     torchrun = torchrun_env()
     # under torchrun every rank checks its inputs and the ranks agree on the outcome before any joins the group:
@@ -77,7 +121,13 @@ def run(args: argparse.Namespace) -> None:
         elif world_size is None:
             raise InputError("--world-size is required unless torchrun starts the ranks (RANK, WORLD_SIZE, "
                              "MASTER_ADDR and MASTER_PORT set)")
+        exact = exact_from(args)
+        if args.router is None:
+            args.router = "uniform" if exact is None else "rebalance"
         router = options.router(args)
+        if args.two_stage and exact is not None:
+            raise InputError("--two-stage runs the router beside the local phase, but with --policy libra each layer "
+                             "plans its extras and routing before its experts compute; drop one of them")
         if args.two_stage and router.name not in KEEPS_LOCAL:
             raise InputError(f"--two-stage needs a router that never moves a pick with a copy on its own GPU "
                              f"({' or '.join(KEEPS_LOCAL)}), not {router.name}: the local phase must not wait for it")
@@ -86,6 +136,7 @@ def run(args: argparse.Namespace) -> None:
             args.checkpoint = str(bundled_for_plan(plan))
         model = load_checkpoint(args.checkpoint)
         check_plan(plan, model, world_size)
+        check_exact(exact, plan.num_experts, buffer=False)
         tokens, what = model_tokens(args)
         layout = make_layout(tokens.size, seq_len=model.config.max_seq_len, batch_tokens=args.batch_tokens,
                              num_gpus=world_size)
@@ -97,9 +148,10 @@ def run(args: argparse.Namespace) -> None:
     def execute(advance: Callable[[int], None] | None) -> RunReport | None:
         if torchrun:  # this process is one rank; the same per-rank body as the local launcher's
             return run_torchrun(args.checkpoint, plan, tokens, router=router, router_seed=args.seed,
-                                two_stage=args.two_stage, batch_tokens=args.batch_tokens, progress=advance)
+                                two_stage=args.two_stage, exact=exact, batch_tokens=args.batch_tokens,
+                                progress=advance)
         return run_model(args.checkpoint, plan, tokens, world_size=world_size, router=router, two_stage=args.two_stage,
-                         router_seed=args.seed, batch_tokens=args.batch_tokens, progress=advance)
+                         exact=exact, router_seed=args.seed, batch_tokens=args.batch_tokens, progress=advance)
 
     if not rank0:
         execute(None)  # results go to rank 0, which reports
@@ -112,7 +164,8 @@ def run(args: argparse.Namespace) -> None:
         sys.stdout.write(dumps(report.as_dict()))
     else:
         c = plan.cluster
-        table = Table(title=f"{args.plan}: {plan.policy} on {c.num_nodes}x{c.gpus_per_node} GPUs, {router.label} "
+        base = plan.policy if exact is None else f"libra exact (n={exact.n}, alpha={exact.alpha:g}) on {plan.policy}"
+        table = Table(title=f"{args.plan}: {base} on {c.num_nodes}x{c.gpus_per_node} GPUs, {router.label} "
                             f"router; {report.num_tokens:,} {what} in {report.num_batches} batches",
                       title_justify="left")
         for col in ("rank", "tokens", "picks computed", "simulator", "expert s", "intra-node MB", "inter-node MB"):
@@ -124,15 +177,33 @@ def run(args: argparse.Namespace) -> None:
         out.print(f"logits vs the dense single-process model: max abs diff {report.max_abs_logit_diff:.2e} "
                   f"({'agree' if report.logits_agree else 'DIFFER'}, tolerance {LOGIT_TOLERANCE:g}); "
                   f"routing differs in {report.routing_mismatches} picks")
-        out.print(f"picks per rank, batch and layer == simulator ({router.label} router's assign_tokens on the "
-                  f"trace the run saw): {'yes' if report.counts_match else 'NO'}; runtime balancedness "
+        on = "the trace the run saw" if exact is None else "libra's per-batch plans of the trace the run saw"
+        out.print(f"picks per rank, batch and layer == simulator ({router.label} router's assign_tokens on {on}): "
+                  f"{'yes' if report.counts_match else 'NO'}; runtime balancedness "
                   f"{report.balancedness:.4f}; {report.seconds:.1f} s")
         per_batch = report.hidden_per_batch()
         if per_batch is not None:
             out.print("two-stage: the rebalancer finished inside the local phase in "
                       f"{100 * float(np.mean(per_batch)):.0f}% of (batch, layer, rank) forwards; per batch "
                       + " ".join(f"{100 * v:.0f}%" for v in per_batch))
+        per_layer = report.exact_per_layer()
+        if per_layer is not None:
+            _print_exact(per_layer, report)
     if not (report.counts_match and report.logits_agree):
         sys.stderr.write("moebalance: run: the expert-parallel run disagrees with the dense reference or the "
                          "simulator\n")
         raise SystemExit(1)
+
+
+def _print_exact(per_layer: list[dict[str, Any]], report: RunReport) -> None:
+    """Exact mode's table: per layer, the mean time from the gate to the start of expert compute and its parts."""
+    table = Table(title="exact mode: gate to expert compute per layer (mean over batches and ranks)",
+                  title_justify="left")
+    for col in ("layer", "total ms", "planning ms", "copying ms", "routing ms"):
+        table.add_column(col, justify="right")
+    for row in per_layer:
+        table.add_row(str(row["layer"]), f"{row['gate_to_expert_ms']:.3f}", f"{row['plan_ms']:.3f}",
+                      f"{row['copy_ms']:.3f}", f"{row['route_ms']:.3f}")
+    out.print(table)
+    received = 0 if report.extras_received is None else int(report.extras_received.sum())
+    out.print(f"extra experts copied into the prefetch buffers: {received:,}")
