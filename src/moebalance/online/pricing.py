@@ -175,14 +175,14 @@ def local_seconds(plan: Placement, batch: LoadMatrix, pricing: StepPricing) -> n
     has = plan.copies > 0  # [L, E, G]
     L, E, G = has.shape
     trace = batch.trace
-    if trace is not None:
-        ids = trace.topk_ids  # [T, L, K]
-        src = trace.src_gpu
-        local = has[np.arange(L)[None, :, None], ids, src[:, None, None]]  # [T, L, K]
-        where = (np.arange(L)[None, :, None] * G + src[:, None, None]) * E + ids  # flat (l, g, e)
-        hits = np.bincount(where[local], minlength=L * G * E).reshape(L, G, E)
-        picks = hits.sum(axis=2).astype(np.float64)
-        touched = (hits > 0).sum(axis=2).astype(np.float64)
+    if trace is not None:  # layer by layer: [T, K] at a time, not [T, L, K]
+        src = trace.src_gpu[:, None]
+        picks, touched = np.zeros((L, G)), np.zeros((L, G))
+        for li in range(L):
+            ids = trace.topk_ids[:, li, :]
+            local = has[li, ids, src]
+            hits = np.bincount((src * E + ids)[local], minlength=G * E).reshape(G, E)
+            picks[li], touched[li] = hits.sum(axis=1), (hits > 0).sum(axis=1)
     else:
         share = batch.counts[0].astype(np.float64) / G  # [L, E]: each GPU's even share
         picks = np.einsum("le,leg->lg", share, has.astype(np.float64))
