@@ -1,0 +1,376 @@
+"""The self-contained HTML report (:mod:`moebalance.app.html_report`, :mod:`moebalance.app.html_charts`): the page's
+structure read back with the standard library's HTML parser (sections, the SVG cells, points and bars), escaping,
+nothing fetched at view time, the same bytes for the same input, atomic writes; the heatmaps' numbers on a
+hand-derived plan and load; the pages of ``compare`` and ``online`` on the bundled ESFT routing. The page in a real
+browser: ``tests/test_html_browser.py``."""
+
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from moebalance.app.compare import Scenario, run_comparison
+from moebalance.app.html_charts import (
+    MISSING,
+    nice_ticks,
+    oklab_lightness,
+    sequential,
+    short_number,
+)
+from moebalance.app.html_report import Report, compare_report, online_report, relative_loads
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix, read_bundled
+from moebalance.core.plan import Placement
+from moebalance.cost.goodput import plan_cost
+from moebalance.cost.hardware import get_gpu
+from moebalance.models import get_model
+from moebalance.online.pricing import StepPricing
+from moebalance.online.replay import replay
+
+
+class Page(HTMLParser):
+    """Every element as ``(tag, attrs, enclosing section id or None)``, and the text under each section."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.elements: list[tuple[str, dict[str, str], str | None]] = []
+        self.texts: dict[str | None, list[str]] = {}
+        self._section: list[str | None] = [None]
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        d = {k: v or "" for k, v in attrs}
+        self.elements.append((tag, d, self._section[-1]))
+        if tag == "section":
+            self._section.append(d.get("id"))
+
+    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.elements.append((tag, {k: v or "" for k, v in attrs}, self._section[-1]))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "section":
+            self._section.pop()
+
+    def handle_data(self, data: str) -> None:
+        self.texts.setdefault(self._section[-1], []).append(data)
+
+    def sections(self) -> dict[str, str]:
+        """``{heading: section id}``."""
+        ids = [a["id"] for t, a, _ in self.elements if t == "section"]
+        return {self.heading(i): i for i in ids}
+
+    def heading(self, section: str) -> str:
+        return self.texts[section][0]
+
+    def text(self, section: str | None = None) -> str:
+        return "".join(self.texts.get(section, []))
+
+    def find(self, tag: str, cls: str | None = None, section: str | None = None) -> list[dict[str, str]]:
+        return [a for t, a, s in self.elements if t == tag and (cls is None or cls in a.get("class", "").split())
+                and (section is None or s == section)]
+
+
+def points(polyline: dict[str, str]) -> list[tuple[float, float]]:
+    return [(float(a), float(b)) for a, b in (p.split(",") for p in polyline["points"].split())]
+
+
+def small_report(title: str = "t", label: str = "eplb") -> Report:
+    rng = np.random.default_rng(0)
+    before, after = rng.random((5, 4)) * 3, rng.random((5, 4)) + 0.5
+    before[2] = np.nan
+    return (Report(title, "subtitle")
+            .ranking([[label, "0.91"], ["contiguous", "0.73"], ["greedy", "0.89"]], ["row", "balancedness"])
+            .recommendation("run eplb", {"eplb.json": '{"a": 1}', "flags.txt": "--enable-eplb"})
+            .heatmap("heat", before, after, labels=("before: contiguous", f"after: {label}"), gpus_per_node=2)
+            .lines("per batch", {label: [1.2, 1.1, 1.3, 1.0, 1.05, 1.1, 1.2], "b": [1.0, 1.1, 1.2, np.nan, 1.3, 1.4,
+                                                                                     1.2]}, "imbalance", reference=1.0)
+            .bars("cost", {label: {"expert": 1.0, "all-to-all": 2.0}, "b": {"expert": 0.0, "all-to-all": 3.0}})
+            .note("a note"))
+
+
+def test_sections_and_their_charts() -> None:
+    page = Page(small_report().html())
+    sec = page.sections()
+    assert list(sec) == ["Ranking", "Recommendation", "heat", "per batch", "cost"]
+    # the table: a header of 2 columns, 3 rows, the first highlighted
+    assert len(page.find("th", section=sec["Ranking"])) == 2
+    rows = page.find("tr", section=sec["Ranking"])
+    assert len(rows) == 4 and [r.get("class") for r in rows[1:]] == ["best", None, None]
+    # two heatmaps of 5 x 4 cells, one colour bar; the nan layer's 4 cells are grey, on the before map only
+    assert len(page.find("svg", "heatmap", sec["heat"])) == 2
+    cells = page.find("rect", "cell", sec["heat"])
+    assert len(cells) == 2 * 5 * 4
+    assert [c["fill"] for c in cells].count(MISSING) == 4
+    assert all(c["fill"] == MISSING for c in cells[8:12])
+    assert len(page.find("rect", "cbar", sec["heat"])) == 64
+    # node boundaries: one line inside each map of 2 nodes x 2 GPUs
+    assert sum(1 for a in page.find("line", section=sec["heat"]) if a.get("stroke") == "#ffffff") == 2
+    # lines: series 0 is one polyline of 7 points; series 1 breaks at its nan into 3 + 3 points
+    lines = page.find("polyline", "series", sec["per batch"])
+    by_series = [[len(points(p)) for p in lines if p["data-series"] == s] for s in ("0", "1")]
+    assert by_series == [[7], [3, 3]]
+    assert len(page.find("line", "reference", sec["per batch"])) == 1
+    assert len(page.find("li", section=sec["per batch"])) == 2  # the legend
+    # bars: one segment per positive component (b's expert is 0), widths proportional to the values
+    segs = page.find("rect", "seg", sec["cost"])
+    assert len(segs) == 3
+    widths = [float(s["width"]) for s in segs]
+    assert widths[1] == pytest.approx(2 * widths[0], abs=0.02) and widths[2] == pytest.approx(3 * widths[0], abs=0.02)
+    # the recommendation: its text and each file in a <pre>
+    assert "run eplb" in page.text(sec["Recommendation"])
+    assert len(page.find("pre", section=sec["Recommendation"])) == 2
+    assert '{"a": 1}' in page.text(sec["Recommendation"])
+    # the navigation links to every section
+    assert [a["href"] for a in page.find("a")] == [f"#{i}" for i in sec.values()]
+
+
+def test_line_points_follow_the_values() -> None:
+    """Higher values sit higher (smaller y), x grows with the index, and every point is inside the chart."""
+    page = Page(Report("t").lines("l", {"s": [3.0, 1.0, 2.0]}, "y").html())
+    (line,) = page.find("polyline", "series")
+    (svg,) = page.find("svg", "lines")
+    pts = points(line)
+    assert pts[0][0] < pts[1][0] < pts[2][0]
+    assert pts[0][1] < pts[2][1] < pts[1][1]
+    assert all(0 <= x <= float(svg["width"]) and 0 <= y <= float(svg["height"]) for x, y in pts)
+
+
+def test_user_strings_are_escaped() -> None:
+    evil = '<script>alert("x")</script> & \'q\''
+    text = Report(evil, evil).ranking([[evil, 1]], [evil, "n"], name=evil).recommendation(evil, {evil: evil}) \
+        .lines(evil, {evil: [1.0, 2.0]}, evil, xlabel=evil).bars(evil, {evil: {evil: 1.0}}, unit=evil) \
+        .heatmap(evil, np.ones((2, 2)), labels=(evil, evil), scale_label=evil).note(evil).html()
+    page = Page(text)
+    assert not page.find("script")
+    assert "<script>" not in text
+    assert sum(t.count(evil) for ts in page.texts.values() for t in ts) >= 10
+
+
+def test_nothing_is_fetched_at_view_time() -> None:
+    text = small_report().html()
+    page = Page(text)
+    refs = [a[k] for _, a, _ in page.elements for k in ("src", "href") if k in a]
+    assert refs and all(r.startswith("#") for r in refs)
+    assert not re.search(r"https?://|url\(|@import", text)
+    assert not page.find("script") and not page.find("link") and not page.find("img")
+
+
+def test_same_input_same_bytes(tmp_path: Path) -> None:
+    a = small_report().write(tmp_path / "a.html").read_bytes()
+    b = small_report().write(tmp_path / "b.html").read_bytes()
+    assert a == b
+    assert a.decode("utf-8") == small_report().html()
+
+
+def test_write_is_atomic(tmp_path: Path) -> None:
+    """Writing over a folder fails after the temporary file is made (the rename): one line, and no file left."""
+    target = tmp_path / "report.html"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    with pytest.raises(InputError, match="is a folder") as info:
+        small_report().write(target)
+    assert "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
+    assert [p.name for p in target.iterdir()] == ["keep"]
+    # a good write replaces the old file whole
+    out = tmp_path / "out" / "r.html"
+    out.parent.mkdir()
+    out.write_text("old")
+    assert small_report().write(out) == out and out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert [p.name for p in out.parent.iterdir()] == ["r.html"]
+
+
+def test_text_that_is_not_unicode_is_written(tmp_path: Path) -> None:
+    """A title from a file name with undecodable bytes (surrogate escapes) is written with ``?``, not refused."""
+    data = Report("load-\udcff.npz").write(tmp_path / "r.html").read_bytes()
+    assert b"<title>load-?.npz</title>" in data
+
+
+@pytest.mark.parametrize("build, fragment", [
+    (lambda r: r.ranking([["a", "b"]], ["only one"]), "row 0 has 2 cells but there are 1 columns"),
+    (lambda r: r.heatmap("h", np.ones((2, 3)), np.ones((3, 2))), "differ in shape"),
+    (lambda r: r.heatmap("h", np.ones(3)), "not shape [3]"),
+    (lambda r: r.bars("b", {"x": {"c": -1.0}}), "bar 'x' has c = -1.0"),
+    (lambda r: r.bars("b", {"x": {"c": float("nan")}}), "give finite values"),
+    (lambda r: r.lines("l", {}, "y"), "has no series"),
+    (lambda r: r.lines("l", {"s": [1.0, 2.0, 3.0]}, "y", x=[0, 1]), "a series of 3 values but 2 x values"),
+    (lambda r: r.lines("l", {"s": [1.0]}, "y", styles=[0, 1]), "1 series but 2 styles"),
+])
+def test_bad_sections_are_one_line(build: Any, fragment: str) -> None:
+    with pytest.raises(InputError, match=re.escape(fragment)) as info:
+        build(Report("t"))
+    assert "\n" not in str(info.value)
+
+
+def test_colour_scale() -> None:
+    """Light to dark, evenly in lightness (over steps of 15 levels; one level is within 8-bit rounding), ends at the
+    given range, nan grey."""
+    cols = sequential(np.linspace(0, 1, 256), 0.0, 1.0)
+    light = [oklab_lightness(c) for c in cols]
+    steps = np.diff(light)
+    assert np.all(steps < 0)
+    coarse = np.diff(light[::15])
+    assert coarse.min() / coarse.max() < 1.25  # no flat stretch: every step darker by a similar amount
+    assert light[0] > 0.9 and light[-1] < 0.35
+    assert sequential(np.array([-5.0, 0.0, 1.0, 7.0, np.nan]), 0.0, 1.0) == [cols[0], cols[0], cols[-1], cols[-1],
+                                                                           MISSING]
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 1.02), (0.83, 1.31), (0, 123456), (-3.5, 2.25), (1e-4, 7e-4), (5, 5.001)])
+def test_nice_ticks(lo: float, hi: float) -> None:
+    ticks = nice_ticks(lo, hi, 5)
+    step = ticks[1] - ticks[0]
+    mantissa = step / 10 ** np.floor(np.log10(step))
+    assert min(abs(mantissa - m) for m in (1, 2, 5, 10)) < 1e-6
+    assert ticks[0] >= lo - 1e-9 and ticks[-1] <= hi + 1e-9 and ticks[0] - step < lo and ticks[-1] + step > hi
+    assert 2 <= len(ticks) <= 11
+    assert np.allclose(np.diff(ticks), step)
+
+
+def test_short_numbers() -> None:
+    assert [short_number(v) for v in (0, 0.00123, 1.234, 12.34, 1234.5, 277071.6)] == \
+        ["0", "0.00123", "1.23", "12.3", "1,234", "277,072"]
+    assert [short_number(v, 0.05) for v in (0.0, 0.25)] == ["0.00", "0.25"]
+    assert short_number(100000, 20000) == "100,000" and short_number(float("nan")) == "-"
+
+
+def test_relative_loads_by_hand() -> None:
+    """One GPU of two hosts experts 0 and 1, the other 2 and 3 (no replicas, the uniform router):
+
+    batch 0, layer 0: counts [3, 1, 0, 0] -> GPU loads [4, 0], mean 2 -> relative [2, 0], imbalance 2
+    batch 1, layer 0: counts [1, 1, 1, 1] -> [2, 2] -> [1, 1], imbalance 1
+    layer 1 has no load in either batch -> nan; each batch's imbalance is its layer 0's.
+    """
+    plan = Placement(gpu_experts=[[[0, 1], [2, 3]], [[0, 1], [2, 3]]], num_experts=4,
+                     cluster=Cluster(num_nodes=1, gpus_per_node=2))
+    counts = np.zeros((2, 2, 4), dtype=np.int64)
+    counts[0, 0] = [3, 1, 0, 0]
+    counts[1, 0] = [1, 1, 1, 1]
+    heat, imbalance = relative_loads(plan, LoadMatrix(counts), "uniform")
+    assert np.allclose(heat[0], [1.5, 0.5]) and np.isnan(heat[1]).all()
+    assert np.allclose(imbalance, [2.0, 1.0])
+
+
+@pytest.fixture(scope="module")
+def esft() -> LoadMatrix:
+    return read_bundled("esft-law")
+
+
+def test_compare_report(esft: LoadMatrix) -> None:
+    cluster = Cluster(num_nodes=1, gpus_per_node=8)
+    budget = Budget(slots_per_gpu=9)
+    scenarios = [Scenario(p, budget, {}, "uniform", plan_name=p) for p in ("greedy", "contiguous", "eplb")]
+    rows, plans = run_comparison(esft, cluster, scenarios)
+    held_out = esft.split(0.5)[1]
+    page = Page(compare_report(rows, plans, scenarios, held_out, "esft-law on 1x8").html())
+    sec = page.sections()
+    assert list(sec) == ["Ranking", "Recommendation", "GPU load per layer, before and after",
+                         "Imbalance per held-out batch", "Balancedness per layer"]
+    # ranked by balancedness, best first
+    body = [r for r in page.find("tr", section=sec["Ranking"])][1:]
+    assert len(body) == 3
+    ranked = sorted(rows.values(), key=lambda r: -r.score.balancedness)
+    cells = page.text(sec["Ranking"])
+    assert [cells.index(r.policy) for r in ranked] == sorted(cells.index(r.policy) for r in ranked)
+    best = ranked[0].policy
+    assert best == "eplb"
+    # before: contiguous, after: eplb, each 26 layers x 8 GPUs; every layer's cells average to a fair share of 1
+    heat = sec["GPU load per layer, before and after"]
+    assert "before: contiguous" in page.text(heat) and "after: eplb" in page.text(heat)
+    assert len(page.find("rect", "cell", heat)) == 2 * 26 * 8
+    for name in ("contiguous", "eplb"):
+        h, imb = relative_loads(plans[name], held_out, "uniform")
+        assert np.allclose(np.nanmean(h, axis=1), 1.0) and imb.shape == (held_out.num_batches,)
+        assert np.all(imb >= 1.0)
+    # the per-batch lines: one per map, one point per held-out batch; per-layer lines: one per row
+    per_batch = page.find("polyline", "series", sec["Imbalance per held-out batch"])
+    assert [len(points(p)) for p in per_batch] == [held_out.num_batches] * 2
+    per_layer = page.find("polyline", "series", sec["Balancedness per layer"])
+    assert len(per_layer) == 3
+    # a row keeps its colour from chart to chart: contiguous and eplb per batch as in the per-layer chart
+    colour = {r.policy: line["stroke"] for r, line in zip(ranked, per_layer, strict=True)}
+    assert [p["stroke"] for p in per_batch] == [colour["contiguous"], colour["eplb"]]
+    rec = page.text(sec["Recommendation"])
+    assert f"Best by held-out balancedness: {best}" in rec and "moebalance export --plan plan-eplb.json --to vllm" in rec
+
+
+def test_compare_report_priced(esft: LoadMatrix) -> None:
+    """With the cost model (``compare --gpu``): ranked by modelled goodput, each row's MoE layer split into expert
+    time and all-to-all, the two adding up to the row's modelled layer."""
+    model, gpu = get_model("deepseek-v2-lite"), get_gpu("h100-80gb")
+    scenarios = [Scenario(p, Budget(slots_per_gpu=9), {}, "uniform", plan_name=p) for p in ("eplb", "contiguous")]
+    rows, plans = run_comparison(esft, Cluster(num_nodes=1, gpus_per_node=8), scenarios,
+                                 cost=lambda plan, test, router: plan_cost(plan, test, model, gpu, router=router))
+    page = Page(compare_report(rows, plans, scenarios, esft.split(0.5)[1], "priced").html())
+    sec = page.sections()
+    ranked = sorted(rows.values(), key=lambda r: -r.cost.modelled_goodput if r.cost else 0.0)
+    ranking = page.text(sec["Ranking"])
+    assert "ranked by modelled goodput" in ranking
+    assert ranking.index(f"{ranked[0].cost.modelled_goodput:,.0f}") < ranking.index(
+        f"{ranked[1].cost.modelled_goodput:,.0f}")
+    assert f"Best by modelled goodput: {ranked[0].policy}" in page.text(sec["Recommendation"])
+    bars = sec["Modelled MoE layer time"]
+    assert len(page.find("rect", "seg", bars)) == 4
+    totals = re.findall(r"^[\d,.]+$", page.text(bars), flags=re.M)
+    expected = [short_number(r.cost.modelled_layer_ms) for r in ranked if r.cost]
+    assert [t for t in totals if t in set(expected)] == expected
+
+
+def test_compare_report_of_one_row(esft: LoadMatrix) -> None:
+    """A comparison of one row has no "before": one heatmap, labelled as the best."""
+    scenarios = [Scenario("eplb", Budget(slots_per_gpu=9), {}, "uniform", plan_name="eplb")]
+    rows, plans = run_comparison(esft, Cluster(num_nodes=1, gpus_per_node=8), scenarios)
+    page = Page(compare_report(rows, plans, scenarios, esft.split(0.5)[1], "one").html())
+    heat = page.sections()["GPU load per layer, before and after"]
+    assert len(page.find("svg", "heatmap", heat)) == 1 and "best: eplb" in page.text(heat)
+    with pytest.raises(InputError, match="no rows to report"):
+        compare_report({}, {}, [], esft, "none")
+
+
+def test_online_report(esft: LoadMatrix) -> None:
+    cluster, budget = Cluster(num_nodes=1, gpus_per_node=8), Budget(slots_per_gpu=9)
+    pricing = StepPricing(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb"), router_ms=0.05)
+    results = [replay(esft, cluster, budget, "eplb", {}, warmup=(0, 4), replan_every=2, window=2, pricing=pricing),
+               replay(esft, cluster, budget, "libra", {"n": 2, "predictor": "path"}, warmup=(0, 4), pricing=pricing),
+               replay(esft, cluster, budget, "contiguous", {}, warmup=(0, 4), pricing=pricing)]
+    page = Page(online_report(results, "esft-law online").html())
+    sec = page.sections()
+    assert list(sec) == ["Ranking", "Recommendation", "Imbalance per served batch",
+                         "Modelled step time per served batch", "Mean step time"]
+    speeds = [r.time["tokens_per_s"] for r in results if r.time is not None]
+    fastest = results[int(np.argmax(speeds))]
+    ranking = page.text(sec["Ranking"])
+    assert ranking.index(f"{max(speeds):,.0f}") < min(ranking.index(f"{s:,.0f}") for s in speeds if s != max(speeds))
+    assert f"{fastest.policy}" in page.text(sec["Recommendation"]).split(":")[1]
+    served = esft.num_batches - 4
+    for name in ("Imbalance per served batch", "Modelled step time per served batch"):
+        assert [len(points(p)) for p in page.find("polyline", "series", sec[name])] == [served] * 3
+    # each bar's parts (the step without balancing, the router, copies and stalls) add up to the mean step
+    bars = sec["Mean step time"]
+    assert len(page.find("rect", "seg", bars)) >= 4  # libra's router and eplb's stalls show beside the steps
+    shown = re.findall(r"^[\d,.]+$", page.text(bars), flags=re.M)
+    order = sorted(results, key=lambda r: -r.time["tokens_per_s"] if r.time else 0)
+    expected = [short_number(r.time["step_ms_mean"]) for r in order if r.time]
+    assert len(expected) == 3 and [t for t in shown if t in set(expected)] == expected
+
+
+def test_online_report_unpriced(esft: LoadMatrix) -> None:
+    """Without --gpu: rows as given, the best balanced one recommended, no step time charts."""
+    cluster, budget = Cluster(num_nodes=1, gpus_per_node=8), Budget(slots_per_gpu=9)
+    results = [replay(esft, cluster, budget, p, {}, warmup=(0, 4)) for p in ("contiguous", "eplb")]
+    page = Page(online_report(results, "unpriced").html())
+    sec = page.sections()
+    assert list(sec) == ["Ranking", "Recommendation", "Imbalance per served batch"]
+    best = min(results, key=lambda r: r.mean_imbalance_ratio)
+    assert f"Best balanced in the replay: {best.policy}" in page.text(sec["Recommendation"])
+    with pytest.raises(InputError, match="no results"):
+        online_report([], "none")
+
