@@ -46,6 +46,8 @@ CLUSTERS = {2: [(1, 2), (2, 1)], 4: [(2, 2), (1, 4)]}
 TOKENS = {2: [11, 9], 4: [12, 0, 9, 7]}  # rank 1 of 4 has no tokens
 EXTRA_PLANS = ("all-on-gpu0", "everywhere")
 ROUTER_NAMES = sorted(ROUTERS)
+#: Every registered router ready to run: metro models expert time, so it gets a GPU and a model of E experts.
+READY = {n: r.with_params(gpu="h100-80gb", model="mixtral-8x7b") if n == "metro" else r for n, r in ROUTERS.items()}
 #: Routers whose choice depends on the load (they implement ``Router.assign_kept``).
 LOAD_AWARE = sorted(n for n, r in ROUTERS.items() if r.assign_kept is not None)
 POLICY_NAMES = sorted(POLICIES)
@@ -178,7 +180,7 @@ def _run_cases(rank: int, world_size: int, cases: list[dict[str, Any]], pairs: l
         plan = Placement.from_json_dict(case["plan"])
         full = ExpertWeights(*(t.to(device) for t in _experts(case.get("activation", "swiglu")).tensors()))
         gcfg = GateConfig(top_k=K, capacity_factor=case.get("capacity"), overflow=case.get("overflow", "drop"))
-        cfg = EPConfig(router=case["router"], router_seed=SEED, local_first=case["local_first"],
+        cfg = EPConfig(router=READY[case["router"]], router_seed=SEED, local_first=case["local_first"],
                        a2a_impl=case.get("impl", "auto"), max_tokens_per_rank=case.get("max_tokens"))
         layer = ExpertParallelMoE.from_full(plan, LAYER, gate.to(device), full, gcfg, cfg, group=group)
         res = layer(x, step=0)
@@ -251,7 +253,7 @@ def _expected_dest(world_size: int, plan: Placement, router: str, ids: np.ndarra
                     weights=None if plan.weights is None else [plan.weights[LAYER]])
     src = np.repeat(np.arange(world_size), TOKENS[world_size])
     trace = RoutingTrace(ids[:, None, :], src, np.zeros(len(src), int), num_experts=E)
-    return ROUTERS[router].assign_tokens(one, trace, np.random.default_rng((SEED, LAYER, 0)))[:, 0, :]
+    return READY[router].assign_tokens(one, trace, np.random.default_rng((SEED, LAYER, 0)))[:, 0, :]
 
 
 @pytest.mark.parametrize(("nodes", "gpn"), [c for cls in CLUSTERS.values() for c in cls])
@@ -353,7 +355,7 @@ def test_load_aware_routers_balance_only_the_kept_picks(world_size: int, key: tu
     one = Placement([plan.gpu_experts[LAYER]], E, plan.cluster)
     src = np.repeat(np.arange(world_size), TOKENS[world_size])
     tr = RoutingTrace(gate.topk_ids.numpy()[:, None, :], src, np.zeros(len(src), int), num_experts=E)
-    expected = ROUTERS[router].assign_kept(one, tr, kept[:, None, :], np.random.default_rng((SEED, LAYER, 0)))
+    expected = READY[router].assign_kept(one, tr, kept[:, None, :], np.random.default_rng((SEED, LAYER, 0)))
     assert np.array_equal(dest, expected[:, 0, :])
     per_gpu = np.bincount(dest[kept], minlength=world_size)
     assert [r["tokens"] for r in ranks] == per_gpu.tolist()

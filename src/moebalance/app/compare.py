@@ -17,6 +17,7 @@ from typing import Any
 
 from moebalance.app.console import err, out, progress
 from moebalance.app.costing import bytes_per_copy
+from moebalance.app.phase import PhaseModel, PhaseTime
 from moebalance.app.report import ComparisonRow, comparison_markdown, comparison_table, plot_per_layer
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
@@ -29,7 +30,8 @@ from moebalance.policies import make_plan
 from moebalance.routing import Router
 from moebalance.routing.simulate import evaluate
 
-__all__ = ["Comparison", "Scenario", "comparison_title", "emit_comparison", "run_comparison", "run_scenarios"]
+__all__ = ["Comparison", "PhaseRow", "Scenario", "comparison_title", "emit_comparison", "phase_lines", "run_comparison",
+           "run_scenarios"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,19 @@ class Scenario:
 
 
 @dataclass(frozen=True, slots=True)
+class PhaseRow(ComparisonRow):
+    """A row scored on a phase's steps (``compare --phase``), with its modelled MoE layer time."""
+
+    phase: PhaseTime | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = ComparisonRow.as_dict(self)
+        if self.phase is not None:
+            d["phase"] = self.phase.as_dict()
+        return d
+
+
+@dataclass(frozen=True, slots=True)
 class Comparison:
     """Scenarios on one load and cluster, planned on ``train_frac`` of the batches."""
 
@@ -83,11 +98,14 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
                    seed: int = 0, bytes_per_copy: int | None = None,
                    on_done: Callable[[str], None] | None = None,
                    cost: Callable[[Placement, LoadMatrix, str | Router], PlanCost] | None = None,
-                   node_forwarding: bool = False) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
+                   node_forwarding: bool = False,
+                   phase: PhaseModel | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """Plan and score every scenario; rows by scenario key (in order) and plans by plan name.
 
     Scenarios that differ only in their router share one plan (made once, its planning time on each row). With
-    ``cost``, each row also carries ``cost(plan, held-out load, router)`` (``compare --gpu``).
+    ``cost``, each row also carries ``cost(plan, held-out load, router)`` (``compare --gpu``). With ``phase``
+    (``compare --phase``) each plan is scored on the held-out batches drawn as that phase's steps for its
+    deployment (:mod:`moebalance.app.phase`), and each row is a :class:`PhaseRow` with its modelled MoE layer time.
     """
     keys = [sc.key for sc in scenarios]
     for k in keys:
@@ -105,12 +123,14 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
             if key not in made:
                 made[key] = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
             plan, seconds = made[key]
-        score = evaluate(plan, test, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True,
+        scored, tokens = (test, 0) if phase is None else phase.plan_steps(plan, test)
+        score = evaluate(plan, scored, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True,
                          node_forwarding=node_forwarding)
-        modelled = None if cost is None else cost(plan, test, sc.router)
+        modelled = None if cost is None else cost(plan, scored, sc.router)
         note = plan.params.get("budget_note")
-        rows[sc.key] = ComparisonRow(sc.display, score, seconds, plan.warnings, modelled,
-                                     note if isinstance(note, str) else None)
+        timed = None if phase is None else phase.time(plan, scored, sc.router, tokens)
+        rows[sc.key] = PhaseRow(sc.display, score, seconds, plan.warnings, modelled,
+                                note if isinstance(note, str) else None, timed)
         if sc.shown:
             plans[sc.plan_name or sc.display] = plan
         if on_done is not None:
@@ -120,13 +140,14 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
 
 def run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], train_frac: float, seed: int,
                   cost: Callable[[Placement, LoadMatrix, str | Router], PlanCost] | None = None,
-                  node_forwarding: bool = False) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
+                  node_forwarding: bool = False,
+                  phase: PhaseModel | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """:func:`run_comparison` with a progress bar, copies of the load model's hidden size."""
     with progress() as bar:
         task = bar.add_task("plan + score", total=len(scenarios))
         return run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
                               bytes_per_copy=bytes_per_copy(load, None, 2), on_done=lambda _: bar.advance(task),
-                              cost=cost, node_forwarding=node_forwarding)
+                              cost=cost, node_forwarding=node_forwarding, phase=phase)
 
 
 def comparison_title(load: LoadMatrix, source: str, cluster: Cluster, budget: Budget, train_frac: float,
@@ -137,11 +158,27 @@ def comparison_title(load: LoadMatrix, source: str, cluster: Cluster, budget: Bu
             f"batches, scored on {test.num_batches}{' held-out' if train_frac < 1 else ''} ({router} router)")
 
 
+def phase_lines(rows: Sequence[ComparisonRow]) -> list[str]:
+    """A Markdown table of the rows' modelled MoE layer time on a phase's steps (none without ``--phase``)."""
+    timed = [(r.policy, r.phase) for r in rows if isinstance(r, PhaseRow) and r.phase is not None]
+    if not timed:
+        return []
+    first = timed[0][1]
+    out = ["", f"Modelled MoE layer time on {first.steps} {first.phase} steps (the slowest GPU's grouped GEMM over "
+               "its picks and the experts they touch, plus the all-to-all; mean over steps and layers with load):", "",
+           "| row | tokens per step | expert | all-to-all | MoE layer |", "|---|---|---|---|---|"]
+    out += [f"| {label} | {t.step_tokens:,} | {1e3 * t.expert_ms:.1f} us | {1e3 * t.a2a_ms:.1f} us | "
+            f"{1e3 * t.moe_layer_ms:.1f} us |" for label, t in timed]
+    return out
+
+
 def emit_comparison(rows: list[ComparisonRow], plans: dict[str, Placement], title: str, out_dir: str | None,
                     as_json: bool, notes: Sequence[str] = ()) -> None:
     """Print the comparison (table or JSON), its warnings and budget notes; with ``out_dir`` write the Markdown,
-    JSON, per-layer plot and plans there."""
+    JSON, per-layer plot and plans there. Rows timed on a phase's steps (:class:`PhaseRow`) add a table of their
+    modelled MoE layer time."""
     doc = {"title": title, "rows": [r.as_dict() for r in rows]}
+    notes = [*phase_lines(rows), *notes]
     warned: set[str] = set()
     for r in rows:  # rows of one plan under several routers share its warnings: each is printed once
         for w in r.warnings:

@@ -34,6 +34,7 @@ from moebalance.engines.detect import detect_load
 from moebalance.models import get_model
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
 from moebalance.routing import ROUTERS, Router, get_router
+from moebalance.routing.metro import CALIBRATION_OPTIONS, check_ready, fill
 
 __all__ = [
     "COST_OPTIONS",
@@ -47,6 +48,7 @@ __all__ = [
     "add_format",
     "add_links",
     "add_model",
+    "add_phase",
     "add_router",
     "add_set",
     "budget",
@@ -69,7 +71,9 @@ __all__ = [
     "replicas",
     "resolve_set",
     "router",
+    "router_context",
     "routers",
+    "with_context",
     "workload_from",
 ]
 
@@ -218,6 +222,14 @@ def add_router(p: argparse.ArgumentParser, *, several: bool = False, default: st
                    help=help or f"{what}: {', '.join(sorted(ROUTERS))} (default {default})")
     p.add_argument("--router-set", action="append", metavar="KEY=VALUE",
                    help="router option, e.g. eps=0.02 for rebalance (repeatable)")
+
+
+def add_phase(p: argparse.ArgumentParser) -> None:
+    """``--phase decode|prefill`` (``compare``, ``online``): score the phase's steps (:mod:`moebalance.app.phase`)."""
+    p.add_argument("--phase", choices=("decode", "prefill"),
+                   help="with --gpu: draw each batch again as a step of the phase (decode: one token per running "
+                        "request, the KV cache's concurrency; prefill: --prefill-chunk tokens per data-parallel rank) "
+                        "and score those steps")
 
 
 _ENGINE, _WORK = EngineMemory(), Workload()  # the defaults the cost options show
@@ -439,6 +451,28 @@ def routers(args: argparse.Namespace) -> list[Router]:
             raise InputError(f"--router-set {key}: no router given ({', '.join(names)}) has option {key!r}; routers "
                              f"with options: {'; '.join(takers)}")
     return [r.with_params(**{k: v for k, v in params.items() if k in r.params}) for r in chosen]
+
+
+def router_context(args: argparse.Namespace, load: LoadMatrix | None = None) -> dict[str, Any]:
+    """The command's cost options as router options (``metro``'s ``gpu``, ``model``, calibration): ``--gpu``,
+    ``--model`` (else the load's model) and ``--calibration`` where the command has them."""
+    model = getattr(args, "model", None)
+    if model is None and load is not None and load.model is not None:
+        model = load.model.name
+    out: dict[str, Any] = {"gpu": getattr(args, "gpu", None), "model": model}
+    if getattr(args, "calibration", None) is not None:
+        cal = calibration_from(args)
+        out.update({name: getattr(cal, name) for name in CALIBRATION_OPTIONS})
+    return out
+
+
+def with_context(chosen: Sequence[Router], context: dict[str, Any]) -> list[Router]:
+    """``chosen`` with the options of ``context`` that ``--router-set`` left unset (:func:`router_context`); a
+    router still missing what it needs (``metro`` without a GPU or model) is a one-line error."""
+    out = [fill(r, context) for r in chosen]
+    for r in out:
+        check_ready(r)
+    return out
 
 
 def router(args: argparse.Namespace) -> Router:

@@ -8,7 +8,9 @@ A router works at two granularities with the same rule (docs/design.md, "Routers
   token-level traces (traffic accounting) and for the runtime.
 
 Routers are looked up by name in :data:`ROUTERS`; callers may also pass a :class:`Router` directly. Options
-(``rebalance``'s ``eps``) come as ``get_router(name, params)`` or ``Router.with_params``.
+(``rebalance``'s ``eps``, ``metro``'s ``gpu`` and ``model``) come as ``get_router(name, params)`` or
+``Router.with_params``. A router that knows which experts each GPU's picks touch on counts (``metro``) is a
+:class:`~moebalance.routing.touched.TouchingRouter` (:mod:`moebalance.routing.touched`).
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ from moebalance.core.errors import InputError
 from moebalance.routing.base import Router, RouterConfig
 from moebalance.routing.basic import RANDOM, UNIFORM
 from moebalance.routing.grace import LOCALITY, WRR
+from moebalance.routing.metro import METRO
 from moebalance.routing.minmax import MINMAX
 from moebalance.routing.rebalance import REBALANCE
 
 __all__ = ["DOCUMENTED_ROUTERS", "ROUTERS", "Router", "RouterConfig", "get_router"]
 
 #: Router names documented in docs/design.md, "Routers" (contract).
-DOCUMENTED_ROUTERS = ("uniform", "random", "wrr", "locality", "rebalance", "minmax")
+DOCUMENTED_ROUTERS = ("uniform", "random", "wrr", "locality", "rebalance", "minmax", "metro")
 
-ROUTERS: dict[str, Router] = {r.name: r for r in (UNIFORM, RANDOM, WRR, LOCALITY, REBALANCE, MINMAX)}
+ROUTERS: dict[str, Router] = {r.name: r for r in (UNIFORM, RANDOM, WRR, LOCALITY, REBALANCE, MINMAX, METRO)}
 
 _unknown = set(ROUTERS) - set(DOCUMENTED_ROUTERS)
 if _unknown:  # import-time check that the registry only holds documented names

@@ -55,11 +55,13 @@ from moebalance.core.trace import RoutingTrace
 from moebalance.routing import Router, get_router
 from moebalance.routing.base import check_routes
 from moebalance.routing.minmax import least_max_load
+from moebalance.routing.touched import hosted_touched, pick_tally, split_touched
 
 #: Picks routed at once when a token-level trace is replayed (bounds the per-pick temporaries; 128 MB of GPU ids).
 _CHUNK_PICKS = 1 << 24
 
-__all__ = ["Score", "Traffic", "a2a_seconds", "evaluate", "gpu_loads", "layer_metrics", "replay_loads", "traffic"]
+__all__ = ["Replay", "Score", "Traffic", "a2a_seconds", "evaluate", "gpu_loads", "layer_metrics", "replay_loads",
+           "replay_picks", "traffic"]
 
 
 def check_compatible(plan: Placement, load: LoadMatrix) -> None:
@@ -282,16 +284,30 @@ class Score:
         return out
 
 
-def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.random.Generator, *,
-                 with_traffic: bool = False, bytes_per_copy: int | None = None, node_forwarding: bool = False,
-                 on_batches: Callable[[int], None] | None = None,
-                 seconds_only: bool = False) -> tuple[np.ndarray, Traffic | None, bool]:
-    """``(gpu_load [B, L, G], traffic or None, whole_tokens)``: ``load`` replayed through ``plan``.
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """A load replayed through a plan with a router (:func:`replay_picks`)."""
+
+    #: ``float64 [B, L, G]``: picks each GPU serves.
+    loads: np.ndarray
+    #: ``float64 [B, L, G]``: distinct experts those picks touch (:mod:`moebalance.routing.touched`), if asked.
+    touched: np.ndarray | None
+    traffic: Traffic | None
+    #: Whether ``loads`` count whole picks (assigned ones) rather than a fractional split.
+    whole_tokens: bool
+
+
+def replay_picks(plan: Placement, load: LoadMatrix, router: Router, rng: np.random.Generator, *,
+                 with_touched: bool = False, with_traffic: bool = False, bytes_per_copy: int | None = None,
+                 node_forwarding: bool = False, on_batches: Callable[[int], None] | None = None,
+                 seconds_only: bool = False) -> Replay:
+    """``load`` replayed through ``plan``: each GPU's picks, with ``with_touched`` the experts they touch.
 
     A token-level load is routed per token (each pick's GPU, checked against the plan); the loads then count
     whole picks, except for ``uniform``, whose loads stay its exact fractional split (``whole_tokens``
     False). With ``with_traffic`` the same picks are counted as all-to-all copies (:func:`traffic`; with
-    ``seconds_only``, timed only).
+    ``seconds_only``, timed only). Experts touched come from the picks where loads count them, else from the
+    counts (:func:`moebalance.routing.touched.split_touched`).
 
     The trace is routed a few batches at a time (:meth:`RoutingTrace.batch_chunks`), so the per-pick
     temporaries (``int64`` GPUs) are bounded by a chunk whatever the trace's length; a trace of up to 16M
@@ -300,11 +316,14 @@ def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
     """
     trace = load.trace
     if trace is None:
-        return router.split_counts(plan, load.counts, rng), None, False
+        if with_touched:
+            return Replay(*split_touched(router, plan, load.counts, rng), None, False)
+        return Replay(router.split_counts(plan, load.counts, rng), None, None, False)
     trace.check_gpus(plan.num_gpus)
     whole_tokens = router.name != "uniform"
     B, L, G = load.num_batches, load.num_layers, plan.num_gpus
     loads = np.zeros((B, L, G)) if whole_tokens else None
+    touched = np.zeros((B, L, G)) if whole_tokens and with_touched else None
     parts = []
     for start, stop in trace.batch_chunks(_CHUNK_PICKS):
         sub = trace.select_batches(start, stop)
@@ -312,16 +331,30 @@ def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
         for layer in range(plan.num_layers):  # a custom router's answer is checked before it is counted
             check_routes(dest[:, layer, :], sub.topk_ids[:, layer, :], plan.copies[layer], router.name)
         if loads is not None:
-            flat = (sub.batch[:, None, None] * L + np.arange(L)[None, :, None]) * G + dest
-            loads[start:stop] = np.bincount(flat.ravel(), minlength=(stop - start) * L * G).reshape(-1, L, G)
+            picks, reached = pick_tally(dest, sub.topk_ids if touched is not None else None, sub.batch,
+                                        stop - start, plan.num_experts, G)
+            loads[start:stop] = picks
+            if touched is not None and reached is not None:
+                touched[start:stop] = reached
         if with_traffic:
             parts.append(traffic(plan, sub, dest, bytes_per_copy, node_forwarding=node_forwarding,
                                  seconds_only=seconds_only))
         if on_batches is not None:
             on_batches(stop - start)
-    if loads is None:
+    if loads is None:  # uniform: its fractional split, which gives every copy of a loaded expert a share
         loads = router.split_counts(plan, load.counts, rng)
-    return loads, (Traffic.total(parts) if with_traffic else None), whole_tokens
+        touched = hosted_touched(plan, load.counts) if with_touched else None
+    return Replay(loads, touched, Traffic.total(parts) if with_traffic else None, whole_tokens)
+
+
+def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.random.Generator, *,
+                 with_traffic: bool = False, bytes_per_copy: int | None = None, node_forwarding: bool = False,
+                 on_batches: Callable[[int], None] | None = None,
+                 seconds_only: bool = False) -> tuple[np.ndarray, Traffic | None, bool]:
+    """``(gpu_load [B, L, G], traffic or None, whole_tokens)``: :func:`replay_picks` without experts touched."""
+    r = replay_picks(plan, load, router, rng, with_traffic=with_traffic, bytes_per_copy=bytes_per_copy,
+                     node_forwarding=node_forwarding, on_batches=on_batches, seconds_only=seconds_only)
+    return r.loads, r.traffic, r.whole_tokens
 
 
 def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform", *, seed: int = 0,

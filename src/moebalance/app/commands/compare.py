@@ -10,10 +10,13 @@ from typing import Any
 
 from moebalance.app import costing, options
 from moebalance.app.compare import Scenario, comparison_title, emit_comparison, run_scenarios
+from moebalance.app.phase import PhaseModel
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.cost.auto import craft_by_goodput
+from moebalance.cost.hardware import get_gpu
 from moebalance.engines import PLAN_FORMATS, read_any_plan
+from moebalance.models import get_model
 from moebalance.policies import POLICIES
 from moebalance.routing import Router
 
@@ -40,6 +43,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--baseline-format", choices=PLAN_FORMATS, help="default: detected")
     options.add_model(p)
     options.add_cost_options(p, gpu_required=False)
+    options.add_phase(p)
     options.add_format(p)
     p.set_defaults(func=run)
 
@@ -68,6 +72,18 @@ def _baselines(args: argparse.Namespace, load: LoadMatrix, routers: list[Router]
     return rows
 
 
+def _phase(args: argparse.Namespace, load: LoadMatrix) -> PhaseModel | None:
+    """What ``--phase`` scores with (it needs the cost model of ``--gpu``), else None."""
+    if args.phase is None:
+        return None
+    name = args.model or load.preset
+    if name is None:
+        raise InputError("the load names no model; give --model with --gpu (e.g. --model deepseek-v3)")
+    return PhaseModel(args.phase, get_model(name), get_gpu(args.gpu), engine=options.engine_from(args),
+                      calibration=options.calibration_from(args), workload=options.workload_from(args),
+                      seed=args.seed, node_forwarding=args.dispatch == "node")
+
+
 def run(args: argparse.Namespace) -> None:
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
     if not policies:
@@ -76,11 +92,15 @@ def run(args: argparse.Namespace) -> None:
     if unknown:
         raise InputError(f"unknown policy {unknown[0]!r}; choose from: {', '.join(POLICIES)}")
     routers = options.routers(args)
+    if args.phase is not None and args.gpu is None:
+        raise InputError(f"--phase {args.phase} draws the steps of a deployment and times them with the cost model; "
+                         "give --gpu (and --model when the load names none)")
     first = [] if args.groups is None else [("--groups", "num_groups", args.groups)]
     per_policy = options.resolve_set(args.set, policies, first=first)
     cluster = options.cluster(args)
     raw = options.read_load(args, model=False)
     load = options.load_model(raw, args.model)
+    routers = options.with_context(routers, options.router_context(args, load))
     budget = options.budget(args)
     several = len(routers) > 1
     scenarios = [Scenario(p, budget, per_policy[p], r, label=f"{p} + {r.label}" if several else None, plan_name=p)
@@ -93,10 +113,14 @@ def run(args: argparse.Namespace) -> None:
         took = time.perf_counter() - t0
         scenarios = [dataclasses.replace(sc, fixed=chosen, fixed_seconds=took)
                      if sc.policy == "craft" and sc.fixed is None else sc for sc in scenarios]
-    rows, plans = run_scenarios(load, cluster, scenarios, args.train_frac, args.seed, costing.cost_fn(args, load),
-                                node_forwarding=args.dispatch == "node")
+    cost = costing.cost_fn(args, load)
+    phase = _phase(args, load)
+    rows, plans = run_scenarios(load, cluster, scenarios, args.train_frac, args.seed, cost,
+                                node_forwarding=args.dispatch == "node", phase=phase)
     title = comparison_title(load, Path(args.load).name, cluster, budget, args.train_frac,
                              "per row" if several else routers[0].label)
     if args.gpu is not None:
         title += f"; modelled on {args.gpu} ({options.calibration_from(args).source})"
+    if phase is not None:
+        title += f"; scored on {phase.phase} steps"
     emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)

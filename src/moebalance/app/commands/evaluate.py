@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> None:
     router = options.router(args)  # a bad name or option fails before any file is read
     given = engine_cluster(args)
     load = options.read_load(args)
+    router = options.with_context([router], options.router_context(args, load))[0]  # metro: the load's model
     plan = read_any_plan(args.plan, given, args.plan_format, load)
     c = plan.cluster
     if given is not None and (c.num_nodes, c.gpus_per_node) != (args.nodes, args.gpus_per_node):

@@ -4,6 +4,7 @@ docs/design.md, "Online replay and prediction")."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from moebalance.app.online_report import (
     plot_online,
     plot_online_time,
 )
+from moebalance.app.phase import PhaseModel, phase_steps
+from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_write_text, dumps
@@ -34,7 +37,7 @@ from moebalance.online.pricing import DEFAULT_OVERHEAD_MS, REARRANGE_MODES, Step
 from moebalance.online.replay import OnlineResult, replay
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
 
-__all__ = ["add_parser", "default_predictor", "prefetch", "pricing_from", "run"]
+__all__ = ["add_parser", "default_predictor", "phase_load", "prefetch", "pricing_from", "run"]
 
 #: The cost options a step of online does not use (the memory and the request mix of ``cost``'s goodput).
 _UNUSED_COST = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
@@ -73,6 +76,7 @@ def add_parser(sub: Any) -> None:
                                    "priced one (default: the load's)")
     options.add_links(p)
     options.add_cost_options(p, gpu_required=False)
+    options.add_phase(p)
     p.add_argument("--rearrange", choices=REARRANGE_MODES,
                    help="with --gpu and --replan-every: a re-plan's moves stop serving (sync, the default) or run "
                         "beside it, the new plan serving once they land (async)")
@@ -141,8 +145,9 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
             raise InputError(f"{given[0]} is used by online with --gpu (a step's time); give --gpu or drop it")
         return None
     for flag, dest in _UNUSED_COST:
-        if getattr(args, dest) is not None:
-            raise InputError(f"{flag} is not used by online (a step's time needs no memory or request mix); drop it")
+        if getattr(args, dest) is not None and args.phase is None:
+            raise InputError(f"{flag} is not used by online without --phase (a step's time needs no memory or request "
+                             "mix); drop it or give --phase")
     if rearrange and args.replan_every is None:
         raise InputError(f"{rearrange[0]} prices periodic re-plans; give --replan-every K or drop it")
     name = args.model or load.preset
@@ -154,6 +159,27 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
                        args.rearrange_overhead_ms, layers_per_step=args.layers_per_step,
                        node_forwarding=args.dispatch == "node",
                        prompt_tokens=options.workload_from(args).prompt_tokens, router_ms=args.router_ms)
+
+
+def phase_load(args: argparse.Namespace, load: LoadMatrix, cluster: Cluster, budget: Budget,
+               pricing: StepPricing | None) -> tuple[LoadMatrix, int | None]:
+    """``(load, N)``: with ``--phase``, every batch drawn again as a step of that phase of ``N`` tokens for the
+    deployment the budget allows (:mod:`moebalance.app.phase`); else the load as it is and ``None``."""
+    if args.phase is None:
+        return load, None
+    if pricing is None:  # unreachable: run refuses --phase without --gpu first
+        raise InputError(f"--phase {args.phase} needs --gpu")
+    spec, L = pricing.model, pricing.model.num_layers
+    if budget.replicas_per_gpu == "auto":
+        raise InputError(f"--phase {args.phase} sizes the steps by the replicas' memory; give --replicas-per-gpu R or "
+                         "--slots-per-gpu S, not auto")
+    hosted = (budget.slots_per_gpu * L if budget.slots_per_gpu is not None else
+              L * math.ceil(spec.num_experts / cluster.num_gpus) + int(budget.replicas_per_gpu or 0))
+    phase = PhaseModel(args.phase, spec, pricing.gpu, engine=pricing.engine, calibration=pricing.calibration,
+                       workload=options.workload_from(args), seed=args.seed)
+    tokens = phase.step_tokens(cluster, hosted)
+    note(f"--phase {args.phase}: every batch drawn again as a step of {tokens:,} tokens")
+    return phase_steps(load, tokens, spec.top_k, args.seed), tokens
 
 
 def _check_moves(args: argparse.Namespace) -> None:
@@ -177,6 +203,9 @@ def run(args: argparse.Namespace) -> None:
     router = None if args.router is None else options.router(args)
     if router is None and args.router_set:
         raise InputError("--router-set needs --router NAME")
+    if args.phase is not None and args.gpu is None:
+        raise InputError(f"--phase {args.phase} prices the steps of a deployment; give --gpu (and --model when the "
+                         "load names none)")
     first = [] if args.groups is None else [("--groups", "num_groups", args.groups)]
     params = options.resolve_set(args.set, policies, first=first, policy_flag="--policy")  # checks the names too
     _check_moves(args)
@@ -195,13 +224,19 @@ def run(args: argparse.Namespace) -> None:
             raise InputError(f"--model {args.model} has {spec.num_layers} MoE layers x {spec.num_experts} experts but "
                              f"the load {load.num_layers} x {load.num_experts}")
     pricing = pricing_from(args, load)
+    if router is not None:
+        router = options.with_context([router], options.router_context(args, load))[0]
+    budget = options.budget(args)
+    load, step_tokens = phase_load(args, load, cluster, budget, pricing)
     warm = parse_batch_range(args.warmup, load.num_batches)
     served = (warm[1], load.num_batches) if args.batches is None else parse_batch_range(args.batches, load.num_batches)
-    budget = options.budget(args)
     dynamic = [p for p in policies if p in DYNAMIC_POLICIES]
     # read once: lookahead needs them, and a libra given no predictor takes lookahead where they are
-    hidden = hidden_states(args.load, load) if any(params[p].get("predictor", "lookahead") == "lookahead"
-                                                   for p in dynamic) else None
+    hidden = hidden_states(args.load, load) if step_tokens is None and any(
+        params[p].get("predictor", "lookahead") == "lookahead" for p in dynamic) else None
+    if step_tokens is not None and any(params[p].get("predictor") == "lookahead" for p in dynamic):
+        raise InputError(f"--phase {args.phase} draws new steps from the batches, so a capture's hidden states no "
+                         "longer line up with its tokens; give libra another predictor (--set predictor=path)")
     notes: dict[str, str] = {}
     for p in dynamic:
         if "predictor" not in params[p]:
@@ -229,11 +264,14 @@ def run(args: argparse.Namespace) -> None:
                                   max_moves=args.max_moves if periodic else None, failures=failures,
                                   reload_gbps=args.reload_link or DEFAULT_RELOAD_GBPS))
     title = (f"{args.load}: batches {served[0]}:{served[1]} served one at a time after warm-up {warm[0]}:{warm[1]}, "
-             f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}")
+             f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}"
+             + ("" if step_tokens is None else f", {args.phase} steps of {step_tokens:,} tokens"))
     docs = [r.as_dict() for r in results]
     for r, d in zip(results, docs, strict=True):
         if r.policy in notes:
             d["predictor_note"] = notes[r.policy]
+        if step_tokens is not None:
+            d["phase"] = {"phase": args.phase, "step_tokens": step_tokens}
     costs: list[dict[str, float] | None] = [None] * len(results)
     if args.model is not None:  # the cost of the copies each batch loads (Libra's prefetch, a replan's moves)
         intra = cluster.intra_node_bandwidth  # --intra-link, else the default link

@@ -1,0 +1,334 @@
+"""The ``metro`` router (balance the modelled expert time, not the tokens) and ``--phase decode|prefill``."""
+
+from __future__ import annotations
+
+import json
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from conftest import assert_user_error, random_replica_layers, run_cli
+from hypothesis import given
+
+from moebalance.algorithms import metro as kernel
+from moebalance.app.phase import PhaseModel, phase_steps, phase_time
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix, read_load
+from moebalance.core.plan import Placement, write_plan
+from moebalance.core.trace import RoutingTrace
+from moebalance.cost.goodput import a2a_estimate
+from moebalance.cost.hardware import get_gpu
+from moebalance.cost.time import expert_seconds
+from moebalance.models import get_model
+from moebalance.policies import Budget, make_plan
+from moebalance.routing import ROUTERS, get_router
+from moebalance.routing.base import check_routes
+from moebalance.routing.simulate import traffic
+from moebalance.routing.touched import split_touched
+from moebalance.runtime import EPConfig, ExpertParallelMoE, GateConfig, dense_moe, launch, random_experts
+
+V3, H100 = get_model("deepseek-v3"), get_gpu("h100-80gb")
+METRO = get_router("metro", {"gpu": "h100-80gb", "model": "deepseek-v3"})
+RNG = np.random.default_rng(0)
+
+
+def _hosted(plan: Placement, counts: np.ndarray) -> np.ndarray:
+    """Experts with load that each GPU holds (the count-level experts touched of ``uniform`` and ``rebalance``)."""
+    return np.einsum("ble,leg->blg", (counts > 0).astype(float), (plan.copies > 0).astype(float))
+
+
+def _touched_by_hand(dest: np.ndarray, ids: np.ndarray, batch: np.ndarray, B: int, G: int) -> np.ndarray:
+    """``[B, L, G]``: distinct experts among each GPU's picks, one set at a time."""
+    out = np.zeros((B, dest.shape[1], G))
+    for b in range(B):
+        for layer in range(dest.shape[1]):
+            for g in range(G):
+                mask = (dest[batch == b, layer] == g)
+                out[b, layer, g] = len(set(ids[batch == b, layer][mask].tolist()))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. a decode batch where token balance is the wrong objective
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_decode_batch_where_token_balance_is_wrong() -> None:
+    # Two H100s, DeepSeek-V3's experts (H = 7168, F = 2048, bf16); experts 0 and 1 both on both GPUs.
+    # Per pick: compute 6 H F / 989e12 = 0.0891 us, activations 2 H 2 B / 3.35e12 = 0.00856 us;
+    # per expert touched: its weights, 3 H F 2 B / 3.35e12 = 26.29 us. A decode batch: expert 0 has 3 picks,
+    # expert 1 has 1.
+    # - uniform: 1.5 + 0.5 = 2 picks per GPU, both experts on both: 2 x 26.29 + 2 x 0.00856 = 52.60 us.
+    # - rebalance: dealt whole, GPU 0 gets 2 + 1 and GPU 1 gets 1 + 0 = [3, 1]; one pick of expert 0 moves: [2, 2],
+    #   GPU 0 still touches both experts: 52.60 us. Token balance is perfect and the layer is twice as slow as
+    # - metro: expert 0's 3 picks on one GPU, expert 1's 1 on the other: 26.29 + 3 x 0.00856 = 26.32 us.
+    plan = Placement([[[0, 1], [0, 1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    counts = np.array([[[3, 1]]])
+    times = {}
+    for name, router in (("uniform", ROUTERS["uniform"]), ("rebalance", ROUTERS["rebalance"]), ("metro", METRO)):
+        picks, touched = split_touched(router, plan, counts, RNG)
+        times[name] = float(expert_seconds(picks, touched, V3, H100).max()) * 1e6
+        if name == "metro":
+            assert sorted(picks[0, 0].tolist()) == [1.0, 3.0] and touched[0, 0].tolist() == [1.0, 1.0]
+        if name == "rebalance":
+            assert picks[0, 0].tolist() == [2.0, 2.0] and touched[0, 0].tolist() == [2.0, 2.0]
+    assert times["uniform"] == pytest.approx(52.60, abs=0.01)
+    assert times["rebalance"] == pytest.approx(52.60, abs=0.01)
+    assert times["metro"] == pytest.approx(26.32, abs=0.01)
+
+
+def test_decode_tokens_touch_one_expert_per_gpu() -> None:
+    # The same batch as tokens (top-1): expert 0's picks come from GPUs 0, 0 and 1, expert 1's from GPU 1.
+    # rebalance keeps every pick on its own GPU (each has a copy): GPU 1 serves one pick of each expert, [2, 2]
+    # picks, two experts touched: 52.60 us. metro serves each expert on one GPU: 26.32 us.
+    plan = Placement([[[0, 1], [0, 1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    tr = RoutingTrace(np.array([[[0]], [[0]], [[0]], [[1]]]), np.array([0, 0, 1, 1]), np.zeros(4, int), num_experts=2)
+    dest = METRO.assign_tokens(plan, tr, RNG)[:, 0, 0]
+    assert dest[0] == dest[1] == dest[2] != dest[3]
+    assert ROUTERS["rebalance"].assign_tokens(plan, tr, RNG)[:, 0, 0].tolist() == [0, 0, 1, 1]
+
+
+def test_prefill_falls_back_to_balancing_tokens() -> None:
+    # The same plan with 3,000 and 1,000 picks: compute-bound (3,000 x 0.0891 us = 267 us >> 2 x 26.29 us), so the
+    # best split is the token balance, 2,000 picks per GPU, as rebalance finds.
+    plan = Placement([[[0, 1], [0, 1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    counts = np.array([[[3000, 1000]]])
+    picks, _ = split_touched(METRO, plan, counts, RNG)
+    assert picks[0, 0].tolist() == [2000.0, 2000.0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. never slower than uniform and rebalance, per (batch, layer)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[Placement, np.ndarray, str, str]:
+    nodes, gpn = draw(st.sampled_from([(1, 2), (1, 3), (2, 2), (2, 3)]))
+    L, E, B = draw(st.integers(1, 3)), draw(st.integers(1, 7)), draw(st.integers(1, 3))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    plan = Placement(random_replica_layers(rng, L, E, nodes * gpn), E, Cluster(num_nodes=nodes, gpus_per_node=gpn))
+    scale = draw(st.sampled_from([3, 40, 5000]))  # decode-like to prefill-like
+    counts = rng.integers(0, scale, size=(B, L, E)) * (rng.random((B, L, E)) < 0.7)
+    model, gpu = draw(st.sampled_from([("deepseek-v3", "h100-80gb"), ("mixtral-8x7b", "a100-80gb")]))
+    return plan, counts, model, gpu
+
+
+def _layer_seconds(plan: Placement, model: str, gpu: str, picks: np.ndarray, touched: np.ndarray,
+                   a2a: np.ndarray) -> np.ndarray:
+    return expert_seconds(picks, touched, get_model(model), get_gpu(gpu)).max(axis=2) + a2a
+
+
+@given(case=cases())
+def test_never_slower_than_uniform_or_rebalance_on_counts(case: tuple[Placement, np.ndarray, str, str]) -> None:
+    plan, counts, model, gpu = case
+    metro = get_router("metro", {"gpu": gpu, "model": model})
+    per_copy = get_model(model).hidden_size * 2
+    picks, touched = split_touched(metro, plan, counts, RNG)
+    assert np.allclose(picks.sum(axis=2), counts.sum(axis=2))
+    hosted = _hosted(plan, counts)
+    # the experts touched it reports: at most the hosted ones with load and the (whole) picks, at least one per busy GPU,
+    # every loaded expert at least once
+    assert np.all(touched <= hosted) and np.all(touched <= np.ceil(picks)) and np.all((picks > 0) <= (touched >= 1))
+    assert np.all(touched.sum(axis=2) >= (counts > 0).sum(axis=2))
+    ours = _layer_seconds(plan, model, gpu, picks, touched, a2a_estimate(picks, plan.cluster, per_copy))
+    for name in ("uniform", "rebalance"):
+        other = ROUTERS[name].split_counts(plan, counts, RNG)
+        theirs = _layer_seconds(plan, model, gpu, other, hosted, a2a_estimate(other, plan.cluster, per_copy))
+        assert np.all(ours <= theirs * (1 + 1e-12)), (name, ours, theirs)
+
+
+@given(case=cases(), T=st.integers(1, 30), seed=st.integers(0, 2**31))
+def test_never_slower_than_uniform_or_rebalance_on_tokens(case: tuple[Placement, np.ndarray, str, str], T: int,
+                                                          seed: int) -> None:
+    plan, _, model, gpu = case
+    rng = np.random.default_rng(seed)
+    L, E, G = plan.num_layers, plan.num_experts, plan.num_gpus
+    K = min(2, E)
+    ids = np.stack([np.stack([rng.permutation(E)[:K] for _ in range(L)]) for _ in range(T)])
+    batch = np.sort(rng.integers(0, 2, T))
+    tr = RoutingTrace(ids, rng.integers(0, G, T), batch, num_experts=E, num_batches=2)
+    metro = get_router("metro", {"gpu": gpu, "model": model})
+    per_copy = get_model(model).hidden_size * 2
+
+    def seconds(dest: np.ndarray) -> np.ndarray:
+        picks = np.zeros((2, L, G))
+        np.add.at(picks, (np.repeat(batch, L * K), np.tile(np.repeat(np.arange(L), K), T), dest.ravel()), 1)
+        touched = _touched_by_hand(dest, ids, batch, 2, G)
+        return _layer_seconds(plan, model, gpu, picks, touched, traffic(plan, tr, dest, per_copy).a2a_seconds)
+
+    dest = metro.assign_tokens(plan, tr, RNG)
+    for layer in range(L):
+        check_routes(dest[:, layer, :], ids[:, layer, :], plan.copies[layer], "metro")
+    ours = seconds(dest)
+    for name in ("uniform", "rebalance"):
+        theirs = seconds(ROUTERS[name].assign_tokens(plan, tr, RNG))
+        assert np.all(ours <= theirs * (1 + 1e-12)), (name, ours, theirs)
+
+
+@given(n=st.integers(0, 10**6), u=st.integers(0, 64), model=st.sampled_from(["deepseek-v3", "olmoe-1b-7b"]),
+       gpu=st.sampled_from(["h100-80gb", "rtx4090"]))
+def test_kernel_roofline_is_the_cost_model(n: int, u: int, model: str, gpu: str) -> None:
+    """The kernel's expert time equals :func:`expert_seconds` (a drift would make its search optimise another
+    model than the one it is scored by), calibrated too."""
+    router = get_router("metro", {"gpu": gpu, "model": model, "flops_efficiency": 0.6, "launch_us": 4.0})
+    plan = Placement([[[0], [0]]], 1, Cluster(num_nodes=1, gpus_per_node=2))
+    cost = router.config.cost_vector(plan)  # type: ignore[union-attr]
+    want = float(expert_seconds(n, max(u, 1) if n else u, get_model(model), get_gpu(gpu),
+                                router.config.calibration()))  # type: ignore[union-attr]
+    assert kernel.expert_time(n, max(u, 1) if n else u, cost) == pytest.approx(want, rel=1e-12, abs=1e-18)
+
+
+def test_kept_picks_only_and_dropped_ones_nowhere() -> None:
+    plan = Placement([[[0, 1], [0, 1]]], 2, Cluster(num_nodes=1, gpus_per_node=2))
+    tr = RoutingTrace(np.array([[[0, 1]], [[0, 1]], [[1, 0]]]), np.array([0, 1, 1]), np.zeros(3, int), num_experts=2)
+    kept = np.array([[[True, False]], [[True, True]], [[False, True]]])
+    dest = METRO.assign_kept(plan, tr, kept, RNG)  # type: ignore[misc]
+    assert np.array_equal(dest < 0, ~kept)
+    check_routes(dest[:, 0, :], tr.topk_ids[:, 0, :].astype(np.int64), plan.copies[0], "metro", kept[:, 0, :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 3. phases
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_phase_steps_draw_one_step_per_batch() -> None:
+    counts = np.array([[[30, 10, 0, 0]], [[0, 0, 0, 0]]])
+    steps = phase_steps(LoadMatrix(counts), 5, 2, seed=3)
+    assert steps.counts.shape == (2, 1, 4)
+    # 5 tokens x top-2 = 10 picks; expert 0's share (3/4) asks for 7.5 but a token picks it once: 5, the rest to 1
+    assert steps.counts[0].tolist() == [[5, 5, 0, 0]]
+    assert steps.counts[1].sum() == 0  # a layer without load stays without
+    tr = RoutingTrace(np.array([[[0, 1]], [[2, 3]], [[1, 2]]]), np.array([0, 1, 1]), np.array([0, 0, 1]), num_experts=4)
+    drawn = phase_steps(LoadMatrix(tr.counts(), tr), 4, 2, seed=0)
+    assert drawn.trace is not None and drawn.trace.batch.tolist() == [0] * 4 + [1] * 4
+    assert all(tuple(row) in {(0, 1), (2, 3)} for row in drawn.trace.topk_ids[:4, 0].tolist())
+
+
+def test_phase_time_of_metro_is_at_most_uniform_on_decode_steps() -> None:
+    load = read_load("bundled:deepseek-v3-8x8").select_batches(0, 6)
+    train, test = load.split(0.5)
+    cluster = Cluster(num_nodes=8, gpus_per_node=8)
+    plan = make_plan("eplb", train, cluster, Budget(slots_per_gpu=6))[0]
+    phase = PhaseModel("decode", V3, H100)
+    steps, tokens = phase.plan_steps(plan, test)
+    assert tokens == phase.step_tokens(cluster, np.full(64, 6 * 58))
+    t = {r: phase_time(plan, steps, get_router(r) if r != "metro" else METRO, V3, H100, phase="decode",
+                       step_tokens=tokens) for r in ("uniform", "rebalance", "metro")}
+    assert t["metro"].moe_layer_ms <= min(t["uniform"].moe_layer_ms, t["rebalance"].moe_layer_ms) * (1 + 1e-12)
+    assert t["metro"].moe_layer_ms == pytest.approx(t["metro"].expert_ms + t["metro"].a2a_ms)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. the command line
+# ---------------------------------------------------------------------------------------------------------
+
+COMPARE = ["compare", "--load", "bundled:deepseek-v3-8x8", "--policies", "eplb", "--nodes", 8, "--gpus-per-node", 8,
+           "--slots-per-gpu", 5, "--train-frac", 0.97]
+ONLINE = ["online", "--load", "bundled:mixtral-8x7b-tokens", "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 8,
+          "--slots-per-gpu", 2, "--warmup", "0:2", "--batches", "2:4"]
+
+
+def test_compare_phase_reports_moe_layer_time_per_router(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli([*COMPARE, "--router", "uniform,metro", "--gpu", "h100-80gb", "--phase", "decode",
+                            "--json"], capsys)
+    assert rc == 0, err
+    rows = json.loads(out)["rows"]
+    assert [r["router"] for r in rows] == ["uniform", "metro"]
+    assert rows[1]["router_params"] == {"gpu": "h100-80gb", "model": "deepseek-v3", "flops_efficiency": None,
+                                        "bandwidth_efficiency": None, "launch_us": None}
+    for r in rows:
+        assert r["phase"]["phase"] == "decode" and r["phase"]["step_tokens"] == 1232  # the KV cache's concurrency
+    assert rows[1]["phase"]["moe_layer_ms"] <= rows[0]["phase"]["moe_layer_ms"]
+    rc, out, err = run_cli([*COMPARE, "--router", "rebalance", "--gpu", "h100-80gb", "--phase", "prefill",
+                            "--prefill-chunk", 512], capsys)
+    assert rc == 0, err
+    assert "| eplb | 4,096 |" in out  # 512 prompt tokens x 8 data-parallel ranks (a node each)
+
+
+def test_online_phase_draws_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run_cli([*ONLINE, "--router", "metro", "--gpu", "h100-80gb", "--phase", "decode",
+                            "--memory-fraction", 0.8, "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["router"] == "metro(gpu=h100-80gb, model=mixtral-8x7b)"
+    assert doc["phase"]["phase"] == "decode" and doc["phase"]["step_tokens"] > 0 and "time" in doc
+
+
+@pytest.mark.parametrize(("argv", "fragments"), [
+    ([*COMPARE, "--router", "metro"], ("router 'metro'", "--router-set gpu=", "--gpu")),
+    ([*COMPARE, "--phase", "decode"], ("--phase decode", "give --gpu")),
+    ([*COMPARE, "--router", "metro", "--router-set", "gpu=h1000"], ("unknown GPU 'h1000'", "h100-80gb")),
+    ([*COMPARE, "--router", "metro", "--router-set", "flops_efficiency=2", "--gpu", "h100-80gb"],
+     ("metro option", "flops_efficiency", "(0, 1]")),
+    ([*COMPARE, "--router", "metro", "--router-set", "model=7"], ("metro option model (7)", "model=deepseek-v3")),
+    ([*ONLINE, "--router", "metro"], ("router 'metro'", "--router-set gpu=")),
+    ([*ONLINE, "--phase", "prefill"], ("--phase prefill", "give --gpu")),
+    ([*ONLINE[:9], "--replicas-per-gpu", "auto", *ONLINE[11:], "--gpu", "h100-80gb", "--phase", "decode"],
+     ("--phase decode", "not auto")),
+    ([*ONLINE, "--gpu", "h100-80gb", "--memory-fraction", 0.8], ("--memory-fraction", "not used by online without --phase")),
+])
+def test_metro_and_phase_user_errors(argv: list[object], fragments: tuple[str, ...],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(argv, capsys, *fragments)
+
+
+def test_evaluate_metro_takes_the_loads_model(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    load = read_load("bundled:deepseek-v3-8x8").select_batches(0, 2)
+    plan = make_plan("eplb", load, Cluster(num_nodes=8, gpus_per_node=8), Budget(slots_per_gpu=5))[0]
+    path = Path(str(tmp_path)) / "plan.json"
+    write_plan(path, plan)
+    base = ["evaluate", "--plan", path, "--load", "bundled:deepseek-v3-8x8", "--batches", "0:2", "--router", "metro"]
+    assert_user_error(base, capsys, "router 'metro'", "no gpu:", "--router-set gpu=")
+    rc, out, err = run_cli([*base, "--router-set", "gpu=h200", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["router_params"]["model"] == "deepseek-v3"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. the runtime: the same code picks each token's copy; output equals the dense reference
+# ---------------------------------------------------------------------------------------------------------
+
+E, H, FFN, K, SEED = 8, 16, 24, 2, 11
+TOKENS = [5, 4]
+#: Every expert on both ranks: uniform splits each expert's picks over both, metro keeps each on one.
+EVERYWHERE = Placement([[list(range(E)), list(range(E))]], E, Cluster(num_nodes=1, gpus_per_node=2))
+RUNTIME_METRO = get_router("metro", {"gpu": "h100-80gb", "model": "mixtral-8x7b"})
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randn(sum(TOKENS), H, generator=g), torch.randn(H, E, generator=g)
+
+
+def _rank(rank: int, world_size: int) -> dict[str, np.ndarray]:
+    x, gate = _inputs()
+    lo = sum(TOKENS[:rank])
+    full = random_experts(E, H, FFN, seed=SEED)
+    layer = ExpertParallelMoE.from_full(EVERYWHERE, 0, gate, full, GateConfig(top_k=K),
+                                        EPConfig(router=RUNTIME_METRO, router_seed=SEED))
+    res = layer(x[lo:lo + TOKENS[rank]], step=0)
+    return {"out": res.out.numpy(), "dest": np.asarray(res.dest)}
+
+
+def test_runtime_metro_equals_the_dense_reference_and_the_simulator() -> None:
+    ranks = launch(_rank, 2)
+    x, gate = _inputs()
+    ref, g = dense_moe(x, gate, random_experts(E, H, FFN, seed=SEED), GateConfig(top_k=K), group_sizes=TOKENS)
+    torch.testing.assert_close(torch.from_numpy(np.concatenate([r["out"] for r in ranks])), ref, rtol=1e-5, atol=1e-6)
+    ids = g.topk_ids.numpy()
+    tr = RoutingTrace(ids[:, None, :], np.repeat([0, 1], TOKENS), np.zeros(sum(TOKENS), int), num_experts=E)
+    want = RUNTIME_METRO.assign_tokens(EVERYWHERE, tr, np.random.default_rng((SEED, 0, 0)))[:, 0, :]
+    assert all(np.array_equal(r["dest"], want) for r in ranks)
+    # the point of metro: each rank reads fewer experts' weights than when every expert's picks are split (uniform)
+    uniform = ROUTERS["uniform"].assign_tokens(EVERYWHERE, tr, RNG)[:, 0, :]
+
+    def most_touched(dest: np.ndarray) -> int:
+        return max(len(set(ids[dest == g].tolist())) for g in (0, 1))
+
+    loaded = len(np.unique(ids))
+    assert most_touched(uniform) == loaded and most_touched(want) <= (loaded + 2) // 2 < loaded
