@@ -87,9 +87,9 @@ def test_a_value_too_long_to_convert_is_one_line(capsys: pytest.CaptureFixture[s
 @pytest.mark.parametrize(("items", "policies", "message"), [
     (["speed=3"], ["greedy"], "--set speed: policy 'greedy' has no parameter 'speed'; it takes none"),
     (["speed=3"], ["eplb", "greedy"], "--set speed: no policy among --policies eplb,greedy has parameter 'speed'; "
-                                      "eplb: num_groups, avoid_duplicates; greedy: none"),
+                                      "eplb: num_groups, avoid_duplicates, objective, workload_batches; greedy: none"),
     (["eplb.speed=3"], ["eplb"], "--set eplb.speed: policy 'eplb' has no parameter 'speed'; its parameters: "
-                                 "num_groups, avoid_duplicates"),
+                                 "num_groups, avoid_duplicates, objective, workload_batches"),
     (["craft.objective=gain"], ["eplb", "greedy"], "--set craft.objective: 'craft' is not among --policies "
                                                    "eplb,greedy"),
     (["novalue"], ["eplb"], "--set 'novalue' must look like key=value"),
@@ -107,7 +107,7 @@ def test_unknown_policy_names_the_known_ones() -> None:
 
 
 def test_policy_keys_are_the_config_fields() -> None:
-    assert options.policy_keys("eplb") == ("num_groups", "avoid_duplicates")
+    assert options.policy_keys("eplb") == ("num_groups", "avoid_duplicates", "objective", "workload_batches")
     assert options.policy_keys("greedy") == ()
     assert "predictor" in (options.policy_keys("libra") or ())
 
@@ -116,7 +116,8 @@ def test_the_sweep_policies_take_their_policy_options() -> None:
     assert "allocation" not in sweep_keys("craft-uniform") and "objective" in sweep_keys("craft-uniform")
     assert sweep_keys("craft") == options.policy_keys("craft")
     got = options.resolve_set(["objective=weighted"], ["craft", "craft-uniform", "eplb"], keys=sweep_keys)
-    assert got == {"craft": {"objective": "weighted"}, "craft-uniform": {"objective": "weighted"}, "eplb": {}}
+    assert got == {"craft": {"objective": "weighted"}, "craft-uniform": {"objective": "weighted"},
+                   "eplb": {"objective": "weighted"}}  # eplb reads craft's "weighted" as its "sum"
 
 
 def test_sweeps_uniform_is_an_alias_that_names_no_router() -> None:

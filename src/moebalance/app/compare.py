@@ -200,4 +200,4 @@ def emit_comparison(rows: list[ComparisonRow], plans: dict[str, Placement], titl
     for note in notes:
         out.print(note)
     if out_dir:
-        out.print(f"wrote {out_dir}/comparison.md, comparison.json, per_layer_balancedness.png and plans")
+        out.print(f"wrote {out_dir}/comparison.md, comparison.json, per_layer_balancedness.png, plans and report.html")

@@ -9,6 +9,11 @@ capacity-aware greedy placement (Section 4.2.2 step 5).
 Budgets: ``replicas_per_gpu R`` (or ``auto``) as CRAFT plans; ``slots_per_gpu S`` is read as the same
 replica memory, ``R = L * (S - E / G)`` (:meth:`~moebalance.core.budget.Capacity.replicas`, with a note in the
 plan), so that CRAFT and EPLB compare under one budget.
+
+``objective="worst"`` with ``workload_batches`` (the batch count of each of two or more workloads concatenated in
+the load; ``moebalance plan`` fills it from several ``--load``) allocates and places for the worst workload:
+the benefit table per workload, Alg. 2 for the worst of them (:mod:`moebalance.algorithms.robust`).
+``objective="sum"`` is Alg. 2's ``"gain"`` on the summed load, the default.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Literal
 import numpy as np
 
 from moebalance.algorithms.craft import (
+    BenefitTable,
     Objective,
     auto_replicas_per_gpu,
     benefit_table,
@@ -27,32 +33,53 @@ from moebalance.algorithms.craft import (
     replica_ladder,
     uniform_allocation,
 )
+from moebalance.algorithms.packing import placement_from_assignment
+from moebalance.algorithms.robust import (
+    allocate_worst,
+    check_workloads,
+    normalise,
+    plan_layers_worst,
+    workload_loads,
+    workload_starts,
+    worst_benefit_tables,
+)
 from moebalance.core.budget import Capacity
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.options import check_choice
+from moebalance.core.plan import Placement
 from moebalance.policies.base import Diagnostics, Planned, Policy, PolicyConfig
 
 __all__ = ["CRAFT", "CraftConfig", "CraftDiagnostics", "craft"]
 
 Allocation = Literal["benefit", "uniform"]
+CraftObjective = Literal["gain", "weighted", "sum", "worst"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CraftConfig(PolicyConfig):
-    """``objective``: Alg. 2's ``"gain"`` (sum of gains) or the printed ``"weighted"`` (``r * T``).
-    ``replica_counts``: the positive replica counts a layer may take (None: ``1, 2, 4, ..., G``; checked
-    against ``G`` when planning). ``allocation``: ``"benefit"`` (Alg. 1-2) or ``"uniform"`` (the same
-    replicas in every layer, the baseline CRAFT compares against)."""
+    """``objective``: Alg. 2's ``"gain"`` (sum of gains; ``"sum"`` is the same, the summed load's) or the printed
+    ``"weighted"`` (``r * T``), or ``"worst"`` (the worst of the workloads). ``replica_counts``: the positive replica
+    counts a layer may take (None: ``1, 2, 4, ..., G``; checked against ``G`` when planning). ``allocation``:
+    ``"benefit"`` (Alg. 1-2) or ``"uniform"`` (the same replicas in every layer, the baseline CRAFT compares
+    against). ``workload_batches``: each workload's batch count in the load, in order (None: one workload)."""
 
-    objective: Objective = "gain"
+    objective: CraftObjective = "gain"
     replica_counts: list[int] | None = None
     allocation: Allocation = "benefit"
+    workload_batches: list[int] | None = None
 
     def __post_init__(self) -> None:
-        check_choice("objective", self.objective, ("gain", "weighted"), BudgetError)
+        check_choice("objective", self.objective, ("gain", "weighted", "sum", "worst"), BudgetError)
         check_choice("allocation", self.allocation, ("benefit", "uniform"), BudgetError)
+        if self.objective == "sum":
+            object.__setattr__(self, "objective", "gain")
+        batches = check_workloads("worst" if self.objective == "worst" else "sum", self.workload_batches)
+        object.__setattr__(self, "workload_batches", batches)
+
+    def as_params(self) -> dict[str, object]:
+        return {} if self.workload_batches is None else {"workload_batches": self.workload_batches}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -95,20 +122,53 @@ def craft(load: LoadMatrix, cluster: Cluster, capacity: Capacity, config: CraftC
     ladder = replica_ladder(G) if config.replica_counts is None else _check_ladder(config.replica_counts, G)
     params: dict[str, object] = {"objective": config.objective, "replica_counts": list(ladder),
                                  "allocation": config.allocation}
+    if config.objective == "worst":
+        return _craft_worst(load, cluster, R, ladder, config, params, used)
     if config.allocation == "uniform":
         if R is None:
             raise BudgetError("allocation 'uniform' has no benefit curve to choose R from; give a number")
         params["replicas_per_gpu"] = R
         return Planned(plan_with_allocation(load, cluster, uniform_allocation(L, R * G), params), capacity=used)
     table = benefit_table(load.counts, cluster, ladder)
+    objective: Objective = "weighted" if config.objective == "weighted" else "gain"
     diagnostics = CraftDiagnostics()
     if R is None:
-        R, curve = auto_replicas_per_gpu(table, G, objective=config.objective)
+        R, curve = auto_replicas_per_gpu(table, G, objective=objective)
         params["replicas_per_gpu"] = "auto"
         diagnostics = CraftDiagnostics(chosen=R, auto_curve=[round(float(v), 6) for v in curve])
     else:
         params["replicas_per_gpu"] = R
-    plan = plan_from_table(load, cluster, table, R, config.objective, params)
+    plan = plan_from_table(load, cluster, table, R, objective, params)
+    return Planned(plan, diagnostics, used)
+
+
+def _craft_worst(load: LoadMatrix, cluster: Cluster, R: int | None, ladder: tuple[int, ...], config: CraftConfig,
+                 params: dict[str, object], used: Capacity | None) -> Planned:
+    """Steps 1-5 for the worst workload (:mod:`moebalance.algorithms.robust`); under ``auto``, the knee of the
+    per-layer worst gain's curve (Step 2 on the table of ``min_k`` gains)."""
+    L, G = load.num_layers, cluster.num_gpus
+    starts = workload_starts(config.workload_batches, load.num_batches)
+    diagnostics = CraftDiagnostics()
+    if config.allocation == "uniform":
+        if R is None:
+            raise BudgetError("allocation 'uniform' has no benefit curve to choose R from; give a number")
+        x = uniform_allocation(L, R * G)
+    else:
+        table = worst_benefit_tables(load.counts, starts, ladder, cluster.gpus_per_node, G)
+        if R is None:
+            worst = BenefitTable(table.replica_counts, table.gain.min(axis=0), table.base.min(axis=0))
+            R, curve = auto_replicas_per_gpu(worst, G)
+            diagnostics = CraftDiagnostics(chosen=R, auto_curve=[round(float(v), 6) for v in curve])
+        alloc = allocate_worst(table, R * G)
+        x = alloc.layer_replicas
+        params.update(predicted_worst_balancedness=round(float(alloc.predicted.min()), 6),
+                      predicted_worst_bound=round(alloc.bound, 6))
+    params["replicas_per_gpu"] = "auto" if diagnostics.chosen is not None else R
+    w = normalise(workload_loads(load.counts, starts))
+    reps, gpu, expert = plan_layers_worst(w, x, cluster.gpus_per_node, G)
+    plan: Placement = placement_from_assignment(gpu, expert, cluster, load.num_experts, "craft",
+                                                {**params, "layer_replicas": (reps.sum(axis=1) - load.num_experts)
+                                                 .tolist()})
     return Planned(plan, diagnostics, used)
 
 

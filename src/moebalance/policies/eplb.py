@@ -10,6 +10,11 @@ plan then carries a warning. ``avoid_duplicates=True`` repairs them after the re
 surplus copy is swapped with a slot of another GPU (same node first, so hierarchical plans keep their
 node-level grouping) that holds neither expert, choosing the swap that keeps the two GPUs' larger planned
 load lowest. A surplus copy with no legal swap partner is left in place (the warning stays).
+
+``objective="worst"`` with ``workload_batches`` (the batch count of each of two or more workloads concatenated in
+the load; ``moebalance plan`` fills it from several ``--load``) plans for the worst workload instead of their sum:
+:func:`moebalance.algorithms.robust.eplb_worst`, EPLB's steps with a load per workload. The default
+``objective="sum"`` is the reference on the summed load, whatever the workloads.
 """
 
 from __future__ import annotations
@@ -20,6 +25,13 @@ import numpy as np
 
 from moebalance.algorithms.eplb import eplb_plan
 from moebalance.algorithms.packing import repair_duplicates
+from moebalance.algorithms.robust import (
+    check_workloads,
+    eplb_worst,
+    normalise,
+    workload_loads,
+    workload_starts,
+)
 from moebalance.core.budget import Capacity
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError
@@ -34,10 +46,15 @@ __all__ = ["EPLB", "EplbConfig", "EplbDiagnostics", "eplb"]
 @dataclass(kw_only=True, frozen=True, slots=True)
 class EplbConfig(PolicyConfig):
     """``num_groups``: expert groups for the hierarchical policy (None: the load's model's, else 1).
-    ``avoid_duplicates``: repair same-GPU copies after the reference has run."""
+    ``avoid_duplicates``: repair same-GPU copies after the reference has run.
+    ``objective``: ``"sum"`` (the reference on the summed load) or ``"worst"`` (the worst of the workloads); CRAFT's
+    ``"gain"`` and ``"weighted"`` read as ``"sum"``, so that one ``--set objective=...`` can serve both policies.
+    ``workload_batches``: each workload's batch count in the load, in order (None: one workload)."""
 
     num_groups: int | None = None
     avoid_duplicates: bool = False
+    objective: str = "sum"
+    workload_batches: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_groups is not None:
@@ -45,9 +62,15 @@ class EplbConfig(PolicyConfig):
                                                              error=BudgetError))
         if not isinstance(self.avoid_duplicates, bool):
             raise BudgetError(f"avoid_duplicates ({self.avoid_duplicates!r}) must be true or false")
+        if self.objective in ("gain", "weighted"):  # CRAFT's Alg. 2 objectives, given to several policies at once
+            object.__setattr__(self, "objective", "sum")  # (--set objective=weighted): EPLB has no allocation step
+        object.__setattr__(self, "workload_batches", check_workloads(self.objective, self.workload_batches))
 
     def as_params(self) -> dict[str, object]:
-        return {}  # the diagnostics record the groups used; avoid_duplicates only when set
+        # the diagnostics record the groups used; avoid_duplicates only when set; the objective where it matters
+        if self.workload_batches is None:
+            return {}
+        return {"objective": self.objective, "workload_batches": self.workload_batches}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -76,9 +99,15 @@ def eplb(load: LoadMatrix, cluster: Cluster, capacity: Capacity, config: EplbCon
     E, G = load.num_experts, cluster.num_gpus
     slots, used = capacity.uniform_slots("eplb")
     groups = _model_groups(load) if config.num_groups is None else config.num_groups
-    weight = load.total()
-    result = eplb_plan(weight, num_replicas=slots * G, num_groups=groups, num_nodes=cluster.num_nodes, num_gpus=G)
-    phy2log = result.physical_to_logical
+    if config.objective == "worst":
+        per_workload = workload_loads(load.counts, workload_starts(config.workload_batches, load.num_batches))
+        phy2log = eplb_worst(per_workload, num_replicas=slots * G, num_groups=groups, num_nodes=cluster.num_nodes,
+                             num_gpus=G)
+        weight = normalise(per_workload).max(axis=0)  # what a same-GPU copy costs, for the repair below
+    else:
+        weight = load.total()
+        phy2log = eplb_plan(weight, num_replicas=slots * G, num_groups=groups, num_nodes=cluster.num_nodes,
+                            num_gpus=G).physical_to_logical
     swaps = None
     if config.avoid_duplicates:
         slot_gpu = np.broadcast_to(np.arange(phy2log.shape[1]) // slots, phy2log.shape)

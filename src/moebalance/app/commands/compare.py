@@ -10,6 +10,7 @@ from typing import Any
 
 from moebalance.app import costing, options
 from moebalance.app.compare import Scenario, comparison_title, emit_comparison, run_scenarios
+from moebalance.app.html_report import compare_report
 from moebalance.app.phase import PhaseModel
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
@@ -124,3 +125,6 @@ def run(args: argparse.Namespace) -> None:
     if phase is not None:
         title += f"; scored on {phase.phase} steps"
     emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)
+    if args.out_dir:
+        compare_report(rows, plans, scenarios, load.split(args.train_frac)[1], title, seed=args.seed).write(
+            Path(args.out_dir) / "report.html")

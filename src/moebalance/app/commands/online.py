@@ -16,6 +16,7 @@ from moebalance.app import options
 from moebalance.app.capture_inputs import build_traces, capture_model, concatenated, hidden_states
 from moebalance.app.console import err, note, out, progress
 from moebalance.app.costing import refuse_cost_options
+from moebalance.app.html_report import online_report
 from moebalance.app.online_report import (
     failure_notes,
     online_markdown,
@@ -285,6 +286,7 @@ def run(args: argparse.Namespace) -> None:
         plot_online(results, out_dir / "online.png", title)
         if pricing is not None:
             plot_online_time(results, out_dir / "online_time.png", title)
+        online_report(results, title, costs).write(out_dir / "report.html")
     if args.json:
         sys.stdout.write(dumps(docs[0] if len(docs) == 1 else {"results": docs}))
         return
@@ -292,5 +294,6 @@ def run(args: argparse.Namespace) -> None:
     for line in failure_notes(results):
         out.print(f"failure: {line}")
     if out_dir is not None:
-        extra = ", online.png and online_time.png" if pricing is not None else " and online.png"
+        extra = ", online.png, online_time.png and report.html" if pricing is not None else \
+            ", online.png and report.html"
         err.print(f"wrote {out_dir / 'online.md'}, online.json{extra}")

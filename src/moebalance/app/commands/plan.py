@@ -4,37 +4,45 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from rich.table import Table
 
 from moebalance.algorithms.migration import MIGRATIONS, lay_onto
 from moebalance.app import costing, options
 from moebalance.app.console import check_out, err, out, progress
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
+from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix, parse_batch_range
 from moebalance.core.plan import Placement, read_plan, write_plan
+from moebalance.core.trace import RoutingTrace
 from moebalance.cost.auto import craft_by_goodput
 from moebalance.cost.memory import GIB
 from moebalance.cost.transfer import schedule_transfers
 from moebalance.policies import POLICIES, get_policy, make_plan
-from moebalance.routing.simulate import evaluate
+from moebalance.routing.simulate import Score, evaluate
 
-__all__ = ["add_parser", "eplb_variant", "migrate", "report_moves", "run"]
+__all__ = ["Workloads", "add_parser", "check_same_model", "concatenate_loads", "eplb_variant", "migrate",
+           "read_workloads", "report_moves", "run", "workload_table"]
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("plan", help="compute a placement plan")
-    p.add_argument("--load", required=True, help=".npy [L, E] / [B, L, E], .npz with counts, bundled:NAME, or an "
-                                                 "engine's dump (SGLang .pt/.json, TensorRT-LLM statistics folder)")
+    p.add_argument("--load", required=True, action="append",
+                   help=".npy [L, E] / [B, L, E], .npz with counts, bundled:NAME, or an engine's dump (SGLang "
+                        ".pt/.json, TensorRT-LLM statistics folder); repeatable: several workloads of one model, "
+                        "planned for their sum, or with --set objective=worst (eplb, craft) for the worst of them, "
+                        "and scored one by one")
     p.add_argument("--policy", required=True, help=f"one of: {', '.join(POLICIES)}")
     options.add_cluster(p)
     options.add_budget(p)
     options.add_set(p)
     options.add_auto_by(p)
     options.add_links(p)
-    p.add_argument("--batches", help="plan on batches a:b only")
+    p.add_argument("--batches", help="plan on batches a:b only (of each --load)")
     p.add_argument("--out", required=True, help="output plan .json")
     options.add_model(p, "--auto-by goodput")
     p.add_argument("--seed", type=options.non_negative, default=0)
@@ -127,6 +135,84 @@ def take_migration_items(args: argparse.Namespace) -> None:
     args.set = rest
 
 
+@dataclass(frozen=True, slots=True)
+class Workloads:
+    """The ``--load`` files of ``plan``: each one's planning batches, and all of them in one load."""
+
+    #: The ``--load`` texts, in order.
+    names: list[str]
+    #: Each workload's planning batches (``--batches`` of each file).
+    parts: list[LoadMatrix]
+    #: Each workload's ``--batches`` range, ``"a:b"``.
+    ranges: list[str]
+    #: The planning batches of every workload, concatenated in ``--load`` order (the first alone for one file).
+    load: LoadMatrix
+    #: Layers without load in every whole file (an engine's dense layers).
+    dense: list[int]
+
+
+def read_workloads(args: argparse.Namespace) -> Workloads:
+    """Every ``--load`` (one model: same layers and experts), ``--model`` applied, ``--batches`` taken from each."""
+    names = list(args.load)
+    full = [options.load_model(options.read_load(argparse.Namespace(**{**vars(args), "load": path}), model=False),
+                               args.model) for path in names]
+    for path, other in zip(names[1:], full[1:], strict=True):
+        check_same_model(names[0], full[0], path, other)
+    # dense layers: no load in any whole file, not merely in the planning window (engine exports leave them out)
+    has_load = np.logical_or.reduce([f.counts.sum(axis=(0, 2)) > 0 for f in full])
+    parts, ranges = [], []
+    for f in full:
+        start, stop = parse_batch_range(args.batches, f.num_batches)
+        parts.append(f.select_batches(start, stop))
+        ranges.append(f"{start}:{stop}")
+    load = parts[0] if len(parts) == 1 else concatenate_loads(parts)
+    return Workloads(names, parts, ranges, load, [int(x) for x in np.flatnonzero(~has_load)])
+
+
+def check_same_model(first_name: str, first: LoadMatrix, name: str, load: LoadMatrix) -> None:
+    """Two workloads must be loads of one model: the same layers and experts, layer ids and named model."""
+    if (load.num_layers, load.num_experts) != (first.num_layers, first.num_experts):
+        raise InputError(f"--load {name} is [layers, experts] = [{load.num_layers}, {load.num_experts}] but --load "
+                         f"{first_name} is [{first.num_layers}, {first.num_experts}]; give workloads of one model")
+    ids = [None if x.layer_ids is None else x.layer_ids.tolist() for x in (first, load)]
+    if ids[0] != ids[1]:
+        raise InputError(f"--load {name} holds the model's layers {ids[1]} but --load {first_name} holds {ids[0]}; "
+                         "give workloads recorded the same way")
+    if None not in (first.preset, load.preset) and first.preset != load.preset:
+        raise InputError(f"--load {name} names model {load.preset} but --load {first_name} names {first.preset}; "
+                         "give workloads of one model (or --model M for both)")
+
+
+def concatenate_loads(parts: list[LoadMatrix]) -> LoadMatrix:
+    """``parts``' batches one after another (their token-level traces too when all have one with the same top-k)."""
+    B = sum(p.num_batches for p in parts)
+    _, L, E = parts[0].shape
+    check_alloc((B, L, E), 8, "the --load files' counts together", "give fewer or shorter --load files (--batches)")
+    counts = np.concatenate([p.counts for p in parts])
+    traces = [p.trace for p in parts]
+    trace = None
+    if all(t is not None for t in traces) and len({t.top_k for t in traces if t is not None}) == 1:
+        offsets = np.cumsum([0] + [p.num_batches for p in parts[:-1]])
+        trace = RoutingTrace(np.concatenate([t.topk_ids for t in traces if t is not None]),
+                             np.concatenate([t.src_gpu for t in traces if t is not None]),
+                             np.concatenate([t.batch + o for t, o in zip(traces, offsets, strict=True)
+                                             if t is not None]), num_experts=E, num_batches=B)
+    preset = next((p.preset for p in parts if p.preset is not None), None)
+    return LoadMatrix(counts, trace, preset, parts[0].layer_ids)
+
+
+def workload_table(names: list[str], parts: list[LoadMatrix], scores: list[Score]) -> Table:
+    """Each workload's in-sample balancedness and imbalance ratio under the plan, and the worst of them."""
+    table = Table(title="per workload (in sample, uniform router)", title_justify="left")
+    for column in ("workload", "batches", "balancedness", "imbalance ratio"):
+        table.add_column(column, justify="left" if column == "workload" else "right")
+    for name, part, score in zip(names, parts, scores, strict=True):
+        table.add_row(name, str(part.num_batches), f"{score.balancedness:.4f}", f"{score.imbalance_ratio:.3f}")
+    table.add_row("worst", "", f"{min(s.balancedness for s in scores):.4f}",
+                  f"{max(s.imbalance_ratio for s in scores):.3f}")
+    return table
+
+
 def run(args: argparse.Namespace) -> None:
     dest = check_out(args.out, ".json")
     take_migration_items(args)
@@ -142,13 +228,15 @@ def run(args: argparse.Namespace) -> None:
             raise InputError(f"{given[0]} is used {why}; drop it")
     first = [] if args.groups is None else [("--groups", "num_groups", args.groups)]
     params = options.resolve_set(args.set, [name], first=first, policy_flag="--policy")[name]
+    if "workload_batches" in params:
+        raise InputError("--set workload_batches is filled from the --load files; give each workload as its own "
+                         "--load")
     cluster = options.cluster(args)
-    raw = options.read_load(args, model=False)
-    load = options.load_model(raw, args.model)
-    # dense layers: no load in the whole file, not merely in the planning window (engine exports leave them out)
-    dense = [int(x) for x in np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)]
-    start, stop = parse_batch_range(args.batches, load.num_batches)
-    load = load.select_batches(start, stop)
+    work = read_workloads(args)
+    load, dense = work.load, work.dense
+    several = len(work.names) > 1
+    if several and "workload_batches" in (options.policy_keys(name) or ()):
+        params["workload_batches"] = [part.num_batches for part in work.parts]
     by_goodput = costing.auto_by_goodput(args, load, [name])
     if by_goodput is not None:
         t0 = time.perf_counter()
@@ -156,7 +244,10 @@ def run(args: argparse.Namespace) -> None:
         seconds = time.perf_counter() - t0
     else:
         plan, seconds = make_plan(name, load, cluster, options.budget(args), dense_layers=dense, **params)
-    recorded = {"planned_on_batches": f"{start}:{stop}"}
+    recorded: dict[str, Any] = {"planned_on_batches": work.ranges if several else work.ranges[0]}
+    if several:
+        recorded["workloads"] = work.names
+        recorded["objective"] = plan.params.get("objective", "sum")
     if load.preset is not None:  # exports find the model's decoder layers (and MTP) from it
         recorded["model"] = load.preset
     plan = plan.with_params({**plan.params, **recorded})
@@ -166,12 +257,15 @@ def run(args: argparse.Namespace) -> None:
     with progress() as bar:  # before writing: a load that cannot be scored leaves no plan behind
         task = bar.add_task("in-sample score", total=load.num_batches)
         score = evaluate(plan, load, on_batches=lambda n: bar.advance(task, n))
+        per_workload = [evaluate(plan, part) for part in work.parts] if several else []
     write_plan(dest, plan)
     for w in plan.warnings:
         err.print(f"warning: {w}")
     out.print(f"wrote {dest}: {plan.policy}, {plan.extra_replicas} extra replicas, "
               f"{plan.max_slots_per_gpu} max slots per GPU, planned in {1000 * seconds:.1f} ms; "
               f"in-sample balancedness {score.balancedness:.4f}")
+    if several:
+        out.print(workload_table(work.names, work.parts, per_workload))
     note = plan.params.get("budget_note")
     if isinstance(note, str):
         out.print(f"budget note: {note}")
