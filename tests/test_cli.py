@@ -980,7 +980,7 @@ def test_compare_json_and_out_dir(trace_file: Path, outdir: Path, capsys: pytest
         assert len(row["per_layer_balancedness"]) == L
         assert set(row["traffic"]) >= {"local", "intra_node", "inter_node"}
     assert "planned on 2 batches" in doc["title"] and "scored on 2 held-out" in doc["title"]
-    expected = {"comparison.md", "comparison.json", "per_layer_balancedness.png",
+    expected = {"comparison.md", "comparison.json", "per_layer_balancedness.png", "report.html",
                 *(f"plan-{p}.json" for p in policies)}
     assert set(tree(dest)) == expected, "missing outputs or leftover temporary files"
     assert json.loads((dest / "comparison.json").read_text()) == doc

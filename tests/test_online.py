@@ -719,7 +719,7 @@ def test_cli_online_several_policies_and_out_dir(trace_file: Path, tmp_path: Pat
     assert eplb["policy"] == "eplb" and libra["policy"] == "libra"
     assert "prediction_accuracy" not in eplb and libra["prediction_accuracy"] == 1.0
     assert libra["params"]["n"] == 1 and libra["params"]["predictor"] == "oracle"
-    assert sorted(p.name for p in out.iterdir()) == ["online.json", "online.md", "online.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["online.json", "online.md", "online.png", "report.html"]
     written = json.loads((out / "online.json").read_text())
     assert written["results"] == doc["results"] and "title" in written
     md = (out / "online.md").read_text()

@@ -276,6 +276,42 @@ def test_step_layers_match_the_cost_model(olmoe: LoadMatrix) -> None:
     assert res.time["tokens_per_s"] == pytest.approx(256 / st.seconds, rel=1e-5)
 
 
+def test_decode_steps_read_the_kv_cache_and_a_logit_per_token(olmoe: LoadMatrix) -> None:
+    """The same picks priced as a decode step: the rest of the step reads each request's KV cache of
+    prompt + output / 2 tokens and computes a logit per token (the cost model's rest_seconds, hand-fed)."""
+    from moebalance.cost.memory import EngineMemory
+    from moebalance.cost.time import rest_seconds
+
+    budget = Budget(slots_per_gpu=9)
+    plan = make_plan("eplb", olmoe.select_batches(0, 4), OLMOE_CLUSTER, budget)[0]
+    batch = olmoe.select_batches(4, 5)
+    loads = np.ones((1, 16, 8))
+    decode = step_time(plan, batch, loads, None, 256.0,
+                       StepPricing(model=OLMOE, gpu=H100, phase="decode", prompt_tokens=1000, output_tokens=200))
+    prefill = step_time(plan, batch, loads, None, 256.0, StepPricing(model=OLMOE, gpu=H100, prompt_tokens=1000))
+    per_rank = 256.0 / (8 // EngineMemory().attention_group(4))  # the batch over the data-parallel ranks
+    want = rest_seconds(per_rank, OLMOE, H100, EngineMemory(), 4, kv_tokens_per_rank=per_rank * 1100)
+    assert decode.rest == pytest.approx(want) and decode.rest > prefill.rest
+    np.testing.assert_array_equal(decode.expert, prefill.expert)
+    with pytest.raises(InputError, match="phase 'chat' is unknown"):
+        StepPricing(model=OLMOE, gpu=H100, phase="chat")
+
+
+def test_step_time_takes_the_experts_the_router_touched(olmoe: LoadMatrix) -> None:
+    """With the experts each GPU actually reads, a GPU that serves its picks from fewer experts is faster."""
+    plan = make_plan("eplb", olmoe.select_batches(0, 4), OLMOE_CLUSTER, Budget(slots_per_gpu=9))[0]
+    batch = olmoe.select_batches(4, 5)
+    loads = np.full((1, 16, 8), 64.0)
+    p = StepPricing(model=OLMOE, gpu=H100)
+    hosted = step_time(plan, batch, loads, None, 256.0, p)
+    one = step_time(plan, batch, loads, None, 256.0, p, touched=np.ones((1, 16, 8)))
+    from moebalance.cost.time import expert_seconds
+
+    np.testing.assert_allclose(one.expert, expert_seconds(64.0, 1.0, OLMOE, H100))
+    assert (one.expert <= hosted.expert).all() and (one.expert < hosted.expert).any()
+    assert one.moe_layer_seconds == pytest.approx(float((one.expert + one.a2a).mean()))
+
+
 def test_replay_sync_exposes_each_rearrangement(olmoe: LoadMatrix) -> None:
     budget = Budget(slots_per_gpu=9)
     kw: dict[str, Any] = {"warmup": (0, 4), "batches": (4, 10), "replan_every": 2, "window": 1}
@@ -345,7 +381,8 @@ def online(load: Path, policy: str, *extra: Any) -> list[Any]:
 
 TIME_KEYS = {"step_ms_mean", "step_ms_p50", "step_ms_p99", "tokens_per_s", "exposed_balancing_ms", "moved_gib",
              "rearrangements", "per_batch_step_ms",
-             "exposed_router_ms"}  # the contract's keys, and the router's share of the exposed time
+             "exposed_router_ms", "moe_layer_ms_mean"}  # the contract's keys, the router's share of the exposed
+# time and the mean MoE layer
 
 
 def test_cli_online_gpu_json_table_and_plot(olmoe_file: Path, tmp_path: Path,
@@ -360,7 +397,8 @@ def test_cli_online_gpu_json_table_and_plot(olmoe_file: Path, tmp_path: Path,
         assert set(doc["time"]) == TIME_KEYS and len(doc["time"]["per_batch_step_ms"]) == 4
     assert eplb["time"]["rearrangements"] == 1 and eplb["time"]["exposed_balancing_ms"] > 1000.0
     assert libra["time"]["exposed_balancing_ms"] > 0 and libra["time"]["moved_gib"] > 0
-    assert sorted(p.name for p in out.iterdir()) == ["online.json", "online.md", "online.png", "online_time.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["online.json", "online.md", "online.png", "online_time.png",
+                                                     "report.html"]
     assert (out / "online_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "online.md").read_text()
     assert "tokens / s" in md and "online_time.png" in md

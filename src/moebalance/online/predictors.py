@@ -7,7 +7,9 @@ A predictor sees what a server would have when it must decide which experts to p
 batch, and returns a :class:`Prediction`: each token's predicted top-k where it predicts per token, and the
 predicted picks per source GPU and expert ``demand [L, G, E]`` that the prefetcher plans from.
 
-- ``oracle``: the batch's true routing (the exact information HarMoEny-style systems assume; an upper bound).
+- ``exact`` (alias ``oracle``): the batch's routing as the gate computes it, which a server holds once the
+  layer's gate has run: planning from it is planning after the gate (the exact information HarMoEny-style
+  systems assume, and an upper bound for every predictor).
 - ``lookahead`` (Libra Section 3.2): layer ``l``'s gate applied to layer ``l - 1``'s gate input, the hidden
   state a server holds while layer ``l - 1`` runs; hidden states change little from one layer to the next.
   Needs a capture with hidden states and the model that made it. Layer 0 has no previous layer: no prediction.
@@ -43,11 +45,14 @@ import numpy as np
 from moebalance.core.errors import InputError
 from moebalance.core.trace import RoutingTrace
 
-__all__ = ["PREDICTORS", "AccuracyTally", "HistoryPredictor", "LookaheadPredictor", "OraclePredictor", "PathPredictor",
-           "Prediction", "Predictor", "accuracy", "demand_of", "make_predictor", "topk_accuracy"]
+__all__ = ["EXACT", "PREDICTORS", "AccuracyTally", "ExactPredictor", "HistoryPredictor", "LookaheadPredictor",
+           "OraclePredictor", "PathPredictor", "Prediction", "Predictor", "accuracy", "demand_of", "make_predictor",
+           "topk_accuracy"]
 
+#: The names of the exact predictor: ``exact`` and its alias ``oracle`` (the same predictor, the same results).
+EXACT = ("exact", "oracle")
 #: Predictor names (the ``--predictor`` choices and ``libra``'s ``predictor`` option).
-PREDICTORS = ("lookahead", "path", "history", "oracle")
+PREDICTORS = ("lookahead", "path", "history", *EXACT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,16 +154,31 @@ def _rows(trace: RoutingTrace, batch: int) -> slice:
     return slice(int(lo), int(hi))
 
 
-class OraclePredictor(Predictor):
-    """The batch's true routing."""
+class ExactPredictor(Predictor):
+    """The batch's routing as the gate computes it (``exact``; ``oracle`` is the same predictor under its old
+    name, which it keeps in reports when asked for by it)."""
 
-    name = "oracle"
+    name = "exact"
+
+    def __init__(self, name: str = "exact") -> None:
+        if name not in EXACT:
+            raise InputError(f"the exact predictor is named {' or '.join(repr(n) for n in EXACT)}, not {name!r}")
+        self.name = name
 
     def predict(self, trace: RoutingTrace, batch: int, num_gpus: int) -> Prediction:
         rows = _rows(trace, batch)
         ids = trace.topk_ids[rows]
         return Prediction(ids.copy(), np.ones(trace.num_layers, dtype=bool),
                           demand_of(ids, trace.src_gpu[rows], num_gpus, trace.num_experts))
+
+
+class OraclePredictor(ExactPredictor):
+    """:class:`ExactPredictor` under its old name ``oracle``."""
+
+    name = "oracle"
+
+    def __init__(self) -> None:
+        super().__init__("oracle")
 
 
 class LookaheadPredictor(Predictor):
@@ -329,8 +349,8 @@ class HistoryPredictor(Predictor):
 def make_predictor(name: str, *, build: Sequence[RoutingTrace] = (), hidden: np.ndarray | None = None,
                    model: Any = None, depth: int = 2, window: int = 1) -> Predictor:
     """The predictor ``name`` (one of :data:`PREDICTORS`) with what it needs."""
-    if name == "oracle":
-        return OraclePredictor()
+    if name in EXACT:
+        return ExactPredictor(name)
     if name == "history":
         return HistoryPredictor(window)
     if name == "path":

@@ -98,6 +98,11 @@ class StepPricing:
     prompt_tokens: int = 1000
     #: A load-dependent router's CPU time per MoE layer, ms (``None``: measured on the replay's routing).
     router_ms: float | None = None
+    #: ``prefill`` (one logit per prompt, no KV cache read) or ``decode`` (a logit per token and each request's
+    #: KV cache of ``prompt_tokens + output_tokens / 2`` tokens read).
+    phase: str = "prefill"
+    #: Tokens per answer (decode's mean context counts half of them).
+    output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.rearrange not in REARRANGE_MODES:
@@ -108,6 +113,10 @@ class StepPricing:
             raise InputError(f"layers per step ({self.layers_per_step!r}) must be a positive number of layers")
         if isinstance(self.prompt_tokens, bool) or self.prompt_tokens < 1:
             raise InputError(f"prompt tokens ({self.prompt_tokens!r}) must be a positive number")
+        if self.phase not in ("prefill", "decode"):
+            raise InputError(f"phase {self.phase!r} is unknown; choose one of: decode, prefill")
+        if isinstance(self.output_tokens, bool) or self.output_tokens < 0:
+            raise InputError(f"output tokens ({self.output_tokens!r}) must be a number >= 0")
         if self.router_ms is not None and not (math.isfinite(self.router_ms) and self.router_ms >= 0):
             raise InputError(f"the router time ({self.router_ms} ms per layer) must be a finite number >= 0")
 
@@ -147,15 +156,26 @@ class StepTime:
         """The step without what balancing exposes."""
         return float(self.expert.sum() + self.a2a.sum()) + self.rest
 
+    @property
+    def moe_layer_seconds(self) -> float:
+        """The mean MoE layer over the layers with load (0 without any)."""
+        busy = self.expert > 0
+        return float((self.expert + self.a2a)[busy].mean()) if busy.any() else 0.0
+
 
 def step_time(plan: Placement, batch: LoadMatrix, loads: np.ndarray, a2a: np.ndarray | None, tokens: float,
-              pricing: StepPricing, *, lost: int = 0) -> StepTime:
+              pricing: StepPricing, *, lost: int = 0, touched: np.ndarray | None = None) -> StepTime:
     """The step of one served batch (a one-batch ``batch``) through ``plan``: ``loads [1, L, G]`` the router's
-    picks per GPU, ``a2a [1, L]`` the token-level replay's all-to-all seconds (``None`` for counts: estimated);
-    ``lost`` failed GPUs leave their data-parallel share to the survivors' ranks."""
+    picks per GPU, ``a2a [1, L]`` the token-level replay's all-to-all seconds (``None`` for counts: estimated),
+    ``touched [1, L, G]`` the experts each GPU's picks read (``None``: every hosted copy of an expert with load);
+    ``lost`` failed GPUs leave their data-parallel share to the survivors' ranks. In ``decode`` the rest of the
+    step computes a logit per token and reads each request's KV cache."""
     cluster = plan.cluster
-    has = (plan.copies > 0).astype(np.float64)  # [L, E, G]
-    touched = np.einsum("le,leg->lg", (batch.counts[0] > 0).astype(np.float64), has)
+    if touched is None:
+        has = (plan.copies > 0).astype(np.float64)  # [L, E, G]
+        touched = np.einsum("le,leg->lg", (batch.counts[0] > 0).astype(np.float64), has)
+    else:
+        touched = np.asarray(touched, dtype=np.float64).reshape(loads.shape[1:])
     engine = pricing.engine
     per_gpu = np.asarray(expert_seconds(loads[0], touched, pricing.model, pricing.gpu, pricing.calibration,
                                         weight_bytes=engine.weight_bytes), dtype=np.float64)
@@ -163,8 +183,13 @@ def step_time(plan: Placement, batch: LoadMatrix, loads: np.ndarray, a2a: np.nda
     comm = a2a[0] if a2a is not None else a2a_estimate(loads[0], cluster, pricing.bytes_per_copy)
     ranks = (cluster.num_gpus - lost) // engine.attention_group(cluster.gpus_per_node)
     per_rank = tokens / max(ranks, 1)
-    rest = rest_seconds(per_rank, pricing.model, pricing.gpu, engine, cluster.gpus_per_node,
-                        logits_per_rank=per_rank / pricing.prompt_tokens, calibration=pricing.calibration)
+    if pricing.phase == "decode":  # one token of each running request: its logit, and its context's KV cache
+        context = pricing.prompt_tokens + pricing.output_tokens / 2
+        rest = rest_seconds(per_rank, pricing.model, pricing.gpu, engine, cluster.gpus_per_node,
+                            kv_tokens_per_rank=per_rank * context, calibration=pricing.calibration)
+    else:
+        rest = rest_seconds(per_rank, pricing.model, pricing.gpu, engine, cluster.gpus_per_node,
+                            logits_per_rank=per_rank / pricing.prompt_tokens, calibration=pricing.calibration)
     return StepTime(expert=np.asarray(expert, dtype=np.float64), a2a=np.asarray(comm, dtype=np.float64), rest=rest,
                     expert_gpu=per_gpu)
 
@@ -210,10 +235,13 @@ class RouterTimer:
 
     def __init__(self, router: Router) -> None:
         self.seconds = 0.0
-        self.router = dataclasses.replace(
-            router, split_counts=self._timed(router.name, router.split_counts),
-            assign_tokens=self._timed(router.name, router.assign_tokens),
-            assign_kept=None if router.assign_kept is None else self._timed(router.name, router.assign_kept))
+        timed: dict[str, Any] = {"split_counts": self._timed(router.name, router.split_counts),
+                                 "assign_tokens": self._timed(router.name, router.assign_tokens)}
+        for name in ("assign_kept", "split_touched"):  # optional ones (split_touched: a TouchingRouter's)
+            fn = getattr(router, name, None)
+            if fn is not None:
+                timed[name] = self._timed(router.name, fn)
+        self.router = dataclasses.replace(router, **timed)
 
     def _timed(self, name: str, fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
         def call(*args: Any) -> np.ndarray:
@@ -338,9 +366,12 @@ class Rearranger:
 
 
 def time_summary(step_s: np.ndarray, exposed_s: np.ndarray, tokens: np.ndarray, moved_bytes: float,
-                 rearrangements: int, router_s: np.ndarray | None = None) -> dict[str, Any]:
+                 rearrangements: int, router_s: np.ndarray | None = None,
+                 moe_layer_s: np.ndarray | None = None) -> dict[str, Any]:
     """The ``time`` object of ``online --json``: ``step_s``, ``exposed_s`` and ``tokens`` per served batch ``[B']``;
-    ``router_s [B']``, the router's share of ``exposed_s``, is also given on its own (``exposed_router_ms``)."""
+    ``router_s [B']``, the router's share of ``exposed_s``, is also given on its own (``exposed_router_ms``), and
+    ``moe_layer_s [B']``, each batch's mean MoE layer (slowest GPU's experts and the all-to-all, over the layers
+    with load), as their mean (``moe_layer_ms_mean``)."""
     ms = step_s * 1e3
     total = float(step_s.sum())
     return {"step_ms_mean": round(float(ms.mean()), 6), "step_ms_p50": round(float(np.percentile(ms, 50)), 6),
@@ -348,5 +379,7 @@ def time_summary(step_s: np.ndarray, exposed_s: np.ndarray, tokens: np.ndarray, 
             "tokens_per_s": round(float(tokens.sum()) / total, 3) if total > 0 else 0.0,
             "exposed_balancing_ms": round(float(exposed_s.sum()) * 1e3, 6),
             "exposed_router_ms": round(float(router_s.sum()) * 1e3 if router_s is not None else 0.0, 6),
+            "moe_layer_ms_mean": round(float(moe_layer_s.mean()) * 1e3 if moe_layer_s is not None and
+                                       moe_layer_s.size else 0.0, 6),
             "moved_gib": round(moved_bytes / GIB, 6), "rearrangements": int(rearrangements),
             "per_batch_step_ms": [round(float(v), 6) for v in ms]}

@@ -64,7 +64,7 @@ from moebalance.online.pricing import (
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES, make_plan
 from moebalance.policies.libra import LibraConfig, batch_plan, buffer_slots
 from moebalance.routing import Router, get_router
-from moebalance.routing.simulate import layer_metrics, replay_loads
+from moebalance.routing.simulate import layer_metrics, replay_loads, replay_picks
 
 __all__ = ["OnlineResult", "moved_copies", "replay"]
 
@@ -153,18 +153,20 @@ class _Clock:
     exposed: np.ndarray = dataclasses.field(init=False)
     #: The router's share of ``exposed``.
     router: np.ndarray = dataclasses.field(init=False)
+    #: Each batch's mean MoE layer (:attr:`moebalance.online.pricing.StepTime.moe_layer_seconds`).
+    moe: np.ndarray = dataclasses.field(init=False)
     tokens: np.ndarray = dataclasses.field(init=False)
     #: Bytes moved besides a dynamic policy's prefetches (its base re-planned after a failure).
     moved_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         self.step, self.exposed, self.tokens = np.zeros(self.served), np.zeros(self.served), np.zeros(self.served)
-        self.router = np.zeros(self.served)
+        self.router, self.moe = np.zeros(self.served), np.zeros(self.served)
 
     def summary(self, moved_bytes: float, rearrangements: int) -> dict[str, Any] | None:
         if self.pricing is None:
             return None
-        return time_summary(self.step, self.exposed, self.tokens, moved_bytes, rearrangements, self.router)
+        return time_summary(self.step, self.exposed, self.tokens, moved_bytes, rearrangements, self.router, self.moe)
 
 
 def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int,
@@ -182,16 +184,18 @@ def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: 
     else:
         decides = router.assign_kept is not None  # a load-dependent router decides on the host after the gate
         timer = RouterTimer(router) if decides and pricing.router_ms is None else None
-        loads, moved, _ = replay_loads(plan, load, router if timer is None else timer.router, rng,
-                                       with_traffic=load.trace is not None, bytes_per_copy=pricing.bytes_per_copy,
-                                       node_forwarding=pricing.node_forwarding, seconds_only=True)
+        r = replay_picks(plan, load, router if timer is None else timer.router, rng, with_touched=True,
+                         with_traffic=load.trace is not None, bytes_per_copy=pricing.bytes_per_copy,
+                         node_forwarding=pricing.node_forwarding, seconds_only=True)
+        loads, moved, touched = r.loads, r.traffic, r.touched
     alive = np.setdiff1d(np.arange(G), np.asarray(lost, dtype=np.int64))
     m = layer_metrics(loads[:, :, alive] if lost else loads, load.counts, plan.replica_counts())
     if pricing is None:
         return m.imbalance[0], m.balancedness[0], None
     trace = load.trace
     tokens = float(trace.topk_ids.shape[0] if trace is not None else load.counts[0].sum(axis=1).max() / pricing.model.top_k)
-    st = step_time(plan, load, loads, None if moved is None else moved.a2a_seconds, tokens, pricing, lost=len(lost))
+    st = step_time(plan, load, loads, None if moved is None else moved.a2a_seconds, tokens, pricing, lost=len(lost),
+                   touched=touched)
     hidden_router = 0.0
     if decides and st.expert_gpu is not None:
         busy = max(int((load.counts[0].sum(axis=1) > 0).sum()), 1)
@@ -336,6 +340,7 @@ def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget:
         imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
         if priced is not None:
             st, clock.tokens[i], clock.router[i] = priced
+            clock.moe[i] = st.moe_layer_seconds
             exposed += clock.router[i]
             clock.step[i], clock.exposed[i] = st.seconds + exposed, exposed
             moves.after_step(clock.step[i])
@@ -412,6 +417,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
         imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
         if priced is not None and clock.pricing is not None:
             st, clock.tokens[i], clock.router[i] = priced
+            clock.moe[i] = st.moe_layer_seconds
             copy = exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, clock.pricing.model,
                                     cluster.intra_node_bandwidth, oracle=config.predictor == "oracle",
                                     weight_bytes=clock.pricing.engine.weight_bytes)

@@ -154,12 +154,14 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
     name = args.model or load.preset
     if name is None:
         raise InputError("the load names no model; give --model with --gpu (e.g. --model olmoe-1b-7b)")
+    workload = options.workload_from(args)
     return StepPricing(model=get_model(name), gpu=get_gpu(args.gpu), engine=options.engine_from(args),
                        calibration=options.calibration_from(args), rearrange=args.rearrange or "sync",
                        overhead_ms=DEFAULT_OVERHEAD_MS if args.rearrange_overhead_ms is None else
                        args.rearrange_overhead_ms, layers_per_step=args.layers_per_step,
                        node_forwarding=args.dispatch == "node",
-                       prompt_tokens=options.workload_from(args).prompt_tokens, router_ms=args.router_ms)
+                       prompt_tokens=workload.prompt_tokens, router_ms=args.router_ms, phase=args.phase or "prefill",
+                       output_tokens=workload.output_tokens)
 
 
 def phase_load(args: argparse.Namespace, load: LoadMatrix, cluster: Cluster, budget: Budget,
