@@ -289,6 +289,23 @@ def test_evaluate_metro_takes_the_loads_model(tmp_path: object, capsys: pytest.C
     assert json.loads(out)["router_params"]["model"] == "deepseek-v3"
 
 
+def test_cost_and_run_give_metro_its_context(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """``cost`` fills metro's gpu and model from --gpu and the load; ``run`` refuses metro without them in one line,
+    before any rank starts."""
+    from pathlib import Path
+
+    load = read_load("bundled:deepseek-v3-8x8").select_batches(0, 2)
+    plan = make_plan("eplb", load, Cluster(num_nodes=8, gpus_per_node=8), Budget(slots_per_gpu=5))[0]
+    path = Path(str(tmp_path)) / "plan.json"
+    write_plan(path, plan)
+    rc, out, err = run_cli(["cost", "--plan", path, "--load", "bundled:deepseek-v3-8x8", "--batches", "0:2",
+                            "--gpu", "h100-80gb", "--model", "deepseek-v3", "--router", "metro", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["modelled_layer_ms"] > 0
+    assert_user_error(["run", "--plan", path, "--world-size", 2, "--domain", "code", "--router", "metro"], capsys,
+                      "router 'metro'", "--router-set gpu=")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 5. the runtime: the same code picks each token's copy; output equals the dense reference
 # ---------------------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 Legend: ``B`` batches, ``L`` MoE layers, ``E`` experts, ``G`` GPUs, ``K`` top-k, ``N`` tokens in a step.
 
 **Layer time on the load.** The load is replayed through the plan with the router
-(:func:`moebalance.routing.simulate.replay_loads`): per ``(b, l)`` each GPU's picks ``n_g``, the experts they
-touch ``u_g`` (hosted experts with load in that batch: every copy of a replicated one, so a whole-token router
-that leaves a copy idle in a small batch is charged for reading it), and the all-to-all time (from the token-level trace's
+(:func:`moebalance.routing.simulate.replay_picks`): per ``(b, l)`` each GPU's picks ``n_g``, the experts they
+touch ``u_g`` (:mod:`moebalance.routing.touched`: exact from a token-level load's picks or a router that says
+its split; else the hosted experts with load in that batch, every copy of a replicated one), and the all-to-all
+time (from the token-level trace's
 copies, or, for counts, every pick sent from a GPU drawn uniformly and not deduplicated per token: more copies
 than a token-level trace of the same load would show). The
 modelled layer time is the mean over ``(b, l)`` with load of ``max_g t_g + a2a`` (:mod:`moebalance.cost.time`).
@@ -42,7 +43,7 @@ from moebalance.cost.time import Calibration, expert_seconds, rest_seconds
 from moebalance.models import ModelSpec
 from moebalance.models.fields import check_fields
 from moebalance.routing import Router, get_router
-from moebalance.routing.simulate import check_compatible, replay_loads
+from moebalance.routing.simulate import check_compatible, replay_picks
 
 __all__ = ["PlanCost", "Workload", "a2a_estimate", "plan_cost"]
 
@@ -137,11 +138,14 @@ def plan_cost(plan: Placement, load: LoadMatrix, model: ModelSpec, gpu: GpuSpec,
                             engine=engine, context_tokens=work.context_tokens)
     bytes_per_copy = model.hidden_size * engine.weight_bytes
     r = get_router(router)
-    loads, moved, _ = replay_loads(plan, load, r, np.random.default_rng(seed), with_traffic=True,
-                                   bytes_per_copy=bytes_per_copy, node_forwarding=node_forwarding)
+    replayed = replay_picks(plan, load, r, np.random.default_rng(seed), with_touched=True, with_traffic=True,
+                            bytes_per_copy=bytes_per_copy, node_forwarding=node_forwarding)
+    loads, moved = replayed.loads, replayed.traffic
     counts = load.counts.astype(np.float64)
     has = (plan.copies > 0).astype(np.float64)  # [L, E, G]
-    touched = np.einsum("ble,leg->blg", (counts > 0).astype(np.float64), has)
+    # the experts each GPU's picks read: from the picks, or the router's own split, else every copy with load
+    touched = replayed.touched if replayed.touched is not None else \
+        np.einsum("ble,leg->blg", (counts > 0).astype(np.float64), has)
     a2a = moved.a2a_seconds if moved is not None and moved.a2a_seconds is not None else \
         a2a_estimate(loads, cluster, bytes_per_copy)
     picks = loads.sum(axis=2)  # [B, L]

@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> None:
         plan = dataclasses.replace(plan, cluster=Cluster(num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
                                                          **options.links(args)))
         start, stop = parse_batch_range(args.batches, load.num_batches)
-        cost = plan_cost(plan, load.select_batches(start, stop), spec, gpu, router=options.router(args),
+        router = options.with_context([options.router(args)], options.router_context(args, load))[0]
+        cost = plan_cost(plan, load.select_batches(start, stop), spec, gpu, router=router,
                          engine=engine, calibration=calibration, workload=workload, seed=args.seed,
                          node_forwarding=args.dispatch == "node")
         result = {**cost.as_dict(), "batches": f"{start}:{stop}"}

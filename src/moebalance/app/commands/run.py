@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
         exact = exact_from(args)
         if args.router is None:
             args.router = "uniform" if exact is None else "rebalance"
-        router = options.router(args)
+        router = options.with_context([options.router(args)], {})[0]  # metro: its --router-set, checked here
         if args.two_stage and exact is not None:
             raise InputError("--two-stage runs the router beside the local phase, but with --policy libra each layer "
                              "plans its extras and routing before its experts compute; drop one of them")
