@@ -1,14 +1,16 @@
 """Compiled kernels: a warm-up that compiles every numba kernel once, into numba's cache.
 
-The load-aware routers (``rebalance``, ``minmax``) and the trace counters (``moebalance.core.tally``: every
+The load-aware routers (``rebalance``, ``minmax``), Libra's prefetcher and the exact per-layer planner
+(``moebalance.algorithms.exact``), and the trace counters (``moebalance.core.tally``: every
 token-level load is checked and counted by them) run numba kernels (``@njit(cache=True)``). The first call
 of a kernel in a fresh install compiles it, which takes seconds; later processes load the compiled code from
 numba's cache (``__pycache__`` beside the sources, or a user-wide folder where that is read-only). Calling
 :func:`warm_up` once after installing -- ``make install`` does, ``python -m moebalance.algorithms.jit`` by
 hand -- moves that cost out of the first evaluation and out of every rank of a multi-process run, which would
 otherwise each compile the same code at once. It compiles the signatures the routers use: C-contiguous
-``int64`` loads and ids, ``bool`` copy masks, ``int64`` copy counts; and the counters' for ``int16`` and
-``int32`` expert ids (the two compact types a trace holds), with the uniform router's round-robin.
+``int64`` loads and ids, ``bool`` copy masks, ``int64`` copy counts; the prefetcher's on ``float64`` demand
+(predictions) and the exact planner's on ``int64`` counts; and the counters' for ``int16`` and ``int32`` expert
+ids (the two compact types a trace holds), with the uniform router's round-robin.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import numpy as np
 
-from moebalance.algorithms import minmax, rebalance, split
+from moebalance.algorithms import exact, minmax, prefetch, rebalance, split
 from moebalance.core import tally
 
 __all__ = ["warm_up"]
@@ -38,6 +40,10 @@ def warm_up() -> float:
     minmax.route_tokens(ids, src, starts, np.ascontiguousarray(has[0]), 1, kept)
     rebalance.split_counts(counts, copies, 0.0, False)
     rebalance.route_tokens(ids, src, starts, np.ascontiguousarray(copies[0]), 1, 0.0, False, kept)
+    demand = np.array([[1, 1, 0], [1, 0, 1]], dtype=np.int64)  # [G=2, E=3]: the picks of ids by src
+    prefetch.prefetch(demand.astype(np.float64), has[0].T, 1, 1.0)
+    layer = exact.plan_layer(demand, exact.base_layer(copies[0]), 1, 1.0)
+    exact.assign(layer, copies[0], ids, src, kept, 1)
     variants = []
     for dtype in (tally.id_dtype(3), tally.id_dtype(1 << 15)):  # int16 ids, then int32
         picks = ids[:, :, None].astype(dtype)  # [T=4, L=1, K=1], E = 3

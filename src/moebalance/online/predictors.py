@@ -52,7 +52,7 @@ __all__ = ["EXACT", "PREDICTORS", "AccuracyTally", "ExactPredictor", "HistoryPre
 #: The names of the exact predictor: ``exact`` and its alias ``oracle`` (the same predictor, the same results).
 EXACT = ("exact", "oracle")
 #: Predictor names (the ``--predictor`` choices and ``libra``'s ``predictor`` option).
-PREDICTORS = ("lookahead", "path", "history", *EXACT)
+PREDICTORS = ("lookahead", "path", "history", "oracle", "exact")
 
 
 @dataclass(frozen=True, slots=True)
