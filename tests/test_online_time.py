@@ -351,6 +351,17 @@ def test_replay_libra_oracle_exposes_its_prefetch(olmoe: LoadMatrix) -> None:
                pricing=p)
 
 
+def test_libra_exact_is_oracle_in_the_priced_replay(olmoe: LoadMatrix) -> None:
+    """``predictor=exact`` is the after-the-gate policy: accepted on counts, its copies exposed in full, the same
+    result as its alias ``oracle`` (before, exact was refused on counts and priced as a hidden prediction)."""
+    p = StepPricing(model=OLMOE, gpu=H100, router_ms=0.0)
+    for load in (olmoe, LoadMatrix(olmoe.counts)):
+        got = [replay(load, OLMOE_CLUSTER, Budget(slots_per_gpu=8), "libra", {"predictor": pred, "n": 2},
+                      warmup=(0, 4), batches=(4, 7), pricing=p) for pred in ("exact", "oracle")]
+        assert got[0].time == got[1].time
+        np.testing.assert_array_equal(got[0].per_batch_imbalance, got[1].per_batch_imbalance)
+
+
 def test_replay_on_counts_only_estimates_the_all_to_all(olmoe: LoadMatrix) -> None:
     counts = LoadMatrix(olmoe.counts, preset="olmoe-1b-7b")
     res = replay(counts, OLMOE_CLUSTER, Budget(slots_per_gpu=8), "libra", {"predictor": "history", "n": 1},

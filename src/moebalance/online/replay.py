@@ -11,7 +11,7 @@ Legend: ``B`` batches, ``L`` layers, ``E`` experts, ``G`` GPUs, ``N`` extra expe
   predictor: the prefetcher adds up to ``N`` experts per GPU and layer (:func:`moebalance.policies.libra.batch_plan`),
   all of which are loaded for that batch (experts moved). Layers the predictor cannot see (layer 0 for
   ``lookahead`` and ``path``; the first batch for ``history``) are planned from the previous batch's picks.
-  On a load of counts only (no token sources), ``oracle`` and ``history`` spread each expert's picks evenly
+  On a load of counts only (no token sources), ``exact`` (alias ``oracle``) and ``history`` spread each expert's picks evenly
   over the GPUs, so every GPU seems to request every picked expert; phase 1 of the prefetcher then has
   little to go on.
 
@@ -368,9 +368,9 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
     G, L = cluster.num_gpus, load.num_layers
     predictor: Predictor | None = None
     if trace is None:
-        if config.predictor not in ("history", "oracle"):
+        if not (config.exact or config.predictor == "history"):
             raise InputError(f"the {config.predictor} predictor needs a token-level trace (topk_ids, src_gpu); this "
-                             "load has counts only: use --set predictor=history or predictor=oracle")
+                             "load has counts only: use --set predictor=history or predictor=exact")
     else:
         if build.trace is None and config.predictor == "path":
             raise InputError("the path predictor needs a token-level build split")
@@ -404,7 +404,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
                 demand = np.where(pred.layers[:, None, None], demand, prev.demand)
             lo, hi = (int(x) for x in np.searchsorted(trace.batch, [bt, bt + 1], side="left"))
             tally.add(pred, trace.topk_ids[lo:hi])
-        elif config.predictor == "oracle":
+        elif config.exact:
             demand = np.repeat(load.counts[bt][:, None, :] / G, G, axis=1).astype(float)
         else:
             got = HistoryPredictor(config.window).predict_counts(load.counts, bt, G)
@@ -419,7 +419,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
             st, clock.tokens[i], clock.router[i] = priced
             clock.moe[i] = st.moe_layer_seconds
             copy = exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, clock.pricing.model,
-                                    cluster.intra_node_bandwidth, oracle=config.predictor == "oracle",
+                                    cluster.intra_node_bandwidth, oracle=config.exact,
                                     weight_bytes=clock.pricing.engine.weight_bytes)
             clock.exposed[i] = clock.router[i] + copy
             clock.exposed[i] += stall
