@@ -542,7 +542,7 @@ def test_libra_on_counts_only(olmoe: LoadMatrix) -> None:
         assert doc["prediction_accuracy"] is None and doc["per_layer_accuracy"] == [None] * olmoe.num_layers
         assert res.experts_moved > 0 and len(res.per_batch_imbalance) == 3
     for predictor in ("lookahead", "path"):
-        with pytest.raises(InputError, match="predictor=history or predictor=oracle"):
+        with pytest.raises(InputError, match="predictor=history or predictor=exact"):
             replay(counts, OLMOE_CLUSTER, budget, "libra", {"predictor": predictor}, warmup=(0, 4))
 
 
