@@ -9,10 +9,10 @@ In exact mode (``EPConfig(exact=ExactConfig(...))``, the ``libra`` policy with `
 its own extras from the routing its gate just computed, which every rank holds after the routing gather:
 
 1. **Plan** (:func:`plan_exact`): count the batch's kept picks by source rank and expert (``demand [G, E]``), run
-   Libra's Hierarchical Expert Prefetcher (Alg. 1, phases 1 and 2:
-   :func:`moebalance.algorithms.prefetch.prefetch`) on the base plan's copies, then route every kept pick with
-   the Adaptive Token Rebalancer (Alg. 2: :func:`moebalance.algorithms.rebalance.route_tokens`) on the base plan
-   plus the extras. Every rank runs the same deterministic code on the same gathered arrays, so all compute the
+   Libra's Hierarchical Expert Prefetcher (Alg. 1, phases 1 and 2) on the base plan's copies and the Adaptive
+   Token Rebalancer's split (Alg. 2) on the base plan plus the extras in one compiled call
+   (:func:`moebalance.algorithms.exact.plan_layer`), then hand the split out to the kept picks
+   (:func:`moebalance.algorithms.exact.assign`: what the ``rebalance`` router routes on that per-batch plan). Every rank runs the same deterministic code on the same gathered arrays, so all compute the
    same plan without a message. With a router other than ``rebalance`` the extras are planned alike and that
    router then routes on the base plan plus the extras (:func:`moebalance.runtime.route.route_picks`).
 2. **Copy**: each extra is copied from a holder in the base plan into this layer's prefetch buffer
@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moebalance.algorithms.exact import assign, plan_layer
 from moebalance.algorithms.prefetch import prefetch
-from moebalance.algorithms.rebalance import route_tokens
 from moebalance.core.errors import InputError
 from moebalance.core.plan import Placement
 from moebalance.routing import Router, get_router
@@ -130,17 +130,16 @@ def plan_exact(copies_EG: np.ndarray, ids_TK: np.ndarray, kept_TK: np.ndarray, t
     """
     E, G = copies_EG.shape
     demand = exact_demand(ids_TK, kept_TK, tokens_per_rank, E)
-    extras, _ = prefetch(demand, (copies_EG > 0).T, config.n, config.alpha)
     if rebalance is None:
+        extras, _ = prefetch(demand, (copies_EG > 0).T, config.n, config.alpha)
         return extras, None
-    g, slot = np.nonzero(extras >= 0)
-    copies = np.array(copies_EG, dtype=np.int64)
-    copies[extras[g, slot], g] += 1  # a GPU's extras are distinct experts it does not hold
+    # the prefetcher and the rebalancer's split in one compiled call, then the split handed out to the picks
+    plan = plan_layer(demand.astype(np.int64), copies_EG, config.n, config.alpha, eps=rebalance.eps,
+                      strict=rebalance.strict)
     src = np.repeat(np.arange(G, dtype=np.int64), tokens_per_rank)
-    starts = np.array([0, ids_TK.shape[0]], dtype=np.int64)
-    dest = route_tokens(np.ascontiguousarray(ids_TK, dtype=np.int64), src, starts, copies, gpus_per_node,
-                        rebalance.eps, rebalance.strict, np.ascontiguousarray(kept_TK, dtype=np.bool_))
-    return extras, dest
+    dest = assign(plan, copies_EG, np.ascontiguousarray(ids_TK, dtype=np.int64), src,
+                  np.ascontiguousarray(kept_TK, dtype=np.bool_), gpus_per_node)
+    return plan.extras, dest
 
 
 def exact_layer_plan(base_layer: Placement, ids_TK: np.ndarray, kept_TK: np.ndarray, tokens_per_rank: Sequence[int],
