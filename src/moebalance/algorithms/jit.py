@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from moebalance.algorithms import exact, minmax, prefetch, rebalance, split
+from moebalance.algorithms import exact, metro, minmax, prefetch, rebalance, split
 from moebalance.core import tally
 
 __all__ = ["warm_up"]
@@ -44,6 +44,9 @@ def warm_up() -> float:
     prefetch.prefetch(demand.astype(np.float64), has[0].T, 1, 1.0)
     layer = exact.plan_layer(demand, exact.base_layer(copies[0]), 1, 1.0)
     exact.assign(layer, copies[0], ids, src, kept, 1)
+    cost = np.array([1e-9, 1e-6, 1e-10, 0.0, 1e-10])  # metro's roofline terms (any positive values compile it)
+    metro.split_counts(counts, has, cost)
+    metro.route_tokens(ids, src, starts, np.ascontiguousarray(has[0]), 1, kept, cost)
     variants = []
     for dtype in (tally.id_dtype(3), tally.id_dtype(1 << 15)):  # int16 ids, then int32
         picks = ids[:, :, None].astype(dtype)  # [T=4, L=1, K=1], E = 3
