@@ -6,6 +6,7 @@ Options several commands share live in :mod:`moebalance.app.options`; ``import_`
 """
 
 from moebalance.app.commands import (
+    advise,
     calibrate,
     capture,
     compare,
@@ -26,4 +27,4 @@ from moebalance.app.commands import (
 __all__ = ["COMMANDS"]
 
 COMMANDS = (synth, plan, evaluate, compare, sweep, stats, demo, import_, export, cost, calibrate, predict, online,
-            capture, run)
+            advise, capture, run)

@@ -1,0 +1,419 @@
+"""``moebalance advise``: every expert-parallel configuration an engine can run, priced in tokens per second on
+held-out batches, and the one to run (docs/design.md, "Advice").
+
+Legend: ``E`` experts per layer, ``G`` GPUs (the EP size), ``L`` MoE layers, ``S`` slots per GPU and layer,
+``r = G S - E`` redundant experts, ``N`` tokens in a step.
+
+**Held out.** A load of several batches is split: the first ``train_frac`` plan, the rest are priced. A load of one
+batch (engine statistics) plans and prices on that batch (its steps are drawn from it several times). Several loads:
+their planning batches and their priced batches are each concatenated in order; plans use their sum.
+
+**Steps.** Every priced batch is drawn again as one step of the phase (:mod:`moebalance.app.phase`; decode by
+default): in decode ``N`` is the concurrency the KV cache left by the candidate's experts per GPU allows, so a
+replica's memory costs tokens per step; in prefill ``N`` is a prompt chunk per data-parallel rank. Each candidate is
+replayed through :func:`moebalance.online.replay.replay` priced in time (:mod:`moebalance.online.pricing`), planning
+on the planning batches as recorded; its tokens per second are the served tokens over the summed step time.
+
+**Candidates** (:func:`candidates`): EPLB off (contiguous blocks, no replicas); EPLB with each valid number of
+redundant experts (``E + r`` divisible by ``G``: a few values from the smallest, while the KV cache stays positive),
+hierarchical (where ``num_nodes > 1`` divides the model's expert groups) and global; CRAFT's allocation padded to
+equal slots (:func:`moebalance.engines.slots.pad_plan`) where the engine loads a placement file; periodic
+re-planning with a few ``(step_interval, window)`` pairs in steps, moved as the engine moves experts; the engine's
+routers. :data:`ENGINE_RULES` says what each engine runs.
+
+**Recommendation** (:func:`recommend`): the most tokens per second, unless it beats EPLB off by no more than the
+margin (the model's stated uncertainty), in which case EPLB stays off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moebalance.app.phase import PhaseModel, phase_steps
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.cost.memory import MemoryReport, memory_per_gpu
+from moebalance.engines.slots import pad_plan
+from moebalance.online.pricing import StepPricing, exposed_router, local_seconds, step_time, time_summary
+from moebalance.online.replay import replay
+from moebalance.policies import make_plan
+from moebalance.routing import Router, get_router
+from moebalance.routing.simulate import layer_metrics, replay_picks
+
+__all__ = [
+    "ENGINES",
+    "ENGINE_RULES",
+    "STATISTICS_STEPS",
+    "Advice",
+    "Candidate",
+    "EngineRule",
+    "Priced",
+    "Setup",
+    "candidates",
+    "concatenate",
+    "price",
+    "price_plan",
+    "recommend",
+    "redundant_values",
+]
+
+ENGINES = ("vllm", "sglang", "trtllm")
+#: Steps drawn from a load of one batch (statistics), so that one draw does not decide.
+STATISTICS_STEPS = 4
+#: Values of ``r`` tried at most, and the periodic ``(step_interval, window)`` pairs kept at most.
+MAX_REDUNDANT_VALUES = 4
+MAX_PERIODS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRule:
+    """What an engine runs: its routers (``{moebalance router: the engine's name}``), whether it loads a placement
+    file (any static plan: CRAFT padded, global EPLB where hierarchical applies, worst-of plans), how its periodic
+    re-planning moves experts, and its plug-in variant for migration-aware re-plans."""
+
+    routers: dict[str, str]
+    placement_file: bool
+    rearrange: str
+    #: ``None``: all layers at once; ``"spread"``: ``ceil(L / step_interval)`` layers per step.
+    layers_per_step: str | None = None
+    #: The moebalance plug-in variant that re-plans migration-aware (``aligned``), where the engine has one.
+    move_aware: str | None = None
+
+
+#: vLLM 0.33: EPLB plans itself from its window (no placement file), rearranges asynchronously by default
+#: (``use_async``), routes each token to a random copy; the plug-in's ``move-aware`` re-plans as ``aligned`` does.
+#: SGLang 0.5: ``--init-expert-location`` loads any plan; rearrangement stops serving; static, dynamic and LP dispatch
+#: read as the ``uniform``, ``rebalance`` and ``minmax`` routers. TensorRT-LLM: a load-balancer YAML loads any plan;
+#: its online balancer moves ``layer_updates_per_iter`` layers per iteration beside serving.
+ENGINE_RULES: dict[str, EngineRule] = {
+    "vllm": EngineRule({"random": "random"}, False, "async", move_aware="move-aware"),
+    "sglang": EngineRule({"uniform": "static", "rebalance": "dynamic", "minmax": "lp"}, True, "sync"),
+    "trtllm": EngineRule({"uniform": "uniform"}, True, "async", layers_per_step="spread"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One configuration to price. ``plan`` is set for a plan made before pricing (CRAFT padded), else the replay
+    plans ``policy`` with ``params`` under ``slots_per_gpu``."""
+
+    label: str
+    policy: str
+    params: dict[str, Any]
+    slots_per_gpu: int
+    redundant_experts: int
+    router: str
+    #: EPLB's expert groups (``None`` for the other policies) and its mode, ``"hierarchical"`` or ``"global"``.
+    num_groups: int | None = None
+    mode: str | None = None
+    #: ``(step_interval, window)`` in steps, or ``None`` for a static plan.
+    rebalance: tuple[int, int] | None = None
+    migration: str = "fresh"
+    rearrange: str = "sync"
+    layers_per_step: int | None = None
+    #: The plug-in variant the engine needs (vLLM's ``move-aware``), or ``None``.
+    plugin: str | None = None
+    plan: Placement | None = None
+
+    @property
+    def off(self) -> bool:
+        return self.policy == "contiguous"
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """What every candidate is priced with: the deployment, the model, the planning and priced batches."""
+
+    cluster: Cluster
+    phase: PhaseModel
+    pricing: StepPricing
+    #: The planning batches (every load's, in order) and the batches priced (drawn again as steps).
+    train: LoadMatrix
+    test: LoadMatrix
+    #: Each load's planning batches (several loads: the worst-of plans' workloads).
+    workload_batches: tuple[int, ...]
+    seed: int = 0
+    notes: tuple[str, ...] = ()
+    _steps: dict[int, LoadMatrix] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.phase.model.num_layers
+
+    def memory(self, experts_per_gpu: int) -> MemoryReport:
+        """Memory per GPU with ``experts_per_gpu`` experts hosted over the MoE layers."""
+        p, c = self.phase, self.cluster
+        return memory_per_gpu(p.model, p.gpu, num_gpus=c.num_gpus, gpus_per_node=c.gpus_per_node,
+                              experts_per_gpu=experts_per_gpu, engine=p.engine,
+                              context_tokens=p.workload.context_tokens)
+
+    def fits(self, experts_per_gpu: int) -> bool:
+        """Whether the KV cache left holds one request (decode) or anything (prefill)."""
+        m = self.memory(experts_per_gpu)
+        return m.max_concurrency >= 1 if self.phase.phase == "decode" else m.kv_cache_gb_per_gpu > 0
+
+    def steps(self, tokens: int) -> LoadMatrix:
+        """The planning batches followed by the priced batches drawn again as steps of ``tokens`` (cached)."""
+        if tokens not in self._steps:
+            drawn = phase_steps(self.test, tokens, self.phase.model.top_k, self.seed)
+            self._steps[tokens] = concatenate([self.train, drawn])
+        return self._steps[tokens]
+
+
+def concatenate(parts: Sequence[LoadMatrix]) -> LoadMatrix:
+    """``parts``' batches one after another (a token-level trace where all have one)."""
+    from moebalance.app.commands.plan import concatenate_loads
+
+    return parts[0] if len(parts) == 1 else concatenate_loads(list(parts))
+
+
+def redundant_values(num_experts: int, num_gpus: int) -> list[int]:
+    """The redundant-expert counts to try: ``E + r`` divisible by ``G``, from the smallest upward in steps of ``G``,
+    up to ``E / 2`` but at least two values and at most :data:`MAX_REDUNDANT_VALUES`."""
+    r0 = (-num_experts) % num_gpus
+    values = [r0 + k * num_gpus for k in range(MAX_REDUNDANT_VALUES)]
+    return [r for i, r in enumerate(values) if i < 2 or r <= num_experts // 2]
+
+
+def _router_suffix(engine: str, router: str) -> str:
+    """``", LP dispatch"``: the engine's name of ``router`` where the engine has several."""
+    rule = ENGINE_RULES[engine]
+    name = rule.routers[router]
+    return f", {name.upper() if len(name) <= 2 else name} dispatch" if len(rule.routers) > 1 else ""
+
+
+def candidates(setup: Setup, engine: str, *,
+               periods: Sequence[tuple[int, int]] = ()) -> tuple[list[Candidate], list[str]]:
+    """The configurations ``engine`` can run on ``setup`` (module docstring), and notes on what was left out.
+    ``periods``: the ``(step_interval, window)`` pairs of periodic re-planning (none for statistics)."""
+    if engine not in ENGINE_RULES:
+        raise InputError(f"engine {engine!r} is unknown; choose one of: {', '.join(ENGINES)}")
+    rule = ENGINE_RULES[engine]
+    spec, cluster = setup.phase.model, setup.cluster
+    E, G, L = spec.num_experts, cluster.num_gpus, setup.num_moe_layers
+    base = math.ceil(E / G)
+    if not setup.fits(base * L):
+        raise InputError(f"{spec.display_name} on {cluster.num_nodes} x {cluster.gpus_per_node} "
+                         f"{setup.phase.gpu.display_name} leaves no KV cache for one request of "
+                         f"{setup.phase.workload.context_tokens} tokens even without replicas, so no configuration "
+                         "fits; give more GPUs, a larger --memory-fraction or shorter requests")
+    notes: list[str] = []
+    fitting = []
+    for r in redundant_values(E, G):
+        if setup.fits((E + r) // G * L):
+            fitting.append(r)
+        else:
+            notes.append(f"{r} redundant experts ({(E + r) // G} per GPU and layer) leave no KV cache for a request: "
+                         "not listed")
+    routers = list(rule.routers)
+    first = routers[0]
+    out = [Candidate("off (contiguous, no EPLB)", "contiguous", {}, base, 0, first)]
+    hierarchical = cluster.num_nodes > 1 and spec.num_groups % cluster.num_nodes == 0
+    default_mode = "hierarchical" if hierarchical else "global"
+    modes = ["hierarchical", "global"] if hierarchical and rule.placement_file else [default_mode]
+
+    def eplb(r: int, mode: str, **extra: Any) -> Candidate:
+        groups = spec.num_groups if mode == "hierarchical" else 1
+        label = f"EPLB {mode}, {r} redundant"
+        return Candidate(label, "eplb", {"num_groups": groups}, (E + r) // G, r, first, groups, mode, **extra)
+
+    for r in fitting:
+        for mode in modes:
+            c = eplb(r, mode)
+            for router in routers if r > 0 else [first]:
+                out.append(dataclasses.replace(c, label=f"{c.label}, static plan{_router_suffix(engine, router)}",
+                                               router=router))
+    if len(setup.workload_batches) > 1 and rule.placement_file:  # plans for the worst workload, not the sum
+        for r, mode in ((r, mode) for r in fitting for mode in modes):
+            c = eplb(r, mode)
+            params = {**c.params, "objective": "worst", "workload_batches": list(setup.workload_batches)}
+            out.append(dataclasses.replace(c, label=f"EPLB {mode} worst of {len(setup.workload_batches)} workloads, "
+                                                    f"{r} redundant, static plan{_router_suffix(engine, first)}",
+                                           params=params))
+    if rule.placement_file:
+        out += _craft(setup, engine, fitting, notes)
+    else:
+        what = "CRAFT and worst-of plans are" if len(setup.workload_batches) > 1 else "CRAFT is"
+        notes.append(f"{engine} loads no placement file and plans with its own EPLB ({default_mode} here): {what} not "
+                     "listed (the moebalance plug-in has no CRAFT variant)")
+    for r in fitting:
+        for K, W in periods:
+            c = eplb(r, default_mode, rebalance=(K, W), rearrange=rule.rearrange)
+            if rule.layers_per_step == "spread":
+                C = math.ceil(L / K)
+                out.append(dataclasses.replace(c, label=f"{c.label}, online every {K} on {W}, {C} layers per step "
+                                                        f"({rule.rearrange})", layers_per_step=C))
+                continue
+            out.append(dataclasses.replace(c, label=f"{c.label}, every {K} on {W} ({rule.rearrange})"))
+            if rule.move_aware is not None:
+                out.append(dataclasses.replace(c, label=f"{c.label}, every {K} on {W} ({rule.rearrange}), "
+                                                        f"{rule.move_aware} plug-in", migration="aligned",
+                                               plugin=rule.move_aware))
+    return out, notes
+
+
+def _craft(setup: Setup, engine: str, fitting: Sequence[int], notes: list[str]) -> list[Candidate]:
+    """CRAFT under each budget of ``fitting``, padded to equal slots; one candidate per distinct padded plan."""
+    spec, cluster = setup.phase.model, setup.cluster
+    E, G, L = spec.num_experts, cluster.num_gpus, setup.num_moe_layers
+    out: list[Candidate] = []
+    seen: set[int] = set()
+    routers = list(ENGINE_RULES[engine].routers)
+    for r in fitting:
+        if r == 0:
+            continue
+        plan = make_plan("craft", setup.train, cluster, Budget(slots_per_gpu=(E + r) // G))[0]
+        padded = pad_plan(plan, setup.train.counts).plan
+        S = padded.max_slots_per_gpu
+        r_padded = G * S - E
+        if r_padded in seen:
+            continue
+        seen.add(r_padded)
+        if not setup.fits(S * L):
+            notes.append(f"CRAFT padded to {S} slots per GPU ({r_padded} redundant) leaves no KV cache: not listed")
+            continue
+        for router in routers:
+            out.append(Candidate(f"CRAFT padded, {r_padded} redundant, static plan{_router_suffix(engine, router)}",
+                                 "craft", {}, S, r_padded, router, plan=padded))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Priced:
+    """A candidate priced: tokens per second, memory per GPU, balance, and the replay's ``time`` object."""
+
+    candidate: Candidate
+    tokens_per_s: float
+    kv_cache_gib: float
+    weights_gib: float
+    balancedness: float
+    step_tokens: int
+    time: dict[str, Any]
+    #: The plan that serves first (made on the planning batches).
+    plan: Placement
+
+    def as_dict(self) -> dict[str, Any]:
+        """One entry of ``candidates`` in ``advise --json``."""
+        c, t = self.candidate, self.time
+        return {"label": c.label, "tokens_per_s": round(self.tokens_per_s, 3),
+                "kv_cache_gib": round(self.kv_cache_gib, 4), "balancedness": round(self.balancedness, 6),
+                "redundant_experts": c.redundant_experts, "policy": c.policy, "router": c.router,
+                "step_tokens": self.step_tokens, "weights_gib": round(self.weights_gib, 4),
+                "step_ms_mean": t["step_ms_mean"], "exposed_balancing_ms": t["exposed_balancing_ms"],
+                "moved_gib": t["moved_gib"]}
+
+
+def price(setup: Setup, candidate: Candidate) -> Priced:
+    """``candidate`` replayed over the priced batches as steps of its own size (module docstring)."""
+    c = candidate
+    L = setup.num_moe_layers
+    hosted = c.slots_per_gpu * L
+    tokens = setup.phase.step_tokens(setup.cluster, hosted)
+    load = setup.steps(tokens)
+    warm = (0, setup.train.num_batches)
+    served = (warm[1], load.num_batches)
+    pricing = dataclasses.replace(setup.pricing, rearrange=c.rearrange, layers_per_step=c.layers_per_step)
+    budget = Budget(slots_per_gpu=c.slots_per_gpu)
+    if c.plan is not None:
+        plan = c.plan
+        balance, time = price_plan(plan, load, served, get_router(c.router), pricing, setup.seed)
+    else:
+        K, W = c.rebalance if c.rebalance is not None else (None, None)
+        result = replay(load, setup.cluster, budget, c.policy, c.params, warmup=warm, batches=served, router=c.router,
+                        replan_every=K, window=W, seed=setup.seed, pricing=pricing, migration=c.migration)
+        if result.time is None:  # replay prices when given pricing
+            raise RuntimeError("the replay was not priced")
+        balance, time = result.balancedness, result.time
+        plan = make_plan(c.policy, setup.train, setup.cluster, budget, **c.params)[0]
+    memory = setup.memory(hosted)
+    return Priced(c, float(time["tokens_per_s"]), memory.kv_cache_gb_per_gpu, memory.weights_gb_per_gpu, balance,
+                  tokens, time, plan)
+
+
+def price_plan(plan: Placement, load: LoadMatrix, served: tuple[int, int], router: Router, pricing: StepPricing,
+               seed: int = 0) -> tuple[float, dict[str, Any]]:
+    """``(balancedness, time)`` of ``plan`` serving ``load``'s batches ``served`` unchanged: what
+    :func:`moebalance.online.replay.replay` gives a static policy whose plan is ``plan`` (the same routing draws, the
+    same step), for a plan no registered policy makes (CRAFT padded). ``pricing.router_ms`` must be set: a
+    load-dependent router exposes that much per MoE layer where it outlasts the local phase."""
+    if pricing.router_ms is None:
+        raise InputError("price_plan needs a fixed router time (StepPricing.router_ms)")
+    c, d = served
+    n = d - c
+    step, exposed, tokens, moe = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+    bal = np.full((n, load.num_layers), np.nan)
+    decides = router.assign_kept is not None
+    for i, bt in enumerate(range(c, d)):
+        batch = load.select_batches(bt, bt + 1)
+        rp = replay_picks(plan, batch, router, np.random.default_rng((seed, bt)), with_touched=True,
+                          with_traffic=batch.trace is not None, bytes_per_copy=pricing.bytes_per_copy,
+                          node_forwarding=pricing.node_forwarding, seconds_only=True)
+        bal[i] = layer_metrics(rp.loads, batch.counts, plan.replica_counts()).balancedness[0]
+        tokens[i] = float(batch.trace.topk_ids.shape[0] if batch.trace is not None else
+                          batch.counts[0].sum(axis=1).max() / pricing.model.top_k)
+        st = step_time(plan, batch, rp.loads, None if rp.traffic is None else rp.traffic.a2a_seconds, tokens[i],
+                       pricing, touched=rp.touched)
+        if decides and st.expert_gpu is not None:
+            exposed[i] = exposed_router(pricing.router_ms * 1e-3, st.expert_gpu, local_seconds(plan, batch, pricing))
+        moe[i] = st.moe_layer_seconds
+        step[i] = st.seconds + exposed[i]
+    if not np.isfinite(bal).any():
+        raise InputError("the served batches carry no load in any layer; there is nothing to price")
+    return float(np.nanmean(bal)), time_summary(step, exposed, tokens, 0.0, 0, exposed, moe)
+
+
+@dataclass(frozen=True, slots=True)
+class Advice:
+    """Every candidate priced (best first), the one to run, and the margin it had to clear."""
+
+    engine: str
+    ranked: tuple[Priced, ...]
+    off: Priced
+    recommended: Priced
+    margin: float
+
+    @property
+    def gain_vs_off(self) -> float:
+        return self.recommended.tokens_per_s / self.off.tokens_per_s - 1.0 if self.off.tokens_per_s > 0 else 0.0
+
+    @property
+    def leave_off(self) -> bool:
+        return self.recommended is self.off
+
+    def recommendation(self) -> dict[str, Any]:
+        """The ``recommendation`` object of ``advise --json``."""
+        c = self.recommended.candidate
+        return {"label": c.label, "engine": self.engine, "policy": c.policy,
+                "redundant_experts": c.redundant_experts, "num_groups": c.num_groups, "router": c.router,
+                "rebalance": None if c.rebalance is None else {"step_interval": c.rebalance[0],
+                                                               "window_size": c.rebalance[1]},
+                "tokens_per_s": round(self.recommended.tokens_per_s, 3), "gain_vs_off": round(self.gain_vs_off, 6)}
+
+    def as_dict(self, engine_files: Sequence[str | os.PathLike[str]] = ()) -> dict[str, Any]:
+        """``advise --json``: exactly ``recommendation``, ``candidates`` and ``engine_files``."""
+        return {"recommendation": self.recommendation(), "candidates": [p.as_dict() for p in self.ranked],
+                "engine_files": [str(f) for f in engine_files]}
+
+
+def recommend(priced: Sequence[Priced], engine: str, margin: float) -> Advice:
+    """The fastest candidate, or EPLB off when the fastest beats it by ``margin`` (a fraction) or less."""
+    if not (math.isfinite(margin) and margin >= 0):
+        raise InputError(f"the margin ({margin}) must be a finite fraction >= 0, like 0.05")
+    offs = [p for p in priced if p.candidate.off]
+    if not offs:
+        raise InputError("the candidates hold no EPLB-off configuration to compare with")
+    off = offs[0]
+    order = sorted(range(len(priced)), key=lambda i: (-priced[i].tokens_per_s, i))  # ties: the simpler, listed first
+    best = priced[order[0]]
+    chosen = best if best.tokens_per_s > off.tokens_per_s * (1.0 + margin) else off
+    return Advice(engine, tuple(priced[i] for i in order), off, chosen, margin)

@@ -1,0 +1,193 @@
+"""What ``moebalance advise`` hands over: the engine's flags for the configuration it recommends, the files they name
+(written atomically), the ranking table, and the HTML report (docs/design.md, "Advice").
+
+Flags, checked against the engines' own argument lists:
+
+- vLLM 0.33: ``--enable-expert-parallel --enable-eplb --eplb-config '{"window_size": W, "step_interval": S,
+  "num_redundant_experts": R, "use_async": true}'``. vLLM loads no placement: its EPLB makes its first plan after
+  ``S / 4`` steps on the ``W`` steps before, then re-plans every ``S`` steps. A static plan is given as
+  ``W = 1000`` (vLLM's default window) and ``S = 4 W``: the first plan after ``W`` steps, the next after ``S`` more.
+  The migration-aware variant is the plug-in's (``MOEBALANCE_VLLM_EPLB=move-aware``, :mod:`moebalance.engines.vllm_plugin`).
+- SGLang 0.5: ``--ep-size G --ep-num-redundant-experts R --init-expert-location FILE --ep-dispatch-algorithm
+  static|dynamic|lp`` (no ``--enable-eplb`` for a static plan: it would re-plan every 1,000 iterations); periodic
+  re-planning adds ``--enable-eplb --eplb-algorithm deepseek|deepseek_hierarchical --eplb-rebalance-num-iterations S
+  --expert-distribution-recorder-buffer-size W``.
+- TensorRT-LLM: ``moe_config.load_balancer`` naming the YAML of ``num_slots``, ``initial_global_assignments`` and
+  ``layer_updates_per_iter``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from rich.table import Table
+
+from moebalance.app.advise import Advice, Priced, Setup
+from moebalance.app.html_report import Report, relative_loads
+from moebalance.core.io import atomic_write_text
+from moebalance.core.plan import write_plan
+from moebalance.engines.sglang import write_placement
+from moebalance.engines.trtllm import write_config
+from moebalance.engines.vllm_plugin import ENTRY_POINT, ENV
+
+__all__ = ["FILE_NAMES", "VLLM_STATIC_WINDOW", "advice_text", "advise_report", "advise_table", "launch_lines",
+           "write_engine_files"]
+
+#: vLLM's default ``window_size``: the steps a static plan is made on.
+VLLM_STATIC_WINDOW = 1000
+#: The files ``--out-dir`` receives (besides ``report.html`` and ``advise.json``).
+FILE_NAMES = {"flags": "launch.txt", "plan": "plan.json", "sglang": "sglang-init-expert-location.json",
+              "trtllm": "trtllm-load-balancer.yaml"}
+
+
+def _placement_file(engine: str, out_dir: Path | None) -> str:
+    return str(out_dir / FILE_NAMES[engine]) if out_dir is not None else FILE_NAMES[engine]
+
+
+def launch_lines(advice: Advice, setup: Setup, out_dir: Path | None = None) -> list[str]:
+    """The engine's flags (and environment, and ``#`` comments) for the recommended configuration; the placement file
+    is named in ``out_dir`` (else a placeholder to fill once written)."""
+    rec = advice.recommended.candidate
+    G = setup.cluster.num_gpus
+    engine = advice.engine
+    if engine == "vllm":
+        if rec.off:
+            return ["--enable-expert-parallel", "# EPLB off: no --enable-eplb"]
+        K, W = rec.rebalance if rec.rebalance is not None else (4 * VLLM_STATIC_WINDOW, VLLM_STATIC_WINDOW)
+        config = {"window_size": W, "step_interval": K, "num_redundant_experts": rec.redundant_experts,
+                  "use_async": True}
+        lines = [f"--enable-expert-parallel --enable-eplb --eplb-config '{json.dumps(config)}'"]
+        if rec.rebalance is None:
+            lines.append(f"# vLLM loads no placement: it makes its first plan after step_interval / 4 = {W} steps, on "
+                         f"those steps, then re-plans every {K} steps (a step_interval beyond the run would keep "
+                         "vLLM's initial layout, experts 0..R-1 copied, not this plan)")
+        if rec.plugin is not None:
+            lines += [f"{ENV}={rec.plugin}",
+                      f"# the moebalance plug-in (pip install moebalance[vllm]); if VLLM_PLUGINS is set it must list "
+                      f"{ENTRY_POINT}"]
+        return lines
+    if engine == "sglang":
+        if rec.off:
+            return [f"--ep-size {G}", "# EPLB off: the trivial expert location, no --enable-eplb"]
+        dispatch = {"uniform": "static", "rebalance": "dynamic", "minmax": "lp"}[rec.router]
+        line = (f"--ep-size {G} --ep-num-redundant-experts {rec.redundant_experts} --init-expert-location "
+                f"{_placement_file('sglang', out_dir)} --ep-dispatch-algorithm {dispatch}")
+        if rec.rebalance is not None:
+            algorithm = "deepseek_hierarchical" if rec.mode == "hierarchical" else "deepseek"
+            line += (f" --enable-eplb --eplb-algorithm {algorithm} --eplb-rebalance-num-iterations {rec.rebalance[0]}"
+                     f" --expert-distribution-recorder-buffer-size {rec.rebalance[1]}")
+        return [line, *_unwritten("sglang", out_dir)]
+    if rec.off:
+        return ["# EPLB off: no moe_config.load_balancer"]
+    return ["moe_config:", f"  load_balancer: {_placement_file('trtllm', out_dir)}", *_unwritten("trtllm", out_dir)]
+
+
+def _unwritten(engine: str, out_dir: Path | None) -> list[str]:
+    return [f"# give --out-dir to write {FILE_NAMES[engine]}"] if out_dir is None else []
+
+
+def write_engine_files(advice: Advice, setup: Setup, out_dir: Path, model: str) -> list[Path]:
+    """Write the recommendation's files into ``out_dir``: the launch flags, and unless EPLB stays off the plan
+    (moebalance's JSON) and the engine's placement file; returns their paths, the flags last."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rec = advice.recommended
+    written: list[Path] = []
+    if not rec.candidate.off:
+        plan = rec.plan
+        dest = out_dir / FILE_NAMES["plan"]
+        write_plan(dest, plan)
+        written.append(dest)
+        if advice.engine == "sglang":
+            dest = out_dir / FILE_NAMES["sglang"]
+            write_placement(dest, plan, model=model)
+            written.append(dest)
+        elif advice.engine == "trtllm":
+            dest = out_dir / FILE_NAMES["trtllm"]
+            write_config(dest, plan, None, rec.candidate.layers_per_step or 0, model=model)
+            written.append(dest)
+    dest = out_dir / FILE_NAMES["flags"]
+    atomic_write_text(dest, "\n".join(launch_lines(advice, setup, out_dir)) + "\n")
+    return [*written, dest]
+
+
+def advice_text(advice: Advice) -> str:
+    """The recommendation in one sentence."""
+    rec, off = advice.recommended, advice.off
+    margin = f"{100 * advice.margin:.1f}%"
+    if advice.leave_off:
+        best = advice.ranked[0]
+        beat = "" if best is off else (f"; the fastest, {best.candidate.label}, models "
+                                       f"{best.tokens_per_s:,.0f} tokens/s, "
+                                       f"{100 * (best.tokens_per_s / off.tokens_per_s - 1):+.1f}%")
+        return (f"Leave EPLB off on {advice.engine}: {off.tokens_per_s:,.0f} tokens/s modelled, and no configuration "
+                f"beats it by more than the {margin} margin{beat}.")
+    return (f"Run {rec.candidate.label} on {advice.engine}: {rec.tokens_per_s:,.0f} tokens/s modelled, "
+            f"{100 * advice.gain_vs_off:+.1f}% over EPLB off ({off.tokens_per_s:,.0f}), KV cache "
+            f"{rec.kv_cache_gib:.1f} GiB per GPU against {off.kv_cache_gib:.1f}; the margin to clear was {margin}.")
+
+
+_COLUMNS = ("candidate", "tokens/s", "vs off", "KV cache GiB/GPU", "weights GiB/GPU", "step tokens",
+            "balancedness", "redundant", "exposed ms")
+
+
+def _cells(p: Priced, off: Priced) -> list[str]:
+    gain = p.tokens_per_s / off.tokens_per_s - 1 if off.tokens_per_s > 0 else 0.0
+    return [p.candidate.label, f"{p.tokens_per_s:,.0f}", f"{100 * gain:+.1f}%", f"{p.kv_cache_gib:.2f}",
+            f"{p.weights_gib:.2f}", f"{p.step_tokens:,}", f"{p.balancedness:.4f}", f"{p.candidate.redundant_experts}",
+            f"{p.time['exposed_balancing_ms']:.1f}"]
+
+
+def advise_table(advice: Advice, title: str) -> Table:
+    """The ranking, fastest first; the recommended row in bold."""
+    table = Table(title=title, title_justify="left")
+    widest = min(max(len(p.candidate.label) for p in advice.ranked), 90)  # labels on one line where they fit
+    for i, col in enumerate(_COLUMNS):
+        table.add_column(col, justify="left" if i == 0 else "right", min_width=widest if i == 0 else None)
+    for p in advice.ranked:
+        table.add_row(*_cells(p, advice.off), style="bold" if p is advice.recommended else None)
+    return table
+
+
+def _step_split(p: Priced, moe_layers: int) -> dict[str, float]:
+    """A candidate's mean step, ms: its MoE layers (slowest GPU's experts and the all-to-all), the rest of the model,
+    and what balancing exposed (re-plan stalls, router time)."""
+    t = p.time
+    n = max(len(t["per_batch_step_ms"]), 1)
+    exposed = t["exposed_balancing_ms"] / n
+    moe = min(t["moe_layer_ms_mean"] * moe_layers, max(t["step_ms_mean"] - exposed, 0.0))
+    return {"MoE layers": moe, "rest of the model": max(t["step_ms_mean"] - exposed - moe, 0.0),
+            "balancing exposed": max(exposed, 0.0)}
+
+
+#: Bars drawn at most (the fastest, and EPLB off).
+_MAX_BARS = 12
+
+
+def advise_report(advice: Advice, setup: Setup, title: str, files: Mapping[str, str],
+                  notes: Sequence[str] = ()) -> Report:
+    """The page of ``advise --out-dir``: the ranking, the recommendation with its files (``{name: content}``), each
+    candidate's mean step split, the GPUs' loads on the priced batches as recorded under EPLB off and under the
+    recommendation, and the notes."""
+    report = Report("moebalance advise", title)
+    report.ranking([_cells(p, advice.off) for p in advice.ranked], _COLUMNS,
+                   best=list(advice.ranked).index(advice.recommended),
+                   caption="Candidates by modelled tokens per second, fastest first; the recommendation highlighted.")
+    report.recommendation(advice_text(advice), files)
+    shown = list(advice.ranked[:_MAX_BARS])
+    if advice.off not in shown:
+        shown.append(advice.off)
+    L = setup.num_moe_layers
+    report.bars("Mean step time", {p.candidate.label: _step_split(p, L) for p in shown}, unit="ms per step",
+                caption="Per candidate: its MoE layers, the rest of the model on its step's tokens, and the time "
+                        "balancing exposed (a synchronous re-plan's stall, a router's host time).")
+    pairs = [("off", advice.off)] + ([] if advice.leave_off else [("recommended", advice.recommended)])
+    heats = [relative_loads(p.plan, setup.test, p.candidate.router, setup.seed)[0] for _, p in pairs]
+    report.heatmap("GPU load per layer: EPLB off and the recommendation", heats[0], heats[1] if len(heats) > 1 else None,
+                   labels=(pairs[0][0], pairs[-1][0]), scale_label="GPU load / the layer's mean GPU load (1 = fair share)",
+                   gpus_per_node=setup.cluster.gpus_per_node,
+                   caption="The priced batches as recorded (before they are drawn again as steps); grey: no load.")
+    for line in notes:
+        report.note(line)
+    return report

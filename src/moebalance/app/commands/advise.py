@@ -1,0 +1,193 @@
+"""``moebalance advise``: what to run on an engine, every configuration it can run priced in tokens per second on
+held-out batches (docs/design.md, "Advice"; :mod:`moebalance.app.advise`)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from moebalance.app import options
+from moebalance.app.advise import (
+    ENGINES,
+    STATISTICS_STEPS,
+    Setup,
+    candidates,
+    concatenate,
+    price,
+    recommend,
+)
+from moebalance.app.advise_engines import (
+    advice_text,
+    advise_report,
+    advise_table,
+    launch_lines,
+    write_engine_files,
+)
+from moebalance.app.commands.plan import read_workloads
+from moebalance.app.console import err, note, out, progress
+from moebalance.app.phase import PHASES, PhaseModel
+from moebalance.core.errors import InputError
+from moebalance.core.io import atomic_write_text, dumps, read_json
+from moebalance.core.load import LoadMatrix
+from moebalance.cost.hardware import get_gpu
+from moebalance.cost.time import Calibration
+from moebalance.engines.detect import detect_load
+from moebalance.models import get_model
+from moebalance.online.pricing import StepPricing
+
+__all__ = ["DEFAULT_MARGIN", "FIT_ERROR_KEY", "add_parser", "read_calibration", "run"]
+
+#: The margin a modelled gain over EPLB off must clear, as a fraction.
+DEFAULT_MARGIN = 0.05
+#: A calibration file's fit error (mean absolute log error of the fitted roofline), where it records one.
+FIT_ERROR_KEY = "mean_abs_log_error"
+#: Periodic re-planning tried: ``(step_interval, window)`` in steps, the largest that re-plan within the steps priced.
+_INTERVALS = (2, 4, 8, 16, 32)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("advise", help="what to run on vLLM, SGLang or TensorRT-LLM: every expert-parallel "
+                                      "configuration the engine can run, priced in tokens per second")
+    p.add_argument("--load", required=True, action="append",
+                   help="recorded routing in any format --load reads; repeatable: several workloads of one model")
+    options.add_format(p)
+    p.add_argument("--model", help="the model the load was recorded for (default: the load's)")
+    options.add_cluster(p)
+    p.add_argument("--engine", choices=ENGINES, help="the engine (default: from the load's format)")
+    p.add_argument("--phase", choices=PHASES,
+                   help="the steps priced: decode (the default: one token per running request, as many as the KV "
+                        "cache holds) or prefill (--prefill-chunk tokens per data-parallel rank)")
+    p.add_argument("--train-frac", type=options.fraction, default=0.5,
+                   help="share of each load's batches to plan on; the rest are priced (default 0.5; a load of one "
+                        "batch plans and prices on it)")
+    p.add_argument("--margin", type=options.non_negative_float,
+                   help=f"the modelled gain over EPLB off a configuration must clear to be recommended (default "
+                        f"{DEFAULT_MARGIN}; with --calibration recording its fit error, the larger of the two)")
+    p.add_argument("--router-ms", type=options.non_negative_float, default=0.0, metavar="MS",
+                   help="host time per MoE layer of a load-dependent router (SGLang's dynamic and LP dispatch), exposed "
+                        "where it outlasts the local phase (default 0: SGLang computes them on the GPU)")
+    options.add_links(p)
+    options.add_cost_options(p, gpu_required=True)
+    p.add_argument("--seed", type=options.non_negative, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out-dir", help="write the engine's files, launch.txt, advise.json and report.html here")
+    p.set_defaults(func=run)
+
+
+def read_calibration(args: argparse.Namespace) -> tuple[Calibration, float | None]:
+    """``--calibration``'s constants and its fit error (``mean_abs_log_error``) where the file records one."""
+    if args.calibration is None:
+        return Calibration(), None
+    doc = read_json(Path(args.calibration), "calibration")
+    if not isinstance(doc, dict) or FIT_ERROR_KEY not in doc:
+        return options.calibration_from(args), None
+    error = doc[FIT_ERROR_KEY]
+    if isinstance(error, bool) or not isinstance(error, int | float) or not math.isfinite(error) or error < 0:
+        raise InputError(f"{args.calibration!r}: {FIT_ERROR_KEY} is {error!r}; it must be a number >= 0")
+    if doc.get("format") != "moebalance.calibration":
+        raise InputError(f"{args.calibration!r} is not a calibration written by 'moebalance calibrate'")
+    try:
+        calibration = Calibration(**{k: v for k, v in doc.items() if k not in ("format", FIT_ERROR_KEY)})
+    except TypeError as exc:
+        raise InputError(f"{args.calibration!r}: {exc}") from None
+    return calibration, float(error)
+
+
+def _engine(args: argparse.Namespace) -> str:
+    if args.engine is not None:
+        return str(args.engine)
+    formats = {detect_load(path) if args.format is None else args.format for path in args.load}
+    engines = sorted(f for f in formats if f in ENGINES)
+    if len(engines) != 1 or len(formats) != 1:
+        found = ", ".join(sorted(formats))
+        raise InputError(f"the loads' format ({found}) names no one engine; give --engine {'|'.join(ENGINES)}")
+    return engines[0]
+
+
+def _split(load: LoadMatrix, train_frac: float) -> tuple[LoadMatrix, LoadMatrix, bool]:
+    """``(plan on, price, held out)``: a load of one batch plans and prices on it, drawn several times."""
+    if load.num_batches == 1:
+        return load, concatenate([load] * STATISTICS_STEPS), False
+    train, test = load.split(train_frac)
+    return train, test, train_frac < 1.0
+
+
+def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
+    """The deployment and batches of the command line: ``(setup, model name, steps priced for periodic re-planning
+    (0 for statistics), the calibration's fit error)``."""
+    workloads = read_workloads(argparse.Namespace(**{**vars(args), "batches": None}))
+    name = args.model or workloads.load.preset
+    if name is None:
+        raise InputError("the load names no model; give --model (e.g. --model deepseek-v3)")
+    spec, gpu = get_model(name), get_gpu(args.gpu)
+    calibration, fit_error = read_calibration(args)
+    engine_memory, workload = options.engine_from(args), options.workload_from(args)
+    phase = args.phase or "decode"
+    cluster = options.cluster(args)
+    pricing = StepPricing(model=spec, gpu=gpu, engine=engine_memory, calibration=calibration,
+                          node_forwarding=args.dispatch == "node", prompt_tokens=workload.prompt_tokens,
+                          router_ms=args.router_ms, phase=phase, output_tokens=workload.output_tokens)
+    trains, tests, notes = [], [], []
+    for path, part in zip(workloads.names, workloads.parts, strict=True):
+        train, test, held = _split(part, args.train_frac)
+        pricing.check(part)
+        trains.append(train)
+        tests.append(test)
+        if part.num_batches == 1:
+            notes.append(f"{path} has one batch (statistics): plans are made and priced on it ({STATISTICS_STEPS} "
+                         f"{phase} steps drawn from it), not on held-out batches; no periodic re-planning")
+        elif not held:
+            notes.append(f"{path}: --train-frac 1 plans and prices on the same batches (in sample)")
+    setup = Setup(cluster=cluster, pricing=pricing, train=concatenate(trains), test=concatenate(tests),
+                  phase=PhaseModel(phase, spec, gpu, engine=engine_memory, calibration=calibration, workload=workload,
+                                   seed=args.seed, node_forwarding=args.dispatch == "node"),
+                  workload_batches=tuple(t.num_batches for t in trains), seed=args.seed, notes=tuple(notes))
+    statistics = any(p.num_batches == 1 for p in workloads.parts)
+    return setup, name, 0 if statistics else setup.test.num_batches, fit_error
+
+
+def run(args: argparse.Namespace) -> None:
+    out_dir = None if args.out_dir is None else Path(args.out_dir)
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
+        raise InputError(f"--out-dir {args.out_dir!r} is a file; give a folder")
+    engine = _engine(args)
+    setup, name, served, fit_error = _setup(args)
+    margin = DEFAULT_MARGIN if args.margin is None else float(args.margin)
+    if fit_error is not None:
+        margin = max(margin, math.expm1(fit_error))
+    periods = [(k, k) for k in _INTERVALS if k < served][-2:]
+    listed, left_out = candidates(setup, engine, periods=periods)
+    priced = []
+    with progress() as bar:
+        task = bar.add_task(f"advise {engine}", total=len(listed))
+        for c in listed:
+            priced.append(price(setup, c))
+            bar.advance(task, 1)
+    advice = recommend(priced, engine, margin)
+    notes = [*setup.notes, *left_out]
+    cluster = setup.cluster
+    title = (f"{', '.join(args.load)} on {engine}: {name}, {cluster.num_nodes} x {cluster.gpus_per_node} "
+             f"{setup.phase.gpu.display_name}, {setup.phase.phase} steps"
+             + ("" if args.phase else " (the default phase)"))
+    files: list[Path] = []
+    if out_dir is not None:
+        files = write_engine_files(advice, setup, out_dir, name)
+        doc = advice.as_dict(files)
+        atomic_write_text(out_dir / "advise.json", dumps({"title": title, **doc, "notes": notes}))
+        shown = {f.name: f.read_text() for f in files if f.suffix != ".json" or f.stat().st_size < 20_000}
+        shown["files written"] = "\n".join(str(f) for f in files)
+        advise_report(advice, setup, title, shown, notes).write(out_dir / "report.html")
+    for text in notes:
+        note(text)
+    if args.json:
+        sys.stdout.write(dumps(advice.as_dict(files)))
+        return
+    out.print(advise_table(advice, title))
+    out.print(advice_text(advice))
+    for line in launch_lines(advice, setup, out_dir):
+        out.print(line, markup=False)
+    if out_dir is not None:
+        err.print(f"wrote {', '.join(str(f) for f in files)}, {out_dir / 'advise.json'} and {out_dir / 'report.html'}")

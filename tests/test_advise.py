@@ -1,0 +1,308 @@
+"""``moebalance advise`` (:mod:`moebalance.app.advise`): every configuration an engine runs, priced in tokens per
+second on held-out batches, the recommendation, and the engine files it writes.
+
+Real data: the bundled ESFT law routing (DeepSeek-V2-Lite, token level, 16 batches on 8 ranks) and SGLang's published
+DeepSeek-V3 statistics (tests/data/sglang-deepseek-v3, one batch each, attributed in its README).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+from conftest import assert_user_error, run_cli
+
+from moebalance.app.advise import (
+    Advice,
+    Candidate,
+    Priced,
+    Setup,
+    candidates,
+    price,
+    price_plan,
+    recommend,
+    redundant_values,
+)
+from moebalance.app.advise_engines import launch_lines
+from moebalance.app.commands.advise import DEFAULT_MARGIN, FIT_ERROR_KEY
+from moebalance.app.phase import PhaseModel
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix, read_bundled, write_load
+from moebalance.core.plan import Placement, read_plan
+from moebalance.cost.hardware import get_gpu
+from moebalance.engines import read_any_load
+from moebalance.engines.detect import read_any_plan
+from moebalance.models import get_model
+from moebalance.online.pricing import StepPricing
+from moebalance.online.replay import replay
+from moebalance.policies import make_plan
+from moebalance.routing import get_router
+
+STATS = Path(__file__).parent / "data" / "sglang-deepseek-v3"
+DECODE, PREFILL = STATS / "decode_in1000out1000.json", STATS / "prefill_in1024.json"
+V3 = ["--nodes", 8, "--gpus-per-node", 8, "--gpu", "h100-80gb"]
+ESFT = ["--load", "bundled:esft-law", "--model", "deepseek-v2-lite", "--nodes", 1, "--gpus-per-node", 8,
+        "--gpu", "h100-80gb"]
+CANDIDATE_KEYS = {"label", "tokens_per_s", "kv_cache_gib", "balancedness", "redundant_experts"}
+RECOMMENDATION_KEYS = {"label", "engine", "policy", "redundant_experts", "num_groups", "router", "rebalance",
+                       "tokens_per_s", "gain_vs_off"}
+#: Flags of SGLang 0.5.23 (sglang/srt/arg_groups/fields/exec_.py and parallel.py: the fields' CLI names) and of vLLM
+#: 0.33 (vllm/engine/arg_utils.py), and vLLM's EPLBConfig fields (vllm/config/parallel.py), read from their sources.
+SGLANG_FLAGS = {"--ep-size", "--ep-num-redundant-experts", "--init-expert-location", "--ep-dispatch-algorithm",
+                "--enable-eplb", "--eplb-algorithm", "--eplb-rebalance-num-iterations",
+                "--expert-distribution-recorder-buffer-size", "--eplb-rebalance-layers-per-chunk"}
+SGLANG_DISPATCH = {"static", "dynamic", "fake", "lp"}
+VLLM_FLAGS = {"--enable-expert-parallel", "--enable-eplb", "--eplb-config"}
+VLLM_EPLB_FIELDS = {"window_size", "step_interval", "num_redundant_experts", "log_balancedness",
+                    "log_balancedness_interval", "use_async", "policy", "communicator", "enable_migration_batching"}
+
+
+def advise(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[dict[str, Any], str]:
+    """``advise ... --json``: the document and stderr."""
+    rc, out, err = run_cli(["advise", *argv, "--json"], capsys)
+    assert rc == 0, err
+    return json.loads(out), err
+
+
+def check_contract(doc: dict[str, Any], margin: float = DEFAULT_MARGIN) -> None:
+    """The JSON keys exactly; "off" listed; the recommendation the fastest, or off when nothing beats it by more than
+    the margin."""
+    assert set(doc) == {"recommendation", "candidates", "engine_files"}
+    rec, cands = doc["recommendation"], doc["candidates"]
+    assert set(rec) == RECOMMENDATION_KEYS
+    assert all(CANDIDATE_KEYS <= set(c) for c in cands)
+    labels = [c["label"] for c in cands]
+    assert len(set(labels)) == len(labels)
+    offs = [c for c in cands if "off" in c["label"]]
+    assert len(offs) == 1
+    off, best = offs[0], max(cands, key=lambda c: c["tokens_per_s"])
+    assert cands[0]["tokens_per_s"] == best["tokens_per_s"]  # ranked, fastest first
+    assert rec["label"] in labels
+    if best["tokens_per_s"] > off["tokens_per_s"] * (1 + margin):
+        assert rec["tokens_per_s"] == best["tokens_per_s"]
+        assert rec["gain_vs_off"] == pytest.approx(best["tokens_per_s"] / off["tokens_per_s"] - 1, abs=1e-6)
+    else:
+        assert rec["label"] == off["label"] and rec["policy"] == "contiguous" and rec["gain_vs_off"] == 0.0
+        assert rec["rebalance"] is None and rec["redundant_experts"] == 0
+
+
+def test_redundant_values_follow_the_engines_rule() -> None:
+    # E + r divisible by G, from the smallest r upward in steps of G, up to E / 2, at least two and at most four
+    assert redundant_values(64, 8) == [0, 8, 16, 24]
+    assert redundant_values(256, 64) == [0, 64, 128]
+    assert redundant_values(60, 8) == [4, 12, 20, 28]
+    assert redundant_values(8, 16) == [8, 24]
+    for E, G in ((64, 8), (256, 64), (60, 8), (8, 16), (160, 48)):
+        assert all((E + r) % G == 0 for r in redundant_values(E, G))
+
+
+def test_esft_on_vllm_prices_periodic_and_plug_in_candidates(capsys: pytest.CaptureFixture[str]) -> None:
+    doc, err = advise(capsys, *ESFT, "--engine", "vllm")
+    check_contract(doc)
+    assert doc["engine_files"] == []
+    labels = [c["label"] for c in doc["candidates"]]
+    # 8 held-out batches: re-planning every 2 and 4 steps, vLLM's own EPLB and the move-aware plug-in; no CRAFT
+    assert any("every 4 on 4 (async)" in x and "plug-in" not in x for x in labels)
+    assert any("every 2 on 2 (async), move-aware plug-in" in x for x in labels)
+    assert not any("CRAFT" in x or "hierarchical" in x for x in labels)
+    assert {c["redundant_experts"] for c in doc["candidates"]} == {0, 8, 16, 24}
+    assert {c["router"] for c in doc["candidates"]} == {"random"}
+    assert "CRAFT" in err  # said why it is not listed
+    # replicas take KV cache: more redundant experts, less cache and fewer tokens per decode step
+    static = sorted((c for c in doc["candidates"] if "static plan" in c["label"]), key=lambda c: c["redundant_experts"])
+    assert [c["kv_cache_gib"] for c in static] == sorted((c["kv_cache_gib"] for c in static), reverse=True)
+    assert static[0]["step_tokens"] > static[-1]["step_tokens"]
+
+
+def test_sglang_statistics_files_load_back_and_obey_the_engine(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path: Path) -> None:
+    out = tmp_path / "advice"
+    doc, err = advise(capsys, "--load", DECODE, *V3, "--out-dir", out)
+    check_contract(doc)
+    assert "one batch (statistics)" in err
+    rec = doc["recommendation"]
+    assert rec["engine"] == "sglang" and rec["policy"] != "contiguous"  # EPLB pays on DeepSeek-V3's decode
+    labels = [c["label"] for c in doc["candidates"]]
+    for kind in ("EPLB hierarchical", "EPLB global", "CRAFT padded", "LP dispatch", "dynamic dispatch"):
+        assert any(kind in x for x in labels), kind
+    assert not any("every" in x for x in labels)  # one batch: no periodic re-planning
+    files = [Path(f) for f in doc["engine_files"]]
+    assert [f.name for f in files] == ["plan.json", "sglang-init-expert-location.json", "launch.txt"]
+    assert json.loads((out / "advise.json").read_text())["recommendation"] == rec
+    plan = read_plan(files[0])
+    assert plan.policy == rec["policy"]
+    load = read_any_load(DECODE)
+    cluster = Cluster(num_nodes=8, gpus_per_node=8)
+    back = read_any_plan(files[1], cluster, load=load)
+    np.testing.assert_array_equal(back.copies, plan.copies)
+    phy2log = np.asarray(json.loads(files[1].read_text())["physical_to_logical_map"])
+    assert phy2log.shape[0] == 61 and phy2log.shape[1] % 64 == 0
+    assert phy2log.shape[1] - 256 == rec["redundant_experts"]
+    flags = shlex.split(files[2].read_text().splitlines()[0])
+    assert {f for f in flags if f.startswith("--")} <= SGLANG_FLAGS
+    assert flags[flags.index("--init-expert-location") + 1] == str(files[1])
+    assert int(flags[flags.index("--ep-num-redundant-experts") + 1]) == rec["redundant_experts"]
+    assert int(flags[flags.index("--ep-size") + 1]) == 64
+    assert flags[flags.index("--ep-dispatch-algorithm") + 1] in SGLANG_DISPATCH
+    page = (out / "report.html").read_text()
+    assert f"Run {rec['label']} on sglang" in page and "<script" not in page and "http" not in page.split("<body>")[1]
+
+
+def test_trtllm_yaml_loads_back_with_slots_divisible_by_the_ep_size(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    doc, _ = advise(capsys, "--load", DECODE, *V3, "--engine", "trtllm", "--out-dir", tmp_path)
+    check_contract(doc)
+    files = {Path(f).name: Path(f) for f in doc["engine_files"]}
+    assert set(files) == {"plan.json", "trtllm-load-balancer.yaml", "launch.txt"}
+    config = yaml.safe_load(files["trtllm-load-balancer.yaml"].read_text())
+    assert config["num_slots"] % 64 == 0 and config["num_slots"] - 256 == doc["recommendation"]["redundant_experts"]
+    assert config["layer_updates_per_iter"] == 0  # a static plan
+    assert sorted(config["initial_global_assignments"]) == list(range(3, 61))  # the MoE layers, model numbering
+    back = read_any_plan(files["trtllm-load-balancer.yaml"], Cluster(num_nodes=8, gpus_per_node=8),
+                         load=read_any_load(DECODE))
+    np.testing.assert_array_equal(back.copies, read_plan(files["plan.json"]).copies)
+    assert files["launch.txt"].read_text().splitlines() == ["moe_config:",
+                                                            f"  load_balancer: {files['trtllm-load-balancer.yaml']}"]
+
+
+def test_several_loads_add_worst_of_plans_and_memory_limits_the_replicas(capsys: pytest.CaptureFixture[str]) -> None:
+    # a memory share that leaves about 2 GiB of KV cache with 64 redundant experts and none with 128
+    doc, err = advise(capsys, "--load", DECODE, "--load", PREFILL, *V3, "--memory-fraction", 0.56)
+    check_contract(doc)
+    labels = [c["label"] for c in doc["candidates"]]
+    assert any("worst of 2 workloads, 64 redundant" in x for x in labels)
+    assert {c["redundant_experts"] for c in doc["candidates"]} == {0, 64}
+    assert "128 redundant experts (6 per GPU and layer) leave no KV cache for a request: not listed" in err
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_perfectly_uniform_load_recommends_off(engine: str, capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
+    path = tmp_path / "uniform.npz"
+    write_load(path, LoadMatrix(np.full((4, 26, 64), 600, dtype=np.int64), preset="deepseek-v2-lite"))
+    doc, _ = advise(capsys, "--load", path, "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h100-80gb", "--engine", engine)
+    check_contract(doc)
+    assert doc["recommendation"]["policy"] == "contiguous"
+    assert "off" in doc["recommendation"]["label"]
+
+
+def _setup(phase: str = "decode", router_ms: float = 0.0) -> Setup:
+    load = read_bundled("esft-law")
+    spec, gpu = get_model("deepseek-v2-lite"), get_gpu("h100-80gb")
+    train, test = load.split(0.5)
+    pricing = StepPricing(model=spec, gpu=gpu, phase=phase, router_ms=router_ms, output_tokens=1000)
+    return Setup(cluster=Cluster(num_nodes=1, gpus_per_node=8), phase=PhaseModel(phase, spec, gpu), pricing=pricing,
+                 train=train, test=test, workload_batches=(8,))
+
+
+@pytest.mark.parametrize("router", ["random", "rebalance"])
+def test_a_given_plan_is_priced_as_the_replay_prices_its_policy(router: str) -> None:
+    # price_plan (CRAFT padded, which no registered policy makes) against the online replay on the same plan
+    setup = _setup(router_ms=0.3)
+    steps = setup.steps(700)
+    budget = Budget(slots_per_gpu=9)
+    plan = make_plan("eplb", setup.train, setup.cluster, budget)[0]
+    balance, time = price_plan(plan, steps, (8, 16), get_router(router), setup.pricing)
+    ref = replay(steps, setup.cluster, budget, "eplb", {}, warmup=(0, 8), batches=(8, 16), router=router,
+                 pricing=setup.pricing)
+    assert balance == ref.balancedness and time == ref.time
+    assert (time["exposed_router_ms"] > 0) == (router == "rebalance")
+
+
+def test_prefill_steps_are_a_chunk_per_rank_whatever_the_replicas() -> None:
+    setup = _setup("prefill")
+    listed, _ = candidates(setup, "trtllm", periods=[(4, 4)])
+    priced = [price(setup, c) for c in listed if c.redundant_experts in (0, 24) and c.rebalance is None]
+    assert {p.step_tokens for p in priced} == {4096}  # one data-parallel rank of 8 GPUs, --prefill-chunk 4096
+    assert len({p.kv_cache_gib for p in priced}) > 1
+
+
+def _priced(label: str, tps: float, policy: str = "eplb", **extra: Any) -> Priced:
+    c = Candidate(label, policy, {}, 9, 8, "uniform", **extra)
+    plan = Placement([[[0, 1], [2, 3]]], 4, Cluster(num_nodes=1, gpus_per_node=2))
+    return Priced(c, tps, 10.0, 5.0, 0.9, 100, {"exposed_balancing_ms": 0.0}, plan)
+
+
+def test_leave_eplb_off_unless_the_gain_clears_the_margin() -> None:
+    off = _priced("off", 100.0, "contiguous")
+    near, clear = _priced("near", 104.9), _priced("clear", 105.1)
+    assert recommend([off, near], "vllm", 0.05).recommended is off
+    advice = recommend([near, off, clear], "vllm", 0.05)
+    assert advice.recommended is clear and advice.ranked[0] is clear
+    assert advice.recommendation()["gain_vs_off"] == pytest.approx(0.051)
+    assert recommend([off, clear], "vllm", 0.10).recommended is off
+    slower = _priced("slower", 90.0)
+    assert recommend([slower, off], "vllm", 0.0).recommended is off
+
+
+def test_a_calibration_fit_error_widens_the_margin(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from moebalance.app.commands.advise import read_calibration
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"format": "moebalance.calibration", "flops_efficiency": 0.6,
+                                "bandwidth_efficiency": 0.8, "launch_us": 5.0, "source": "test",
+                                FIT_ERROR_KEY: 0.4}))
+    import argparse
+
+    calibration, error = read_calibration(argparse.Namespace(calibration=str(path)))
+    assert calibration.bandwidth_efficiency == 0.8 and error == 0.4
+    # the recorded error (exp(0.4) - 1 = 49%) outweighs the default 5%: EPLB's modelled gain no longer clears it
+    doc, _ = advise(capsys, "--load", DECODE, *V3, "--calibration", path)
+    check_contract(doc, margin=math.expm1(0.4))
+    off = next(c for c in doc["candidates"] if "off" in c["label"])
+    assert doc["candidates"][0]["tokens_per_s"] > 1.2 * off["tokens_per_s"]
+    assert doc["recommendation"]["label"] == off["label"]
+    path.write_text(json.dumps({"format": "moebalance.calibration", FIT_ERROR_KEY: -1}))
+    assert_user_error(["advise", "--load", DECODE, *V3, "--calibration", path], capsys, FIT_ERROR_KEY, "-1")
+
+
+def test_periodic_flags_name_only_what_the_engines_accept() -> None:
+    setup = _setup()
+    plan = make_plan("eplb", setup.train, setup.cluster, Budget(slots_per_gpu=9))[0]
+    off = Priced(Candidate("off", "contiguous", {}, 8, 0, "random"), 100.0, 10, 5, 0.7, 900, {}, plan)
+
+    def lines(engine: str, **extra: Any) -> list[str]:
+        c = Candidate("x", "eplb", {"num_groups": 1}, 9, 8, extra.pop("router", "uniform"), 1, "global", **extra)
+        rec = Priced(c, 120.0, 9, 6, 0.9, 890, {}, plan)
+        return launch_lines(Advice(engine, (rec, off), off, rec, 0.05), setup, Path("out"))
+
+    vllm = lines("vllm", router="random", rebalance=(4, 2), rearrange="async", migration="aligned", plugin="move-aware")
+    flags = shlex.split(vllm[0])
+    assert {f for f in flags if f.startswith("--")} <= VLLM_FLAGS
+    config = json.loads(flags[flags.index("--eplb-config") + 1])
+    assert config == {"window_size": 2, "step_interval": 4, "num_redundant_experts": 8, "use_async": True}
+    assert set(config) <= VLLM_EPLB_FIELDS and "MOEBALANCE_VLLM_EPLB=move-aware" in vllm
+    static = json.loads(shlex.split(lines("vllm", router="random")[0])[-1])
+    assert static["step_interval"] == 4 * static["window_size"]  # vLLM's first plan after step_interval / 4
+    sglang = shlex.split(lines("sglang", router="minmax", rebalance=(8, 8))[0])
+    assert {f for f in sglang if f.startswith("--")} <= SGLANG_FLAGS
+    assert sglang[sglang.index("--ep-dispatch-algorithm") + 1] == "lp"
+    assert sglang[sglang.index("--eplb-rebalance-num-iterations") + 1] == "8"
+    assert sglang[sglang.index("--eplb-algorithm") + 1] == "deepseek"
+    assert lines("trtllm", rebalance=(4, 4), layers_per_step=7)[1] == f"  load_balancer: {Path('out')}/" \
+                                                                          "trtllm-load-balancer.yaml"
+
+
+def test_user_mistakes_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert_user_error(["advise", *ESFT, "--engine", "tgi"], capsys, "--engine", "tgi")
+    assert_user_error(["advise", *ESFT, "--engine", "vllm", "--phase", "both"], capsys, "--phase", "both")
+    assert_user_error(["advise", *ESFT], capsys, "names no one engine", "--engine")
+    assert_user_error(["advise", "--load", "bundled:esft-law", "--model", "deepseek-v3", "--nodes", 1,
+                       "--gpus-per-node", 8, "--gpu", "h100-80gb", "--engine", "vllm"], capsys, "deepseek-v3")
+    assert_user_error(["advise", "--load", DECODE, *V3, "--memory-fraction", 0.4], capsys, "does not fit")
+    assert_user_error(["advise", "--load", DECODE, *V3, "--memory-fraction", 0.478], capsys,
+                      "no configuration fits")
+    assert_user_error(["advise", "--load", DECODE, "--load", "bundled:esft-law", *V3], capsys, "names no one engine")
+    assert_user_error(["advise", "--load", DECODE, "--load", "bundled:esft-law", *V3, "--engine", "sglang"], capsys,
+                      "give workloads of one model")
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    assert_user_error(["advise", "--load", DECODE, *V3, "--out-dir", afile], capsys, "is a file")
+    assert sorted(tmp_path.iterdir()) == [afile]
