@@ -306,6 +306,7 @@ def test_calibration_fit_recovers_known_constants(tmp_path, capsys: pytest.Captu
     rc, _, err = run_cli(["calibrate", "--measurements", tmp_path / "m.csv", "--gpu", "h100-80gb", "--out",
                           tmp_path / "cal.json"], capsys)
     assert rc == 0, err
+    assert json.loads((tmp_path / "cal.json").read_text())["mean_abs_log_error"] == pytest.approx(error, abs=1e-6)
     rc, text, err = run_cli(["cost", "--model", "kimi-k2", "--gpu", "h100-80gb", "--nodes", 6, "--gpus-per-node", 8,
                              "--calibration", tmp_path / "cal.json", "--json"], capsys)
     assert rc == 0 and json.loads(text)["calibration"] == "fitted to m.csv on h100-80gb"

@@ -337,11 +337,12 @@ def calibration_from(args: argparse.Namespace) -> Calibration:
     path = Path(args.calibration)
     doc = read_json(path, "calibration")
     fields = {f.name for f in dataclasses.fields(Calibration)}
-    if not isinstance(doc, dict) or doc.get("format") != "moebalance.calibration" or not set(doc) - {"format"} <= fields:
+    recorded = {"format", "mean_abs_log_error"}  # the fit's quality, recorded beside its constants
+    if not isinstance(doc, dict) or doc.get("format") != "moebalance.calibration" or not set(doc) - recorded <= fields:
         raise InputError(f"{str(path)!r} is not a calibration written by 'moebalance calibrate' (keys: "
                          f"format, {', '.join(sorted(fields))})")
     try:
-        return Calibration(**{k: v for k, v in doc.items() if k != "format"})
+        return Calibration(**{k: v for k, v in doc.items() if k not in recorded})
     except TypeError as exc:
         raise InputError(f"{str(path)!r}: {exc}") from None
 

@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> None:
     calibration, error, (by_flops, by_memory) = fit(measured, gpu,
                                                     source=f"fitted to {Path(args.measurements).name} on {gpu.name}")
     doc = {"format": "moebalance.calibration", **{f.name: getattr(calibration, f.name)
-                                                  for f in dataclasses.fields(calibration)}}
+                                                  for f in dataclasses.fields(calibration)},
+           "mean_abs_log_error": round(float(error), 6)}  # the fit's quality (advise's margin reads it)
     atomic_write_text(dest, dumps(doc))
     out.print(f"wrote {dest}: {100 * calibration.flops_efficiency:.1f}% of {gpu.display_name}'s BF16 peak, "
               f"{100 * calibration.bandwidth_efficiency:.1f}% of its memory bandwidth, "
