@@ -50,6 +50,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_large.py  # a 1M-token trace: about 12 minutes, most of it synth
 	$(PY) bench/robust_report.py  # needs MOEBALANCE_ESFT_DIR, as libra_report.py
 	$(PY) bench/decode_report.py
+	$(PY) bench/advise_report.py
+	$(PY) bench/bench_exact.py
 
 # Refresh constraints.txt on purpose: the newest releases within pyproject's ranges, in a scratch venv; the lint
 # and the tests must pass with them before the file is replaced (then `make test` reinstalls .venv from it).
