@@ -312,7 +312,7 @@ def async_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]]) -> 
                  f"re-plan comes {K} steps after it; async moved "
                  f"{asy['moved_gib']:.1f} GiB over {asy['rearrangements']} re-plans"
                  + (": every re-plan was abandoned by the next before it landed, so async periodic EPLB served the "
-                    "warm-up plan throughout (its row equals static EPLB's)." if asy["moved_gib"] == 0 else "."))
+                    "warm-up plan throughout (its row is static EPLB's but for the router's measured host time)." if asy["moved_gib"] == 0 else "."))
     return w
 
 
