@@ -6,6 +6,8 @@ without their dependencies, plus the few modules their imports need). No GPU, no
 - vLLM: ``vllm.plugins.load_general_plugins()`` finds the ``moebalance_eplb`` entry point, vLLM's
   ``EPLB_POLICIES["default"]`` is then our policy (and the plug-in logged so), it plans as balanced as vLLM's own
   default policy, and after an elastic scale-up (``-1`` in the current map) it returns no empty slot;
+- advise: SGLang reads the placement ``moebalance advise`` writes, its own argument parser takes the flags advise
+  prints, and vLLM's own ``EPLBConfig`` validates advise's ``--eplb-config``;
 - SGLang: ``compute_initial_expert_location_metadata`` reads our exported ``--init-expert-location`` files and
   derives the maps we meant (each expert's slots, layer by layer); the files have one row per decoder layer
   (``num_hidden_layers``, which SGLang's own DeepSeek model description gives) for a plan made on the MoE layers
@@ -134,10 +136,72 @@ def sglang_checks(tmp: Path) -> None:
     check(list(doc) == ["physical_to_logical_map"], "the file holds physical_to_logical_map only")
 
 
+def advise_checks(tmp: Path) -> None:
+    """``moebalance advise`` on SGLang's published decode statistics: SGLang reads the placement it writes with
+    the flags it prints (ep size 64, the redundant experts it names), SGLang's own argument parser takes every flag; with
+    ``--engine vllm`` the ``--eplb-config`` it prints validates as vLLM's own ``EPLBConfig``."""
+    import subprocess
+
+    import sglang.srt.eplb.expert_location as el
+
+    stats = Path(__file__).resolve().parent.parent / "tests" / "data" / "sglang-deepseek-v3"
+    out = tmp / "advice"
+    done = subprocess.run([sys.executable, "-m", "moebalance", "advise", "--load", str(stats / "decode_in1000out1000.json"),
+                           "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100-80gb", "--out-dir", str(out), "--json"],
+                          capture_output=True, text=True, check=False)
+    check(done.returncode == 0, "advise on SGLang's decode statistics ran" +
+          ("" if done.returncode == 0 else f": {done.stderr.strip()[-300:]}"))
+    if done.returncode != 0:
+        return
+    rec = json.loads(done.stdout)["recommendation"]
+    flags = (out / "launch.txt").read_text().split()
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)  # SGLang's own command line
+    parsed, unknown = parser.parse_known_args(["--model-path", "deepseek-ai/DeepSeek-V3", *flags])
+    check(not unknown and parsed.ep_size == 64 and parsed.init_expert_location == flags[flags.index(
+        "--init-expert-location") + 1], f"SGLang's own argument parser takes every flag advise prints: {flags}")
+    path = Path(flags[flags.index("--init-expert-location") + 1])
+    redundant = int(flags[flags.index("--ep-num-redundant-experts") + 1])
+    check(redundant == rec["redundant_experts"], f"the flags name the recommendation's {redundant} redundant experts")
+    ns = types.SimpleNamespace
+    slots = E + redundant
+    moe = ns(init_expert_location=str(path), ep_num_redundant_experts=redundant, ep_join_mode="none",
+             ep_dispatch_algorithm="static", moe_a2a_backend="none", eplb_algorithm="auto")
+    el.get_exec = lambda: ns(moe=moe)
+    el.get_parallel = lambda: ns(ep_size=64, nnodes=8, elastic_ep_initial_size=None, tp_size=64, ep_join_rank_offset=0)
+    meta = el.compute_initial_expert_location_metadata(ns(), moe_ep_rank=0)
+    m = meta.physical_to_logical_map.numpy()
+    written = np.array(json.loads(path.read_text())["physical_to_logical_map"])
+    check(m.shape == (H, slots) and np.array_equal(m, written),
+          f"SGLang reads advise's placement as written ({m.shape[0]} x {m.shape[1]})")
+    import shlex
+
+    from vllm.config.parallel import EPLBConfig
+
+    vllm_out = tmp / "advice-vllm"
+    done = subprocess.run([sys.executable, "-m", "moebalance", "advise", "--load", str(stats / "decode_in1000out1000.json"),
+                           "--nodes", "8", "--gpus-per-node", "8", "--gpu", "h100-80gb", "--engine", "vllm",
+                           "--out-dir", str(vllm_out), "--json"], capture_output=True, text=True, check=False)
+    line = shlex.split((vllm_out / "launch.txt").read_text().splitlines()[0]) if done.returncode == 0 else []
+    given = json.loads(line[line.index("--eplb-config") + 1]) if "--eplb-config" in line else None
+    try:
+        config = EPLBConfig(**given) if given is not None else None
+    except Exception as exc:  # vLLM's own validation: pydantic's error, whatever its class
+        check(False, f"vLLM's EPLBConfig refuses advise's --eplb-config {given}: {exc}")
+        return
+    check(config is not None and config.num_redundant_experts == json.loads(done.stdout)["recommendation"][
+        "redundant_experts"], f"vLLM's own EPLBConfig validates the --eplb-config advise prints: {given}")
+
+
 def main() -> int:
     vllm_checks()
     with tempfile.TemporaryDirectory() as tmp:
         sglang_checks(Path(tmp))
+        advise_checks(Path(tmp))
     print(f"{'all engine checks passed' if not FAILED else f'{len(FAILED)} engine checks failed'}")
     return 1 if FAILED else 0
 
