@@ -36,7 +36,7 @@ CASES = [
     ("synthetic DeepSeek-V3 trace (bundled:deepseek-v3-8x8), 8 x 8 H100, TensorRT-LLM, decode steps",
      ["--load", "bundled:deepseek-v3-8x8", "--nodes", "8", "--gpus-per-node", "8", "--engine", "trtllm"]),
 ]
-SHOWN = 8  # candidates per table
+SHOWN = 12  # candidates per table
 
 
 def advise(args: list[str]) -> tuple[dict, float]:
@@ -58,14 +58,14 @@ def uniform_load(folder: Path) -> Path:
 
 def table(doc: dict) -> list[str]:
     off = next(c for c in doc["candidates"] if "off" in c["label"])["tokens_per_s"]
-    lines = ["| candidate | tokens/s | vs off | KV cache GiB per GPU | balancedness | redundant experts |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| candidate | tokens/s | vs off | KV cache GiB per GPU | tokens per step | balancedness | redundant experts |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for c in doc["candidates"][:SHOWN]:
         lines.append(f"| {c['label']} | {c['tokens_per_s']:,.0f} | {c['tokens_per_s'] / off - 1:+.1%} | "
-                     f"{c['kv_cache_gib']:.2f} | {c['balancedness']:.3f} | {c['redundant_experts']} |")
+                     f"{c['kv_cache_gib']:.2f} | {c['step_tokens']:,} | {c['balancedness']:.3f} | {c['redundant_experts']} |")
     rest = len(doc["candidates"]) - SHOWN
     if rest > 0:
-        lines.append(f"| ... {rest} more | | | | | |")
+        lines.append(f"| ... {rest} more | | | | | | |")
     return lines
 
 

@@ -13,8 +13,8 @@ for the worst of the two). 2 nodes x 4 GPUs. EPLB global (one expert group, as i
 slots per GPU, 8 extra replicas per layer; CRAFT with R = 13 (104 extra replicas, half of EPLB's, where Alg. 2
 has layers to choose between; at R = 26 the ladder 1, 2, 4, 8 leaves none: every layer takes 8) and R = 26.
 
-Writes docs/results/robust.md. Run: .venv/bin/python bench/robust_report.py --esft DIR (or MOEBALANCE_ESFT_DIR;
-the shared copy is /work/shared/real-traces/esft-deepseek-v2-lite). Without the files it says so and writes nothing.
+Writes docs/results/robust.md. Run: .venv/bin/python bench/robust_report.py --esft DIR (or MOEBALANCE_ESFT_DIR=DIR),
+DIR holding law_topk.npz and translation_topk.npz. Without the files it says so and writes nothing.
 """
 
 from __future__ import annotations

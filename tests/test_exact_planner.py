@@ -10,6 +10,8 @@ bulk cases built to hit ties (few distinct demand values, equal loads, copies on
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -273,6 +275,26 @@ def test_bad_inputs(demand: np.ndarray, copies: np.ndarray, n: int, alpha: float
     with pytest.raises(InputError, match=match) as err:
         plan_layer(demand, copies, n, alpha, eps=eps)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("ids", "src", "kept", "match"), [
+    ([[0], [1], [7]], [0, 1, 1], None, r"ids must be whole numbers in \[0, 4\)"),  # expert 7 of 4
+    ([[0], [1], [2]], [0, 1, 5], None, r"src must be whole numbers in \[0, 2\)"),  # GPU 5 of 2
+    ([[0], [1], [2]], [0, 1], None, r"must be \[T, K\], \[T\] and \[T, K\]"),
+    ([[0], [1], [2]], [0, 1, 1], np.ones((3, 2), dtype=bool), r"must be \[T, K\], \[T\] and \[T, K\]"),
+    ([[0.5], [1], [2]], [0, 1, 1], None, "whole numbers"),
+])
+def test_assign_refuses_picks_the_plan_was_not_counted_from(ids: list, src: list, kept: Any, match: str) -> None:
+    """Out-of-range picks went into the compiled hand-out unchecked (a silent -1, or a read out of bounds)."""
+    copies = np.array([[1, 0], [0, 1], [1, 0], [0, 1]])
+    plan = plan_layer(np.array([[3, 1, 0, 2], [0, 2, 1, 1]]), copies, 1, 1.0)
+    ids_a = np.array(ids)
+    kept_a = np.ones(ids_a.shape, dtype=bool) if kept is None else kept
+    with pytest.raises(InputError, match=match) as err:
+        assign(plan, copies, ids_a, np.array(src), kept_a, 2)
+    assert "\n" not in str(err.value)
+    with pytest.raises(InputError, match=r"copies have shape \[2, 2\]"):
+        assign(plan, np.array([[1, 0], [0, 1]]), np.array([[0]]), np.array([0]), np.ones((1, 1), dtype=bool), 2)
 
 
 def test_a_prepared_base_gives_the_same_plans_and_is_left_unchanged() -> None:

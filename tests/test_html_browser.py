@@ -169,6 +169,23 @@ def test_online_page_in_browser(chromium: str, esft_pages: tuple[Path, Path, str
         assert drawn_series(region) == 2
 
 
+def test_advise_page_in_browser(chromium: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``advise --out-dir``'s page: no console errors, the recommendation rendered, the load heatmaps (EPLB off and
+    the recommendation) and the step bars drawn."""
+    from conftest import run_cli
+
+    out = tmp_path / "advice"
+    stats = Path(__file__).parent / "data" / "sglang-deepseek-v3" / "decode_in1000out1000.json"
+    rc, _, err = run_cli(["advise", "--load", stats, "--nodes", 8, "--gpus-per-node", 8, "--gpu", "h100-80gb",
+                          "--out-dir", out], capsys)
+    assert rc == 0, err
+    regions = check_page(chromium, out / "report.html", tmp_path, "Run EPLB")
+    assert len(regions["heatmap"]) == 2 and len(regions["bars"]) == 1
+    for region in regions["heatmap"]:
+        assert len(np.unique(region.reshape(-1, 3), axis=0)) > 40
+    assert near(regions["bars"][0], [CATEGORICAL[0]], tol=2) > 100
+
+
 def test_console_errors_are_caught(chromium: str, tmp_path: Path) -> None:
     """The check itself: a page whose script throws is seen to log to the console; the report's page has none."""
     page = tmp_path / "broken.html"

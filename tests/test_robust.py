@@ -276,8 +276,8 @@ def test_workload_balancedness_matches_the_scorer() -> None:
 
 @pytest.mark.parametrize(("params", "fragment"), [
     ({"objective": "max"}, "objective ('max') must be"),
-    ({"objective": "worst"}, "give two or more --load"),
-    ({"objective": "worst", "workload_batches": [2]}, "give two or more --load"),
+    ({"objective": "worst"}, "two or more --load"),
+    ({"objective": "worst", "workload_batches": [2]}, "two or more --load"),
     ({"objective": "worst", "workload_batches": [1, 2]}, "sum to 3 batches but the load has 2"),
     ({"workload_batches": [0, 2]}, "batch counts >= 1"),
     ({"workload_batches": "2,2"}, "batch counts >= 1"),
@@ -368,7 +368,7 @@ def test_cli_errors_are_one_line(workloads: tuple[Path, Path, np.ndarray, np.nda
     a, b, _, _ = workloads
     np.save(tmp_path / "other.npy", np.ones((2, 3, 8), dtype=np.int64))
     base = ["--policy", "eplb", *CLUSTER_FLAGS, "--slots-per-gpu", 3, "--out", tmp_path / "x.json"]
-    assert_user_error(["plan", "--load", a, *base, "--set", "objective=worst"], capsys, "give two or more --load")
+    assert_user_error(["plan", "--load", a, *base, "--set", "objective=worst"], capsys, "two or more --load")
     assert_user_error(["plan", "--load", a, "--load", tmp_path / "other.npy", *base, "--set", "objective=worst"],
                       capsys, "[layers, experts] = [3, 8]", "give workloads of one model")
     assert_user_error(["plan", "--load", a, "--load", b, *base, "--set", "objective=max"], capsys,

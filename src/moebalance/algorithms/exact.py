@@ -234,7 +234,20 @@ def assign(plan: LayerPlan, base: BaseLayer | np.ndarray, ids_TK: np.ndarray, sr
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int | np.integer) or gpus_per_node < 1:
         raise InputError(f"gpus_per_node ({gpus_per_node!r}) must be a positive integer")
     has = np.ascontiguousarray(np.asarray(base.copies if isinstance(base, BaseLayer) else base) > 0)
+    if has.ndim != 2 or has.shape[::-1] != plan.remote.shape:
+        raise InputError(f"the base layer's copies have shape {list(has.shape)} but the plan is for [E, G] = "
+                         f"{list(plan.remote.shape[::-1])}; give the base the plan was made on")
+    E, G = has.shape
+    ids, src, kept = np.asarray(ids_TK), np.asarray(src_T), np.asarray(kept_TK)
+    if ids.ndim != 2 or src.shape != ids.shape[:1] or kept.shape != ids.shape:
+        raise InputError(f"ids {list(ids.shape)}, src {list(src.shape)} and kept {list(kept.shape)} must be [T, K], "
+                         "[T] and [T, K]: the picks the plan was counted from")
+    for name, a, bound in (("ids", ids, E), ("src", src, G)):
+        if a.size and (a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) >= bound):
+            raise InputError(f"{name} must be whole numbers in [0, {bound}) (the layer's "
+                             f"{'experts' if name == 'ids' else 'GPUs'}); got {a.dtype} in "
+                             f"[{a.min()}, {a.max()}]")
     g, slot = np.nonzero(plan.extras >= 0)
     has[plan.extras[g, slot], g] = True
-    return _assign(np.ascontiguousarray(ids_TK, dtype=np.int64), np.ascontiguousarray(src_T, dtype=np.int64),
-                   np.ascontiguousarray(kept_TK, dtype=np.bool_), has, plan.remote.copy(), int(gpus_per_node))
+    return _assign(np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(src, dtype=np.int64),
+                   np.ascontiguousarray(kept, dtype=np.bool_), has, plan.remote.copy(), int(gpus_per_node))

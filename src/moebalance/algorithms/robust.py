@@ -95,8 +95,8 @@ def check_workloads(objective: object, workload_batches: object) -> list[int] | 
 
 
 def _one_workload() -> InputError:
-    return InputError("objective 'worst' plans for the worst of several workloads but got one; give two or more "
-                      "--load files (workload_batches in the API)")
+    return InputError("objective 'worst' plans for the worst of several workloads but got one; give moebalance plan "
+                      "or advise two or more --load files (workload_batches in the API)")
 
 
 def workload_starts(workload_batches: Sequence[int] | None, num_batches: int) -> np.ndarray:

@@ -208,6 +208,18 @@ def add_links(p: argparse.ArgumentParser, *, inter: bool = True) -> None:
                        help="GB/s per GPU and direction across nodes (default ib-ndr400)")
 
 
+class OneLoad(argparse.Action):
+    """``--load`` of a command that reads one load: given twice it is an error, not the last one silently
+    (``plan`` and ``advise`` take several)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            raise argparse.ArgumentError(self, "given twice; this command reads one load (several workloads: "
+                                               "moebalance plan or advise with --load repeated)")
+        setattr(namespace, self.dest, values)
+
+
 def add_format(p: argparse.ArgumentParser, flag: str = "--format", what: str = "the --load file's") -> None:
     p.add_argument(flag, choices=LOAD_FORMATS,
                    help=f"{what} format (default: detected; SGLang .pt/.json dumps, TensorRT-LLM statistics folders, "

@@ -229,18 +229,18 @@ def exposed_router(router_s: float, expert: np.ndarray, local: np.ndarray) -> fl
 
 class RouterTimer:
     """``router`` with its host time measured: :attr:`router` calls the same functions and adds their seconds to
-    :attr:`seconds`. The first call per router name in a process runs once untimed first (numba compiles then)."""
+    :attr:`seconds`. The first call of each of a router's functions in a process runs once untimed first (numba
+    compiles then)."""
 
     _warm: ClassVar[set[str]] = set()
 
     def __init__(self, router: Router) -> None:
         self.seconds = 0.0
-        timed: dict[str, Any] = {"split_counts": self._timed(router.name, router.split_counts),
-                                 "assign_tokens": self._timed(router.name, router.assign_tokens)}
-        for name in ("assign_kept", "split_touched"):  # optional ones (split_touched: a TouchingRouter's)
+        timed: dict[str, Any] = {}
+        for name in ("split_counts", "assign_tokens", "assign_kept", "split_touched"):  # the last two optional
             fn = getattr(router, name, None)
-            if fn is not None:
-                timed[name] = self._timed(router.name, fn)
+            if fn is not None:  # each function warms up on its own: each compiles its own kernels
+                timed[name] = self._timed(f"{router.name}.{name}", fn)
         self.router = dataclasses.replace(router, **timed)
 
     def _timed(self, name: str, fn: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:

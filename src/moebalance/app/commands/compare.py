@@ -26,7 +26,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("compare", help="plan with several policies and score them on held-out batches")
-    p.add_argument("--load", required=True)
+    p.add_argument("--load", action=options.OneLoad, required=True)
     p.add_argument("--policies", required=True, help=f"comma-separated, from: {', '.join(POLICIES)}")
     options.add_cluster(p)
     options.add_budget(p)

@@ -34,7 +34,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--replicas-per-gpu", type=options.count(options.MAX_REPLICAS_PER_GPU, minimum=0), default=0,
                    help="extra expert slots per GPU over all layers")
     p.add_argument("--plan", help="a plan (moebalance, SGLang or TensorRT-LLM placement) to model on --load")
-    p.add_argument("--load", help="the held-out load the plan is modelled on")
+    p.add_argument("--load", action=options.OneLoad, help="the held-out load the plan is modelled on")
     p.add_argument("--batches", help="model batches a:b only")
     options.add_router(p)
     p.add_argument("--seed", type=options.non_negative, default=0)

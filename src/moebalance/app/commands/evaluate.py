@@ -27,7 +27,7 @@ def add_parser(sub: Any) -> None:
                                                  "(physical_to_logical_map .json/.pt), TensorRT-LLM load-balancer YAML")
     p.add_argument("--plan-format", choices=PLAN_FORMATS, help="default: detected")
     options.add_cluster(p, required=False, what=" (an engine's placement file only)")
-    p.add_argument("--load", required=True)
+    p.add_argument("--load", action=options.OneLoad, required=True)
     options.add_router(p)
     p.add_argument("--batches", help="score batches a:b only (e.g. the held-out ones)")
     p.add_argument("--seed", type=options.non_negative, default=0, help="seed of the random router")

@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", required=True, help="output file (.json, or .yaml for trtllm)")
     p.add_argument("--pad", action="store_true",
                    help="fill GPUs up to the plan's largest slot count with the copies that balance best (needs --load)")
-    p.add_argument("--load", help="the load the plan was made on (for --pad)")
+    p.add_argument("--load", action=options.OneLoad, help="the load the plan was made on (for --pad)")
     options.add_format(p, "--load-format", "--load's")
     p.add_argument("--dense-layers", metavar="L1,L2,...",
                    help="layers to leave out of trtllm and vllm files (default: those the plan's load had no load in)")

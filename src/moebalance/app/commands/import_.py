@@ -20,7 +20,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("import", help="convert an engine's routing dump into a moebalance load (.npz), once")
-    p.add_argument("--load", required=True, help="SGLang dump (.pt/.json, or a folder of per-rank dumps), TensorRT-LLM "
+    p.add_argument("--load", action=options.OneLoad, required=True, help="SGLang dump (.pt/.json, or a folder of per-rank dumps), TensorRT-LLM "
                                                  "statistics folder, vLLM routed experts (JSON responses, .npy, folder)")
     p.add_argument("--out", required=True, help="output .npz")
     p.add_argument("--gpus", type=options.count(options.MAX_GPUS), default=1,

@@ -51,7 +51,7 @@ _REARRANGE = (("--rearrange", "rearrange"), ("--rearrange-overhead-ms", "rearran
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("online", help="replay a trace batch by batch as a server would: static, periodic and "
                                       "dynamic (libra) planning")
-    p.add_argument("--load", required=True)
+    p.add_argument("--load", action=options.OneLoad, required=True)
     p.add_argument("--policy", required=True, metavar="NAME[,NAME...]",
                    help=f"one or more of: {', '.join([*POLICIES, *DYNAMIC_POLICIES])}")
     options.add_cluster(p)

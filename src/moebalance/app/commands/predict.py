@@ -26,7 +26,7 @@ PREDICTOR_OPTIONS: dict[str, tuple[str, ...]] = {"path": ("depth",), "history": 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("predict", help="how much of each token's routing a predictor foresees (Libra's accuracy)")
-    p.add_argument("--load", required=True, help="token-level trace to predict (a capture, for lookahead with "
+    p.add_argument("--load", action=options.OneLoad, required=True, help="token-level trace to predict (a capture, for lookahead with "
                                                  "--hidden-states)")
     p.add_argument("--predictor", required=True, help=f"{', '.join(PREDICTORS)}")
     p.add_argument("--build", action="append", metavar="TRACE",

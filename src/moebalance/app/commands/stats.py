@@ -21,7 +21,7 @@ __all__ = ["add_parser", "run", "stats_table"]
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("stats", help="per-layer skew of a load or trace")
-    p.add_argument("--load", required=True)
+    p.add_argument("--load", action=options.OneLoad, required=True)
     p.add_argument("--json", action="store_true")
     options.add_format(p)
     p.set_defaults(func=run)

@@ -19,7 +19,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("sweep", help="balancedness against extra replicas per GPU (CRAFT Figures 1 and 8)")
-    p.add_argument("--load", required=True)
+    p.add_argument("--load", action=options.OneLoad, required=True)
     aliases = ", ".join(f"{a} is read as {n}" for a, n in SWEEP_ALIASES.items())
     p.add_argument("--policies", default="eplb,craft",
                    help=f"from {', '.join(SWEEP_POLICIES)} (craft-uniform: the same replicas in every layer, CRAFT's "
