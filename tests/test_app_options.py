@@ -247,3 +247,12 @@ def test_two_scenarios_of_one_name_are_refused() -> None:
                                                                    label="greedy")]
     with pytest.raises(InputError, match="two rows of the comparison are named 'greedy'"):
         run_comparison(load, Cluster(num_nodes=1, gpus_per_node=2), twice)
+
+
+@pytest.mark.parametrize("command", ["compare", "online", "evaluate", "stats", "sweep", "cost", "predict"])
+def test_a_second_load_is_refused_where_one_is_read(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse keeps the last of a repeated flag: a second --load was silently the only one read."""
+    from conftest import assert_user_error
+
+    assert_user_error([command, "--load", "a.npz", "--load", "b.npz"], capsys, "--load: given twice",
+                      "plan or advise")
