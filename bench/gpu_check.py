@@ -414,7 +414,8 @@ def section_straggler(ctx: Ctx) -> dict[str, Any]:
     cal_path = ctx.out / "calibration.json"
     if cal_path.is_file():
         doc = json.loads(cal_path.read_text())
-        cal = Calibration(**{k: v for k, v in doc.items() if k != "format"})
+        fields = {f.name for f in dataclasses.fields(Calibration)}  # the file also records the fit's error
+        cal = Calibration(**{k: v for k, v in doc.items() if k in fields})
     result: dict[str, Any] = {"kernel": kernel, "gpu_spec": spec, "calibration": None if cal is None else
                               dataclasses.asdict(cal), "workloads": {}}
     ctx.log(f"kernel {kernel}; calibration: {'none (section gemm wrote none)' if cal is None else cal}")
