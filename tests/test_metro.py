@@ -289,6 +289,14 @@ def test_evaluate_metro_takes_the_loads_model(tmp_path: object, capsys: pytest.C
     assert json.loads(out)["router_params"]["model"] == "deepseek-v3"
 
 
+def test_metro_refuses_another_models_roofline(capsys: pytest.CaptureFixture[str]) -> None:
+    """A metro model of another shape than the load's (DeepSeek-V3 on DeepSeek-V2-Lite's routing) is one line, not
+    a roofline of the wrong experts."""
+    assert_user_error(["online", "--load", "bundled:esft-law", "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 8,
+                       "--slots-per-gpu", 9, "--warmup", "0:4", "--gpu", "h100-80gb", "--router", "metro",
+                       "--router-set", "model=deepseek-v3"], capsys, "models DeepSeek-V3", "DeepSeek-V2-Lite")
+
+
 def test_cost_and_run_give_metro_its_context(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     """``cost`` fills metro's gpu and model from --gpu and the load; ``run`` refuses metro without them in one line,
     before any rank starts."""

@@ -220,6 +220,14 @@ def fill(router: Router, context: dict[str, Any]) -> Router:
     if not isinstance(router.config, MetroConfig):
         return router
     given = router.params
+    if given.get("model") is not None and context.get("model") is not None and given["model"] != context["model"]:
+        from moebalance.models import get_model
+
+        mine, theirs = get_model(given["model"]), get_model(context["model"])
+        if (mine.num_experts, mine.num_layers) != (theirs.num_experts, theirs.num_layers):
+            raise InputError(f"router 'metro' models {mine.display_name} ({mine.num_layers} MoE layers x "
+                             f"{mine.num_experts} experts) but the load is {theirs.display_name}'s ({theirs.num_layers} "
+                             f"x {theirs.num_experts}); drop --router-set model= or give the load's model")
     add = {k: v for k, v in context.items() if v is not None and k in given and given[k] is None}
     return router.with_params(**add)
 
