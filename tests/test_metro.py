@@ -14,6 +14,7 @@ from hypothesis import given
 from moebalance.algorithms import metro as kernel
 from moebalance.app.phase import PhaseModel, phase_steps, phase_time
 from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_load
 from moebalance.core.plan import Placement, write_plan
 from moebalance.core.trace import RoutingTrace
@@ -205,6 +206,25 @@ def test_phase_steps_draw_one_step_per_batch() -> None:
     drawn = phase_steps(LoadMatrix(tr.counts(), tr), 4, 2, seed=0)
     assert drawn.trace is not None and drawn.trace.batch.tolist() == [0] * 4 + [1] * 4
     assert all(tuple(row) in {(0, 1), (2, 3)} for row in drawn.trace.topk_ids[:4, 0].tolist())
+
+
+def test_phase_steps_of_different_sizes_share_their_draws() -> None:
+    """With ``shared`` a smaller step is the start of a larger one: on tokens the same tokens first, on counts
+    fewer of the same picks (64 evenly loaded experts, so no expert's cap binds)."""
+    rng = np.random.default_rng(5)
+    ids = np.stack([rng.permutation(64)[:2] for _ in range(300)])[:, None, :]  # 300 tokens, top-2 of 64
+    tr = RoutingTrace(ids, np.zeros(300, dtype=np.int64), np.zeros(300, dtype=np.int64), num_experts=64)
+    load = LoadMatrix(tr.counts(), tr)
+    small, large = (phase_steps(load, n, 2, seed=1, shared=200) for n in (50, 200))
+    assert small.trace is not None and large.trace is not None
+    rows = {tuple(r) for r in large.trace.topk_ids[:, 0].tolist()}
+    assert {tuple(r) for r in small.trace.topk_ids[:, 0].tolist()} <= rows
+    counts = LoadMatrix(np.full((3, 2, 64), 100, dtype=np.int64))
+    a, b = (phase_steps(counts, n, 2, seed=1, shared=400).counts for n in (40, 400))
+    assert (a <= b).all() and a.sum() == 3 * 2 * 80 and b.sum() == 3 * 2 * 800
+    assert not np.array_equal(phase_steps(counts, 40, 2, seed=1).counts, a)  # without shared: a draw of its own
+    with pytest.raises(InputError, match="shared draws of 10 tokens must hold the step's 40"):
+        phase_steps(counts, 40, 2, seed=1, shared=10)
 
 
 def test_phase_time_of_metro_is_at_most_uniform_on_decode_steps() -> None:

@@ -163,9 +163,13 @@ class Setup:
         return m.max_concurrency >= 1 if self.phase.phase == "decode" else m.kv_cache_gb_per_gpu > 0
 
     def steps(self, tokens: int) -> LoadMatrix:
-        """The planning batches followed by the priced batches drawn again as steps of ``tokens`` (cached)."""
+        """The planning batches followed by the priced batches drawn again as steps of ``tokens`` (cached). The
+        steps of every size share their draws (:func:`~moebalance.app.phase.phase_steps`'s ``shared``: the largest
+        step, EPLB off's), so candidates whose KV cache allows different sizes are priced on the same tokens."""
         if tokens not in self._steps:
-            drawn = phase_steps(self.test, tokens, self.phase.model.top_k, self.seed)
+            E, G = self.phase.model.num_experts, self.cluster.num_gpus
+            largest = self.phase.step_tokens(self.cluster, -(-E // G) * self.num_moe_layers)  # no replicas
+            drawn = phase_steps(self.test, tokens, self.phase.model.top_k, self.seed, shared=max(largest, tokens))
             self._steps[tokens] = concatenate([self.train, drawn])
         return self._steps[tokens]
 

@@ -68,10 +68,17 @@ class PhaseTime:
                 "a2a_ms": round(self.a2a_ms, 6)}
 
 
-def phase_steps(load: LoadMatrix, tokens: int, top_k: int, seed: int) -> LoadMatrix:
-    """One step of ``tokens`` tokens drawn from each batch of ``load`` (module docstring); counts need ``top_k``."""
+def phase_steps(load: LoadMatrix, tokens: int, top_k: int, seed: int, *, shared: int | None = None) -> LoadMatrix:
+    """One step of ``tokens`` tokens drawn from each batch of ``load`` (module docstring); counts need ``top_k``.
+
+    ``shared``: draw ``shared >= tokens`` tokens (a token-level load: a random order of the batch's tokens, then
+    draws with replacement past its size; counts: that many tokens' picks in a random order) and keep the first
+    ``tokens``, so that steps of different sizes from one load and seed share their draws (common random numbers:
+    ``advise`` compares candidates whose KV cache allows different step sizes on the same tokens)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int | np.integer) or tokens < 1:
         raise InputError(f"a step's tokens ({tokens!r}) must be a positive number")
+    if shared is not None and (isinstance(shared, bool) or not isinstance(shared, int | np.integer) or shared < tokens):
+        raise InputError(f"shared draws of {shared!r} tokens must hold the step's {tokens}")
     rng = np.random.default_rng([seed, 1])
     B, L, E = load.counts.shape
     trace = load.trace
@@ -81,7 +88,8 @@ def phase_steps(load: LoadMatrix, tokens: int, top_k: int, seed: int) -> LoadMat
         total = counts.sum(axis=2, keepdims=True)
         with np.errstate(invalid="ignore", divide="ignore"):
             share = np.where(total > 0, counts / np.where(total > 0, total, 1.0), 1.0 / E)
-        drawn = rng.multinomial(int(tokens) * top_k, share)  # [B, L, E]
+        drawn = rng.multinomial(int(tokens) * top_k, share) if shared is None else \
+            _first_picks(rng.multinomial(int(shared) * top_k, share), int(tokens) * top_k, rng)  # [B, L, E]
         for _ in range(E):  # picks over an expert's cap are drawn again among the experts below it
             over = np.maximum(drawn - int(tokens), 0)
             drawn -= over
@@ -103,12 +111,29 @@ def phase_steps(load: LoadMatrix, tokens: int, top_k: int, seed: int) -> LoadMat
         size = int(starts[b + 1] - starts[b])
         if size == 0:
             continue
-        pick = rng.choice(size, size=int(tokens), replace=size < tokens)
+        if shared is None:
+            pick = rng.choice(size, size=int(tokens), replace=size < tokens)
+        else:  # the batch's tokens in a random order, then draws with replacement: the first `tokens` of them
+            order = rng.permutation(size)
+            extra = rng.choice(size, size=max(int(shared) - size, 0), replace=True)
+            pick = np.concatenate([order, extra])[:int(tokens)]
         chosen.append(starts[b] + np.sort(pick))
     index = np.concatenate(chosen) if chosen else np.zeros(0, dtype=np.int64)
     steps = RoutingTrace(trace.topk_ids[index], trace.src_gpu[index], trace.batch[index], num_experts=E,
                          num_batches=B)
     return LoadMatrix(steps.counts(), steps, load.preset, load.layer_ids)
+
+
+def _first_picks(drawn: np.ndarray, picks: int, rng: np.random.Generator) -> np.ndarray:
+    """``int64 [B, L, E]``: the first ``picks`` of each ``(b, l)``'s picks ``drawn [B, L, E]`` laid out in one random
+    order (a row with fewer keeps them all); the same draws give nested results for any ``picks``."""
+    out = np.zeros_like(drawn)
+    E = drawn.shape[2]
+    for b, layer in np.ndindex(*drawn.shape[:2]):
+        row = drawn[b, layer]
+        ids = rng.permutation(np.repeat(np.arange(E), row))[:picks]
+        out[b, layer] = np.bincount(ids, minlength=E)
+    return out
 
 
 def phase_time(plan: Placement, steps: LoadMatrix, router: str | Router, model: ModelSpec, gpu: GpuSpec, *,
