@@ -25,7 +25,6 @@ from moebalance.app.advise import (
     Setup,
     candidates,
     price,
-    price_plan,
     recommend,
     redundant_values,
 )
@@ -34,6 +33,7 @@ from moebalance.app.commands.advise import DEFAULT_MARGIN, FIT_ERROR_KEY
 from moebalance.app.phase import PhaseModel
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_bundled, write_load
 from moebalance.core.plan import Placement, read_plan
 from moebalance.cost.hardware import get_gpu
@@ -43,7 +43,6 @@ from moebalance.models import get_model
 from moebalance.online.pricing import StepPricing
 from moebalance.online.replay import replay
 from moebalance.policies import make_plan
-from moebalance.routing import get_router
 
 STATS = Path(__file__).parent / "data" / "sglang-deepseek-v3"
 DECODE, PREFILL = STATS / "decode_in1000out1000.json", STATS / "prefill_in1024.json"
@@ -204,16 +203,18 @@ def _setup(phase: str = "decode", router_ms: float = 0.0) -> Setup:
 
 @pytest.mark.parametrize("router", ["random", "rebalance"])
 def test_a_given_plan_is_priced_as_the_replay_prices_its_policy(router: str) -> None:
-    # price_plan (CRAFT padded, which no registered policy makes) against the online replay on the same plan
+    # a plan no registered policy makes (CRAFT padded) is replayed as given: the same as its policy's own replay
     setup = _setup(router_ms=0.3)
     steps = setup.steps(700)
     budget = Budget(slots_per_gpu=9)
     plan = make_plan("eplb", setup.train, setup.cluster, budget)[0]
-    balance, time = price_plan(plan, steps, (8, 16), get_router(router), setup.pricing)
-    ref = replay(steps, setup.cluster, budget, "eplb", {}, warmup=(0, 8), batches=(8, 16), router=router,
-                 pricing=setup.pricing)
-    assert balance == ref.balancedness and time == ref.time
-    assert (time["exposed_router_ms"] > 0) == (router == "rebalance")
+    kw: dict = {"warmup": (0, 8), "batches": (8, 16), "router": router, "pricing": setup.pricing}
+    given = replay(steps, setup.cluster, budget, plan, **kw)
+    ref = replay(steps, setup.cluster, budget, "eplb", {}, **kw)
+    assert given.balancedness == ref.balancedness and given.time == ref.time and given.policy == "eplb"
+    assert given.time is not None and (given.time["exposed_router_ms"] > 0) == (router == "rebalance")
+    with pytest.raises(InputError, match="a given plan serves unchanged"):
+        replay(steps, setup.cluster, budget, plan, replan_every=2, **kw)
 
 
 def test_prefill_steps_are_a_chunk_per_rank_whatever_the_replicas() -> None:

@@ -34,8 +34,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from moebalance.app.phase import PhaseModel, phase_steps
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
@@ -44,11 +42,9 @@ from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.cost.memory import MemoryReport, memory_per_gpu
 from moebalance.engines.slots import pad_plan
-from moebalance.online.pricing import StepPricing, exposed_router, local_seconds, step_time, time_summary
+from moebalance.online.pricing import StepPricing
 from moebalance.online.replay import replay
 from moebalance.policies import make_plan
-from moebalance.routing import Router, get_router
-from moebalance.routing.simulate import layer_metrics, replay_picks
 
 __all__ = [
     "ENGINES",
@@ -62,7 +58,6 @@ __all__ = [
     "candidates",
     "concatenate",
     "price",
-    "price_plan",
     "recommend",
     "redundant_values",
 ]
@@ -318,7 +313,8 @@ class Priced:
 
 
 def price(setup: Setup, candidate: Candidate) -> Priced:
-    """``candidate`` replayed over the priced batches as steps of its own size (module docstring)."""
+    """``candidate`` replayed over the priced batches as steps of its own size (module docstring); a plan made
+    before pricing (CRAFT padded) serves unchanged."""
     c = candidate
     L = setup.num_moe_layers
     hosted = c.slots_per_gpu * L
@@ -328,52 +324,17 @@ def price(setup: Setup, candidate: Candidate) -> Priced:
     served = (warm[1], load.num_batches)
     pricing = dataclasses.replace(setup.pricing, rearrange=c.rearrange, layers_per_step=c.layers_per_step)
     budget = Budget(slots_per_gpu=c.slots_per_gpu)
-    if c.plan is not None:
-        plan = c.plan
-        balance, time = price_plan(plan, load, served, get_router(c.router), pricing, setup.seed)
-    else:
-        K, W = c.rebalance if c.rebalance is not None else (None, None)
-        result = replay(load, setup.cluster, budget, c.policy, c.params, warmup=warm, batches=served, router=c.router,
-                        replan_every=K, window=W, seed=setup.seed, pricing=pricing, migration=c.migration)
-        if result.time is None:  # replay prices when given pricing
-            raise RuntimeError("the replay was not priced")
-        balance, time = result.balancedness, result.time
-        plan = make_plan(c.policy, setup.train, setup.cluster, budget, **c.params)[0]
+    K, W = c.rebalance if c.rebalance is not None else (None, None)
+    result = replay(load, setup.cluster, budget, c.plan if c.plan is not None else c.policy, c.params, warmup=warm,
+                    batches=served, router=c.router, replan_every=K, window=W, seed=setup.seed, pricing=pricing,
+                    migration=c.migration)
+    if result.time is None:  # replay prices when given pricing
+        raise RuntimeError("the replay was not priced")
+    balance, time = result.balancedness, result.time
+    plan = c.plan if c.plan is not None else make_plan(c.policy, setup.train, setup.cluster, budget, **c.params)[0]
     memory = setup.memory(hosted)
     return Priced(c, float(time["tokens_per_s"]), memory.kv_cache_gb_per_gpu, memory.weights_gb_per_gpu, balance,
                   tokens, time, plan)
-
-
-def price_plan(plan: Placement, load: LoadMatrix, served: tuple[int, int], router: Router, pricing: StepPricing,
-               seed: int = 0) -> tuple[float, dict[str, Any]]:
-    """``(balancedness, time)`` of ``plan`` serving ``load``'s batches ``served`` unchanged: what
-    :func:`moebalance.online.replay.replay` gives a static policy whose plan is ``plan`` (the same routing draws, the
-    same step), for a plan no registered policy makes (CRAFT padded). ``pricing.router_ms`` must be set: a
-    load-dependent router exposes that much per MoE layer where it outlasts the local phase."""
-    if pricing.router_ms is None:
-        raise InputError("price_plan needs a fixed router time (StepPricing.router_ms)")
-    c, d = served
-    n = d - c
-    step, exposed, tokens, moe = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-    bal = np.full((n, load.num_layers), np.nan)
-    decides = router.assign_kept is not None
-    for i, bt in enumerate(range(c, d)):
-        batch = load.select_batches(bt, bt + 1)
-        rp = replay_picks(plan, batch, router, np.random.default_rng((seed, bt)), with_touched=True,
-                          with_traffic=batch.trace is not None, bytes_per_copy=pricing.bytes_per_copy,
-                          node_forwarding=pricing.node_forwarding, seconds_only=True)
-        bal[i] = layer_metrics(rp.loads, batch.counts, plan.replica_counts()).balancedness[0]
-        tokens[i] = float(batch.trace.topk_ids.shape[0] if batch.trace is not None else
-                          batch.counts[0].sum(axis=1).max() / pricing.model.top_k)
-        st = step_time(plan, batch, rp.loads, None if rp.traffic is None else rp.traffic.a2a_seconds, tokens[i],
-                       pricing, touched=rp.touched)
-        if decides and st.expert_gpu is not None:
-            exposed[i] = exposed_router(pricing.router_ms * 1e-3, st.expert_gpu, local_seconds(plan, batch, pricing))
-        moe[i] = st.moe_layer_seconds
-        step[i] = st.seconds + exposed[i]
-    if not np.isfinite(bal).any():
-        raise InputError("the served batches carry no load in any layer; there is nothing to price")
-    return float(np.nanmean(bal)), time_summary(step, exposed, tokens, 0.0, 0, exposed, moe)
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,7 +64,7 @@ from moebalance.online.pricing import (
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES, make_plan
 from moebalance.policies.libra import LibraConfig, batch_plan, buffer_slots
 from moebalance.routing import Router, get_router
-from moebalance.routing.simulate import layer_metrics, replay_loads, replay_picks
+from moebalance.routing.simulate import check_compatible, layer_metrics, replay_loads, replay_picks
 
 __all__ = ["OnlineResult", "moved_copies", "replay"]
 
@@ -204,14 +204,16 @@ def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: 
     return m.imbalance[0], m.balancedness[0], (st, tokens, hidden_router)
 
 
-def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str, params: Mapping[str, Any] | None = None,
+def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str | Placement,
+           params: Mapping[str, Any] | None = None,
            *, warmup: tuple[int, int], batches: tuple[int, int] | None = None, router: str | Router | None = None,
            replan_every: int | None = None, window: int | None = None, seed: int = 0,
            hidden: np.ndarray | None = None, model: Any = None, build: LoadMatrix | None = None,
            progress: Callable[[int], None] | None = None, pricing: StepPricing | None = None,
            migration: str = "fresh", max_moves: int | None = None, failures: Sequence[tuple[int, int]] = (),
            reload_gbps: float = DEFAULT_RELOAD_GBPS) -> OnlineResult:
-    """Replay ``load``'s batches ``batches`` (default: all after the warm-up) through ``policy``.
+    """Replay ``load``'s batches ``batches`` (default: all after the warm-up) through ``policy``: a policy's name,
+    or a plan that serves unchanged (one no registered policy makes, such as CRAFT padded to equal slots).
 
     ``hidden [N, L, D]`` and ``model`` serve the ``lookahead`` predictor; ``build`` is the path predictor's build
     split (default: the warm-up batches). ``progress(1)`` is called after each served batch. ``pricing`` prices
@@ -231,16 +233,25 @@ def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str, para
                          f"within the load's {B} batches; give a later --batches or a shorter --warmup")
     if load.trace is not None:
         load.trace.check_gpus(cluster.num_gpus)
-    dynamic = DYNAMIC_POLICIES.get(policy)
-    if dynamic is None and policy not in POLICIES:
+    fixed = policy if isinstance(policy, Placement) else None
+    name = policy.policy if isinstance(policy, Placement) else policy
+    if fixed is not None:
+        if replan_every is not None or failures:
+            raise InputError("a given plan serves unchanged: re-planning (replan_every, failures) needs a policy's "
+                             "name to plan again")
+        check_compatible(fixed, load)
+        if fixed.num_gpus != cluster.num_gpus:
+            raise InputError(f"the given plan is for {fixed.num_gpus} GPUs but the cluster has {cluster.num_gpus}")
+    dynamic = None if fixed is not None else DYNAMIC_POLICIES.get(name)
+    if dynamic is None and fixed is None and name not in POLICIES:
         names = [*POLICIES, *DYNAMIC_POLICIES]
-        raise InputError(f"unknown policy {policy!r}; choose one of: {', '.join(names)}")
+        raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(names)}")
     if replan_every is not None and (isinstance(replan_every, bool) or replan_every < 1):
         raise InputError(f"replan_every ({replan_every!r}) must be a positive number of batches")
     if window is not None and (isinstance(window, bool) or window < 1):
         raise InputError(f"window ({window!r}) must be a positive number of batches")
     if dynamic is not None and replan_every is not None:
-        raise InputError(f"{policy} replans every batch from its predictor; --replan-every and --window apply to "
+        raise InputError(f"{name} replans every batch from its predictor; --replan-every and --window apply to "
                          "static policies")
     if pricing is not None:
         pricing.check(load)
@@ -258,10 +269,10 @@ def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str, para
     warm = load.select_batches(a, b)
     clock = _Clock(pricing, d - c)
     if dynamic is None:
-        return _replay_static(load, warm, cluster, budget, policy, params, (c, d), get_router(router or "uniform"),
+        return _replay_static(load, warm, cluster, budget, name, params, (c, d), get_router(router or "uniform"),
                               replan_every, window if window is not None else replan_every, seed, progress, clock,
-                              _Moves(migration, max_moves, fails, reload_gbps))
-    config = LibraConfig.from_params(policy, params)
+                              _Moves(migration, max_moves, fails, reload_gbps), fixed)
+    config = LibraConfig.from_params(name, params)
     assert isinstance(config, LibraConfig)
     return _replay_dynamic(load, warm, cluster, budget, config, (c, d), get_router(router or "rebalance"), seed,
                            hidden, model, build if build is not None else warm, progress, clock,
@@ -296,9 +307,10 @@ class _Moves:
 def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget: Budget, policy: str,
                    params: dict[str, Any], served: tuple[int, int], router: Router, every: int | None,
                    window: int | None, seed: int, progress: Callable[[int], None] | None,
-                   clock: _Clock, how: _Moves) -> OnlineResult:
+                   clock: _Clock, how: _Moves, fixed: Placement | None = None) -> OnlineResult:
+    """A static policy's replay; ``fixed``: the plan that serves, instead of ``policy``'s plan on the warm-up."""
     c, d = served
-    plan = make_plan(policy, warm, cluster, budget, **params)[0]
+    plan = fixed if fixed is not None else make_plan(policy, warm, cluster, budget, **params)[0]
     how.check_capacity(plan)
     slots = plan.max_slots_per_gpu
     L = load.num_layers
