@@ -24,7 +24,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from moebalance.app.advise import Advice, Priced, Setup
+from moebalance.app.advise import ENGINE_RULES, Advice, Priced, Setup
 from moebalance.app.html_report import Report, relative_loads
 from moebalance.core.io import atomic_write_text
 from moebalance.core.plan import write_plan
@@ -71,7 +71,7 @@ def launch_lines(advice: Advice, setup: Setup, out_dir: Path | None = None) -> l
     if engine == "sglang":
         if rec.off:
             return [f"--ep-size {G}", "# EPLB off: the trivial expert location, no --enable-eplb"]
-        dispatch = {"uniform": "static", "rebalance": "dynamic", "minmax": "lp"}[rec.router]
+        dispatch = ENGINE_RULES["sglang"].routers[rec.router]  # SGLang's name of the router
         line = (f"--ep-size {G} --ep-num-redundant-experts {rec.redundant_experts} --init-expert-location "
                 f"{_placement_file('sglang', out_dir)} --ep-dispatch-algorithm {dispatch}")
         if rec.rebalance is not None:
