@@ -38,7 +38,7 @@ from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.online.replay import OnlineResult
 from moebalance.routing import Router, get_router
-from moebalance.routing.simulate import replay_loads
+from moebalance.routing.simulate import layer_metrics, replay_loads
 
 __all__ = ["Report", "compare_report", "online_report", "relative_loads"]
 
@@ -222,10 +222,10 @@ def relative_loads(plan: Placement, load: LoadMatrix, router: str | Router = "un
     heat = np.full((per_layer.size, loads.shape[2]), np.nan)
     seen = per_layer > 0
     heat[seen] = rel.sum(axis=0)[seen] / per_layer[seen, None]
-    imb = np.where(active, rel.max(axis=2), 0.0).sum(axis=1)  # [B]
+    imb = layer_metrics(loads, load.counts, plan.replica_counts()).imbalance  # [B, L], nan without load
     per_batch = active.sum(axis=1)
-    imbalance = np.full(imb.shape, np.nan)
-    imbalance[per_batch > 0] = imb[per_batch > 0] / per_batch[per_batch > 0]
+    imbalance = np.full(per_batch.shape, np.nan)
+    imbalance[per_batch > 0] = np.nansum(imb, axis=1)[per_batch > 0] / per_batch[per_batch > 0]
     return heat, imbalance
 
 
