@@ -143,9 +143,9 @@ def plan_cost(plan: Placement, load: LoadMatrix, model: ModelSpec, gpu: GpuSpec,
     loads, moved = replayed.loads, replayed.traffic
     counts = load.counts.astype(np.float64)
     has = (plan.copies > 0).astype(np.float64)  # [L, E, G]
-    # the experts each GPU's picks read: from the picks, or the router's own split, else every copy with load
-    touched = replayed.touched if replayed.touched is not None else \
-        np.einsum("ble,leg->blg", (counts > 0).astype(np.float64), has)
+    touched = replayed.touched  # the experts each GPU's picks read (exact from picks, or the router's own split)
+    if touched is None:  # replay_picks gives them when asked
+        raise RuntimeError("the replay gave no experts touched")
     a2a = moved.a2a_seconds if moved is not None and moved.a2a_seconds is not None else \
         a2a_estimate(loads, cluster, bytes_per_copy)
     picks = loads.sum(axis=2)  # [B, L]

@@ -67,6 +67,7 @@ from moebalance.cost.memory import GIB, EngineMemory
 from moebalance.cost.time import Calibration, expert_seconds, prefetch_seconds, rest_seconds
 from moebalance.models import ModelSpec
 from moebalance.routing.base import Router
+from moebalance.routing.touched import hosted_touched
 
 __all__ = ["DEFAULT_OVERHEAD_MS", "REARRANGE_MODES", "Rearranger", "RouterTimer", "StepPricing", "StepTime",
            "exposed_prefetch", "exposed_router", "hybrid", "local_seconds", "step_time", "time_summary"]
@@ -171,11 +172,8 @@ def step_time(plan: Placement, batch: LoadMatrix, loads: np.ndarray, a2a: np.nda
     ``lost`` failed GPUs leave their data-parallel share to the survivors' ranks. In ``decode`` the rest of the
     step computes a logit per token and reads each request's KV cache."""
     cluster = plan.cluster
-    if touched is None:
-        has = (plan.copies > 0).astype(np.float64)  # [L, E, G]
-        touched = np.einsum("le,leg->lg", (batch.counts[0] > 0).astype(np.float64), has)
-    else:
-        touched = np.asarray(touched, dtype=np.float64).reshape(loads.shape[1:])
+    touched = hosted_touched(plan, batch.counts)[0] if touched is None else \
+        np.asarray(touched, dtype=np.float64).reshape(loads.shape[1:])
     engine = pricing.engine
     per_gpu = np.asarray(expert_seconds(loads[0], touched, pricing.model, pricing.gpu, pricing.calibration,
                                         weight_bytes=engine.weight_bytes), dtype=np.float64)
