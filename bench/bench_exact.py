@@ -47,7 +47,7 @@ from ref_exact import (  # noqa: E402  (before's code, frozen)
 from moebalance.algorithms.exact import base_layer, plan_layer  # noqa: E402
 from moebalance.algorithms.exact_torch import plan_layer_torch  # noqa: E402
 from moebalance.models import get_model  # noqa: E402
-from moebalance.online.predictors import demand_of  # noqa: E402
+from moebalance.prediction.predictors import demand_of  # noqa: E402
 from moebalance.workloads.synth import synthesize  # noqa: E402
 
 TOKENS_PER_GPU = 8192

@@ -22,11 +22,11 @@ from _common import ROOT, fold_ranks, machine
 from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.io import save_png
 from moebalance.core.load import LoadMatrix, read_load
-from moebalance.cost.goodput import Workload, plan_cost
 from moebalance.cost.hardware import get_gpu
 from moebalance.cost.memory import EngineMemory, memory_per_gpu
 from moebalance.models import get_model
 from moebalance.policies import Budget, make_plan
+from moebalance.pricing.goodput import Workload, plan_cost
 from moebalance.routing.simulate import evaluate
 from moebalance.workloads.synth import synthesize
 

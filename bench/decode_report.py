@@ -11,7 +11,7 @@ H100s (bf16, published peaks):
    decode_in1000out1000.json``: per-layer expert counts of a 1,000-in / 1,000-out decode workload; from
    sgl-project/sglang issue 6017, ``attachment_ep_statistics``, as committed in GeneratedRandomly/SGLang-reproduce
    at c79682c8cf0f4de9b642dbd99ad12cef60fcfb32). EPLB plans on the statistics; 16 decode steps of ``N`` tokens per
-   GPU drawn from them (``moebalance.app.phase.phase_steps``: ``N * 8`` picks per layer from the published shares).
+   GPU drawn from them (``moebalance.pricing.phase.phase_steps``: ``N * 8`` picks per layer from the published shares).
 
 Plans: DeepSeek's EPLB (hierarchical, 8 groups) with 64 redundant experts on 8 x 8 GPUs (5 slots per GPU), and
 with 32 redundant experts on 4 x 8 GPUs (9 slots per GPU): 256 + 32 copies do not divide over 64 GPUs, which
@@ -19,7 +19,7 @@ EPLB's equal slots need. Also, beyond the grid asked for: 8 x 8 GPUs with 256 re
 
 For each case and router: the mean over scored ``(batch, layer)`` of the modelled MoE layer time (the slowest GPU's
 grouped GEMM over its picks and the experts they touch, plus the all-to-all estimated from the per-GPU picks;
-``moebalance.app.phase.phase_time``), and, to explain the result, the mean of the most experts a GPU touches and
+``moebalance.pricing.phase.phase_time``), and, to explain the result, the mean of the most experts a GPU touches and
 the least any router can reach (a min-max flow with one unit per loaded expert).
 
 Writes docs/results/decode.md. Run: .venv/bin/python bench/decode_report.py
@@ -34,7 +34,6 @@ import numpy as np
 from _common import ROOT, machine
 
 from moebalance.algorithms.minmax import max_loads
-from moebalance.app.phase import phase_steps, phase_time
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
@@ -42,6 +41,7 @@ from moebalance.cost.hardware import get_gpu
 from moebalance.engines import read_any_load
 from moebalance.models import get_model
 from moebalance.policies import Budget, make_plan
+from moebalance.pricing.phase import phase_steps, phase_time
 from moebalance.routing import get_router
 from moebalance.routing.simulate import replay_picks
 from moebalance.workloads.synth import synthesize
@@ -180,7 +180,7 @@ def main() -> None:
         "DeepSeek-V3 on H100s (bf16, published peaks). Each number is the mean over the scored (batch, layer) of the",
         "modelled MoE layer time in microseconds: the slowest GPU's grouped GEMM, over its picks and the experts they",
         "touch (`moebalance.cost.time.expert_seconds`), plus the all-to-all estimated from the per-GPU picks",
-        "(`moebalance.app.phase.phase_time`). Plans: DeepSeek's EPLB, hierarchical with 8 groups. 32 redundant",
+        "(`moebalance.pricing.phase.phase_time`). Plans: DeepSeek's EPLB, hierarchical with 8 groups. 32 redundant",
         "experts do not divide over 64 GPUs (288 copies, 4.5 per GPU, and EPLB gives every GPU the same slots), so",
         "that case runs on 4 x 8 GPUs (9 slots per GPU). The last deployment, 256 redundant experts, is beyond the",
         "grid asked for: it shows when `metro` helps.",
@@ -198,7 +198,7 @@ def main() -> None:
         "(sgl-project/sglang issue 6017, `attachment_ep_statistics`, as committed in GeneratedRandomly/SGLang-reproduce",
         "at c79682c8cf0f4de9b642dbd99ad12cef60fcfb32; our copy: `tests/data/sglang-deepseek-v3`). EPLB plans on the",
         f"statistics; {SCORED} decode steps of N tokens per GPU are drawn from them (N x 8 picks per layer from the",
-        "published shares, `moebalance.app.phase.phase_steps`).",
+        "published shares, `moebalance.pricing.phase.phase_steps`).",
         "",
         *_table(sg),
         "",

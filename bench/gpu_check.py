@@ -399,8 +399,8 @@ def section_straggler(ctx: Ctx) -> dict[str, Any]:
 
     from moebalance.cost.hardware import get_gpu
     from moebalance.cost.time import Calibration, expert_seconds
-    from moebalance.online.predictors import make_predictor
     from moebalance.policies.libra import LibraConfig, batch_plan
+    from moebalance.prediction.predictors import make_predictor
     from moebalance.routing import get_router
 
     s = ctx.setup

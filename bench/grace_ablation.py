@@ -36,7 +36,8 @@ from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.load import LoadMatrix, read_load
 from moebalance.models import get_model
 from moebalance.policies import Budget, make_plan
-from moebalance.routing.simulate import Score, Traffic, evaluate
+from moebalance.routing.copies import Traffic
+from moebalance.routing.simulate import Score, evaluate
 from moebalance.workloads.synth import synthesize
 
 MODELS = ("olmoe-1b-7b", "qwen3-30b-a3b")

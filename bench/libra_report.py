@@ -58,8 +58,8 @@ from moebalance.core.load import LoadMatrix
 from moebalance.lm.capture import capture
 from moebalance.lm.data import DOMAINS, domain_tokens
 from moebalance.lm.moe_lm import bundled_checkpoint, load_checkpoint
-from moebalance.online.predictors import AccuracyTally, make_predictor
 from moebalance.online.replay import OnlineResult, replay
+from moebalance.prediction.predictors import AccuracyTally, make_predictor
 
 CHECKPOINT = "moe_lm_8x32.safetensors"
 G = 8

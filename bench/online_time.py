@@ -3,7 +3,7 @@
 The real routing of DeepSeek-V2-Lite (ESFT's ``law`` and ``translation`` tasks, 26 MoE layers of 64 experts, top-6;
 the source is in docs/results/online_time.md and ../shared/real-traces/README.md) on one node of 8 H100s (preset
 ``h100-80gb``) joined by NVLink 4 (the default intra-node link, 450 GB/s per GPU and direction), priced with the
-``deepseek-v2-lite`` preset (:mod:`moebalance.online.pricing`).
+``deepseek-v2-lite`` preset (:mod:`moebalance.pricing.step`).
 
 Each task's sequences in order; the first 40% are its build split (the warm-up and the path predictor's table),
 the rest its evaluation split (the served batches). Two workloads:
@@ -47,8 +47,8 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.io import save_png
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
-from moebalance.online.pricing import DEFAULT_OVERHEAD_MS, StepPricing
 from moebalance.online.replay import OnlineResult, replay
+from moebalance.pricing.step import DEFAULT_OVERHEAD_MS, StepPricing
 
 G, E = 8, 64
 SMALL, JOIN = 512, 16  # 8,192 tokens = 16 batches of 512

@@ -27,8 +27,8 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
-from moebalance.online.pricing import StepPricing
 from moebalance.online.replay import OnlineResult, replay
+from moebalance.pricing.step import StepPricing
 from moebalance.workloads.profiles import routing_profile
 from moebalance.workloads.synth import synthesize
 

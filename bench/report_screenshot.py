@@ -28,9 +28,9 @@ from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.io import atomic_path
 from moebalance.core.load import read_bundled
-from moebalance.cost.goodput import plan_cost
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
+from moebalance.pricing.goodput import plan_cost
 
 WIDTH = 1200
 LIMIT = 300 * 1024

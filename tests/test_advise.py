@@ -30,7 +30,6 @@ from moebalance.app.advise import (
 )
 from moebalance.app.advise_engines import launch_lines
 from moebalance.app.commands.advise import DEFAULT_MARGIN, FIT_ERROR_KEY
-from moebalance.app.phase import PhaseModel
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
@@ -40,9 +39,10 @@ from moebalance.cost.hardware import get_gpu
 from moebalance.engines import read_any_load
 from moebalance.engines.detect import read_any_plan
 from moebalance.models import get_model
-from moebalance.online.pricing import StepPricing
 from moebalance.online.replay import replay
 from moebalance.policies import make_plan
+from moebalance.pricing.phase import PhaseModel
+from moebalance.pricing.step import StepPricing
 
 STATS = Path(__file__).parent / "data" / "sglang-deepseek-v3"
 DECODE, PREFILL = STATS / "decode_in1000out1000.json", STATS / "prefill_in1024.json"

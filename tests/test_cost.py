@@ -20,12 +20,12 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement, write_plan
-from moebalance.cost.goodput import Workload, a2a_estimate, plan_cost
 from moebalance.cost.hardware import GPUS, GpuSpec, get_gpu
 from moebalance.cost.memory import EngineMemory, memory_per_gpu
 from moebalance.cost.time import Calibration, expert_seconds, rest_seconds
 from moebalance.models import MODELS, Attention, ModelSpec, get_model
 from moebalance.policies import make_plan
+from moebalance.pricing.goodput import Workload, a2a_estimate, plan_cost
 
 MIB = 1 << 20
 

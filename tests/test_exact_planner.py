@@ -27,8 +27,14 @@ from moebalance.algorithms.rebalance import gpu_lists, rebalance, route_tokens
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.plan import Placement
-from moebalance.online.predictors import EXACT, PREDICTORS, ExactPredictor, OraclePredictor, make_predictor
 from moebalance.policies.libra import LibraConfig, batch_plan, exact_plan
+from moebalance.prediction.predictors import (
+    EXACT,
+    PREDICTORS,
+    ExactPredictor,
+    OraclePredictor,
+    make_predictor,
+)
 
 # ----------------------------------------------------------------------------------------------------------
 # helpers

@@ -27,8 +27,8 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.load import read_bundled
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
-from moebalance.online.pricing import StepPricing
 from moebalance.online.replay import replay
+from moebalance.pricing.step import StepPricing
 
 WIDTH, HEIGHT = 1200, 3000
 #: Appended to a copy of the page: records where each chart was laid out, for --dump-dom to print.

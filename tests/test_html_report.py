@@ -28,11 +28,11 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_bundled
 from moebalance.core.plan import Placement
-from moebalance.cost.goodput import plan_cost
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
-from moebalance.online.pricing import StepPricing
 from moebalance.online.replay import replay
+from moebalance.pricing.goodput import plan_cost
+from moebalance.pricing.step import StepPricing
 
 
 class Page(HTMLParser):

@@ -12,20 +12,20 @@ from conftest import assert_user_error, random_replica_layers, run_cli
 from hypothesis import given
 
 from moebalance.algorithms import metro as kernel
-from moebalance.app.phase import PhaseModel, phase_steps, phase_time
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_load
 from moebalance.core.plan import Placement, write_plan
 from moebalance.core.trace import RoutingTrace
-from moebalance.cost.goodput import a2a_estimate
 from moebalance.cost.hardware import get_gpu
 from moebalance.cost.time import expert_seconds
 from moebalance.models import get_model
 from moebalance.policies import Budget, make_plan
+from moebalance.pricing.goodput import a2a_estimate
+from moebalance.pricing.phase import PhaseModel, phase_steps, phase_time
 from moebalance.routing import ROUTERS, get_router
 from moebalance.routing.base import check_routes
-from moebalance.routing.simulate import traffic
+from moebalance.routing.copies import traffic
 from moebalance.routing.touched import split_touched
 from moebalance.runtime import EPConfig, ExpertParallelMoE, GateConfig, dense_moe, launch, random_experts
 

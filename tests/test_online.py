@@ -1,4 +1,4 @@
-"""Online replay and prediction: the predictors (:mod:`moebalance.online.predictors`), the dynamic policy ``libra``
+"""Online replay and prediction: the predictors (:mod:`moebalance.prediction.predictors`), the dynamic policy ``libra``
 (:mod:`moebalance.policies.libra`), the batch-by-batch replay (:mod:`moebalance.online.replay`) and the
 ``predict`` / ``online`` commands.
 
@@ -25,7 +25,10 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_bundled
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
-from moebalance.online.predictors import (
+from moebalance.online.replay import OnlineResult, moved_copies, replay
+from moebalance.policies import get_policy, make_plan
+from moebalance.policies.libra import LibraConfig, batch_plan
+from moebalance.prediction.predictors import (
     HistoryPredictor,
     LookaheadPredictor,
     OraclePredictor,
@@ -36,9 +39,6 @@ from moebalance.online.predictors import (
     make_predictor,
     topk_accuracy,
 )
-from moebalance.online.replay import OnlineResult, moved_copies, replay
-from moebalance.policies import get_policy, make_plan
-from moebalance.policies.libra import LibraConfig, batch_plan
 from moebalance.routing.simulate import evaluate
 from moebalance.runtime.gating import GateConfig
 

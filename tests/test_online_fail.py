@@ -25,9 +25,9 @@ from moebalance.core.plan import Placement
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
 from moebalance.online.failure import check_failures, parse_failure, recovery_cost
-from moebalance.online.pricing import StepPricing
 from moebalance.online.replay import moved_copies, replay
 from moebalance.policies import make_plan
+from moebalance.pricing.step import StepPricing
 
 SMALL = dataclasses.replace(get_model("olmoe-1b-7b"), hidden_size=1000, moe_intermediate_size=1500)
 US = 1e-6

@@ -1,4 +1,4 @@
-"""``online`` priced in time (:mod:`moebalance.online.pricing`): a served batch as a forward step, a re-plan's
+"""``online`` priced in time (:mod:`moebalance.pricing.step`): a served batch as a forward step, a re-plan's
 stall (``sync``) or delay (``async``), moved in chunks of layers, and Libra's prefetch hidden under the layer before.
 
 Hand-derived cases use a small model whose expert is ``3 H F = 3 x 1000 x 1500`` parameters, 9 MB in bf16: 20 us
@@ -23,10 +23,12 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_bundled
 from moebalance.core.plan import Placement
-from moebalance.cost.goodput import plan_cost
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
-from moebalance.online.pricing import (
+from moebalance.online.replay import replay
+from moebalance.policies import make_plan
+from moebalance.pricing.goodput import plan_cost
+from moebalance.pricing.step import (
     DEFAULT_OVERHEAD_MS,
     Rearranger,
     RouterTimer,
@@ -37,8 +39,6 @@ from moebalance.online.pricing import (
     local_seconds,
     step_time,
 )
-from moebalance.online.replay import replay
-from moebalance.policies import make_plan
 
 SMALL = dataclasses.replace(get_model("olmoe-1b-7b"), hidden_size=1000, moe_intermediate_size=1500)
 US = 1e-6

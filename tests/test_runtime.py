@@ -21,7 +21,8 @@ from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.policies import DOCUMENTED_POLICIES, DYNAMIC_POLICIES, POLICIES, Budget, make_plan
 from moebalance.routing import ROUTERS, Router
-from moebalance.routing.simulate import gpu_loads, traffic
+from moebalance.routing.copies import traffic
+from moebalance.routing.simulate import gpu_loads
 from moebalance.runtime import (
     DISPATCHERS,
     EPConfig,

@@ -23,8 +23,8 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, MoebalanceError
 from moebalance.core.plan import Placement, write_plan
 from moebalance.core.trace import RoutingTrace
-from moebalance.online.predictors import demand_of
 from moebalance.policies.libra import LibraConfig, batch_plan
+from moebalance.prediction.predictors import demand_of
 from moebalance.routing import ROUTERS, get_router
 from moebalance.runtime import (
     EPConfig,

@@ -175,7 +175,7 @@ def test_node_forwarding_sends_a_token_once_per_node() -> None:
     sends 2 copies over GPU 0's NIC; node forwarding sends 1 (to GPU 2, the same local index on node 1), which GPU 2
     forwards to GPU 3 over the node's link: half the network time when the network is the slow link."""
     from moebalance.core.trace import RoutingTrace
-    from moebalance.routing.simulate import traffic
+    from moebalance.routing.copies import traffic
 
     cluster = Cluster(num_nodes=2, gpus_per_node=2, intra_node_bandwidth=100.0, inter_node_bandwidth=1.0)
     plan = Placement([[[0], [1], [2], [3]]], 4, cluster)
@@ -191,7 +191,7 @@ def test_node_forwarding_sends_a_token_once_per_node() -> None:
 @pytest.mark.parametrize("forwarding", [False, True])
 def test_traffic_seconds_only_times_as_the_full_count(forwarding: bool) -> None:
     """The priced replay's shortcut: the same all-to-all seconds per (batch, layer), copy counts left at zero."""
-    from moebalance.routing.simulate import traffic
+    from moebalance.routing.copies import traffic
 
     rng = np.random.default_rng(3)
     cluster = Cluster(num_nodes=2, gpus_per_node=4)

@@ -8,10 +8,10 @@ Legend: ``E`` experts per layer, ``G`` GPUs (the EP size), ``L`` MoE layers, ``S
 batch (engine statistics) plans and prices on that batch (its steps are drawn from it several times). Several loads:
 their planning batches and their priced batches are each concatenated in order; plans use their sum.
 
-**Steps.** Every priced batch is drawn again as one step of the phase (:mod:`moebalance.app.phase`; decode by
+**Steps.** Every priced batch is drawn again as one step of the phase (:mod:`moebalance.pricing.phase`; decode by
 default): in decode ``N`` is the concurrency the KV cache left by the candidate's experts per GPU allows, so a
 replica's memory costs tokens per step; in prefill ``N`` is a prompt chunk per data-parallel rank. Each candidate is
-replayed through :func:`moebalance.online.replay.replay` priced in time (:mod:`moebalance.online.pricing`), planning
+replayed through :func:`moebalance.online.replay.replay` priced in time (:mod:`moebalance.pricing.step`), planning
 on the planning batches as recorded; its tokens per second are the served tokens over the summed step time.
 
 **Candidates** (:func:`candidates`): EPLB off (contiguous blocks, no replicas); EPLB with each valid number of
@@ -34,17 +34,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from moebalance.app.phase import PhaseModel, phase_steps
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
-from moebalance.core.load import LoadMatrix
+from moebalance.core.load import LoadMatrix, concatenate_loads
 from moebalance.core.plan import Placement
 from moebalance.cost.memory import MemoryReport, memory_per_gpu
 from moebalance.engines.slots import pad_plan
-from moebalance.online.pricing import StepPricing
+from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import replay
 from moebalance.policies import make_plan
+from moebalance.pricing.phase import PhaseModel, phase_steps
+from moebalance.pricing.step import StepPricing
 
 __all__ = [
     "ENGINES",
@@ -147,10 +148,10 @@ class Setup:
 
     def memory(self, experts_per_gpu: int) -> MemoryReport:
         """Memory per GPU with ``experts_per_gpu`` experts hosted over the MoE layers."""
-        p, c = self.phase, self.cluster
-        return memory_per_gpu(p.model, p.gpu, num_gpus=c.num_gpus, gpus_per_node=c.gpus_per_node,
-                              experts_per_gpu=experts_per_gpu, engine=p.engine,
-                              context_tokens=p.workload.context_tokens)
+        d, c = self.phase.deployment, self.cluster
+        return memory_per_gpu(d.model, d.gpu, num_gpus=c.num_gpus, gpus_per_node=c.gpus_per_node,
+                              experts_per_gpu=experts_per_gpu, engine=d.engine,
+                              context_tokens=d.workload.context_tokens)
 
     def fits(self, experts_per_gpu: int) -> bool:
         """Whether the KV cache left holds one request (decode) or anything (prefill)."""
@@ -159,7 +160,7 @@ class Setup:
 
     def steps(self, tokens: int) -> LoadMatrix:
         """The planning batches followed by the priced batches drawn again as steps of ``tokens`` (cached). The
-        steps of every size share their draws (:func:`~moebalance.app.phase.phase_steps`'s ``shared``: the largest
+        steps of every size share their draws (:func:`~moebalance.pricing.phase.phase_steps`'s ``shared``: the largest
         step, EPLB off's), so candidates whose KV cache allows different sizes are priced on the same tokens."""
         if tokens not in self._steps:
             E, G = self.phase.model.num_experts, self.cluster.num_gpus
@@ -171,8 +172,6 @@ class Setup:
 
 def concatenate(parts: Sequence[LoadMatrix]) -> LoadMatrix:
     """``parts``' batches one after another (a token-level trace where all have one)."""
-    from moebalance.app.commands.plan import concatenate_loads
-
     return parts[0] if len(parts) == 1 else concatenate_loads(list(parts))
 
 
@@ -203,8 +202,8 @@ def candidates(setup: Setup, engine: str, *,
     base = math.ceil(E / G)
     if not setup.fits(base * L):
         raise InputError(f"{spec.display_name} on {cluster.num_nodes} x {cluster.gpus_per_node} "
-                         f"{setup.phase.gpu.display_name} leaves no KV cache for one request of "
-                         f"{setup.phase.workload.context_tokens} tokens even without replicas, so no configuration "
+                         f"{setup.phase.deployment.gpu.display_name} leaves no KV cache for one request of "
+                         f"{setup.phase.deployment.workload.context_tokens} tokens even without replicas, so no configuration "
                          "fits; give more GPUs, a larger --memory-fraction or shorter requests")
     notes: list[str] = []
     fitting = []
@@ -322,12 +321,12 @@ def price(setup: Setup, candidate: Candidate) -> Priced:
     load = setup.steps(tokens)
     warm = (0, setup.train.num_batches)
     served = (warm[1], load.num_batches)
-    pricing = dataclasses.replace(setup.pricing, rearrange=c.rearrange, layers_per_step=c.layers_per_step)
     budget = Budget(slots_per_gpu=c.slots_per_gpu)
     K, W = c.rebalance if c.rebalance is not None else (None, None)
+    replanning = Replanning(every=K, window=W, migration=c.migration, rearrange=c.rearrange,
+                            layers_per_step=c.layers_per_step)
     result = replay(load, setup.cluster, budget, c.plan if c.plan is not None else c.policy, c.params, warmup=warm,
-                    batches=served, router=c.router, replan_every=K, window=W, seed=setup.seed, pricing=pricing,
-                    migration=c.migration)
+                    batches=served, router=c.router, seed=setup.seed, replanning=replanning, pricing=setup.pricing)
     if result.time is None:  # replay prices when given pricing
         raise RuntimeError("the replay was not priced")
     balance, time = result.balancedness, result.time

@@ -1,20 +1,22 @@
-"""What ``predict`` and ``online`` read besides the trace: a capture's hidden states, the model that made it, and
-token-level build traces for the path predictor."""
+"""What ``predict`` and ``online`` read besides the trace (a capture's hidden states, the model that made it, and
+token-level build traces for the path predictor), and the text ``capture`` and ``run`` feed the bundled LM."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from moebalance.app import options
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.trace import RoutingTrace
 from moebalance.engines import read_any_load
 
-__all__ = ["build_traces", "capture_model", "concatenated", "hidden_states"]
+__all__ = ["add_text", "build_traces", "capture_model", "concatenated", "hidden_states", "model_tokens"]
 
 
 def hidden_states(path: str, load: LoadMatrix) -> np.ndarray | None:
@@ -74,3 +76,30 @@ def concatenated(builds: Sequence[LoadMatrix]) -> LoadMatrix | None:
         np.concatenate([t.topk_ids for t in traces]), np.concatenate([t.src_gpu for t in traces]),
         np.concatenate([t.batch + off for t, off in zip(traces, offsets, strict=True)]),
         num_experts=traces[0].num_experts))
+
+
+def add_text(p: argparse.ArgumentParser, *, tokens_default: int | None) -> None:
+    """The text the model reads (``--domain`` or ``--text``), ``--tokens`` of it after ``--offset``."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--domain", choices=("code", "prose"), help="the held-out split of a training domain")
+    src.add_argument("--text", help="a text file (read as bytes)")
+    p.add_argument("--tokens", type=options.positive, required=tokens_default is None, default=tokens_default,
+                   help="tokens to " + ("capture" if tokens_default is None else "run") + " (whole sequences)")
+    p.add_argument("--offset", type=options.non_negative, default=0, help="skip this many tokens of the text first")
+
+
+def model_tokens(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+    """The tokens ``capture`` / ``run`` read: a text file, or a domain's held-out split; and what they are."""
+    from moebalance.lm.data import domain_tokens, text_tokens
+
+    budget = None if args.tokens is None else args.offset + args.tokens
+    if args.text is not None:
+        tokens, what = text_tokens(args.text, budget), f"{Path(args.text).name} tokens"
+    else:
+        tokens, what = domain_tokens(args.domain, "heldout", budget), f"held-out {args.domain} tokens"
+    if budget is not None and tokens.size < budget:
+        raise InputError(f"--offset {args.offset} + --tokens {args.tokens} exceeds the {tokens.size} {what} "
+                         "available; give fewer")
+    if args.offset:
+        what += f" from token {args.offset}"
+    return tokens[args.offset:], what

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from moebalance.app.console import err, out, progress
-from moebalance.app.costing import bytes_per_copy
-from moebalance.app.phase import PhaseModel, PhaseTime
+from moebalance.app.options import bytes_per_copy
 from moebalance.app.report import ComparisonRow, comparison_markdown, comparison_table, plot_per_layer
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
@@ -25,8 +24,9 @@ from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement, write_plan
-from moebalance.cost.goodput import PlanCost
 from moebalance.policies import make_plan
+from moebalance.pricing.goodput import PlanCost
+from moebalance.pricing.phase import PhaseModel, PhaseTime
 from moebalance.routing import Router
 from moebalance.routing.simulate import evaluate
 
@@ -105,7 +105,7 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
     Scenarios that differ only in their router share one plan (made once, its planning time on each row). With
     ``cost``, each row also carries ``cost(plan, held-out load, router)`` (``compare --gpu``). With ``phase``
     (``compare --phase``) each plan is scored on the held-out batches drawn as that phase's steps for its
-    deployment (:mod:`moebalance.app.phase`), and each row is a :class:`PhaseRow` with its modelled MoE layer time.
+    deployment (:mod:`moebalance.pricing.phase`), and each row is a :class:`PhaseRow` with its modelled MoE layer time.
     """
     keys = [sc.key for sc in scenarios]
     for k in keys:

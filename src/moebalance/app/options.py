@@ -15,49 +15,42 @@ import inspect
 import json
 import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from moebalance.app.console import note
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.errors import InputError
-from moebalance.core.io import read_json
 from moebalance.core.limits import check_count
-from moebalance.core.load import LoadMatrix
-from moebalance.cost.goodput import Workload
-from moebalance.cost.hardware import GPUS
-from moebalance.cost.memory import EngineMemory
-from moebalance.cost.time import Calibration
-from moebalance.engines import LOAD_FORMATS, open_load
+from moebalance.core.load import LoadMatrix, check_same_model, concatenate_loads, parse_batch_range
+from moebalance.core.plan import Placement
+from moebalance.engines import LOAD_FORMATS, open_load, read_any_plan
 from moebalance.engines.detect import detect_load
 from moebalance.models import get_model
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
 from moebalance.routing import ROUTERS, Router, get_router
-from moebalance.routing.metro import CALIBRATION_OPTIONS, check_ready, fill
 
 __all__ = [
-    "COST_OPTIONS",
     "MAX_GPUS",
     "MAX_REPLICAS_PER_GPU",
     "MAX_SLOTS_PER_GPU",
+    "Workloads",
     "add_auto_by",
     "add_budget",
     "add_cluster",
-    "add_cost_options",
     "add_format",
     "add_links",
     "add_model",
-    "add_phase",
     "add_router",
     "add_set",
     "budget",
-    "calibration_from",
+    "bytes_per_copy",
     "cluster",
     "count",
-    "engine_from",
     "fraction",
-    "given_cost_options",
     "link",
     "links",
     "load_model",
@@ -68,13 +61,12 @@ __all__ = [
     "policy_keys",
     "positive",
     "read_load",
+    "read_plan",
+    "read_workloads",
     "replicas",
     "resolve_set",
     "router",
-    "router_context",
     "routers",
-    "with_context",
-    "workload_from",
 ]
 
 #: The most GPUs a cluster flag describes (``--nodes`` x ``--gpus-per-node``): far above any expert-parallel
@@ -236,49 +228,6 @@ def add_router(p: argparse.ArgumentParser, *, several: bool = False, default: st
                    help="router option, e.g. eps=0.02 for rebalance (repeatable)")
 
 
-def add_phase(p: argparse.ArgumentParser) -> None:
-    """``--phase decode|prefill`` (``compare``, ``online``): score the phase's steps (:mod:`moebalance.app.phase`)."""
-    p.add_argument("--phase", choices=("decode", "prefill"),
-                   help="with --gpu: draw each batch again as a step of the phase (decode: one token per running "
-                        "request, the KV cache's concurrency; prefill: --prefill-chunk tokens per data-parallel rank) "
-                        "and score those steps")
-
-
-_ENGINE, _WORK = EngineMemory(), Workload()  # the defaults the cost options show
-
-#: ``(flag, dest)`` of the cost model's options besides ``--gpu``: given or not (default None), so that a command
-#: can refuse them where it has no cost model.
-COST_OPTIONS = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
-                ("--attention-tp", "attention_tp"), ("--dense-tp", "dense_tp"), ("--prompt-tokens", "prompt_tokens"),
-                ("--output-tokens", "output_tokens"), ("--prefill-chunk", "prefill_chunk"),
-                ("--calibration", "calibration"), ("--dispatch", "dispatch"))
-
-
-def add_cost_options(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
-    """The GPU, engine and workload options of ``cost`` (and of ``plan``/``compare``/``sweep`` with ``--gpu``)."""
-    p.add_argument("--gpu", required=gpu_required, choices=sorted(GPUS), help="GPU model of every GPU")
-    p.add_argument("--memory-fraction", type=fraction,
-                   help=f"share of GPU memory for weights and KV cache, in (0, 1] (SGLang mem_fraction_static; default "
-                        f"{_ENGINE.memory_fraction})")
-    p.add_argument("--reserve-gib", type=non_negative_float,
-                   help="GiB per GPU the engine keeps besides weights and KV cache (default fitted, docs/design.md)")
-    p.add_argument("--attention-tp", type=count(MAX_GPUS), help="GPUs splitting attention weights (default: a node)")
-    p.add_argument("--dense-tp", type=count(MAX_GPUS), help="GPUs splitting the other non-expert weights (default 1)")
-    p.add_argument("--prompt-tokens", type=positive, help=f"default {_WORK.prompt_tokens}")
-    p.add_argument("--output-tokens", type=positive, help=f"default {_WORK.output_tokens}")
-    p.add_argument("--prefill-chunk", type=positive,
-                   help=f"prompt tokens a data-parallel rank prefills per step (default {_WORK.prefill_chunk})")
-    p.add_argument("--calibration", help="JSON from 'moebalance calibrate' (default: published peaks)")
-    p.add_argument("--dispatch", choices=("gpu", "node"),
-                   help="all-to-all of token-level loads: a copy per destination GPU (gpu, the default), or one per "
-                        "destination node forwarded inside it, as DeepEP and GRACE do (node)")
-
-
-def given_cost_options(args: argparse.Namespace) -> list[str]:
-    """The cost-model flags (besides ``--gpu``) given on the command line."""
-    return [flag for flag, dest in COST_OPTIONS if getattr(args, dest, None) is not None]
-
-
 # ----- what the flags build --------------------------------------------------------------------------------------
 
 def cluster(args: argparse.Namespace) -> Cluster:
@@ -308,14 +257,35 @@ def load_model(load: LoadMatrix, name: str | None) -> LoadMatrix:
     and layers."""
     if name is None or load.preset == name:
         return load
-    spec = get_model(name)
-    L = spec.num_layers
-    # the load may hold the MoE layers only, the dense ones too (zero rows), and a multi-token-prediction layer
-    if spec.num_experts != load.num_experts or not L <= load.num_layers <= L + spec.num_dense_layers + 1:
-        raise InputError(f"--model {name} has {L} MoE layers ({L + spec.num_dense_layers} with its dense ones) x "
-                         f"{spec.num_experts} experts but the load has {load.num_layers} x {load.num_experts}; give "
-                         "the load's --model")
+    get_model(name).check_fits(load.num_layers, load.num_experts, what=f"--model {name}: the load")
     return dataclasses.replace(load, preset=name)
+
+
+def bytes_per_copy(load: LoadMatrix, hidden_size: int | None, dtype_bytes: int) -> int | None:
+    """Bytes one dispatched copy carries (``--hidden-size``, ``--dtype-bytes``): ``hidden_size`` (default: the load's
+    model's) x ``dtype_bytes``."""
+    if hidden_size is None and load.model is not None:
+        hidden_size = load.model.hidden_size
+    return None if hidden_size is None else hidden_size * dtype_bytes
+
+
+def read_plan(args: argparse.Namespace, load: LoadMatrix, fmt: str | None = None) -> Placement:
+    """``--plan`` in any placement format, for ``load``: an engine's file laid out on ``--nodes`` x
+    ``--gpus-per-node`` (both or neither; a moebalance plan records its own cluster, which they must then match),
+    with the links given (plan files record the topology, not the links: the time model takes them from here)."""
+    if (args.nodes is None) != (args.gpus_per_node is None):
+        raise InputError("give both --nodes and --gpus-per-node (the cluster an engine's placement file is laid out "
+                         "on), or neither for a moebalance plan")
+    given = None if args.nodes is None else cluster(args)
+    plan = read_any_plan(args.plan, given, fmt, load)
+    c = plan.cluster
+    if given is not None and (c.num_nodes, c.gpus_per_node) != (args.nodes, args.gpus_per_node):
+        raise InputError(f"the plan is for {c.num_nodes}x{c.gpus_per_node} GPUs but --nodes {args.nodes} "
+                         f"--gpus-per-node {args.gpus_per_node} were given; drop them for a moebalance plan")
+    if links(args):
+        plan = dataclasses.replace(plan, cluster=Cluster(num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
+                                                         **links(args)))
+    return plan
 
 
 def read_load(args: argparse.Namespace, *, model: bool = True) -> LoadMatrix:
@@ -332,31 +302,38 @@ def read_load(args: argparse.Namespace, *, model: bool = True) -> LoadMatrix:
     return load_model(opened.load, name) if model else opened.load
 
 
-def engine_from(args: argparse.Namespace) -> EngineMemory:
-    given = {dest: getattr(args, dest, None) for dest in ("memory_fraction", "reserve_gib", "attention_tp", "dense_tp")}
-    return EngineMemory(**{k: v for k, v in given.items() if v is not None})
+@dataclass(frozen=True, slots=True)
+class Workloads:
+    """The ``--load`` files of ``plan``: each one's planning batches, and all of them in one load."""
+
+    #: The ``--load`` texts, in order.
+    names: list[str]
+    #: Each workload's planning batches (``--batches`` of each file).
+    parts: list[LoadMatrix]
+    #: Each workload's ``--batches`` range, ``"a:b"``.
+    ranges: list[str]
+    #: The planning batches of every workload, concatenated in ``--load`` order (the first alone for one file).
+    load: LoadMatrix
+    #: Layers without load in every whole file (an engine's dense layers).
+    dense: list[int]
 
 
-def workload_from(args: argparse.Namespace) -> Workload:
-    given = {dest: getattr(args, dest, None) for dest in ("prompt_tokens", "output_tokens", "prefill_chunk")}
-    return Workload(**{k: v for k, v in given.items() if v is not None})
-
-
-def calibration_from(args: argparse.Namespace) -> Calibration:
-    """``--calibration FILE`` (written by ``moebalance calibrate``), else the published peaks."""
-    if getattr(args, "calibration", None) is None:
-        return Calibration()
-    path = Path(args.calibration)
-    doc = read_json(path, "calibration")
-    fields = {f.name for f in dataclasses.fields(Calibration)}
-    recorded = {"format", "mean_abs_log_error"}  # the fit's quality, recorded beside its constants
-    if not isinstance(doc, dict) or doc.get("format") != "moebalance.calibration" or not set(doc) - recorded <= fields:
-        raise InputError(f"{str(path)!r} is not a calibration written by 'moebalance calibrate' (keys: "
-                         f"format, {', '.join(sorted(fields))})")
-    try:
-        return Calibration(**{k: v for k, v in doc.items() if k not in recorded})
-    except TypeError as exc:
-        raise InputError(f"{str(path)!r}: {exc}") from None
+def read_workloads(args: argparse.Namespace) -> Workloads:
+    """Every ``--load`` (one model: same layers and experts), ``--model`` applied, ``--batches`` taken from each."""
+    names = list(args.load)
+    full = [load_model(read_load(argparse.Namespace(**{**vars(args), "load": path}), model=False),
+                               args.model) for path in names]
+    for path, other in zip(names[1:], full[1:], strict=True):
+        check_same_model(names[0], full[0], path, other)
+    # dense layers: no load in any whole file, not merely in the planning window (engine exports leave them out)
+    has_load = np.logical_or.reduce([f.counts.sum(axis=(0, 2)) > 0 for f in full])
+    parts, ranges = [], []
+    for f in full:
+        start, stop = parse_batch_range(args.batches, f.num_batches)
+        parts.append(f.select_batches(start, stop))
+        ranges.append(f"{start}:{stop}")
+    load = parts[0] if len(parts) == 1 else concatenate_loads(parts)
+    return Workloads(names, parts, ranges, load, [int(x) for x in np.flatnonzero(~has_load)])
 
 
 # ----- the --set rule -------------------------------------------------------------------------------------------
@@ -464,28 +441,6 @@ def routers(args: argparse.Namespace) -> list[Router]:
             raise InputError(f"--router-set {key}: no router given ({', '.join(names)}) has option {key!r}; routers "
                              f"with options: {'; '.join(takers)}")
     return [r.with_params(**{k: v for k, v in params.items() if k in r.params}) for r in chosen]
-
-
-def router_context(args: argparse.Namespace, load: LoadMatrix | None = None) -> dict[str, Any]:
-    """The command's cost options as router options (``metro``'s ``gpu``, ``model``, calibration): ``--gpu``,
-    ``--model`` (else the load's model) and ``--calibration`` where the command has them."""
-    model = getattr(args, "model", None)
-    if model is None and load is not None and load.model is not None:
-        model = load.model.name
-    out: dict[str, Any] = {"gpu": getattr(args, "gpu", None), "model": model}
-    if getattr(args, "calibration", None) is not None:
-        cal = calibration_from(args)
-        out.update({name: getattr(cal, name) for name in CALIBRATION_OPTIONS})
-    return out
-
-
-def with_context(chosen: Sequence[Router], context: dict[str, Any]) -> list[Router]:
-    """``chosen`` with the options of ``context`` that ``--router-set`` left unset (:func:`router_context`); a
-    router still missing what it needs (``metro`` without a GPU or model) is a one-line error."""
-    out = [fill(r, context) for r in chosen]
-    for r in out:
-        check_ready(r)
-    return out
 
 
 def router(args: argparse.Namespace) -> Router:

@@ -12,7 +12,7 @@ import numpy as np
 from rich.table import Table
 
 from moebalance.core.io import save_png
-from moebalance.cost.goodput import PlanCost
+from moebalance.pricing.goodput import PlanCost
 from moebalance.routing.simulate import Score
 
 __all__ = ["ComparisonRow", "budget_notes", "comparison_markdown", "comparison_table", "plot_per_layer",

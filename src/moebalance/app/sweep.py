@@ -33,9 +33,9 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError, InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
-from moebalance.cost.goodput import PlanCost
 from moebalance.policies import Budget, make_plan
 from moebalance.policies.craft import CraftConfig
+from moebalance.pricing.goodput import PlanCost
 from moebalance.routing.simulate import evaluate
 
 __all__ = ["SWEEP_ALIASES", "SWEEP_POLICIES", "SweepPoint", "SweepResult", "canonical", "sweep", "sweep_keys",

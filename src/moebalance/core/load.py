@@ -14,7 +14,6 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,12 +21,10 @@ from moebalance.core.errors import InputError
 from moebalance.core.io import write_npz
 from moebalance.core.limits import MAX_TOKENS, check_alloc
 from moebalance.core.trace import RoutingTrace
-
-if TYPE_CHECKING:
-    from moebalance.models import ModelSpec
+from moebalance.models import MODELS, ModelSpec
 
 __all__ = ["BUNDLED_PREFIX", "LM_PRESET", "LoadMatrix", "bundled_names", "check_counts", "check_preset",
-           "parse_batch_range", "preset_names", "read_bundled", "read_load", "write_load"]
+           "check_same_model", "concatenate_loads", "parse_batch_range", "preset_names", "read_bundled", "read_load", "write_load"]
 
 _TOKEN_KEYS = ("topk_ids", "src_gpu", "batch")
 
@@ -38,8 +35,6 @@ LM_PRESET = "moebalance-moe-lm"
 def preset_names() -> list[str]:
     """The names a load's ``preset`` may hold: the models of :data:`moebalance.models.MODELS` and
     :data:`LM_PRESET`."""
-    from moebalance.models import MODELS  # at call time: ``core`` imports nothing else when loaded
-
     return [*sorted(MODELS), LM_PRESET]
 
 
@@ -165,11 +160,7 @@ class LoadMatrix:
 
         Example: ``read_bundled("mixtral-8x7b-tokens").model.top_k == 2``.
         """
-        if self.preset is None:
-            return None
-        from moebalance.models import MODELS  # at call time: ``core`` imports nothing else when loaded
-
-        return MODELS.get(self.preset)
+        return None if self.preset is None else MODELS.get(self.preset)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -402,6 +393,39 @@ def _why(exc: BaseException) -> str:
     if "pickled (object) data" in text or "pickled data" in text:
         return "it has no numpy header, so it is not a .npy/.npz file; save the counts with numpy.save or numpy.savez"
     return f"{text} (is the file truncated, or not written by numpy?)"
+
+
+def check_same_model(first_name: str, first: LoadMatrix, name: str, load: LoadMatrix) -> None:
+    """Two workloads (``--load`` files named ``first_name`` and ``name``) must be loads of one model: the same layers
+    and experts, layer ids and named model; else a one-line :class:`InputError`."""
+    if (load.num_layers, load.num_experts) != (first.num_layers, first.num_experts):
+        raise InputError(f"--load {name} is [layers, experts] = [{load.num_layers}, {load.num_experts}] but --load "
+                         f"{first_name} is [{first.num_layers}, {first.num_experts}]; give workloads of one model")
+    ids = [None if x.layer_ids is None else x.layer_ids.tolist() for x in (first, load)]
+    if ids[0] != ids[1]:
+        raise InputError(f"--load {name} holds the model's layers {ids[1]} but --load {first_name} holds {ids[0]}; "
+                         "give workloads recorded the same way")
+    if None not in (first.preset, load.preset) and first.preset != load.preset:
+        raise InputError(f"--load {name} names model {load.preset} but --load {first_name} names {first.preset}; "
+                         "give workloads of one model (or --model M for both)")
+
+
+def concatenate_loads(parts: list[LoadMatrix]) -> LoadMatrix:
+    """``parts``' batches one after another (their token-level traces too when all have one with the same top-k)."""
+    B = sum(p.num_batches for p in parts)
+    _, L, E = parts[0].shape
+    check_alloc((B, L, E), 8, "the --load files' counts together", "give fewer or shorter --load files (--batches)")
+    counts = np.concatenate([p.counts for p in parts])
+    traces = [p.trace for p in parts]
+    trace = None
+    if all(t is not None for t in traces) and len({t.top_k for t in traces if t is not None}) == 1:
+        offsets = np.cumsum([0] + [p.num_batches for p in parts[:-1]])
+        trace = RoutingTrace(np.concatenate([t.topk_ids for t in traces if t is not None]),
+                             np.concatenate([t.src_gpu for t in traces if t is not None]),
+                             np.concatenate([t.batch + o for t, o in zip(traces, offsets, strict=True)
+                                             if t is not None]), num_experts=E, num_batches=B)
+    preset = next((p.preset for p in parts if p.preset is not None), None)
+    return LoadMatrix(counts, trace, preset, parts[0].layer_ids)
 
 
 def write_load(path: str | os.PathLike[str], load: LoadMatrix) -> None:

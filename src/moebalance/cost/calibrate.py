@@ -13,6 +13,7 @@ the largest value, and :func:`fit` says which regimes the runs covered.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +21,17 @@ from pathlib import Path
 import numpy as np
 
 from moebalance.core.errors import InputError
+from moebalance.core.io import atomic_write_text, dumps, read_json
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.time import Calibration
 
-__all__ = ["COLUMNS", "LIMITS", "Measurements", "check_measurement", "fit", "read_measurements"]
+__all__ = ["COLUMNS", "FIT_ERROR_KEY", "FORMAT", "LIMITS", "Measurements", "check_measurement", "fit",
+           "read_calibration", "read_measurements", "write_calibration"]
+
+#: The ``format`` of a calibration file.
+FORMAT = "moebalance.calibration"
+#: A calibration file's fit error: the mean absolute log error of the fitted roofline (``advise``'s margin reads it).
+FIT_ERROR_KEY = "mean_abs_log_error"
 
 COLUMNS = ("experts", "tokens_per_expert", "hidden_size", "ffn_size", "seconds")
 _GRID = np.geomspace(0.01, 1.0, 121)  # efficiencies tried, 1% to 100% of peak
@@ -117,3 +125,29 @@ def fit(m: Measurements, gpu: GpuSpec, *, weight_bytes: int = 2,
                                           >= traffic / (gpu.memory_bandwidth * 1e9 * bandwidth_eff)))
     return (Calibration(flops_efficiency=flops_eff, bandwidth_efficiency=bandwidth_eff, launch_us=launch_s * 1e6,
                         source=source), error, (bound_by_flops, n.size - bound_by_flops))
+
+
+def write_calibration(path: str | Path, calibration: Calibration, error: float) -> None:
+    """Write ``calibration`` with its fit ``error`` as the JSON :func:`read_calibration` reads (atomically)."""
+    doc = {"format": FORMAT, **{f.name: getattr(calibration, f.name) for f in dataclasses.fields(calibration)},
+           FIT_ERROR_KEY: round(float(error), 6)}
+    atomic_write_text(Path(path), dumps(doc))
+
+
+def read_calibration(path: str | Path) -> tuple[Calibration, float | None]:
+    """A calibration file's constants and its fit error (``None`` where the file records none); anything else is a
+    one-line :class:`InputError` naming the file."""
+    doc = read_json(Path(path), "calibration")
+    fields = {f.name for f in dataclasses.fields(Calibration)}
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not set(doc) - {"format", FIT_ERROR_KEY} <= fields:
+        raise InputError(f"{str(path)!r} is not a calibration written by 'moebalance calibrate' (keys: format, "
+                         f"{', '.join(sorted(fields))}, {FIT_ERROR_KEY})")
+    error = doc.get(FIT_ERROR_KEY)
+    if error is not None and (isinstance(error, bool) or not isinstance(error, int | float) or
+                              not math.isfinite(error) or error < 0):
+        raise InputError(f"{str(path)!r}: {FIT_ERROR_KEY} is {error!r}; it must be a number >= 0")
+    try:
+        calibration = Calibration(**{k: v for k, v in doc.items() if k not in ("format", FIT_ERROR_KEY)})
+    except TypeError as exc:
+        raise InputError(f"{str(path)!r}: {exc}") from None
+    return calibration, None if error is None else float(error)

@@ -35,7 +35,7 @@ from moebalance.cost.memory import GIB, EngineMemory, non_expert_gib_per_gpu
 from moebalance.models import ModelSpec
 from moebalance.models.fields import check_fields
 
-__all__ = ["Calibration", "expert_seconds", "prefetch_seconds", "rest_seconds"]
+__all__ = ["Calibration", "expert_seconds", "gemm_seconds", "prefetch_seconds", "rest_seconds", "roofline_terms"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -56,25 +56,63 @@ class Calibration:
                 raise InputError(f"{name} ({getattr(self, name)}) must be in (0, 1]: a share of the GPU's peak")
 
 
-def expert_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: ModelSpec, gpu: GpuSpec,
-                   calibration: Calibration | None = None, *, weight_bytes: int = 2,
-                   activation_bytes: int = 2) -> np.ndarray:
-    """Seconds of one GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast).
+def roofline_terms(model: ModelSpec, gpu: GpuSpec, calibration: Calibration | None = None, *,
+                   weight_bytes: int = 2, activation_bytes: int = 2) -> tuple[float, float, float, float]:
+    """``(alpha, beta, gamma, launch)`` seconds: the grouped GEMM of ``n`` picks touching ``u`` experts takes
+    ``launch + max(alpha n, beta u + gamma n)`` (module docstring). :func:`gemm_seconds` evaluates it; compiled
+    kernels that search over picks (the ``metro`` router) take the four numbers."""
+    cal = Calibration() if calibration is None else calibration
+    H, F = model.hidden_size, model.moe_intermediate_size
+    flops = gpu.bf16_tflops * 1e12 * cal.flops_efficiency
+    bandwidth = gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency
+    return (6.0 * H * F / flops, 3.0 * H * F * weight_bytes / bandwidth, 2.0 * H * activation_bytes / bandwidth,
+            cal.launch_us * 1e-6)
+
+
+def gemm_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: ModelSpec, gpu: GpuSpec,
+                 calibration: Calibration | None = None, *, weight_bytes: int = 2,
+                 activation_bytes: int = 2) -> np.ndarray:
+    """Seconds of one GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast;
+    ``touched`` may be an expectation, as the step model's is): the roofline of the module docstring, which
+    :func:`expert_seconds` evaluates from a GPU's picks of each expert.
 
     Example (by hand): H100, H = 7168, F = 2048, one pick on one expert: 88 MB of weights at 3.35 TB/s is 26.3 us,
     the 88 MFLOPs take 0.09 us, so the pick costs the weight read.
     """
-    cal = Calibration() if calibration is None else calibration
     n = np.asarray(picks, dtype=np.float64)
     u = np.asarray(touched, dtype=np.float64)
     if np.any(n < 0) or np.any(u < 0):
         raise InputError("picks and experts touched must be >= 0")
-    H, F = model.hidden_size, model.moe_intermediate_size
-    flops = 6.0 * H * F * n
-    traffic = u * 3.0 * H * F * weight_bytes + 2.0 * n * H * activation_bytes
-    t = np.maximum(flops / (gpu.bf16_tflops * 1e12 * cal.flops_efficiency),
-                   traffic / (gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency))
-    return np.where(n > 0, t + cal.launch_us * 1e-6, 0.0)
+    alpha, beta, gamma, launch = roofline_terms(model, gpu, calibration, weight_bytes=weight_bytes,
+                                                activation_bytes=activation_bytes)
+    t = np.maximum(alpha * n, beta * u + gamma * n)
+    return np.where(n > 0, t + launch, 0.0)
+
+
+def expert_seconds(picks: np.ndarray, model: ModelSpec, gpu: GpuSpec, calibration: Calibration | None = None, *,
+                   weight_bytes: int = 2, activation_bytes: int = 2) -> np.ndarray:
+    """``float64 [..., G]``: each GPU's grouped-GEMM seconds in one MoE layer, from ``picks [..., G, E]``, the
+    tokens GPU ``g`` serves for expert ``e`` (whole numbers >= 0; leading axes broadcast). A GPU's picks are
+    ``n_g = sum_e picks[g, e]``, the experts they touch ``u_g = #{e : picks[g, e] > 0}``, and its time the
+    roofline of the module docstring (:func:`gemm_seconds`); a GPU with no picks takes 0.
+
+    Example (by hand) -- DeepSeek-V3 (H = 7168, F = 2048) on an H100 at its peaks, two GPUs: GPU 0 serves 3 tokens
+    of expert 0 and 1 of expert 1, GPU 1 serves 4 tokens of expert 2. GPU 0 reads two experts' weights (2 x 88.1 MB
+    at 3.35 TB/s, 52.6 us) and GPU 1 one (26.3 us), far above their 0.35 GFLOPs (0.36 us) or the activations::
+
+        >>> from moebalance.cost import GPUS, expert_seconds
+        >>> from moebalance.models import MODELS
+        >>> picks = np.array([[3, 1, 0], [0, 0, 4]])
+        >>> (expert_seconds(picks, MODELS["deepseek-v3"], GPUS["h100-80gb"]) * 1e6).round(1)
+        array([52.6, 26.3])
+    """
+    a = np.asarray(picks)
+    if a.ndim < 2:
+        raise InputError(f"picks must be [..., G, E] (tokens each GPU serves of each expert), got shape {a.shape}")
+    if a.dtype.kind not in "iub" and not (a.dtype.kind == "f" and np.all(np.isfinite(a)) and np.all(a == np.round(a))):
+        raise InputError(f"picks must be whole numbers of tokens, got dtype {a.dtype}")
+    return gemm_seconds(a.sum(axis=-1, dtype=np.float64), (a > 0).sum(axis=-1), model, gpu, calibration,
+                        weight_bytes=weight_bytes, activation_bytes=activation_bytes)
 
 
 def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine: EngineMemory, gpus_per_node: int, *,

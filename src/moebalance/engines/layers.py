@@ -24,7 +24,7 @@ from moebalance.core.errors import InputError, PlanError
 from moebalance.core.plan import Placement
 from moebalance.models import MODELS, ModelSpec, get_model
 
-__all__ = ["EngineLayers", "ModelChoice", "choose_model", "decoder_layers", "family_label", "misfit",
+__all__ = ["EngineLayers", "ModelChoice", "choose_model", "decoder_layers", "family_label",
            "mtp_layers", "plan_layers"]
 
 _NAMING = ("name", "display_name", "source")  # what two names of one architecture may differ in
@@ -69,36 +69,6 @@ def _common_prefix(names: Sequence[str]) -> str:
     return first[:n]
 
 
-def _shape(spec: ModelSpec) -> str:
-    H, D, M = decoder_layers(spec), spec.num_dense_layers, mtp_layers(spec)
-    parts = f"{H} decoder layers ({D} dense, then {spec.num_layers} MoE)" if D else f"{H} MoE layers"
-    return parts + (f" and {M} MTP layer{'s' * (M > 1)}" if M else "") + f" of {spec.num_experts} experts"
-
-
-def misfit(spec: ModelSpec, num_rows: int, num_experts: int, layer_ids: Sequence[int] | None = None,
-           loaded: Sequence[bool] | None = None) -> str | None:
-    """Why rows ``[N, E]`` (engine layer ids ``layer_ids`` if recorded; ``loaded``: which rows carry load) are not
-    ``spec``'s, or ``None`` when they fit (module docstring)."""
-    H, D, M = decoder_layers(spec), spec.num_dense_layers, mtp_layers(spec)
-    if num_experts != spec.num_experts:
-        return f"{num_experts} experts per layer, but {spec.display_name} has {spec.num_experts}"
-    if layer_ids is not None:
-        ids = {int(x) for x in layer_ids}
-        outside = sorted(i for i in ids if not D <= i < H + M)
-        if outside:
-            return f"layer {outside[0]}, but {spec.display_name}'s MoE layers are {D}..{H - 1}" + \
-                (f" and its MTP layers {H}..{H + M - 1}" if M else "")
-        if not set(range(D, H)) <= ids:
-            return f"layers {min(ids)}..{max(ids)} ({len(ids)}), not every MoE layer {D}..{H - 1} of {spec.display_name}"
-        return None
-    if num_rows not in {H, H + M, spec.num_layers}:
-        return f"{num_rows} layers, but {spec.display_name} has {_shape(spec)}"
-    if num_rows != spec.num_layers and loaded is not None and any(bool(x) for x in list(loaded)[:D]):
-        first = next(i for i, x in enumerate(loaded) if x)
-        return f"load in layer {first}, which is dense in {spec.display_name} (layers 0..{D - 1})"
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class ModelChoice:
     """The model a load or plan is for (``None``: unknown), and, when its shape named it, a note saying so."""
@@ -119,12 +89,9 @@ def choose_model(num_rows: int, num_experts: int, layer_ids: Sequence[int] | Non
     (``what="the load"``) says what the model's expert groups make eplb do."""
     if model is not None:
         spec = get_model(model) if isinstance(model, str) else model
-        why = misfit(spec, num_rows, num_experts, layer_ids, loaded)
-        if why is not None:
-            raise InputError(f"{what} does not fit model {spec.name!r}: it has {why}; name the model it was recorded "
-                             "for")
+        spec.check_fits(num_rows, num_experts, layer_ids, loaded, what=what, fix="name the model it was recorded for")
         return ModelChoice(spec)
-    fits = [family for family in _families() if misfit(family[0], num_rows, num_experts, layer_ids, loaded) is None]
+    fits = [family for family in _families() if family[0].misfit(num_rows, num_experts, layer_ids, loaded) is None]
     if len(fits) != 1:
         return ModelChoice(None)
     spec = fits[0][0]
@@ -198,6 +165,6 @@ def plan_layers(plan: Placement, *, model: str | ModelSpec | None = None,
     if N < H:
         raise PlanError(f"the plan has {N} layers but the model has {H} decoder layers; give the plan of this model")
     if spec is not None and N > H + mtp_layers(spec):
-        raise PlanError(f"the plan has {N} layers but {spec.display_name} has {_shape(spec)}; give the plan of this "
+        raise PlanError(f"the plan has {N} layers but {spec.display_name} has {spec.shape_text()}; give the plan of this "
                         "model")
     return EngineLayers(tuple(range(N)), H, spec, None, tuple(notes))

@@ -51,8 +51,8 @@ from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.lm.capture import Layout, make_layout
 from moebalance.lm.moe_lm import MoELM, load_checkpoint, save_checkpoint
-from moebalance.online.predictors import demand_of
 from moebalance.policies.libra import LibraConfig, batch_plan
+from moebalance.prediction.predictors import demand_of
 from moebalance.routing import Router, get_router
 from moebalance.runtime import (
     EPConfig,

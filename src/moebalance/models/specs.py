@@ -25,6 +25,7 @@ parameter counts beyond one expert's, and the KV cache, then refuse in one line.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -172,6 +173,54 @@ class ModelSpec:
     def mtp_layer_ids(self) -> tuple[int, ...]:
         """The layer index engines give each MTP module: right after the decoder layers (DeepSeek-V3: ``(61,)``)."""
         return tuple(range(self.num_decoder_layers, self.num_decoder_layers + self.num_mtp_layers))
+
+    def shape_text(self) -> str:
+        """The layers an engine numbers and the experts, in words: ``"61 decoder layers (3 dense, then 58 MoE) and 1
+        MTP layer of 256 experts"``."""
+        H, D, M = self.num_decoder_layers, self.num_dense_layers, self.num_mtp_layers
+        parts = f"{H} decoder layers ({D} dense, then {self.num_layers} MoE)" if D else f"{H} MoE layers"
+        return parts + (f" and {M} MTP layer{'s' * (M > 1)}" if M else "") + f" of {self.num_experts} experts"
+
+    def misfit(self, num_rows: int, num_experts: int, layer_ids: Sequence[int] | None = None,
+               loaded: Sequence[bool] | None = None) -> str | None:
+        """Why a load or plan of ``num_rows`` layers x ``num_experts`` experts is not this model's, or ``None`` when
+        it fits: the one rule every command applies (``layer_ids``: the engine layer ids its rows recorded;
+        ``loaded``: which rows carry load).
+
+        Rows fit when there are ``E`` experts and the rows are the MoE layers alone (``L``, or the recorded ids
+        ``D .. H - 1``, MTP ids ``H .. H + M - 1`` allowed) or the engine's numbering (``H`` decoder layers, or
+        ``H + M`` with the MTP layers), whose ``D`` dense rows carry no load.
+
+        Example: ``MODELS["deepseek-v3"].misfit(58, 256) is None``; ``misfit(60, 256)`` says ``"60 layers, but
+        DeepSeek-V3 has 61 decoder layers (3 dense, then 58 MoE) and 1 MTP layer of 256 experts"``.
+        """
+        H, D, M = self.num_decoder_layers, self.num_dense_layers, self.num_mtp_layers
+        if num_experts != self.num_experts:
+            return f"{num_experts} experts per layer, but {self.display_name} has {self.num_experts}"
+        if layer_ids is not None:
+            ids = {int(x) for x in layer_ids}
+            outside = sorted(i for i in ids if not D <= i < H + M)
+            if outside:
+                return f"layer {outside[0]}, but {self.display_name}'s MoE layers are {D}..{H - 1}" + \
+                    (f" and its MTP layers {H}..{H + M - 1}" if M else "")
+            if not set(range(D, H)) <= ids:
+                return f"layers {min(ids)}..{max(ids)} ({len(ids)}), not every MoE layer {D}..{H - 1} of " \
+                       f"{self.display_name}"
+            return None
+        if num_rows not in {H, H + M, self.num_layers}:
+            return f"{num_rows} layers, but {self.display_name} has {self.shape_text()}"
+        if num_rows != self.num_layers and loaded is not None and any(bool(x) for x in list(loaded)[:D]):
+            first = next(i for i, x in enumerate(loaded) if x)
+            return f"load in layer {first}, which is dense in {self.display_name} (layers 0..{D - 1})"
+        return None
+
+    def check_fits(self, num_rows: int, num_experts: int, layer_ids: Sequence[int] | None = None,
+                   loaded: Sequence[bool] | None = None, *, what: str = "the load",
+                   fix: str = "give the load's --model") -> None:
+        """Raise a one-line :class:`InputError` where :meth:`misfit` says ``what`` is not this model's."""
+        why = self.misfit(num_rows, num_experts, layer_ids, loaded)
+        if why is not None:
+            raise InputError(f"{what} does not fit model {self.name!r}: it has {why}; {fix}")
 
     def architecture(self) -> Attention:
         """The attention, or a one-line :class:`InputError` when the spec gives the routing shape only."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,7 @@ from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.policies import make_plan
 
-__all__ = ["DEFAULT_RELOAD_GBPS", "RECOVERED_WITHIN", "check_capacity", "check_failures", "failure_report", "lift",
+__all__ = ["DEFAULT_RELOAD_GBPS", "RECOVERED_WITHIN", "Failures", "check_capacity", "check_failures", "failure_report", "lift",
            "parse_failure", "plan_on_survivors", "recovery_cost", "survivor_load"]
 
 #: The host link experts are reloaded over: PCIe 5.0 x16 per direction (the ``pcie5`` link preset).
@@ -63,6 +64,21 @@ def parse_failure(value: str) -> tuple[int, int]:
     except ValueError:
         raise InputError(f"--fail {value!r}: give GPU@BATCH, e.g. --fail 3@120 (GPU 3 is gone from batch 120)") from None
     return g, b
+
+
+@dataclass(frozen=True, slots=True)
+class Failures:
+    """GPUs lost while serving: ``(GPU, batch)`` pairs, the GPU gone from that served batch on, and the link the
+    experts only it held are reloaded over (GB/s). Example: ``Failures(((3, 120),))``."""
+
+    events: tuple[tuple[int, int], ...] = ()
+    reload_gbps: float = DEFAULT_RELOAD_GBPS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "events", tuple((int(g), int(b)) for g, b in self.events))
+        r = self.reload_gbps
+        if not (isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) and r > 0):
+            raise InputError(f"the reload link ({r!r} GB/s) must be a positive number")
 
 
 def check_failures(failures: Sequence[tuple[int, int]], num_gpus: int,

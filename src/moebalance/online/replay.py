@@ -20,7 +20,7 @@ unless one is given): per ``(batch, layer)`` the imbalance ratio ``max_g / mean_
 balancedness ``mean_g / max_g`` (docs/design.md, "Metrics"); a batch's imbalance ratio is its mean over layers.
 
 With ``pricing`` every served batch is also priced as a forward step, with what re-plans and prefetches expose
-(:mod:`moebalance.online.pricing`): a re-plan's new plan then serves as its moves land (``sync``, ``async``, in
+(:mod:`moebalance.pricing.step`): a re-plan's new plan then serves as its moves land (``sync``, ``async``, in
 chunks of layers), not at once.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from moebalance.algorithms.migration import MIGRATIONS, align, lay_onto
+from moebalance.algorithms.migration import align, lay_onto
 from moebalance.algorithms.prefetch import prefetch_layers
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
@@ -42,7 +42,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.online.failure import (
-    DEFAULT_RELOAD_GBPS,
+    Failures,
     check_capacity,
     check_failures,
     failure_report,
@@ -50,21 +50,27 @@ from moebalance.online.failure import (
     recovery_cost,
     survivor_load,
 )
-from moebalance.online.predictors import AccuracyTally, HistoryPredictor, Predictor, make_predictor
-from moebalance.online.pricing import (
-    Rearranger,
+from moebalance.online.rearrange import Rearranger, Replanning, time_summary
+from moebalance.policies import DYNAMIC_POLICIES, POLICIES, make_plan
+from moebalance.policies.libra import LibraConfig, batch_plan, buffer_slots
+from moebalance.prediction.predictors import (
+    AccuracyTally,
+    HistoryPredictor,
+    Predictor,
+    PredictorInputs,
+    make_predictor,
+)
+from moebalance.pricing.layer import price_layers
+from moebalance.pricing.step import (
     RouterTimer,
     StepPricing,
     exposed_prefetch,
     exposed_router,
     local_seconds,
     step_time,
-    time_summary,
 )
-from moebalance.policies import DYNAMIC_POLICIES, POLICIES, make_plan
-from moebalance.policies.libra import LibraConfig, batch_plan, buffer_slots
 from moebalance.routing import Router, get_router
-from moebalance.routing.simulate import check_compatible, layer_metrics, replay_loads, replay_picks
+from moebalance.routing.simulate import check_compatible, layer_metrics, replay_loads
 
 __all__ = ["OnlineResult", "moved_copies", "replay"]
 
@@ -94,7 +100,7 @@ class OnlineResult:
     #: Mean balancedness and imbalance ratio over every served ``(batch, layer)`` with load.
     balancedness: float
     mean_imbalance_ratio: float
-    #: The served batches priced in time (:func:`moebalance.online.pricing.time_summary`), with ``pricing`` only.
+    #: The served batches priced in time (:func:`moebalance.pricing.step.time_summary`), with ``pricing`` only.
     time: dict[str, Any] | None = None
     #: One object per ``--fail`` batch (:func:`moebalance.online.failure.failure_report`).
     failures: tuple[dict[str, Any], ...] = ()
@@ -153,7 +159,7 @@ class _Clock:
     exposed: np.ndarray = dataclasses.field(init=False)
     #: The router's share of ``exposed``.
     router: np.ndarray = dataclasses.field(init=False)
-    #: Each batch's mean MoE layer (:attr:`moebalance.online.pricing.StepTime.moe_layer_seconds`).
+    #: Each batch's mean MoE layer (:attr:`moebalance.pricing.step.StepTime.moe_layer_seconds`).
     moe: np.ndarray = dataclasses.field(init=False)
     tokens: np.ndarray = dataclasses.field(init=False)
     #: Bytes moved besides a dynamic policy's prefetches (its base re-planned after a failure).
@@ -172,56 +178,52 @@ class _Clock:
 def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int,
            pricing: StepPricing | None = None, lost: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, Any]:
     """``(imbalance [L], balancedness [L], step or None)`` of one batch ``load`` (a single-batch load); with
-    ``pricing`` also its :class:`~moebalance.online.pricing.StepTime` (the same routed picks). ``lost`` GPUs serve
+    ``pricing`` also its :class:`~moebalance.pricing.step.StepTime` (the same routed picks). ``lost`` GPUs serve
     nothing: their tokens go to the survivors and balance is over the survivors
     (:mod:`moebalance.online.failure`)."""
     G = plan.num_gpus
     load = survivor_load(load, lost, G, renumber=False)
     rng = np.random.default_rng((seed, batch))
+    alive = np.setdiff1d(np.arange(G), np.asarray(lost, dtype=np.int64))
     if pricing is None:
         loads, _, _ = replay_loads(plan, load, router, rng)
-        moved = None
-    else:
-        decides = router.assign_kept is not None  # a load-dependent router decides on the host after the gate
-        timer = RouterTimer(router) if decides and pricing.router_ms is None else None
-        r = replay_picks(plan, load, router if timer is None else timer.router, rng, with_touched=True,
-                         with_traffic=load.trace is not None, bytes_per_copy=pricing.bytes_per_copy,
-                         node_forwarding=pricing.node_forwarding, seconds_only=True)
-        loads, moved, touched = r.loads, r.traffic, r.touched
-    alive = np.setdiff1d(np.arange(G), np.asarray(lost, dtype=np.int64))
-    m = layer_metrics(loads[:, :, alive] if lost else loads, load.counts, plan.replica_counts())
-    if pricing is None:
+        m = layer_metrics(loads[:, :, alive] if lost else loads, load.counts, plan.replica_counts())
         return m.imbalance[0], m.balancedness[0], None
+    dep = pricing.deployment
+    decides = router.assign_kept is not None  # a load-dependent router decides on the host after the gate
+    timer = RouterTimer(router) if decides and pricing.router_ms is None else None
+    priced = price_layers(plan, load, router if timer is None else timer.router, dep, rng)
+    loads = priced.loads
+    m = layer_metrics(loads[:, :, alive] if lost else loads, load.counts, plan.replica_counts())
     trace = load.trace
-    tokens = float(trace.topk_ids.shape[0] if trace is not None else load.counts[0].sum(axis=1).max() / pricing.model.top_k)
-    st = step_time(plan, load, loads, None if moved is None else moved.a2a_seconds, tokens, pricing, lost=len(lost),
-                   touched=touched)
+    tokens = float(trace.topk_ids.shape[0] if trace is not None else load.counts[0].sum(axis=1).max() / dep.model.top_k)
+    st = step_time(plan, priced, tokens, pricing, lost=len(lost))
     hidden_router = 0.0
     if decides and st.expert_gpu is not None:
         busy = max(int((load.counts[0].sum(axis=1) > 0).sum()), 1)
         per_layer = timer.seconds / busy if timer is not None else (pricing.router_ms or 0.0) * 1e-3
-        hidden_router = exposed_router(per_layer, st.expert_gpu, local_seconds(plan, load, pricing))
+        hidden_router = exposed_router(per_layer, st.expert_gpu, local_seconds(plan, load, dep))
     return m.imbalance[0], m.balancedness[0], (st, tokens, hidden_router)
 
 
 def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str | Placement,
-           params: Mapping[str, Any] | None = None,
-           *, warmup: tuple[int, int], batches: tuple[int, int] | None = None, router: str | Router | None = None,
-           replan_every: int | None = None, window: int | None = None, seed: int = 0,
-           hidden: np.ndarray | None = None, model: Any = None, build: LoadMatrix | None = None,
-           progress: Callable[[int], None] | None = None, pricing: StepPricing | None = None,
-           migration: str = "fresh", max_moves: int | None = None, failures: Sequence[tuple[int, int]] = (),
-           reload_gbps: float = DEFAULT_RELOAD_GBPS) -> OnlineResult:
+           params: Mapping[str, Any] | None = None, *, warmup: tuple[int, int], batches: tuple[int, int] | None = None,
+           router: str | Router | None = None, seed: int = 0, replanning: Replanning | None = None,
+           inputs: PredictorInputs | None = None, failures: Failures | None = None,
+           pricing: StepPricing | None = None, progress: Callable[[int], None] | None = None) -> OnlineResult:
     """Replay ``load``'s batches ``batches`` (default: all after the warm-up) through ``policy``: a policy's name,
     or a plan that serves unchanged (one no registered policy makes, such as CRAFT padded to equal slots).
 
-    ``hidden [N, L, D]`` and ``model`` serve the ``lookahead`` predictor; ``build`` is the path predictor's build
-    split (default: the warm-up batches). ``progress(1)`` is called after each served batch. ``pricing`` prices
-    every served batch in time (the result's ``time``). ``migration`` lays a static policy's periodic re-plans onto
-    the plan in service (:func:`moebalance.algorithms.migration.lay_onto`; ``bounded`` with ``max_moves``).
-    ``failures``: ``(GPU, batch)`` pairs, the GPU gone from that served batch on, experts only it held reloaded
-    over ``reload_gbps`` GB/s (:mod:`moebalance.online.failure`).
+    ``replanning`` says when a static policy plans again and how its moves land
+    (:class:`~moebalance.online.rearrange.Replanning`); ``inputs`` what the predictor of a dynamic policy may need
+    (:class:`~moebalance.prediction.predictors.PredictorInputs`); ``failures`` the GPUs lost while serving
+    (:class:`~moebalance.online.failure.Failures`). ``pricing`` prices every served batch in time (the result's
+    ``time``). ``progress(1)`` is called after each served batch. ``None``: plan once, no predictor inputs, no
+    failures.
     """
+    replanning = Replanning() if replanning is None else replanning
+    inputs = PredictorInputs() if inputs is None else inputs
+    failures = Failures() if failures is None else failures
     params = dict(params or {})
     B = load.num_batches
     a, b = warmup
@@ -236,7 +238,7 @@ def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str | Pla
     fixed = policy if isinstance(policy, Placement) else None
     name = policy.policy if isinstance(policy, Placement) else policy
     if fixed is not None:
-        if replan_every is not None or failures:
+        if replanning.periodic or failures.events:
             raise InputError("a given plan serves unchanged: re-planning (replan_every, failures) needs a policy's "
                              "name to plan again")
         check_compatible(fixed, load)
@@ -246,45 +248,33 @@ def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str | Pla
     if dynamic is None and fixed is None and name not in POLICIES:
         names = [*POLICIES, *DYNAMIC_POLICIES]
         raise InputError(f"unknown policy {name!r}; choose one of: {', '.join(names)}")
-    if replan_every is not None and (isinstance(replan_every, bool) or replan_every < 1):
-        raise InputError(f"replan_every ({replan_every!r}) must be a positive number of batches")
-    if window is not None and (isinstance(window, bool) or window < 1):
-        raise InputError(f"window ({window!r}) must be a positive number of batches")
-    if dynamic is not None and replan_every is not None:
+    if dynamic is not None and replanning.periodic:
         raise InputError(f"{name} replans every batch from its predictor; --replan-every and --window apply to "
                          "static policies")
     if pricing is not None:
-        pricing.check(load)
-    if migration not in MIGRATIONS:
-        raise InputError(f"migration {migration!r} is unknown; choose one of: {', '.join(MIGRATIONS)}")
-    if (migration == "bounded") != (max_moves is not None):
-        raise InputError("max_moves goes with migration bounded (the copies one GPU may receive per re-plan): give "
-                         "both or neither")
-    if migration != "fresh" and (dynamic is not None or replan_every is None):
-        raise InputError(f"migration {migration} lays periodic re-plans onto the plan in service; it needs a static "
-                         "policy with --replan-every K")
-    if not (isinstance(reload_gbps, int | float) and np.isfinite(reload_gbps) and reload_gbps > 0):
-        raise InputError(f"the reload link ({reload_gbps!r} GB/s) must be a positive number")
-    fails = check_failures(failures, cluster.num_gpus, (c, d))
+        pricing.deployment.check_load(load.num_layers, load.num_experts)
+    if replanning.migration != "fresh" and (dynamic is not None or not replanning.periodic):
+        raise InputError(f"migration {replanning.migration} lays periodic re-plans onto the plan in service; it needs "
+                         "a static policy with --replan-every K")
+    how = _Moves(replanning, check_failures(failures.events, cluster.num_gpus, (c, d)), failures.reload_gbps)
     warm = load.select_batches(a, b)
     clock = _Clock(pricing, d - c)
     if dynamic is None:
         return _replay_static(load, warm, cluster, budget, name, params, (c, d), get_router(router or "uniform"),
-                              replan_every, window if window is not None else replan_every, seed, progress, clock,
-                              _Moves(migration, max_moves, fails, reload_gbps), fixed)
+                              seed, progress, clock, how, fixed)
     config = LibraConfig.from_params(name, params)
-    assert isinstance(config, LibraConfig)
+    if not isinstance(config, LibraConfig):  # from_params builds the policy's own config
+        raise RuntimeError(f"{name}'s options are not a LibraConfig")
+    build = inputs.build if inputs.build is not None else warm
     return _replay_dynamic(load, warm, cluster, budget, config, (c, d), get_router(router or "rebalance"), seed,
-                           hidden, model, build if build is not None else warm, progress, clock,
-                           _Moves(migration, max_moves, fails, reload_gbps))
+                           dataclasses.replace(inputs, build=build), progress, clock, how)
 
 
 @dataclass(frozen=True, slots=True)
 class _Moves:
-    """How re-plans are laid on (``migration``, ``max_moves``) and the failures ``{batch: GPUs}``."""
+    """How re-plans are made and laid on, and the failures ``{batch: GPUs}``."""
 
-    migration: str
-    max_moves: int | None
+    replanning: Replanning
     fails: dict[int, tuple[int, ...]]
     reload_gbps: float
 
@@ -299,17 +289,18 @@ class _Moves:
     def recover(self, serving: Placement, new: Placement, lost: tuple[int, ...], pricing: StepPricing | None,
                 event: dict[str, Any]) -> tuple[float, int]:
         """``(seconds, bytes)`` of a failure's moves; ``event`` gains the reloaded experts."""
-        bpe = pricing.bytes_per_expert if pricing is not None else 0
+        bpe = pricing.deployment.bytes_per_expert if pricing is not None else 0
         seconds, moved, event["reloaded"] = recovery_cost(serving, new, lost, bpe, self.reload_gbps)
         return seconds, moved
 
 
 def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget: Budget, policy: str,
-                   params: dict[str, Any], served: tuple[int, int], router: Router, every: int | None,
-                   window: int | None, seed: int, progress: Callable[[int], None] | None,
-                   clock: _Clock, how: _Moves, fixed: Placement | None = None) -> OnlineResult:
+                   params: dict[str, Any], served: tuple[int, int], router: Router, seed: int,
+                   progress: Callable[[int], None] | None, clock: _Clock, how: _Moves,
+                   fixed: Placement | None = None) -> OnlineResult:
     """A static policy's replay; ``fixed``: the plan that serves, instead of ``policy``'s plan on the warm-up."""
     c, d = served
+    every, window = how.replanning.every, how.replanning.window_batches
     plan = fixed if fixed is not None else make_plan(policy, warm, cluster, budget, **params)[0]
     how.check_capacity(plan)
     slots = plan.max_slots_per_gpu
@@ -319,7 +310,8 @@ def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget:
     moved = np.zeros(d - c)
     replans = 0
     extra = plan.extra_replicas
-    moves = Rearranger(plan, clock.pricing)
+    moves = Rearranger(plan, how.replanning,
+                       None if clock.pricing is None else clock.pricing.deployment.bytes_per_expert)
     lost: tuple[int, ...] = ()
     events: list[dict[str, Any]] = []
     for i, bt in enumerate(range(c, d)):
@@ -339,8 +331,9 @@ def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget:
         elif periodic:
             fresh = (plan_on_survivors(policy, recent, cluster, lost, slots, params) if lost
                      else make_plan(policy, recent, cluster, budget, **params)[0])
-            if how.migration != "fresh":
-                fresh = lay_onto(moves.serving, fresh, how.migration, max_moves=how.max_moves, load=recent)
+            if how.replanning.migration != "fresh":
+                fresh = lay_onto(moves.serving, fresh, how.replanning.migration, max_moves=how.replanning.max_moves,
+                                 load=recent)
             moves.replan(fresh)
             replans += 1
         serving, exposed = moves.before_step()
@@ -359,16 +352,15 @@ def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget:
         if progress is not None:
             progress(1)
     params = {**params, **({"replan_every": every, "window": window} if every else {}),
-              **({"migration": how.migration} if how.migration != "fresh" else {}),
-              **({"max_moves": how.max_moves} if how.max_moves is not None else {})}
+              **({"migration": how.replanning.migration} if how.replanning.migration != "fresh" else {}),
+              **({"max_moves": how.replanning.max_moves} if how.replanning.max_moves is not None else {})}
     return _result(policy, router, served, imb, bal, moved, extra / cluster.num_gpus, replans, None, params,
                    clock.summary(moves.moved_bytes, moves.rearrangements), events)
 
 
 def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget: Budget, config: LibraConfig,
-                    served: tuple[int, int], router: Router, seed: int, hidden: np.ndarray | None, model: Any,
-                    build: LoadMatrix, progress: Callable[[int], None] | None, clock: _Clock,
-                    how: _Moves) -> OnlineResult:
+                    served: tuple[int, int], router: Router, seed: int, inputs: PredictorInputs,
+                    progress: Callable[[int], None] | None, clock: _Clock, how: _Moves) -> OnlineResult:
     c, d = served
     base = make_plan(config.base, warm, cluster, budget)[0]  # the base policy's defaults, under the budget
     how.check_capacity(base)
@@ -384,10 +376,11 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
             raise InputError(f"the {config.predictor} predictor needs a token-level trace (topk_ids, src_gpu); this "
                              "load has counts only: use --set predictor=history or predictor=exact")
     else:
-        if build.trace is None and config.predictor == "path":
+        build = inputs.build.trace if inputs.build is not None else None
+        if build is None and config.predictor == "path":
             raise InputError("the path predictor needs a token-level build split")
-        predictor = make_predictor(config.predictor, build=[build.trace] if build.trace is not None else [],
-                                   hidden=hidden, model=model, depth=config.depth, window=config.window)
+        predictor = make_predictor(config.predictor, build=[build] if build is not None else [],
+                                   hidden=inputs.hidden, model=inputs.model, depth=config.depth, window=config.window)
     fallback = HistoryPredictor(1)
     imb = np.full((d - c, L), np.nan)
     bal = np.full((d - c, L), np.nan)
@@ -402,7 +395,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
             event: dict[str, Any] = {"batch": bt, "gpus": how.fails[bt], "stall_s": None}
             seconds, nbytes = how.recover(base, new, lost, clock.pricing, event)
             if clock.pricing is not None:
-                stall = event["stall_s"] = seconds + clock.pricing.overhead_ms * 1e-3
+                stall = event["stall_s"] = seconds + how.replanning.overhead_ms * 1e-3
                 clock.moved_bytes += nbytes
             events.append(event)
             base = new
@@ -430,9 +423,10 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
         if priced is not None and clock.pricing is not None:
             st, clock.tokens[i], clock.router[i] = priced
             clock.moe[i] = st.moe_layer_seconds
-            copy = exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, clock.pricing.model,
+            dep = clock.pricing.deployment
+            copy = exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, dep.model,
                                     cluster.intra_node_bandwidth, oracle=config.exact,
-                                    weight_bytes=clock.pricing.engine.weight_bytes)
+                                    weight_bytes=dep.engine.weight_bytes)
             clock.exposed[i] = clock.router[i] + copy
             clock.exposed[i] += stall
             clock.step[i] = st.seconds + clock.exposed[i]
@@ -444,7 +438,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
     params = {**dataclasses.asdict(config), "phase1": config.phase1, "buffer_slots_per_gpu": buffer_slots(config),
               "base_extra_replicas": base.extra_replicas}
     # without tokens there is no per-token accuracy: nan per layer (null in JSON), the predictor still named
-    bpe = clock.pricing.bytes_per_expert if clock.pricing is not None else 0
+    bpe = clock.pricing.deployment.bytes_per_expert if clock.pricing is not None else 0
     return _result("libra", router, served, imb, bal, moved, slots, len(events),
                    per_layer_acc if trace is not None else np.full(L, np.nan), params,
                    clock.summary(float(moved.sum()) * bpe + clock.moved_bytes, int((moved > 0).sum()) + len(events)),

@@ -5,7 +5,7 @@ Legend: ``L`` layers, ``G`` GPUs, ``E`` experts, ``N`` extra experts per GPU and
 Libra ("Libra: Effective yet Efficient Load Balancing for Large-Scale MoE Inference") keeps every expert at a
 home GPU and, for every batch, prefetches up to ``N`` experts per GPU into a buffer before each MoE layer runs
 (:mod:`moebalance.algorithms.prefetch`, Alg. 1), planned from a prediction of the batch's routing
-(:mod:`moebalance.online.predictors`); tokens are then sharded by the Adaptive Token Rebalancer (router
+(:mod:`moebalance.prediction.predictors`); tokens are then sharded by the Adaptive Token Rebalancer (router
 ``rebalance``). With ``predictor=exact`` the plan is made after the gate, from the batch's own routing: the
 after-the-gate policy, whose per-layer planning (prefetcher and rebalancer in one call) is
 :func:`moebalance.algorithms.exact.plan_layer`. The buffer is reused by every layer, double-buffered so that one layer's copies arrive while
@@ -30,8 +30,8 @@ from moebalance.algorithms.prefetch import phase1_count, prefetch_layers
 from moebalance.core.errors import InputError
 from moebalance.core.options import check_choice, check_int
 from moebalance.core.plan import Placement
-from moebalance.online.predictors import EXACT, PREDICTORS
 from moebalance.policies.base import PolicyConfig
+from moebalance.prediction.predictors import EXACT, PREDICTORS
 
 __all__ = ["LIBRA", "DynamicPolicy", "LibraConfig", "batch_plan", "buffer_slots", "exact_plan"]
 #: Static policies that may place the homes (dynamic ones cannot).

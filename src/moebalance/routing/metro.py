@@ -10,7 +10,7 @@ spread over the GPUs; in prefill the picks spread as a token balancer spreads th
 
 Per ``(batch, layer)`` the router also computes what ``uniform`` and ``rebalance`` (default options) would do and
 keeps the fastest of the three by the modelled layer time: the slowest GPU's grouped GEMM plus the all-to-all
-(:func:`moebalance.cost.goodput.a2a_estimate` on counts; on tokens the picks' copies, one per destination GPU,
+(:func:`moebalance.pricing.goodput.a2a_estimate` on counts; on tokens the picks' copies, one per destination GPU,
 :func:`moebalance.routing.simulate.traffic`, on the plan's links). So ``metro`` is never slower than either in
 modelled layer time: on counts against their ``split_counts`` (experts touched:
 :func:`moebalance.routing.touched.hosted_touched` for both), on tokens against their picks (whole picks; experts
@@ -20,8 +20,10 @@ on counts it says which experts each GPU's picks touch, which the simulator's ex
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +31,13 @@ import numpy as np
 
 from moebalance.algorithms import metro as kernel
 from moebalance.core.errors import InputError
+from moebalance.cost.deployment import Deployment
+from moebalance.cost.hardware import get_gpu
+from moebalance.cost.time import Calibration
+from moebalance.models import get_model
 from moebalance.routing.base import Router, RouterConfig
 from moebalance.routing.basic import UNIFORM
+from moebalance.routing.copies import traffic
 from moebalance.routing.minmax import batch_starts
 from moebalance.routing.rebalance import REBALANCE
 from moebalance.routing.touched import TouchingRouter, hosted_touched, pick_tally
@@ -38,21 +45,18 @@ from moebalance.routing.touched import TouchingRouter, hosted_touched, pick_tall
 if TYPE_CHECKING:
     from moebalance.core.plan import Placement
     from moebalance.core.trace import RoutingTrace
-    from moebalance.cost.hardware import GpuSpec
-    from moebalance.cost.time import Calibration
-    from moebalance.models import ModelSpec
 
-__all__ = ["CALIBRATION_OPTIONS", "METRO", "MetroConfig", "check_ready", "fill", "make_metro"]
+__all__ = ["CALIBRATION_OPTIONS", "METRO", "MetroConfig", "check_ready", "make_metro", "with_deployment"]
 
 #: The calibration's options, as ``metro`` takes them (``None``: the published peaks).
 CALIBRATION_OPTIONS = ("flops_efficiency", "bandwidth_efficiency", "launch_us")
-#: Bytes of a weight and of an activation (bf16), as the cost model's defaults.
-_BYTES = 2
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class MetroConfig(RouterConfig):
-    """Options of the ``metro`` router: the GPU and model whose roofline it balances, and a calibration.
+    """Options of the ``metro`` router as ``--router-set`` gives them: the GPU and model whose roofline it balances,
+    by name, and a calibration; a command's :class:`~moebalance.cost.Deployment` fills what is not given
+    (:func:`with_deployment`).
 
     Example: ``MetroConfig(gpu="h100-80gb", model="deepseek-v3")``.
     """
@@ -67,7 +71,6 @@ class MetroConfig(RouterConfig):
     launch_us: float | None = None
 
     def __post_init__(self) -> None:
-        # the cost model imports the routers, so it is imported here only to check a name or number given
         for name in ("gpu", "model"):
             value = getattr(self, name)
             if value is None:
@@ -75,14 +78,7 @@ class MetroConfig(RouterConfig):
             if not isinstance(value, str):
                 raise InputError(f"metro option {name} ({value!r}) must be a name, e.g. {name}="
                                  f"{'h100-80gb' if name == 'gpu' else 'deepseek-v3'}")
-            if name == "gpu":
-                from moebalance.cost.hardware import get_gpu
-
-                get_gpu(value)  # an unknown name lists the known ones
-            else:
-                from moebalance.models import get_model
-
-                get_model(value)
+            (get_gpu if name == "gpu" else get_model)(value)  # an unknown name lists the known ones
         calibrated = False
         for name in CALIBRATION_OPTIONS:
             value = getattr(self, name)
@@ -93,80 +89,61 @@ class MetroConfig(RouterConfig):
             object.__setattr__(self, name, float(value))
             calibrated = True
         if calibrated:
-            self.calibration()  # checks the ranges
+            self.calibration(Calibration())  # checks the ranges
 
-    def calibration(self) -> Calibration:
-        """The calibration of the options (the published peaks where none is given)."""
-        from moebalance.cost.time import Calibration
-
+    def calibration(self, base: Calibration) -> Calibration:
+        """``base`` with the calibration options given."""
         given = {name: getattr(self, name) for name in CALIBRATION_OPTIONS if getattr(self, name) is not None}
+        if not given:
+            return base
         try:
-            return Calibration(**given, source="metro options") if given else Calibration()
+            return dataclasses.replace(base, **given, source="metro options")
         except InputError as exc:
             raise InputError(f"metro option {exc}") from None
 
-    def specs(self) -> tuple[ModelSpec, GpuSpec, Calibration]:
-        """``(model, GPU, calibration)``; a missing GPU or model is a one-line :class:`InputError`."""
-        from moebalance.cost.hardware import get_gpu
-        from moebalance.models import get_model
-
-        if self.gpu is None or self.model is None:
+    def deployment(self, base: Deployment | None = None) -> Deployment:
+        """The deployment the router prices with: ``base`` (a command's) with the options given in its place; a
+        missing GPU or model is a one-line :class:`InputError`."""
+        if base is None and (self.gpu is None or self.model is None):
             missing = " and ".join(n for n in ("gpu", "model") if getattr(self, n) is None)
             raise InputError(f"router 'metro' models each GPU's expert time and has no {missing}: give --router-set "
                              "gpu=GPU --router-set model=MODEL (e.g. gpu=h100-80gb, model=deepseek-v3); compare and "
                              "online take them from --gpu and --model")
-        return get_model(self.model), get_gpu(self.gpu), self.calibration()
-
-    def cost_vector(self, plan: Placement) -> np.ndarray:
-        """``float64 [5]``: the kernel's ``[alpha, beta, gamma, launch, kappa]`` seconds on ``plan``'s cluster (the
-        terms of :func:`moebalance.cost.time.expert_seconds` in bf16 weights and activations, and the all-to-all
-        per pick of :func:`moebalance.cost.goodput.a2a_estimate`)."""
-        model, gpu, cal = self.specs()
-        H, F = model.hidden_size, model.moe_intermediate_size
-        flops = gpu.bf16_tflops * 1e12 * cal.flops_efficiency
-        bandwidth = gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency
-        c = plan.cluster
-        G, gpn = c.num_gpus, c.gpus_per_node
-        per_pick = max((gpn - 1) / G / c.intra_node_bandwidth, (G - gpn) / G / c.inter_node_bandwidth)
-        return np.array([6.0 * H * F / flops, 3.0 * H * F * _BYTES / bandwidth, 2.0 * H * _BYTES / bandwidth,
-                         cal.launch_us * 1e-6, 2.0 * H * _BYTES * per_pick / 1e9])
+        if base is None:
+            return Deployment(model=get_model(str(self.model)), gpu=get_gpu(str(self.gpu)),
+                              calibration=self.calibration(Calibration()))
+        model = base.model if self.model in (None, base.model.name) else get_model(str(self.model))
+        gpu = base.gpu if self.gpu in (None, base.gpu.name) else get_gpu(str(self.gpu))
+        return dataclasses.replace(base, model=model, gpu=gpu, calibration=self.calibration(base.calibration))
 
 
-def _fastest(config: MetroConfig, options: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
+def _fastest(d: Deployment, options: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
     """``int64 [B, L]``: per ``(b, l)`` the first of ``options`` (``(picks, touched, a2a)``: ``[B, L, G]`` twice and
-    the all-to-all seconds ``[B, L]``) whose modelled layer time is least: the slowest GPU's
-    :func:`moebalance.cost.time.expert_seconds` plus the all-to-all."""
-    from moebalance.cost.time import expert_seconds
-
-    model, gpu, cal = config.specs()
-    times = np.stack([expert_seconds(p, t, model, gpu, cal).max(axis=2) + a for p, t, a in options])
+    the all-to-all seconds ``[B, L]``) whose modelled layer time (:meth:`~moebalance.cost.Deployment.layer_seconds`)
+    is least."""
+    times = np.stack([d.layer_seconds(d.gemm_seconds(p, t), a) for p, t, a in options])
     return np.argmin(times, axis=0)
 
 
-def _touched(config: MetroConfig, plan: Placement, counts: np.ndarray,
+def _touched(d: Deployment, plan: Placement, counts: np.ndarray,
              rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    from moebalance.cost.goodput import a2a_estimate
-
     counts = np.ascontiguousarray(counts, dtype=np.int64)
-    own = kernel.split_counts(counts, plan.copies > 0, config.cost_vector(plan))
+    own = kernel.split_counts(counts, plan.copies > 0, d.cost_vector(plan.cluster))
     hosted = hosted_touched(plan, counts)
     options = [own, (REBALANCE.split_counts(plan, counts, rng), hosted), (UNIFORM.split_counts(plan, counts, rng), hosted)]
-    per_copy = config.specs()[0].hidden_size * _BYTES
-    pick = _fastest(config, [(p, t, a2a_estimate(p, plan.cluster, per_copy)) for p, t in options])[None, :, :, None]
+    pick = _fastest(d, [(p, t, d.a2a_estimate(p, plan.cluster)) for p, t in options])[None, :, :, None]
     picks = np.take_along_axis(np.stack([o[0] for o in options]), pick, axis=0)[0]
     touched = np.take_along_axis(np.stack([o[1] for o in options]), pick, axis=0)[0]
     return picks, touched
 
 
-def _counts(config: MetroConfig, plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    return _touched(config, plan, counts, rng)[0]
+def _counts(d: Deployment, plan: Placement, counts: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    return _touched(d, plan, counts, rng)[0]
 
 
-def _kept(config: MetroConfig, plan: Placement, trace: RoutingTrace, kept: np.ndarray,
+def _kept(d: Deployment, plan: Placement, trace: RoutingTrace, kept: np.ndarray,
           rng: np.random.Generator) -> np.ndarray:
-    from moebalance.routing.simulate import traffic
-
-    cost = config.cost_vector(plan)
+    cost = d.cost_vector(plan.cluster)
     trace.check_gpus(plan.num_gpus)  # picks go to their own GPU's copy first
     starts = batch_starts(trace)
     has = plan.copies > 0
@@ -183,53 +160,70 @@ def _kept(config: MetroConfig, plan: Placement, trace: RoutingTrace, kept: np.nd
         raise RuntimeError("the rebalance router lost its assign_kept")
     options = [own, balance(plan, trace, kept, rng), np.where(kept, UNIFORM.assign_tokens(plan, trace, rng), -1)]
     B, E, G = trace.num_batches, plan.num_experts, plan.num_gpus
-    per_copy = config.specs()[0].hidden_size * _BYTES
     scored = []
-    for d in options:
-        picks, touched = pick_tally(d, trace.topk_ids, trace.batch, B, E, G)
-        sent = traffic(plan, trace, np.where(kept, d, src[:, None, None]), per_copy, seconds_only=True)  # a dropped
-        if touched is None or sent.a2a_seconds is None:  # pick stays home, sending nothing; both are always given
+    for dest in options:
+        picks, touched = pick_tally(dest, trace.topk_ids, trace.batch, B, E, G)
+        sent = traffic(plan, trace, np.where(kept, dest, src[:, None, None]), d.bytes_per_copy,
+                       seconds_only=True)  # a dropped pick stays home, sending nothing
+        if touched is None or sent.a2a_seconds is None:  # both are always given
             raise RuntimeError("the picks' tally or all-to-all time is missing")
         scored.append((picks, touched, sent.a2a_seconds))
-    which = _fastest(config, scored)[np.asarray(trace.batch, dtype=np.int64)][:, :, None]  # [T, L, 1]
+    which = _fastest(d, scored)[np.asarray(trace.batch, dtype=np.int64)][:, :, None]  # [T, L, 1]
     return np.where(which == 0, options[0], np.where(which == 1, options[1], options[2]))
 
 
-def _tokens(config: MetroConfig, plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
-    return _kept(config, plan, trace, np.ones(trace.topk_ids.shape, dtype=bool), rng)
+def _tokens(d: Deployment, plan: Placement, trace: RoutingTrace, rng: np.random.Generator) -> np.ndarray:
+    return _kept(d, plan, trace, np.ones(trace.topk_ids.shape, dtype=bool), rng)
 
 
-def make_metro(config: MetroConfig) -> Router:
-    """The ``metro`` router with ``config``."""
-    return TouchingRouter("metro", functools.partial(_counts, config), functools.partial(_tokens, config),
+def _unready(config: MetroConfig, *args: object) -> np.ndarray:
+    config.deployment()  # raises the one-line error of a missing GPU or model
+    raise RuntimeError("unreachable: a metro router without a deployment")
+
+
+def make_metro(config: MetroConfig, deployment: Deployment | None = None) -> Router:
+    """The ``metro`` router with ``config``, pricing on ``deployment`` (a command's) with the options given in its
+    place (:meth:`MetroConfig.deployment`); without either a GPU or a model it refuses to route, in one line."""
+    ready = deployment is not None or (config.gpu is not None and config.model is not None)
+    d = config.deployment(deployment) if ready else None
+
+    def bind(fn: Callable[..., Any]) -> Callable[..., Any]:
+        return functools.partial(fn, d) if d is not None else functools.partial(_unready, config)
+
+    return TouchingRouter("metro", bind(_counts), bind(_tokens),
                           "METRO: the copies that keep the modelled layer shortest (decode: an expert on few copies, "
                           "the experts read spread over the GPUs)",
-                          assign_kept=functools.partial(_kept, config), config=config, configure=make_metro,
-                          split_touched=functools.partial(_touched, config))
+                          assign_kept=bind(_kept), config=config,
+                          configure=functools.partial(make_metro, deployment=deployment),
+                          split_touched=bind(_touched))
 
 
 def check_ready(router: Router) -> None:
     """Raise the one-line error of a ``metro`` router that lacks its GPU or model (a no-op for other routers)."""
-    if isinstance(router.config, MetroConfig):
-        router.config.specs()
+    if isinstance(router.config, MetroConfig) and router.name == "metro":
+        bound = getattr(router.configure, "keywords", {}).get("deployment")
+        router.config.deployment(bound)
 
 
-def fill(router: Router, context: dict[str, Any]) -> Router:
-    """``router`` with the options of ``context`` (e.g. a command's ``gpu`` and ``model``) that it has and that
-    were not given (``None``); other routers unchanged."""
-    if not isinstance(router.config, MetroConfig):
+def with_deployment(router: Router, deployment: Deployment | None = None, model: str | None = None) -> Router:
+    """``router`` pricing on ``deployment`` where it is ``metro`` (its ``--router-set`` options win), or, without a
+    deployment, with the load's ``model`` name where none was given; other routers unchanged. A ``--router-set
+    model=`` of another shape than the deployment's model is a one-line error."""
+    config = router.config
+    if not isinstance(config, MetroConfig):
         return router
-    given = router.params
-    if given.get("model") is not None and context.get("model") is not None and given["model"] != context["model"]:
-        from moebalance.models import get_model
-
-        mine, theirs = get_model(given["model"]), get_model(context["model"])
+    theirs = deployment.model if deployment is not None else (get_model(model) if model is not None else None)
+    if config.model is not None and theirs is not None and config.model != theirs.name:
+        mine = get_model(config.model)
         if (mine.num_experts, mine.num_layers) != (theirs.num_experts, theirs.num_layers):
             raise InputError(f"router 'metro' models {mine.display_name} ({mine.num_layers} MoE layers x "
                              f"{mine.num_experts} experts) but the load is {theirs.display_name}'s ({theirs.num_layers} "
                              f"x {theirs.num_experts}); drop --router-set model= or give the load's model")
-    add = {k: v for k, v in context.items() if v is not None and k in given and given[k] is None}
-    return router.with_params(**add)
+    if deployment is not None:
+        return make_metro(config, deployment)
+    if model is not None and config.model is None:
+        return router.with_params(model=model)
+    return router
 
 
 METRO = make_metro(MetroConfig())

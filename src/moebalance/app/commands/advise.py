@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moebalance.app import options
+from moebalance.app import deployment, options
 from moebalance.app.advise import (
     ENGINES,
     STATISTICS_STEPS,
@@ -26,24 +26,18 @@ from moebalance.app.advise_engines import (
     launch_lines,
     write_engine_files,
 )
-from moebalance.app.commands.plan import read_workloads
 from moebalance.app.console import err, note, out, progress
-from moebalance.app.phase import PHASES, PhaseModel
 from moebalance.core.errors import InputError
-from moebalance.core.io import atomic_write_text, dumps, read_json
+from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix
-from moebalance.cost.hardware import get_gpu
-from moebalance.cost.time import Calibration
 from moebalance.engines.detect import detect_load
-from moebalance.models import get_model
-from moebalance.online.pricing import StepPricing
+from moebalance.pricing.phase import PHASES, PhaseModel
+from moebalance.pricing.step import StepPricing
 
-__all__ = ["DEFAULT_MARGIN", "FIT_ERROR_KEY", "add_parser", "read_calibration", "run"]
+__all__ = ["DEFAULT_MARGIN", "add_parser", "run"]
 
 #: The margin a modelled gain over EPLB off must clear, as a fraction.
 DEFAULT_MARGIN = 0.05
-#: A calibration file's fit error (mean absolute log error of the fitted roofline), where it records one.
-FIT_ERROR_KEY = "mean_abs_log_error"
 #: Periodic re-planning tried: ``(step_interval, window)`` in steps, the largest that re-plan within the steps priced.
 _INTERVALS = (2, 4, 8, 16, 32)
 
@@ -70,30 +64,11 @@ def add_parser(sub: Any) -> None:
                    help="host time per MoE layer of a load-dependent router (SGLang's dynamic and LP dispatch), exposed "
                         "where it outlasts the local phase (default 0: SGLang computes them on the GPU)")
     options.add_links(p)
-    options.add_cost_options(p, gpu_required=True)
+    deployment.add(p, gpu_required=True)
     p.add_argument("--seed", type=options.non_negative, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write the engine's files, launch.txt, advise.json and report.html here")
     p.set_defaults(func=run)
-
-
-def read_calibration(args: argparse.Namespace) -> tuple[Calibration, float | None]:
-    """``--calibration``'s constants and its fit error (``mean_abs_log_error``) where the file records one."""
-    if args.calibration is None:
-        return Calibration(), None
-    doc = read_json(Path(args.calibration), "calibration")
-    if not isinstance(doc, dict) or FIT_ERROR_KEY not in doc:
-        return options.calibration_from(args), None
-    error = doc[FIT_ERROR_KEY]
-    if isinstance(error, bool) or not isinstance(error, int | float) or not math.isfinite(error) or error < 0:
-        raise InputError(f"{args.calibration!r}: {FIT_ERROR_KEY} is {error!r}; it must be a number >= 0")
-    if doc.get("format") != "moebalance.calibration":
-        raise InputError(f"{args.calibration!r} is not a calibration written by 'moebalance calibrate'")
-    try:
-        calibration = Calibration(**{k: v for k, v in doc.items() if k not in ("format", FIT_ERROR_KEY)})
-    except TypeError as exc:
-        raise InputError(f"{args.calibration!r}: {exc}") from None
-    return calibration, float(error)
 
 
 def _engine(args: argparse.Namespace) -> str:
@@ -118,22 +93,18 @@ def _split(load: LoadMatrix, train_frac: float) -> tuple[LoadMatrix, LoadMatrix,
 def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
     """The deployment and batches of the command line: ``(setup, model name, steps priced for periodic re-planning
     (0 for statistics), the calibration's fit error)``."""
-    workloads = read_workloads(argparse.Namespace(**{**vars(args), "batches": None}))
-    name = args.model or workloads.load.preset
-    if name is None:
+    workloads = options.read_workloads(argparse.Namespace(**{**vars(args), "batches": None}))
+    if args.model is None and workloads.load.preset is None:
         raise InputError("the load names no model; give --model (e.g. --model deepseek-v3)")
-    spec, gpu = get_model(name), get_gpu(args.gpu)
-    calibration, fit_error = read_calibration(args)
-    engine_memory, workload = options.engine_from(args), options.workload_from(args)
+    dep = deployment.build(args, workloads.load)
+    name = dep.model.name
+    fit_error = deployment.calibration(args)[1]
     phase = args.phase or "decode"
     cluster = options.cluster(args)
-    pricing = StepPricing(model=spec, gpu=gpu, engine=engine_memory, calibration=calibration,
-                          node_forwarding=args.dispatch == "node", prompt_tokens=workload.prompt_tokens,
-                          router_ms=args.router_ms, phase=phase, output_tokens=workload.output_tokens)
+    pricing = StepPricing(deployment=dep, router_ms=args.router_ms, phase=phase)
     trains, tests, notes = [], [], []
     for path, part in zip(workloads.names, workloads.parts, strict=True):
         train, test, held = _split(part, args.train_frac)
-        pricing.check(part)
         trains.append(train)
         tests.append(test)
         if part.num_batches == 1:
@@ -142,8 +113,7 @@ def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
         elif not held:
             notes.append(f"{path}: --train-frac 1 plans and prices on the same batches (in sample)")
     setup = Setup(cluster=cluster, pricing=pricing, train=concatenate(trains), test=concatenate(tests),
-                  phase=PhaseModel(phase, spec, gpu, engine=engine_memory, calibration=calibration, workload=workload,
-                                   seed=args.seed, node_forwarding=args.dispatch == "node"),
+                  phase=PhaseModel(phase, dep, seed=args.seed),
                   workload_batches=tuple(t.num_batches for t in trains), seed=args.seed, notes=tuple(notes))
     statistics = any(p.num_batches == 1 for p in workloads.parts)
     return setup, name, 0 if statistics else setup.test.num_batches, fit_error
@@ -170,7 +140,7 @@ def run(args: argparse.Namespace) -> None:
     notes = [*setup.notes, *left_out]
     cluster = setup.cluster
     title = (f"{', '.join(args.load)} on {engine}: {name}, {cluster.num_nodes} x {cluster.gpus_per_node} "
-             f"{setup.phase.gpu.display_name}, {setup.phase.phase} steps"
+             f"{setup.phase.deployment.gpu.display_name}, {setup.phase.phase} steps"
              + ("" if args.phase else " (the default phase)"))
     files: list[Path] = []
     if out_dir is not None:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 from moebalance.app.console import check_out, err, out
-from moebalance.core.io import atomic_write_text, dumps
-from moebalance.cost.calibrate import fit, read_measurements
+from moebalance.cost.calibrate import fit, read_measurements, write_calibration
 from moebalance.cost.hardware import GPUS, get_gpu
 
 __all__ = ["add_parser", "run"]
@@ -30,10 +28,7 @@ def run(args: argparse.Namespace) -> None:
     measured = read_measurements(args.measurements)
     calibration, error, (by_flops, by_memory) = fit(measured, gpu,
                                                     source=f"fitted to {Path(args.measurements).name} on {gpu.name}")
-    doc = {"format": "moebalance.calibration", **{f.name: getattr(calibration, f.name)
-                                                  for f in dataclasses.fields(calibration)},
-           "mean_abs_log_error": round(float(error), 6)}  # the fit's quality (advise's margin reads it)
-    atomic_write_text(dest, dumps(doc))
+    write_calibration(dest, calibration, error)
     out.print(f"wrote {dest}: {100 * calibration.flops_efficiency:.1f}% of {gpu.display_name}'s BF16 peak, "
               f"{100 * calibration.bandwidth_efficiency:.1f}% of its memory bandwidth, "
               f"{calibration.launch_us:.1f} us per grouped GEMM; mean |log error| {error:.3f} over "

@@ -3,44 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from moebalance.app import options
+from moebalance.app.capture_inputs import add_text, model_tokens
 from moebalance.app.console import check_out, out, progress
-from moebalance.core.errors import InputError
 from moebalance.workloads.stats import layer_skew
 
 __all__ = ["add_parser", "add_text", "model_tokens", "run"]
-
-
-def add_text(p: argparse.ArgumentParser, *, tokens_default: int | None) -> None:
-    """The text the model reads (``--domain`` or ``--text``), ``--tokens`` of it after ``--offset``."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--domain", choices=("code", "prose"), help="the held-out split of a training domain")
-    src.add_argument("--text", help="a text file (read as bytes)")
-    p.add_argument("--tokens", type=options.positive, required=tokens_default is None, default=tokens_default,
-                   help="tokens to " + ("capture" if tokens_default is None else "run") + " (whole sequences)")
-    p.add_argument("--offset", type=options.non_negative, default=0, help="skip this many tokens of the text first")
-
-
-def model_tokens(args: argparse.Namespace) -> tuple[np.ndarray, str]:
-    """The tokens ``capture`` / ``run`` read: a text file, or a domain's held-out split; and what they are."""
-    from moebalance.lm.data import domain_tokens, text_tokens
-
-    budget = None if args.tokens is None else args.offset + args.tokens
-    if args.text is not None:
-        tokens, what = text_tokens(args.text, budget), f"{Path(args.text).name} tokens"
-    else:
-        tokens, what = domain_tokens(args.domain, "heldout", budget), f"held-out {args.domain} tokens"
-    if budget is not None and tokens.size < budget:
-        raise InputError(f"--offset {args.offset} + --tokens {args.tokens} exceeds the {tokens.size} {what} "
-                         "available; give fewer")
-    if args.offset:
-        what += f" from token {args.offset}"
-    return tokens[args.offset:], what
 
 
 def add_parser(sub: Any) -> None:

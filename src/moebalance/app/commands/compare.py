@@ -8,17 +8,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moebalance.app import costing, options
+from moebalance.app import deployment, options
 from moebalance.app.compare import Scenario, comparison_title, emit_comparison, run_scenarios
 from moebalance.app.html_report import compare_report
-from moebalance.app.phase import PhaseModel
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
-from moebalance.cost.auto import craft_by_goodput
-from moebalance.cost.hardware import get_gpu
 from moebalance.engines import PLAN_FORMATS, read_any_plan
-from moebalance.models import get_model
 from moebalance.policies import POLICIES
+from moebalance.pricing.auto import craft_by_goodput
+from moebalance.pricing.phase import PhaseModel
 from moebalance.routing import Router
 
 __all__ = ["add_parser", "run"]
@@ -43,8 +41,8 @@ def add_parser(sub: Any) -> None:
                         "file, TensorRT-LLM's load-balancer YAML; repeatable): what the engine runs today")
     p.add_argument("--baseline-format", choices=PLAN_FORMATS, help="default: detected")
     options.add_model(p)
-    options.add_cost_options(p, gpu_required=False)
-    options.add_phase(p)
+    deployment.add(p, gpu_required=False)
+    deployment.add_phase(p)
     options.add_format(p)
     p.set_defaults(func=run)
 
@@ -73,18 +71,6 @@ def _baselines(args: argparse.Namespace, load: LoadMatrix, routers: list[Router]
     return rows
 
 
-def _phase(args: argparse.Namespace, load: LoadMatrix) -> PhaseModel | None:
-    """What ``--phase`` scores with (it needs the cost model of ``--gpu``), else None."""
-    if args.phase is None:
-        return None
-    name = args.model or load.preset
-    if name is None:
-        raise InputError("the load names no model; give --model with --gpu (e.g. --model deepseek-v3)")
-    return PhaseModel(args.phase, get_model(name), get_gpu(args.gpu), engine=options.engine_from(args),
-                      calibration=options.calibration_from(args), workload=options.workload_from(args),
-                      seed=args.seed, node_forwarding=args.dispatch == "node")
-
-
 def run(args: argparse.Namespace) -> None:
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
     if not policies:
@@ -101,27 +87,28 @@ def run(args: argparse.Namespace) -> None:
     cluster = options.cluster(args)
     raw = options.read_load(args, model=False)
     load = options.load_model(raw, args.model)
-    routers = options.with_context(routers, options.router_context(args, load))
+    dep = deployment.build(args, load) if args.gpu is not None else None
+    routers = deployment.bind_routers(routers, dep, load)
     budget = options.budget(args)
     several = len(routers) > 1
     scenarios = [Scenario(p, budget, per_policy[p], r, label=f"{p} + {r.label}" if several else None, plan_name=p)
                  for p in policies for r in routers]
     scenarios += _baselines(args, load, routers, scenarios)
-    by_goodput = costing.auto_by_goodput(args, load, policies)
+    by_goodput = deployment.auto_by_goodput(args, load, policies)
     if by_goodput is not None:  # craft's R chosen on the planning batches, then scored like every other plan
         t0 = time.perf_counter()
         chosen = craft_by_goodput(load.split(args.train_frac)[0], cluster, by_goodput, **per_policy["craft"])
         took = time.perf_counter() - t0
         scenarios = [dataclasses.replace(sc, fixed=chosen, fixed_seconds=took)
                      if sc.policy == "craft" and sc.fixed is None else sc for sc in scenarios]
-    cost = costing.cost_fn(args, load)
-    phase = _phase(args, load)
+    cost = deployment.cost_fn(args, load)
+    phase = PhaseModel(args.phase, dep, seed=args.seed) if args.phase is not None and dep is not None else None
     rows, plans = run_scenarios(load, cluster, scenarios, args.train_frac, args.seed, cost,
                                 node_forwarding=args.dispatch == "node", phase=phase)
     title = comparison_title(load, Path(args.load).name, cluster, budget, args.train_frac,
                              "per row" if several else routers[0].label)
-    if args.gpu is not None:
-        title += f"; modelled on {args.gpu} ({options.calibration_from(args).source})"
+    if dep is not None:
+        title += f"; modelled on {args.gpu} ({dep.calibration.source})"
     if phase is not None:
         title += f"; scored on {phase.phase} steps"
     emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)

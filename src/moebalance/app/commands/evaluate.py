@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any
 
-from moebalance.app import options
+from moebalance.app import deployment, options
 from moebalance.app.console import err, out, progress
-from moebalance.app.costing import bytes_per_copy
 from moebalance.app.report import score_table
-from moebalance.core.cluster import Cluster
-from moebalance.core.errors import InputError
 from moebalance.core.io import dumps
 from moebalance.core.load import parse_batch_range
-from moebalance.engines import PLAN_FORMATS, read_any_plan
+from moebalance.engines import PLAN_FORMATS
 from moebalance.routing.simulate import evaluate
 
-__all__ = ["add_parser", "engine_cluster", "run"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:
@@ -39,33 +35,17 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def engine_cluster(args: argparse.Namespace) -> Cluster | None:
-    """The cluster ``--nodes`` and ``--gpus-per-node`` give an engine's placement file (both or neither)."""
-    if (args.nodes is None) != (args.gpus_per_node is None):
-        raise InputError("give both --nodes and --gpus-per-node (the cluster an engine's placement file is laid out "
-                         "on), or neither for a moebalance plan")
-    return None if args.nodes is None else options.cluster(args)
-
-
 def run(args: argparse.Namespace) -> None:
     router = options.router(args)  # a bad name or option fails before any file is read
-    given = engine_cluster(args)
     load = options.read_load(args)
-    router = options.with_context([router], options.router_context(args, load))[0]  # metro: the load's model
-    plan = read_any_plan(args.plan, given, args.plan_format, load)
-    c = plan.cluster
-    if given is not None and (c.num_nodes, c.gpus_per_node) != (args.nodes, args.gpus_per_node):
-        raise InputError(f"the plan is for {c.num_nodes}x{c.gpus_per_node} GPUs but --nodes {args.nodes} "
-                         f"--gpus-per-node {args.gpus_per_node} were given; drop them for a moebalance plan")
-    if options.links(args):  # plan files record the topology, not the links: the time model takes them from here
-        plan = dataclasses.replace(plan, cluster=Cluster(num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
-                                                         **options.links(args)))
+    router = deployment.bind_routers([router], None, load)[0]  # metro: the load's model
+    plan = options.read_plan(args, load, args.plan_format)
     start, stop = parse_batch_range(args.batches, load.num_batches)
     load = load.select_batches(start, stop)
     with progress() as bar:
         task = bar.add_task("replay", total=load.num_batches)
         score = evaluate(plan, load, router, seed=args.seed,
-                         bytes_per_copy=bytes_per_copy(load, args.hidden_size, args.dtype_bytes), routing_gap=True,
+                         bytes_per_copy=options.bytes_per_copy(load, args.hidden_size, args.dtype_bytes), routing_gap=True,
                          on_batches=lambda n: bar.advance(task, n))
     for w in plan.warnings:
         err.print(f"warning: {w}")

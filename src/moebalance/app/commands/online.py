@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 
 from moebalance.algorithms.migration import MIGRATIONS
-from moebalance.app import options
+from moebalance.app import deployment, options
 from moebalance.app.capture_inputs import build_traces, capture_model, concatenated, hidden_states
 from moebalance.app.console import err, note, out, progress
-from moebalance.app.costing import refuse_cost_options
 from moebalance.app.html_report import online_report
 from moebalance.app.online_report import (
     failure_notes,
@@ -24,21 +23,22 @@ from moebalance.app.online_report import (
     plot_online,
     plot_online_time,
 )
-from moebalance.app.phase import PhaseModel, phase_steps
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix, parse_batch_range
-from moebalance.cost.hardware import get_gpu
 from moebalance.cost.time import prefetch_seconds
 from moebalance.models import get_model
-from moebalance.online.failure import DEFAULT_RELOAD_GBPS, parse_failure
-from moebalance.online.pricing import DEFAULT_OVERHEAD_MS, REARRANGE_MODES, StepPricing
+from moebalance.online.failure import DEFAULT_RELOAD_GBPS, Failures, parse_failure
+from moebalance.online.rearrange import DEFAULT_OVERHEAD_MS, REARRANGE_MODES, Replanning
 from moebalance.online.replay import OnlineResult, replay
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
+from moebalance.prediction.predictors import PredictorInputs
+from moebalance.pricing.phase import PhaseModel, phase_steps
+from moebalance.pricing.step import StepPricing
 
-__all__ = ["add_parser", "default_predictor", "phase_load", "prefetch", "pricing_from", "run"]
+__all__ = ["add_parser", "default_predictor", "phase_load", "prefetch", "pricing_from", "replanning", "run"]
 
 #: The cost options a step of online does not use (the memory and the request mix of ``cost``'s goodput).
 _UNUSED_COST = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
@@ -76,8 +76,8 @@ def add_parser(sub: Any) -> None:
                                    "--intra-link), for this model; also names the load's model and, with --gpu, the "
                                    "priced one (default: the load's)")
     options.add_links(p)
-    options.add_cost_options(p, gpu_required=False)
-    options.add_phase(p)
+    deployment.add(p, gpu_required=False)
+    deployment.add_phase(p)
     p.add_argument("--rearrange", choices=REARRANGE_MODES,
                    help="with --gpu and --replan-every: a re-plan's moves stop serving (sync, the default) or run "
                         "beside it, the new plan serving once they land (async)")
@@ -139,7 +139,7 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
     without ``--gpu`` and those it does not use."""
     rearrange = [flag for flag, dest in _REARRANGE if getattr(args, dest) is not None]
     if args.gpu is None:
-        refuse_cost_options(args, "by online with --gpu (a step's time)")
+        deployment.refuse(args, "by online with --gpu (a step's time)")
         given = [*rearrange, *(["--inter-link"] if args.inter_link is not None else []),
                  *(["--router-ms"] if args.router_ms is not None else [])]
         if given:
@@ -151,35 +151,36 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
                              "mix); drop it or give --phase")
     if rearrange and args.replan_every is None:
         raise InputError(f"{rearrange[0]} prices periodic re-plans; give --replan-every K or drop it")
-    name = args.model or load.preset
-    if name is None:
-        raise InputError("the load names no model; give --model with --gpu (e.g. --model olmoe-1b-7b)")
-    workload = options.workload_from(args)
-    return StepPricing(model=get_model(name), gpu=get_gpu(args.gpu), engine=options.engine_from(args),
-                       calibration=options.calibration_from(args), rearrange=args.rearrange or "sync",
-                       overhead_ms=DEFAULT_OVERHEAD_MS if args.rearrange_overhead_ms is None else
-                       args.rearrange_overhead_ms, layers_per_step=args.layers_per_step,
-                       node_forwarding=args.dispatch == "node",
-                       prompt_tokens=workload.prompt_tokens, router_ms=args.router_ms, phase=args.phase or "prefill",
-                       output_tokens=workload.output_tokens)
+    return StepPricing(deployment=deployment.build(args, load), phase=args.phase or "prefill", router_ms=args.router_ms)
+
+
+def replanning(args: argparse.Namespace, periodic: bool) -> Replanning:
+    """The re-plan flags (``--replan-every``, ``--window``, ``--migration``, ``--max-moves``, ``--rearrange``,
+    ``--rearrange-overhead-ms``, ``--layers-per-step``); a policy that does not re-plan periodically (``periodic``
+    False) keeps only the host overhead a recovery exposes."""
+    overhead = DEFAULT_OVERHEAD_MS if args.rearrange_overhead_ms is None else args.rearrange_overhead_ms
+    if not periodic:
+        return Replanning(overhead_ms=overhead)
+    return Replanning(every=args.replan_every, window=args.window, migration=args.migration or "fresh",
+                      max_moves=args.max_moves, rearrange=args.rearrange or "sync", overhead_ms=overhead,
+                      layers_per_step=args.layers_per_step)
 
 
 def phase_load(args: argparse.Namespace, load: LoadMatrix, cluster: Cluster, budget: Budget,
                pricing: StepPricing | None) -> tuple[LoadMatrix, int | None]:
     """``(load, N)``: with ``--phase``, every batch drawn again as a step of that phase of ``N`` tokens for the
-    deployment the budget allows (:mod:`moebalance.app.phase`); else the load as it is and ``None``."""
+    deployment the budget allows (:mod:`moebalance.pricing.phase`); else the load as it is and ``None``."""
     if args.phase is None:
         return load, None
     if pricing is None:  # unreachable: run refuses --phase without --gpu first
         raise InputError(f"--phase {args.phase} needs --gpu")
-    spec, L = pricing.model, pricing.model.num_layers
+    spec, L = pricing.deployment.model, pricing.deployment.model.num_layers
     if budget.replicas_per_gpu == "auto":
         raise InputError(f"--phase {args.phase} sizes the steps by the replicas' memory; give --replicas-per-gpu R or "
                          "--slots-per-gpu S, not auto")
     hosted = (budget.slots_per_gpu * L if budget.slots_per_gpu is not None else
               L * math.ceil(spec.num_experts / cluster.num_gpus) + int(budget.replicas_per_gpu or 0))
-    phase = PhaseModel(args.phase, spec, pricing.gpu, engine=pricing.engine, calibration=pricing.calibration,
-                       workload=options.workload_from(args), seed=args.seed)
+    phase = PhaseModel(args.phase, pricing.deployment, seed=args.seed)
     tokens = phase.step_tokens(cluster, hosted)
     note(f"--phase {args.phase}: every batch drawn again as a step of {tokens:,} tokens")
     return phase_steps(load, tokens, spec.top_k, args.seed), tokens
@@ -221,14 +222,9 @@ def run(args: argparse.Namespace) -> None:
         raise InputError(f"--out-dir {args.out_dir!r} is a file; give a folder")
     cluster = options.cluster(args)
     load = options.read_load(args)
-    if args.model is not None:
-        spec = get_model(args.model)
-        if (spec.num_layers, spec.num_experts) != (load.num_layers, load.num_experts):
-            raise InputError(f"--model {args.model} has {spec.num_layers} MoE layers x {spec.num_experts} experts but "
-                             f"the load {load.num_layers} x {load.num_experts}")
     pricing = pricing_from(args, load)
     if router is not None:
-        router = options.with_context([router], options.router_context(args, load))[0]
+        router = deployment.bind_routers([router], None if pricing is None else pricing.deployment, load)[0]
     budget = options.budget(args)
     load, step_tokens = phase_load(args, load, cluster, budget, pricing)
     warm = parse_batch_range(args.warmup, load.num_batches)
@@ -248,7 +244,8 @@ def run(args: argparse.Namespace) -> None:
     lookahead = any(params[p]["predictor"] == "lookahead" for p in dynamic)
     model = capture_model(args.checkpoint, load) if lookahead and hidden is not None else None
     build = concatenated(build_traces(args.build))
-    failures = [parse_failure(v) for v in args.fail or ()]
+    failures = Failures(tuple(parse_failure(v) for v in args.fail or ()), args.reload_link or DEFAULT_RELOAD_GBPS)
+    inputs = PredictorInputs(hidden=hidden, model=model, build=build)
     results: list[OnlineResult] = []
     with progress() as bar:
         for p in policies:
@@ -260,12 +257,8 @@ def run(args: argparse.Namespace) -> None:
             # with several policies the re-plan knobs go to the static ones (a dynamic policy replans every batch)
             periodic = len(policies) == 1 or p not in DYNAMIC_POLICIES
             results.append(replay(load, cluster, budget, p, params[p], warmup=warm, batches=served, router=router,
-                                  replan_every=args.replan_every if periodic else None,
-                                  window=args.window if periodic else None, seed=args.seed, hidden=hidden,
-                                  model=model, build=build, progress=advance, pricing=pricing,
-                                  migration=(args.migration or "fresh") if periodic else "fresh",
-                                  max_moves=args.max_moves if periodic else None, failures=failures,
-                                  reload_gbps=args.reload_link or DEFAULT_RELOAD_GBPS))
+                                  seed=args.seed, replanning=replanning(args, periodic), inputs=inputs,
+                                  failures=failures, pricing=pricing, progress=advance))
     title = (f"{args.load}: batches {served[0]}:{served[1]} served one at a time after warm-up {warm[0]}:{warm[1]}, "
              f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}"
              + ("" if step_tokens is None else f", {args.phase} steps of {step_tokens:,} tokens"))

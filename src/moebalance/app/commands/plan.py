@@ -4,29 +4,24 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from rich.table import Table
 
 from moebalance.algorithms.migration import MIGRATIONS, lay_onto
-from moebalance.app import costing, options
+from moebalance.app import deployment, options
 from moebalance.app.console import check_out, err, out, progress
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
-from moebalance.core.limits import check_alloc
-from moebalance.core.load import LoadMatrix, parse_batch_range
+from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement, read_plan, write_plan
-from moebalance.core.trace import RoutingTrace
-from moebalance.cost.auto import craft_by_goodput
 from moebalance.cost.memory import GIB
 from moebalance.cost.transfer import schedule_transfers
 from moebalance.policies import POLICIES, get_policy, make_plan
+from moebalance.pricing.auto import craft_by_goodput
 from moebalance.routing.simulate import Score, evaluate
 
-__all__ = ["Workloads", "add_parser", "check_same_model", "concatenate_loads", "eplb_variant", "migrate",
-           "read_workloads", "report_moves", "run", "workload_table"]
+__all__ = ["add_parser", "eplb_variant", "migrate", "report_moves", "run", "workload_table"]
 
 
 def add_parser(sub: Any) -> None:
@@ -52,7 +47,7 @@ def add_parser(sub: Any) -> None:
                         "most experts in place (default), or bounded by --max-moves")
     p.add_argument("--max-moves", type=options.non_negative,
                    help="with --migration bounded: expert copies one GPU may receive, summed over layers")
-    options.add_cost_options(p, gpu_required=False)
+    deployment.add(p, gpu_required=False)
     options.add_format(p)
     p.set_defaults(func=run)
 
@@ -135,72 +130,6 @@ def take_migration_items(args: argparse.Namespace) -> None:
     args.set = rest
 
 
-@dataclass(frozen=True, slots=True)
-class Workloads:
-    """The ``--load`` files of ``plan``: each one's planning batches, and all of them in one load."""
-
-    #: The ``--load`` texts, in order.
-    names: list[str]
-    #: Each workload's planning batches (``--batches`` of each file).
-    parts: list[LoadMatrix]
-    #: Each workload's ``--batches`` range, ``"a:b"``.
-    ranges: list[str]
-    #: The planning batches of every workload, concatenated in ``--load`` order (the first alone for one file).
-    load: LoadMatrix
-    #: Layers without load in every whole file (an engine's dense layers).
-    dense: list[int]
-
-
-def read_workloads(args: argparse.Namespace) -> Workloads:
-    """Every ``--load`` (one model: same layers and experts), ``--model`` applied, ``--batches`` taken from each."""
-    names = list(args.load)
-    full = [options.load_model(options.read_load(argparse.Namespace(**{**vars(args), "load": path}), model=False),
-                               args.model) for path in names]
-    for path, other in zip(names[1:], full[1:], strict=True):
-        check_same_model(names[0], full[0], path, other)
-    # dense layers: no load in any whole file, not merely in the planning window (engine exports leave them out)
-    has_load = np.logical_or.reduce([f.counts.sum(axis=(0, 2)) > 0 for f in full])
-    parts, ranges = [], []
-    for f in full:
-        start, stop = parse_batch_range(args.batches, f.num_batches)
-        parts.append(f.select_batches(start, stop))
-        ranges.append(f"{start}:{stop}")
-    load = parts[0] if len(parts) == 1 else concatenate_loads(parts)
-    return Workloads(names, parts, ranges, load, [int(x) for x in np.flatnonzero(~has_load)])
-
-
-def check_same_model(first_name: str, first: LoadMatrix, name: str, load: LoadMatrix) -> None:
-    """Two workloads must be loads of one model: the same layers and experts, layer ids and named model."""
-    if (load.num_layers, load.num_experts) != (first.num_layers, first.num_experts):
-        raise InputError(f"--load {name} is [layers, experts] = [{load.num_layers}, {load.num_experts}] but --load "
-                         f"{first_name} is [{first.num_layers}, {first.num_experts}]; give workloads of one model")
-    ids = [None if x.layer_ids is None else x.layer_ids.tolist() for x in (first, load)]
-    if ids[0] != ids[1]:
-        raise InputError(f"--load {name} holds the model's layers {ids[1]} but --load {first_name} holds {ids[0]}; "
-                         "give workloads recorded the same way")
-    if None not in (first.preset, load.preset) and first.preset != load.preset:
-        raise InputError(f"--load {name} names model {load.preset} but --load {first_name} names {first.preset}; "
-                         "give workloads of one model (or --model M for both)")
-
-
-def concatenate_loads(parts: list[LoadMatrix]) -> LoadMatrix:
-    """``parts``' batches one after another (their token-level traces too when all have one with the same top-k)."""
-    B = sum(p.num_batches for p in parts)
-    _, L, E = parts[0].shape
-    check_alloc((B, L, E), 8, "the --load files' counts together", "give fewer or shorter --load files (--batches)")
-    counts = np.concatenate([p.counts for p in parts])
-    traces = [p.trace for p in parts]
-    trace = None
-    if all(t is not None for t in traces) and len({t.top_k for t in traces if t is not None}) == 1:
-        offsets = np.cumsum([0] + [p.num_batches for p in parts[:-1]])
-        trace = RoutingTrace(np.concatenate([t.topk_ids for t in traces if t is not None]),
-                             np.concatenate([t.src_gpu for t in traces if t is not None]),
-                             np.concatenate([t.batch + o for t, o in zip(traces, offsets, strict=True)
-                                             if t is not None]), num_experts=E, num_batches=B)
-    preset = next((p.preset for p in parts if p.preset is not None), None)
-    return LoadMatrix(counts, trace, preset, parts[0].layer_ids)
-
-
 def workload_table(names: list[str], parts: list[LoadMatrix], scores: list[Score]) -> Table:
     """Each workload's in-sample balancedness and imbalance ratio under the plan, and the worst of them."""
     table = Table(title="per workload (in sample, uniform router)", title_justify="left")
@@ -221,7 +150,7 @@ def run(args: argparse.Namespace) -> None:
     goodput = args.auto_by == "goodput"
     if not goodput:  # the cost model's flags would be ignored
         why = "by plan only with --auto-by goodput (the cost model that picks craft's R)"
-        costing.refuse_cost_options(args, why)
+        deployment.refuse(args, why)
         given = [f for f, v in (("--gpu", args.gpu), ("--intra-link", args.intra_link),
                                 ("--inter-link", args.inter_link)) if v is not None]
         if given:
@@ -232,12 +161,12 @@ def run(args: argparse.Namespace) -> None:
         raise InputError("--set workload_batches is filled from the --load files; give each workload as its own "
                          "--load")
     cluster = options.cluster(args)
-    work = read_workloads(args)
+    work = options.read_workloads(args)
     load, dense = work.load, work.dense
     several = len(work.names) > 1
     if several and "workload_batches" in (options.policy_keys(name) or ()):
         params["workload_batches"] = [part.num_batches for part in work.parts]
-    by_goodput = costing.auto_by_goodput(args, load, [name])
+    by_goodput = deployment.auto_by_goodput(args, load, [name])
     if by_goodput is not None:
         t0 = time.perf_counter()
         plan = craft_by_goodput(load, cluster, by_goodput, dense_layers=dense, **params)

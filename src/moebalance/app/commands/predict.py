@@ -16,7 +16,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.io import dumps
 from moebalance.core.load import parse_batch_range
 from moebalance.engines import read_any_load
-from moebalance.online.predictors import PREDICTORS, AccuracyTally, make_predictor
+from moebalance.prediction.predictors import PREDICTORS, AccuracyTally, make_predictor
 
 __all__ = ["PREDICTOR_OPTIONS", "add_parser", "run"]
 

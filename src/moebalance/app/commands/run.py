@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.table import Table
 
-from moebalance.app import options
-from moebalance.app.commands.capture import add_text, model_tokens
+from moebalance.app import deployment, options
+from moebalance.app.capture_inputs import add_text, model_tokens
 from moebalance.app.console import err, out, progress
 from moebalance.core.errors import InputError
 from moebalance.core.io import dumps
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
         exact = exact_from(args)
         if args.router is None:
             args.router = "uniform" if exact is None else "rebalance"
-        router = options.with_context([options.router(args)], {})[0]  # metro: its --router-set, checked here
+        router = deployment.bind_routers([options.router(args)], None)[0]  # metro: its --router-set, checked here
         if args.two_stage and exact is not None:
             raise InputError("--two-stage runs the router beside the local phase, but with --policy libra each layer "
                              "plans its extras and routing before its experts compute; drop one of them")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moebalance.app import costing, options
+from moebalance.app import deployment, options
 from moebalance.app.console import out, progress
 from moebalance.app.report import plot_sweep, sweep_markdown, sweep_table
 from moebalance.app.sweep import SWEEP_ALIASES, SWEEP_POLICIES, canonical, sweep, sweep_keys, sweep_steps
@@ -32,7 +32,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out-dir", help="write sweep.md, sweep.json and sweep.png here")
     options.add_model(p)
     p.add_argument("--seed", type=options.non_negative, default=0)
-    options.add_cost_options(p, gpu_required=False)
+    deployment.add(p, gpu_required=False)
     options.add_links(p)
     options.add_format(p)
     p.set_defaults(func=run)
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> None:
     load = options.load_model(raw, args.model)
     if args.gpu is None and options.links(args):  # a sweep scores balance only, unless the cost model runs
         raise InputError("--intra-link and --inter-link are used by sweep only with --gpu (the cost model); drop them")
-    costed = costing.cost_fn(args, load)
+    costed = deployment.cost_fn(args, load)
     with progress() as bar:
         task = bar.add_task("sweep", total=sweep_steps(load, cluster, policies, replicas, params))
         result = sweep(load, cluster, policies, replicas, train_frac=args.train_frac, params=params,

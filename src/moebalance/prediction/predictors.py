@@ -43,16 +43,28 @@ from typing import Any
 import numpy as np
 
 from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix
 from moebalance.core.trace import RoutingTrace
 
 __all__ = ["EXACT", "PREDICTORS", "AccuracyTally", "ExactPredictor", "HistoryPredictor", "LookaheadPredictor",
-           "OraclePredictor", "PathPredictor", "Prediction", "Predictor", "accuracy", "demand_of", "make_predictor",
+           "OraclePredictor", "PathPredictor", "Prediction", "Predictor", "PredictorInputs", "accuracy", "demand_of", "make_predictor",
            "topk_accuracy"]
 
 #: The names of the exact predictor: ``exact`` and its alias ``oracle`` (the same predictor, the same results).
 EXACT = ("exact", "oracle")
 #: Predictor names (the ``--predictor`` choices and ``libra``'s ``predictor`` option).
 PREDICTORS = ("lookahead", "path", "history", "oracle", "exact")
+
+
+@dataclass(frozen=True, slots=True)
+class PredictorInputs:
+    """What a replay's predictor may need besides the trace: the ``lookahead`` predictor's gate inputs
+    ``hidden [N, L, D]`` and the ``model`` whose gates made them; the ``path`` predictor's ``build`` split (``None``:
+    the warm-up batches)."""
+
+    hidden: np.ndarray | None = None
+    model: Any = None
+    build: LoadMatrix | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ Legend: ``B`` batches, ``L`` layers, ``E`` experts, ``G`` GPUs, ``K`` picks per 
 **A step's tokens.** A decode step holds one token of every running request: ``N`` is the deployment's
 concurrency, the requests of ``prompt + output`` tokens its KV cache holds (:func:`moebalance.cost.memory.
 memory_per_gpu`, with the plan's experts per GPU). A prefill step holds every data-parallel rank's chunk of
-prompt: ``N = prefill_chunk * ranks``. (The goodput model of :mod:`moebalance.cost.goodput` uses the same two
+prompt: ``N = prefill_chunk * ranks``. (The goodput model of :mod:`moebalance.pricing.goodput` uses the same two
 steps.)
 
 **Steps from a load** (:func:`phase_steps`): one step per batch, drawn from that batch, so batch numbers keep their
@@ -18,15 +18,14 @@ meaning (``online --warmup``):
   picks capped at ``N`` (a token picks an expert once; the picks over it are drawn again among the loaded experts
   below it). Layers are drawn independently: counts carry no tokens.
 
-**Modelled MoE layer time** (:func:`phase_time`): per ``(step, layer)`` with load, the slowest GPU's grouped GEMM
-(:func:`moebalance.cost.time.expert_seconds` over its picks and the experts they touch, from the router's own
-picks: :func:`moebalance.routing.simulate.replay_picks`) plus the all-to-all (a token-level load's copies, or
-:func:`moebalance.cost.goodput.a2a_estimate` for counts); the mean over them, and its two parts.
+**Modelled MoE layer time** (:func:`phase_time`): per ``(step, layer)`` with load, the layer's price
+(:func:`moebalance.pricing.layer.price_layers`: the slowest GPU's grouped GEMM over the router's own picks, then the
+all-to-all); the mean over them, and its two parts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,17 +36,14 @@ from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
-from moebalance.cost.goodput import Workload, a2a_estimate
-from moebalance.cost.hardware import GpuSpec
-from moebalance.cost.memory import EngineMemory, memory_per_gpu
-from moebalance.cost.time import Calibration, expert_seconds
+from moebalance.cost.deployment import PHASES, Deployment
+from moebalance.cost.memory import memory_per_gpu
 from moebalance.models import ModelSpec
+from moebalance.pricing.layer import price_layers
 from moebalance.routing import Router, get_router
-from moebalance.routing.simulate import replay_picks
 
 __all__ = ["PHASES", "PhaseModel", "PhaseTime", "phase_steps", "phase_time"]
 
-PHASES = ("decode", "prefill")
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,58 +132,49 @@ def _first_picks(drawn: np.ndarray, picks: int, rng: np.random.Generator) -> np.
     return out
 
 
-def phase_time(plan: Placement, steps: LoadMatrix, router: str | Router, model: ModelSpec, gpu: GpuSpec, *,
-               phase: str, step_tokens: int, engine: EngineMemory | None = None,
-               calibration: Calibration | None = None, seed: int = 0, node_forwarding: bool = False) -> PhaseTime:
+def phase_time(plan: Placement, steps: LoadMatrix, router: str | Router, deployment: Deployment, *, phase: str,
+               step_tokens: int, seed: int = 0) -> PhaseTime:
     """``router``'s modelled MoE layer time on ``steps`` (of ``step_tokens`` tokens each) through ``plan``."""
-    engine = EngineMemory() if engine is None else engine
-    bytes_per_copy = model.hidden_size * engine.weight_bytes
-    token_level = steps.trace is not None
-    r = replay_picks(plan, steps, get_router(router), np.random.default_rng(seed), with_touched=True,
-                     with_traffic=token_level, bytes_per_copy=bytes_per_copy,
-                     node_forwarding=node_forwarding and token_level, seconds_only=True)
-    if r.touched is None:  # replay_picks gives experts touched when asked
-        raise RuntimeError("the replay gave no experts touched")
-    expert = expert_seconds(r.loads, r.touched, model, gpu, calibration,
-                            weight_bytes=engine.weight_bytes).max(axis=2)  # [B, L]
-    seconds = r.traffic.a2a_seconds if r.traffic is not None else None
-    a2a = seconds if seconds is not None else a2a_estimate(r.loads, plan.cluster, bytes_per_copy)
-    active = r.loads.sum(axis=2) > 0
+    priced = price_layers(plan, steps, get_router(router), deployment, np.random.default_rng(seed))
+    active = priced.active
     if not active.any():
         raise InputError("the steps carry no load in any layer; there is nothing to time")
-    e_ms, a_ms = float(expert[active].mean() * 1e3), float(a2a[active].mean() * 1e3)
+    e_ms = float(priced.expert.max(axis=2)[active].mean() * 1e3)
+    a_ms = float(priced.a2a[active].mean() * 1e3)
     return PhaseTime(phase=phase, step_tokens=int(step_tokens), steps=steps.num_batches, expert_ms=e_ms,
-                     a2a_ms=a_ms, moe_layer_ms=e_ms + a_ms)
+                     a2a_ms=a_ms, moe_layer_ms=float(priced.seconds[active].mean() * 1e3))
 
 
 @dataclass(frozen=True, slots=True)
 class PhaseModel:
-    """What ``--phase`` scores with: the phase, the cost model's model, GPU, engine, calibration and requests."""
+    """What ``--phase`` scores with: the phase, the deployment, and the seed of the steps' draws."""
 
     phase: str
-    model: ModelSpec
-    gpu: GpuSpec
-    engine: EngineMemory = field(default_factory=EngineMemory)
-    calibration: Calibration = field(default_factory=Calibration)
-    workload: Workload = field(default_factory=Workload)
+    deployment: Deployment
     seed: int = 0
-    node_forwarding: bool = False
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise InputError(f"phase {self.phase!r} is unknown; choose one of: {', '.join(PHASES)}")
+        if not isinstance(self.deployment, Deployment):
+            raise InputError(f"PhaseModel.deployment ({self.deployment!r}) must be a Deployment")
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.deployment.model
 
     def step_tokens(self, cluster: Cluster, experts_per_gpu: int | np.ndarray) -> int:
         """``N``: the concurrency (decode) or the prompt chunks of every rank (prefill) on ``cluster`` with GPUs
         hosting ``experts_per_gpu`` experts over the MoE layers (module docstring)."""
+        d = self.deployment
         G, gpn = cluster.num_gpus, cluster.gpus_per_node
-        memory = memory_per_gpu(self.model, self.gpu, num_gpus=G, gpus_per_node=gpn, experts_per_gpu=experts_per_gpu,
-                                engine=self.engine, context_tokens=self.workload.context_tokens)
+        memory = memory_per_gpu(d.model, d.gpu, num_gpus=G, gpus_per_node=gpn, experts_per_gpu=experts_per_gpu,
+                                engine=d.engine, context_tokens=d.workload.context_tokens)
         if self.phase == "prefill":
-            return self.workload.prefill_chunk * (G // self.engine.attention_group(gpn))
+            return d.workload.prefill_chunk * (G // d.engine.attention_group(gpn))
         if memory.max_concurrency < 1:
-            raise InputError(f"{self.model.display_name} on {G} x {self.gpu.display_name} leaves no KV cache for one "
-                             f"request of {self.workload.context_tokens} tokens, so there is no decode step; give fewer "
+            raise InputError(f"{d.model.display_name} on {G} x {d.gpu.display_name} leaves no KV cache for one "
+                             f"request of {d.workload.context_tokens} tokens, so there is no decode step; give fewer "
                              "replicas, more GPUs or shorter requests (--prompt-tokens, --output-tokens)")
         return memory.max_concurrency
 
@@ -200,6 +187,4 @@ class PhaseModel:
 
     def time(self, plan: Placement, steps: LoadMatrix, router: str | Router, tokens: int) -> PhaseTime:
         """:func:`phase_time` with this model."""
-        return phase_time(plan, steps, router, self.model, self.gpu, phase=self.phase, step_tokens=tokens,
-                          engine=self.engine, calibration=self.calibration, seed=self.seed,
-                          node_forwarding=self.node_forwarding)
+        return phase_time(plan, steps, router, self.deployment, phase=self.phase, step_tokens=tokens, seed=self.seed)

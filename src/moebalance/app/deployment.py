@@ -1,0 +1,142 @@
+"""The deployment's flags and what they build: ``--gpu`` with the engine, request, calibration and dispatch flags
+turned into one :class:`~moebalance.cost.Deployment` (docs/design.md, "Cost model"), which every command that prices
+passes on (``cost``, ``compare``, ``sweep``, ``plan --auto-by goodput``, ``online --gpu``, ``advise``), the routers
+bound to it (``metro``), and the checks that refuse these flags where nothing is priced."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from moebalance.app.options import count, fraction, non_negative_float, positive
+from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.cost.calibrate import read_calibration
+from moebalance.cost.deployment import DISPATCH, PHASES, Deployment, Workload
+from moebalance.cost.hardware import GPUS, get_gpu
+from moebalance.cost.memory import EngineMemory
+from moebalance.cost.time import Calibration
+from moebalance.models import get_model
+from moebalance.pricing.goodput import PlanCost, plan_cost
+from moebalance.routing import Router
+from moebalance.routing.metro import check_ready, with_deployment
+
+__all__ = ["FLAGS", "CostFn", "add", "add_phase", "auto_by_goodput", "bind_routers", "build", "calibration",
+           "cost_fn", "given", "refuse"]
+
+_ENGINE, _WORK = EngineMemory(), Workload()  # the defaults the flags show
+#: The most GPUs a parallel group flag names.
+_MAX_GPUS = 65_536
+
+#: ``(flag, dest)`` of the deployment's flags besides ``--gpu``: given or not (default None), so that a command can
+#: refuse them where nothing is priced.
+FLAGS = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"), ("--attention-tp", "attention_tp"),
+         ("--dense-tp", "dense_tp"), ("--prompt-tokens", "prompt_tokens"), ("--output-tokens", "output_tokens"),
+         ("--prefill-chunk", "prefill_chunk"), ("--calibration", "calibration"), ("--dispatch", "dispatch"))
+
+#: ``(plan, held-out load, router) -> PlanCost``.
+CostFn = Callable[[Placement, LoadMatrix, "str | Router"], PlanCost]
+
+
+def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
+    """``--gpu`` and the engine, request, calibration and dispatch flags."""
+    p.add_argument("--gpu", required=gpu_required, choices=sorted(GPUS), help="GPU model of every GPU")
+    p.add_argument("--memory-fraction", type=fraction,
+                   help=f"share of GPU memory for weights and KV cache, in (0, 1] (SGLang mem_fraction_static; default "
+                        f"{_ENGINE.memory_fraction})")
+    p.add_argument("--reserve-gib", type=non_negative_float,
+                   help="GiB per GPU the engine keeps besides weights and KV cache (default fitted, docs/design.md)")
+    p.add_argument("--attention-tp", type=count(_MAX_GPUS), help="GPUs splitting attention weights (default: a node)")
+    p.add_argument("--dense-tp", type=count(_MAX_GPUS), help="GPUs splitting the other non-expert weights (default 1)")
+    p.add_argument("--prompt-tokens", type=positive, help=f"default {_WORK.prompt_tokens}")
+    p.add_argument("--output-tokens", type=positive, help=f"default {_WORK.output_tokens}")
+    p.add_argument("--prefill-chunk", type=positive,
+                   help=f"prompt tokens a data-parallel rank prefills per step (default {_WORK.prefill_chunk})")
+    p.add_argument("--calibration", help="JSON from 'moebalance calibrate' (default: published peaks)")
+    p.add_argument("--dispatch", choices=DISPATCH,
+                   help="all-to-all of token-level loads: a copy per destination GPU (gpu, the default), or one per "
+                        "destination node forwarded inside it, as DeepEP and GRACE do (node)")
+
+
+def add_phase(p: argparse.ArgumentParser) -> None:
+    """``--phase decode|prefill`` (``compare``, ``online``): score the phase's steps (:mod:`moebalance.pricing.phase`)."""
+    p.add_argument("--phase", choices=PHASES,
+                   help="with --gpu: draw each batch again as a step of the phase (decode: one token per running "
+                        "request, the KV cache's concurrency; prefill: --prefill-chunk tokens per data-parallel rank) "
+                        "and score those steps")
+
+
+def given(args: argparse.Namespace) -> list[str]:
+    """The deployment's flags (besides ``--gpu``) given on the command line."""
+    return [flag for flag, dest in FLAGS if getattr(args, dest, None) is not None]
+
+
+def refuse(args: argparse.Namespace, why: str) -> None:
+    """Refuse the deployment's flags given where nothing is priced; ``why`` says what they need."""
+    flags = given(args)
+    if flags:
+        raise InputError(f"{flags[0]} is used {why}; drop it")
+
+
+def calibration(args: argparse.Namespace) -> tuple[Calibration, float | None]:
+    """``--calibration FILE`` and its fit error (written by ``moebalance calibrate``), else the published peaks."""
+    if getattr(args, "calibration", None) is None:
+        return Calibration(), None
+    return read_calibration(args.calibration)
+
+
+def build(args: argparse.Namespace, load: LoadMatrix | None = None) -> Deployment:
+    """The deployment of the command line: ``--gpu``, the model of ``--model`` (else the load's, checked against the
+    load's shape: :meth:`moebalance.models.ModelSpec.misfit`) and the other flags, defaults where not given."""
+    name = getattr(args, "model", None) or (load.preset if load is not None else None)
+    if name is None:
+        raise InputError("the load names no model; give --model with --gpu (e.g. --model deepseek-v3)")
+    spec = get_model(name)
+    if load is not None:
+        spec.check_fits(load.num_layers, load.num_experts)
+    engine = {dest: getattr(args, dest, None) for dest in ("memory_fraction", "reserve_gib", "attention_tp", "dense_tp")}
+    work = {dest: getattr(args, dest, None) for dest in ("prompt_tokens", "output_tokens", "prefill_chunk")}
+    return Deployment(model=spec, gpu=get_gpu(args.gpu), calibration=calibration(args)[0],
+                      engine=EngineMemory(**{k: v for k, v in engine.items() if v is not None}),
+                      workload=Workload(**{k: v for k, v in work.items() if v is not None}),
+                      dispatch=getattr(args, "dispatch", None) or "gpu")
+
+
+def bind_routers(chosen: Sequence[Router], deployment: Deployment | None, load: LoadMatrix | None = None) -> list[Router]:
+    """``chosen`` pricing on ``deployment`` (``metro``; its ``--router-set`` options win), or, without one, with the
+    load's model where ``--router-set`` gave none; a router still missing what it needs (``metro`` without a GPU
+    or model) is a one-line error."""
+    model = load.model.name if deployment is None and load is not None and load.model is not None else None
+    out = [with_deployment(r, deployment, model) for r in chosen]
+    for r in out:
+        check_ready(r)
+    return out
+
+
+def cost_fn(args: argparse.Namespace, load: LoadMatrix) -> CostFn | None:
+    """The goodput model of ``--gpu``'s deployment (``compare``, ``sweep``), else None (refusing its flags)."""
+    if getattr(args, "gpu", None) is None:
+        refuse(args, "with --gpu (the cost model)")
+        return None
+    deployment = build(args, load)
+    seed = args.seed
+
+    def costing(plan: Placement, test: LoadMatrix, router: str | Router) -> PlanCost:
+        return plan_cost(plan, test, deployment, router=router, seed=seed)
+
+    return costing
+
+
+def auto_by_goodput(args: argparse.Namespace, load: LoadMatrix,
+                    policies: Sequence[str]) -> Callable[[Placement, LoadMatrix], PlanCost] | None:
+    """``(plan, load) -> PlanCost`` when ``--auto-by goodput`` asks for it (checked), else None."""
+    if args.auto_by != "goodput":
+        return None
+    if args.replicas_per_gpu != "auto" or "craft" not in policies:
+        raise InputError("--auto-by goodput chooses craft's R: give --policy craft (or craft in --policies) with "
+                         "--replicas-per-gpu auto")
+    if args.gpu is None:
+        raise InputError("--auto-by goodput needs --gpu (and --model when the load names none): the cost model")
+    deployment = build(args, load)
+    return lambda plan, part: plan_cost(plan, part, deployment, router="uniform", seed=args.seed)

@@ -1,0 +1,145 @@
+"""A deployment: what every price of a plan is taken for (docs/design.md, "Cost model").
+
+One frozen :class:`Deployment` holds the model served, the GPU, the calibration of its roofline, how the engine lays
+out memory, the requests, and how tokens cross nodes; the command line builds it once (one option group owns the
+flags and the builder) and everything that prices reads it: the goodput model, the priced online replay, the phase
+steps, ``advise`` and the ``metro`` router. The links are the :class:`~moebalance.core.cluster.Cluster`'s, which
+every plan carries.
+
+It also owns the two formulas a layer's price is made of, so that a change of either is one change:
+
+- a GPU's grouped GEMM (:func:`moebalance.cost.time.gemm_seconds`, the roofline, in the deployment's precision);
+- a layer: the slowest GPU's grouped GEMM, then the all-to-all (:meth:`Deployment.layer_seconds`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moebalance.core.cluster import Cluster
+from moebalance.core.errors import InputError
+from moebalance.cost.a2a import a2a_estimate, a2a_per_pick
+from moebalance.cost.hardware import GpuSpec
+from moebalance.cost.memory import EngineMemory
+from moebalance.cost.time import Calibration, expert_seconds, gemm_seconds, rest_seconds, roofline_terms
+from moebalance.models import ModelSpec
+from moebalance.models.fields import check_fields
+
+__all__ = ["DISPATCH", "PHASES", "Deployment", "Workload"]
+
+#: How a token-level load's all-to-all crosses nodes: a copy per destination GPU, or one per destination node
+#: forwarded inside it (DeepEP's normal kernels, GRACE's dispatch).
+DISPATCH = ("gpu", "node")
+#: The phases a step can be priced in.
+PHASES = ("decode", "prefill")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Workload:
+    """Requests served at saturation: prompt and output tokens each, prefill chunk per data-parallel rank."""
+
+    prompt_tokens: int = 1000
+    output_tokens: int = 1000
+    #: Prompt tokens a data-parallel rank prefills in one step (CRAFT Section 5.1: chunks of 4096).
+    prefill_chunk: int = 4096
+
+    def __post_init__(self) -> None:
+        check_fields(self, positive=("prompt_tokens", "output_tokens", "prefill_chunk"), label="")
+
+    @property
+    def context_tokens(self) -> int:
+        """KV-cache tokens a request holds at its end."""
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Deployment:
+    """The model on a GPU under an engine, with its requests (module docstring).
+
+    Example: ``Deployment(model=MODELS["deepseek-v3"], gpu=GPUS["h200"])`` -- published peaks, SGLang's memory
+    layout, requests of 1,000 + 1,000 tokens, one all-to-all copy per destination GPU.
+    """
+
+    model: ModelSpec
+    gpu: GpuSpec
+    calibration: Calibration = field(default_factory=Calibration)
+    engine: EngineMemory = field(default_factory=EngineMemory)
+    workload: Workload = field(default_factory=Workload)
+    #: ``gpu`` or ``node`` (:data:`DISPATCH`).
+    dispatch: str = "gpu"
+
+    def __post_init__(self) -> None:
+        for name, kind in (("model", ModelSpec), ("gpu", GpuSpec), ("calibration", Calibration),
+                           ("engine", EngineMemory), ("workload", Workload)):
+            if not isinstance(getattr(self, name), kind):
+                raise InputError(f"Deployment.{name} ({getattr(self, name)!r}) must be a {kind.__name__}")
+        if self.dispatch not in DISPATCH:
+            raise InputError(f"dispatch {self.dispatch!r} is unknown; choose one of: {', '.join(DISPATCH)}")
+
+    @property
+    def node_forwarding(self) -> bool:
+        """Whether a token crosses the network once per destination node (``dispatch="node"``)."""
+        return self.dispatch == "node"
+
+    @property
+    def bytes_per_copy(self) -> int:
+        """One dispatched token copy: ``H a``."""
+        return self.model.hidden_size * self.engine.weight_bytes
+
+    @property
+    def bytes_per_expert(self) -> int:
+        """One routed expert's weights: ``3 H F w``."""
+        return self.model.expert_params() * self.engine.weight_bytes
+
+    def ranks(self, cluster: Cluster, lost: int = 0) -> int:
+        """Data-parallel ranks on ``cluster`` with ``lost`` GPUs gone (at least 1)."""
+        return max((cluster.num_gpus - lost) // self.engine.attention_group(cluster.gpus_per_node), 1)
+
+    def check_load(self, num_rows: int, num_experts: int, what: str = "the load") -> None:
+        """Refuse a load or plan of another model's shape (:meth:`moebalance.models.ModelSpec.misfit`)."""
+        self.model.check_fits(num_rows, num_experts, what=what)
+
+    # ----- the layer's price --------------------------------------------------------------------------------------
+
+    def expert_seconds(self, picks: np.ndarray) -> np.ndarray:
+        """``float64 [..., G]`` from ``picks [..., G, E]``: :func:`moebalance.cost.time.expert_seconds` here."""
+        return expert_seconds(picks, self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes)
+
+    def gemm_seconds(self, picks: np.ndarray | float, touched: np.ndarray | float) -> np.ndarray:
+        """A GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast)."""
+        return gemm_seconds(picks, touched, self.model, self.gpu, self.calibration,
+                            weight_bytes=self.engine.weight_bytes)
+
+    def layer_seconds(self, expert_gpu: np.ndarray, a2a: np.ndarray | float) -> np.ndarray:
+        """``float64 [...]``: an MoE layer from each GPU's grouped GEMM ``expert_gpu [..., G]`` and the all-to-all
+        ``a2a [...]``: the layer waits for its slowest GPU, then for the all-to-all (no overlap)."""
+        return np.asarray(expert_gpu, dtype=np.float64).max(axis=-1) + np.asarray(a2a, dtype=np.float64)
+
+    def a2a_estimate(self, gpu_load: np.ndarray, cluster: Cluster) -> np.ndarray:
+        """All-to-all seconds of per-GPU picks ``[..., G]`` without sources (:func:`moebalance.cost.a2a.a2a_estimate`)."""
+        return a2a_estimate(gpu_load, cluster, self.bytes_per_copy)
+
+    def cost_vector(self, cluster: Cluster) -> np.ndarray:
+        """``float64 [5]``: ``[alpha, beta, gamma, launch, kappa]`` seconds on ``cluster``, the roofline's terms
+        (:func:`moebalance.cost.time.roofline_terms`) and the all-to-all per pick
+        (:func:`moebalance.cost.a2a.a2a_per_pick`), as the ``metro`` router's compiled kernel takes them."""
+        terms = roofline_terms(self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes)
+        return np.array([*terms, a2a_per_pick(cluster, self.bytes_per_copy)])
+
+    # ----- the rest of a step -------------------------------------------------------------------------------------
+
+    def rest_seconds(self, tokens_per_rank: float, gpus_per_node: int, phase: str) -> float:
+        """Everything but the routed experts in one step of ``tokens_per_rank`` tokens on each data-parallel rank
+        (:func:`moebalance.cost.time.rest_seconds`): in ``prefill`` one next-token logit per prompt and no KV cache
+        read; in ``decode`` a logit per token and each request's KV cache of ``prompt + output / 2`` tokens."""
+        if phase not in PHASES:
+            raise InputError(f"phase {phase!r} is unknown; choose one of: {', '.join(PHASES)}")
+        w = self.workload
+        if phase == "decode":
+            return rest_seconds(tokens_per_rank, self.model, self.gpu, self.engine, gpus_per_node,
+                                kv_tokens_per_rank=tokens_per_rank * (w.prompt_tokens + w.output_tokens / 2),
+                                calibration=self.calibration)
+        return rest_seconds(tokens_per_rank, self.model, self.gpu, self.engine, gpus_per_node,
+                            logits_per_rank=tokens_per_rank / w.prompt_tokens, calibration=self.calibration)
