@@ -137,6 +137,41 @@ class _Prepared:
     digest: int
 
 
+@dataclass(slots=True)
+class _Forward:
+    """One forward on this rank once every rank's routing is gathered: what the modes share and fill in.
+
+    The routing (``tokens_per_rank``, ``allr``, ``ids``, ``kept``, ``layer_plan``, ``planned``) is the same on
+    every rank, so every rank routes alike.
+    """
+
+    #: ``[T_r, H]``: this rank's tokens.
+    x: torch.Tensor
+    prep: _Prepared
+    #: The router's step (see the module doc).
+    step: int
+    #: ``[G]`` tokens of each rank; ``T`` is their sum.
+    tokens_per_rank: list[int]
+    #: ``float32 [T, 2K]``: every rank's routing, by rank then token (encoded expert ids, then gate weights).
+    allr: np.ndarray
+    #: ``int64 [T, K]`` each pick's expert and ``bool [T, K]`` whether the gate's capacity kept it.
+    ids: np.ndarray
+    kept: np.ndarray
+    gather_seconds: float
+    #: The one-layer plan the picks are routed on and ``int64 [E]`` this rank's slot of each expert (-1: none);
+    #: exact mode replaces both with its own plan.
+    layer_plan: Placement
+    slot_of: np.ndarray
+    #: This rank's prefetch buffer for the forward (with a per-batch plan or in exact mode).
+    pf: PrefetchResult
+    #: Times the expert compute (:class:`~moebalance.runtime.stats.Clock`).
+    clock: Clock
+    #: Instants from the end of the gate to the first expert compute (exact mode reports them).
+    mark: dict[str, float]
+    #: ``int64 [T, K]``: exact mode's routing, each pick's GPU; ``None``: the router routes.
+    planned: np.ndarray | None = None
+
+
 _POOL: ThreadPoolExecutor | None = None
 
 
@@ -267,8 +302,28 @@ class ExpertParallelMoE:
         then at most ``N`` extra experts per GPU), the same on every rank; its extras are copied into this
         rank's prefetch buffer before the layer computes. A bad input or plan on any rank makes every rank raise
         the same one-line error (:mod:`moebalance.runtime.agree`).
+
+        Every rank takes the same path, so the collectives meet in the same order: the routing gather
+        (:meth:`_gather`), with a per-batch plan the prefetch copies, then one mode, each ending in the combine:
+        :meth:`_forward_exact` (``EPConfig.exact``), :meth:`_forward_two_stage` (``router_thread`` with a router
+        in :data:`KEEPS_LOCAL`) or :meth:`_forward_routed` (any other: the base plan or the per-batch one).
         """
         step = self._step if step is None else (int(step) if isinstance(step, np.integer) else step)
+        fw = self._gather(x_TH, step, batch_plan)
+        if fw.prep.batch_plan is not None and self.prefetcher is not None:
+            # Libra's prefetch: wait for this layer's extras, post the next layer's copies
+            fw.pf = self.prefetcher.acquire(self, fw.prep.batch_plan)
+        if self.config.exact is not None:
+            return self._forward_exact(fw, self.config.exact)
+        if self.config.router_thread and keeps_local(self.config.router):
+            return self._forward_two_stage(fw)
+        return self._forward_routed(fw)
+
+    __call__ = forward
+
+    def _gather(self, x_TH: torch.Tensor, step: int, batch_plan: Placement | None) -> _Forward:
+        """Prepare this forward (:meth:`_prepare`), then gather every rank's routing ``[T, 2K]`` with its check:
+        the forward's first collective, where a failure on any rank raises the same error on every rank."""
         K = self.gate_config.top_k
         prep: _Prepared | None = None
         error: Exception | None = None
@@ -286,98 +341,121 @@ class ExpertParallelMoE:
         assert prep is not None  # gather_agreed raised on every rank otherwise
         self._step = step + 1
         parts = [p.cpu().numpy() for p in gathered]
-        tokens_per_rank = [p.shape[0] for p in parts]
         allr = np.concatenate(parts) if parts else np.zeros((0, 2 * K))
         enc = allr[:, :K].astype(np.int64)
         kept = enc >= 0
-        ids = np.where(kept, enc, -1 - enc)
-        gather_seconds = time.perf_counter() - t0
-        pf = PrefetchResult(None, 0, 0, 0, 0)
-        if prep.batch_plan is not None and self.prefetcher is not None:
-            pf = self.prefetcher.acquire(self, prep.batch_plan)
+        return _Forward(x=x_TH, prep=prep, step=step, tokens_per_rank=[p.shape[0] for p in parts], allr=allr,
+                        ids=np.where(kept, enc, -1 - enc), kept=kept, gather_seconds=time.perf_counter() - t0,
+                        layer_plan=prep.layer_plan, slot_of=prep.slot_of, pf=PrefetchResult(None, 0, 0, 0, 0),
+                        clock=Clock(x_TH.device), mark={"gate": t0})
 
-        layer_plan, slot_of, x = prep.layer_plan, prep.slot_of, x_TH
-        planned: np.ndarray | None = None
-        mark = {"gate": t0}  # exact mode's instants, from the end of the gate to the first expert compute
-        if self.config.exact is not None:  # plan this layer's extras and routing, then post the extras' copies
-            mark["gathered"] = time.perf_counter()
-            xp = exact_layer_plan(layer_plan, ids, kept, tokens_per_rank, self.config.exact, self.config.router)
-            mark["planned"] = time.perf_counter()
-            layer_plan, planned = xp.layer_plan, xp.dest
-            slot_of = slot_table(layer_plan)[self.rank]
-            if self.prefetcher is not None:
-                self.prefetcher.post(self, xp.extras)
-        rng = np.random.default_rng((self.config.router_seed, self.layer, step))
+    def _route(self, fw: _Forward, device: torch.device) -> tuple[np.ndarray, DispatchMeta, float, float]:
+        """``(dest [T, K], this rank's dispatch plan on device, seconds, end instant)``: every pick's GPU (exact
+        mode's planned routing, else the router's on ``fw.layer_plan``, its randomness seeded by
+        ``(router_seed, layer, step)`` so every rank draws alike), then the dispatch built from it. Host work only
+        (with ``device`` the CPU), so the two-stage mode runs it in the router thread."""
+        K = self.gate_config.top_k
+        rng = np.random.default_rng((self.config.router_seed, self.layer, fw.step))
+        t = time.perf_counter()
+        dest = fw.planned if fw.planned is not None else \
+            route_picks(fw.layer_plan, self.config.router, fw.ids, fw.kept, fw.tokens_per_rank, rng)
+        meta = build_dispatch(dest, fw.ids, fw.allr[:, K:], fw.tokens_per_rank, self.rank, fw.slot_of, device)
+        end = time.perf_counter()
+        return dest, meta, end - t, end
 
-        def route(device: torch.device) -> tuple[np.ndarray, DispatchMeta, float, float]:
-            t = time.perf_counter()
-            dest = planned if planned is not None else \
-                route_picks(layer_plan, self.config.router, ids, kept, tokens_per_rank, rng)
-            meta = build_dispatch(dest, ids, allr[:, K:], tokens_per_rank, self.rank, slot_of, device)
-            end = time.perf_counter()
-            return dest, meta, end - t, end
+    def _forward_routed(self, fw: _Forward) -> MoEOutput:
+        """Route on the base plan (or the per-batch plan, its extras already in ``fw.pf``), then dispatch, compute
+        and combine (:meth:`_exchange`)."""
+        dest, meta, router_seconds, _ = self._route(fw, fw.x.device)
+        local_out, remote_out = self._exchange(fw, meta)
+        return self._finish(fw, dest, meta, local_out, remote_out, router_seconds)
 
-        clock = Clock(x.device)
-        local_seconds: float | None = None
-        hidden: bool | None = None
-        if self.config.router_thread and keeps_local(self.config.router):
-            # Libra 3.1: MoE_local needs no routing decision, so the router runs in a CPU thread meanwhile
-            lo = sum(tokens_per_rank[:self.rank])
-            hi = lo + tokens_per_rank[self.rank]
-            has_EG = layer_plan.copies[0] > 0
-            # the thread stays on the host: a copy to the GPU there would queue behind the local kernels
-            future = _router_pool().submit(route, torch.device("cpu"))
-            t_local = time.perf_counter()
-            here = kept[lo:hi] & has_EG[ids[lo:hi], self.rank]
-            local_token, local_work = build_local(here, ids[lo:hi], allr[lo:hi, K:], slot_of, x.device)
+    def _forward_exact(self, fw: _Forward, exact: ExactConfig) -> MoEOutput:
+        """Exact mode (:mod:`moebalance.runtime.exact`): plan this layer's extras and routing from the gathered
+        routing, post the extras' copies, build the dispatch while they fly, wait for them, then dispatch,
+        compute and combine as :meth:`_forward_routed`; reports the gate -> first expert time as ExactTiming."""
+        m = fw.mark
+        m["gathered"] = time.perf_counter()
+        xp = exact_layer_plan(fw.layer_plan, fw.ids, fw.kept, fw.tokens_per_rank, exact, self.config.router)
+        m["planned"] = time.perf_counter()
+        fw.layer_plan, fw.planned = xp.layer_plan, xp.dest
+        fw.slot_of = slot_table(xp.layer_plan)[self.rank]
+        if self.prefetcher is not None:
+            self.prefetcher.post(self, xp.extras)
+        dest, meta, router_seconds, m["routed"] = self._route(fw, fw.x.device)
+        if self.prefetcher is not None:
+            fw.pf = self.prefetcher.ready(self)  # this layer's extras, posted before the dispatch was planned
+        m["copied"] = time.perf_counter()
+        local_out, remote_out = self._exchange(fw, meta)
+        # the three parts add up to the gate's end -> the first expert compute
+        timing = ExactTiming(plan_seconds=m["planned"] - m["gathered"], copy_seconds=m["copied"] - m["routed"],
+                             route_seconds=(m["gathered"] - m["gate"]) + (m["routed"] - m["planned"])
+                             + (m["expert"] - m["copied"]))
+        return self._finish(fw, dest, meta, local_out, remote_out, router_seconds, timing=timing)
+
+    def _forward_two_stage(self, fw: _Forward) -> MoEOutput:
+        """Libra Section 3.1 (``router_thread``): MoE_local needs no routing decision (a kept pick whose expert has
+        a copy on the token's own GPU stays there), so the router runs in a CPU thread while the local picks
+        compute; then every rank checks the router kept exactly those local, and the remote rows go."""
+        x, K, clock, weights = fw.x, self.gate_config.top_k, fw.clock, fw.pf.weights
+        lo = sum(fw.tokens_per_rank[:self.rank])
+        hi = lo + fw.tokens_per_rank[self.rank]
+        has_EG = fw.layer_plan.copies[0] > 0
+        # the thread stays on the host: a copy to the GPU there would queue behind the local kernels
+        future = _router_pool().submit(self._route, fw, torch.device("cpu"))
+        t_local = time.perf_counter()
+        here = fw.kept[lo:hi] & has_EG[fw.ids[lo:hi], self.rank]
+        local_token, local_work = build_local(here, fw.ids[lo:hi], fw.allr[lo:hi, K:], fw.slot_of, x.device)
+        t = clock.start()
+        local_out = self._compute(x.index_select(0, local_token), local_work, weights)
+        clock.stop(t)
+        local_end = time.perf_counter()
+        dest, meta, router_seconds, router_end = future.result()
+        hidden = clock.busy() if clock.cuda else router_end <= local_end
+        meta = meta.to(x.device)
+        check_kept_local(dest, fw.ids, fw.kept, has_EG, fw.tokens_per_rank, get_router(self.config.router).name)
+        assert torch.equal(meta.local_token, local_token)  # follows from the check just made
+        received = self.dispatcher.dispatch(x, meta).wait()
+        t = clock.start()
+        remote_out = self._compute(received, meta.remote, weights)
+        clock.stop(t)
+        return self._finish(fw, dest, meta, local_out, remote_out, router_seconds, local_seconds=local_end - t_local,
+                            hidden=hidden)
+
+    def _exchange(self, fw: _Forward, meta: DispatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dispatch and compute: ``(local_out [T_l, H], remote_out [M, H])`` float32, for this rank's local picks
+        and the rows it received. With ``local_first`` the local picks compute while the dispatch is in flight
+        (Libra's MoE_local), else after the remote rows; ``fw.mark["expert"]``: when the experts may start."""
+        x, clock, weights = fw.x, fw.clock, fw.pf.weights
+        pending = self.dispatcher.dispatch(x, meta, async_op=self.config.local_first)
+        # the experts start now with local_first (MoE_local while the dispatch is in flight), else once it landed
+        landed = None if self.config.local_first else pending.wait()
+        fw.mark["expert"] = time.perf_counter()
+        first = None
+        if landed is None:
             t = clock.start()
-            local_out = self._compute(x.index_select(0, local_token), local_work, pf.weights)
+            first = self._compute(x.index_select(0, meta.local_token), meta.local, weights)
             clock.stop(t)
-            local_end = time.perf_counter()
-            dest, meta, router_seconds, router_end = future.result()
-            hidden = clock.busy() if clock.cuda else router_end <= local_end
-            meta = meta.to(x.device)
-            local_seconds = local_end - t_local
-            check_kept_local(dest, ids, kept, has_EG, tokens_per_rank, get_router(self.config.router).name)
-            assert torch.equal(meta.local_token, local_token)  # follows from the check just made
-            received = self.dispatcher.dispatch(x, meta).wait()
-            t = clock.start()
-            remote_out = self._compute(received, meta.remote, pf.weights)
-            clock.stop(t)
-        else:
-            dest, meta, router_seconds, mark["routed"] = route(x.device)
-            if self.config.exact is not None and self.prefetcher is not None:
-                pf = self.prefetcher.ready(self)  # this layer's extras, posted before the dispatch was planned
-            mark["copied"] = time.perf_counter()
-            pending = self.dispatcher.dispatch(x, meta, async_op=self.config.local_first)
-            # the experts start now with local_first (MoE_local while the dispatch is in flight), else once it landed
-            landed = None if self.config.local_first else pending.wait()
-            mark["expert"] = time.perf_counter()
-            first = None
-            if landed is None:
-                t = clock.start()
-                first = self._compute(x.index_select(0, meta.local_token), meta.local, pf.weights)
-                clock.stop(t)
-            received = pending.wait() if landed is None else landed
-            t = clock.start()
-            remote_out = self._compute(received, meta.remote, pf.weights)
-            local_out = first if first is not None else \
-                self._compute(x.index_select(0, meta.local_token), meta.local, pf.weights)
-            clock.stop(t)
+        received = pending.wait() if landed is None else landed
+        t = clock.start()
+        remote_out = self._compute(received, meta.remote, weights)
+        local_out = first if first is not None else \
+            self._compute(x.index_select(0, meta.local_token), meta.local, weights)
+        clock.stop(t)
+        return local_out, remote_out
+
+    def _finish(self, fw: _Forward, dest: np.ndarray, meta: DispatchMeta, local_out: torch.Tensor,
+                remote_out: torch.Tensor, router_seconds: float, *, local_seconds: float | None = None,
+                hidden: bool | None = None, timing: ExactTiming | None = None) -> MoEOutput:
+        """Combine (the forward's last collective: the remote partial rows come back), sum each token's rows into
+        ``out [T_r, H]`` and account for the forward."""
+        x = fw.x
         back = self.dispatcher.combine(remote_out.to(x.dtype), meta)
         out = self._merge(x, local_out, back, meta)
-        slots = len(layer_plan.gpu_experts[0][self.rank])
-        timing = None
-        if self.config.exact is not None:  # the three parts add up to the gate's end -> the first expert compute
-            m = mark
-            timing = ExactTiming(plan_seconds=m["planned"] - m["gathered"], copy_seconds=m["copied"] - m["routed"],
-                                 route_seconds=(m["gathered"] - m["gate"]) + (m["routed"] - m["planned"])
-                                 + (m["expert"] - m["copied"]))
-        stats = self._stats(meta, prep.gate, x, gather_seconds + router_seconds, clock.seconds(), slots, pf,
-                            router_seconds, local_seconds, hidden, timing)
-        return MoEOutput(out=out, gate=prep.gate, dest=dest, stats=stats)
-
-    __call__ = forward
+        slots = len(fw.layer_plan.gpu_experts[0][self.rank])
+        stats = self._stats(meta, fw.prep.gate, x, fw.gather_seconds + router_seconds, fw.clock.seconds(), slots,
+                            fw.pf, router_seconds, local_seconds, hidden, timing)
+        return MoEOutput(out=out, gate=fw.prep.gate, dest=dest, stats=stats)
 
     def _merge(self, x_TH: torch.Tensor, local_out: torch.Tensor, back: torch.Tensor,
                meta: DispatchMeta) -> torch.Tensor:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -43,10 +43,7 @@ from moebalance.core.plan import Placement
 from moebalance.runtime.comm import global_rank, staged_through_host
 from moebalance.runtime.experts import ExpertWeights
 
-if TYPE_CHECKING:
-    from moebalance.runtime.ep import ExpertParallelMoE
-
-__all__ = ["ExpertPrefetcher", "Fetch", "PrefetchResult", "batch_extras", "plan_fetches"]
+__all__ = ["ExpertPrefetcher", "Fetch", "PrefetchOwner", "PrefetchResult", "batch_extras", "plan_fetches"]
 
 #: Point-to-point tag of buffer ``b``'s copies is ``PREFETCH_TAG + b`` (gloo matches by tag; NCCL by order).
 PREFETCH_TAG = 7100
@@ -65,6 +62,31 @@ class Fetch:
     dst: int
     #: The buffer slot on ``dst`` (``0 .. N-1``): the extra's position after the base list.
     slot: int
+
+
+class PrefetchOwner(Protocol):
+    """What :class:`ExpertPrefetcher` reads from a layer it serves (one rank's
+    :class:`~moebalance.runtime.ExpertParallelMoE` is one): the four members below, read only, nothing else."""
+
+    @property
+    def layer(self) -> int:
+        """The layer's index in the plan: it fills buffer ``layer % 2``."""
+        ...
+
+    @property
+    def rank(self) -> int:
+        """This rank, i.e. GPU ``rank`` of the plan."""
+        ...
+
+    @property
+    def plan(self) -> Placement:
+        """The base plan: where each extra is copied from, and this rank's slot of each expert it sends."""
+        ...
+
+    @property
+    def experts(self) -> ExpertWeights:
+        """This rank's base experts of the layer (``S`` slots): the weights it sends, and the buffer's shapes."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,13 +200,13 @@ class ExpertPrefetcher:
             raise InputError(f"num_slots ({num_slots!r}) must be a non-negative integer (Libra's N)")
         self.num_slots = num_slots
         self.group = group
-        self._layers: dict[int, ExpertParallelMoE] = {}
+        self._layers: dict[int, PrefetchOwner] = {}
         self._buffers: list[_Buffer] = []
         self._shapes: tuple[tuple[int, ...], ...] = ()
         self._checked: tuple[Placement, Placement, Extras] | None = None
 
     # ----- registration and checks --------------------------------------------------------------------------
-    def register(self, layer: ExpertParallelMoE) -> None:
+    def register(self, layer: PrefetchOwner) -> None:
         """Serve ``layer`` (called by :class:`~moebalance.runtime.ExpertParallelMoE`; a layer index registered
         again replaces the old one)."""
         tensors = layer.experts.tensors()
@@ -234,7 +256,7 @@ class ExpertPrefetcher:
             return False
         return self.post(owner, self.extras(owner.plan, batch_plan)[layer])
 
-    def post(self, owner: ExpertParallelMoE, extras: Sequence[Sequence[int]]) -> bool:
+    def post(self, owner: PrefetchOwner, extras: Sequence[Sequence[int]]) -> bool:
         """Post the copies that fill buffer ``owner.layer % 2`` with ``extras [G]`` (each GPU's extras of that layer,
         checked by the caller: at most ``N``, none hosted there), without waiting; exact mode plans them after the
         gate. A collective in spirit, as :meth:`start`; False when the buffer already holds or receives that fill."""
@@ -282,7 +304,7 @@ class ExpertPrefetcher:
         buf.key, buf.counts, buf.reported = key, (received, sent), False
         return True
 
-    def acquire(self, layer: ExpertParallelMoE, batch_plan: Placement) -> PrefetchResult:
+    def acquire(self, layer: PrefetchOwner, batch_plan: Placement) -> PrefetchResult:
         """Buffer ``layer.layer % 2`` filled with the layer's extras under ``batch_plan`` (started now if it was
         not), then the copies for the next layer posted into the other buffer. Every rank calls it alike."""
         if not self._buffers:
@@ -292,7 +314,7 @@ class ExpertPrefetcher:
         self.start(batch_plan, layer.layer + 1)  # Libra Section 4: the next layer's copies overlap this layer
         return result
 
-    def ready(self, layer: ExpertParallelMoE) -> PrefetchResult:
+    def ready(self, layer: PrefetchOwner) -> PrefetchResult:
         """Buffer ``layer.layer % 2`` once the copies posted into it have landed (what they moved is reported by
         the first forward that waits for them; later ones report zeros)."""
         if not self._buffers:
