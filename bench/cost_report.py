@@ -22,11 +22,12 @@ from _common import ROOT, fold_ranks, machine
 from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.io import save_png
 from moebalance.core.load import LoadMatrix, read_load
+from moebalance.cost.deployment import Deployment, Workload
 from moebalance.cost.hardware import get_gpu
 from moebalance.cost.memory import EngineMemory, memory_per_gpu
 from moebalance.models import get_model
 from moebalance.policies import Budget, make_plan
-from moebalance.pricing.goodput import Workload, plan_cost
+from moebalance.pricing.goodput import price_plan
 from moebalance.routing.simulate import evaluate
 from moebalance.workloads.synth import synthesize
 
@@ -74,7 +75,7 @@ def kv_section(reserve: float) -> list[str]:
 
 
 def _plan_row(label: str, plan, test: LoadMatrix, model: str, engine: EngineMemory) -> dict:  # type: ignore[no-untyped-def]
-    cost = plan_cost(plan, test, get_model(model), A100, engine=engine)
+    cost = price_plan(plan, test, Deployment(model=get_model(model), gpu=A100, engine=engine))
     return {"label": label, "extra": plan.extra_replicas / plan.num_gpus, "balancedness": evaluate(plan, test).balancedness,
             "kv": cost.memory.kv_cache_gb_per_gpu, "reduction": cost.memory.kv_cache_reduction,
             "concurrency": cost.memory.max_concurrency, "layer_ms": cost.modelled_layer_ms,
@@ -162,6 +163,8 @@ def grace_section(engine: EngineMemory) -> list[str]:
                "HG+DR+WRR": ("grace", {"replication": "dynamic"}, "wrr"),
                "HG+DR+TAR": ("grace", {"replication": "dynamic"}, "locality")}
     work = Workload(prompt_tokens=64, output_tokens=16, prefill_chunk=4096)
+    per_gpu = Deployment(model=arch, gpu=gpu, engine=engine, workload=work)  # a copy per destination GPU
+    per_node = Deployment(model=arch, gpu=gpu, engine=engine, workload=work, dispatch="node")
     w = ["## 3. GRACE-MoE end to end (Section 5.3 setting)", "",
          "The bundled OLMoE-like token trace folded onto 4 ranks, 2 nodes x 2 RTX 4090 (published peaks), PCIe 4.0 "
          "(32 GB/s) inside a node and one 25 GbE link per node shared by its 2 GPUs, each GPU running its own "
@@ -175,10 +178,8 @@ def grace_section(engine: EngineMemory) -> list[str]:
     for name, (policy, params, router) in configs.items():
         plan, _ = make_plan(policy, train, cluster, budget, **params)
         score = evaluate(plan, test, router)
-        costs[name] = (plan_cost(plan, test, arch, gpu, router=router, engine=engine, workload=work),
-                       score.balancedness, router,
-                       plan_cost(plan, test, arch, gpu, router=router, engine=engine, workload=work,
-                                 node_forwarding=True))
+        costs[name] = (price_plan(plan, test, per_gpu, router=router), score.balancedness, router,
+                       price_plan(plan, test, per_node, router=router))
         cross[name] = score.traffic.inter_node if score.traffic is not None else 0
         crossing[name] = (score.traffic.inter_node_dedup if score.traffic is not None else 0) / (
             test.trace.num_tokens * test.num_layers if test.trace is not None else 1)

@@ -37,6 +37,7 @@ from moebalance.algorithms.minmax import max_loads
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.cost.deployment import Deployment as Priced
 from moebalance.cost.hardware import get_gpu
 from moebalance.engines import read_any_load
 from moebalance.models import get_model
@@ -48,6 +49,8 @@ from moebalance.workloads.synth import synthesize
 
 SGLANG = ROOT / "tests" / "data" / "sglang-deepseek-v3" / "decode_in1000out1000.json"
 MODEL, GPU = get_model("deepseek-v3"), get_gpu("h100-80gb")
+#: What prices a step: DeepSeek-V3 on H100s, published peaks, SGLang's memory layout.
+PRICED = Priced(model=MODEL, gpu=GPU)
 ROUTERS = ["uniform", "random", "rebalance", "minmax", "metro"]
 TOKENS_PER_GPU = (64, 256, 1024)
 PLAN_BATCHES, SCORED = 8, 16
@@ -87,7 +90,7 @@ def _case(plan: Placement, scored: LoadMatrix, tokens: int) -> dict[str, dict[st
         r = replay_picks(plan, scored, router, np.random.default_rng(0), with_touched=True)
         took = (time.perf_counter() - t0) / active.sum()
         assert r.touched is not None
-        t = phase_time(plan, scored, router, MODEL, GPU, phase="decode", step_tokens=tokens)
+        t = phase_time(plan, scored, router, PRICED, phase="decode", step_tokens=tokens)
         out[name] = {"layer": t.moe_layer_ms, "expert": t.expert_ms, "a2a": t.a2a_ms,
                      "touched": float(r.touched.max(axis=2)[active].mean()), "bound": float(bound[active].mean()),
                      "seconds": took}

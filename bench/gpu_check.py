@@ -475,8 +475,8 @@ def section_straggler(ctx: Ctx) -> dict[str, Any]:
                     run()
 
                 measured[g] = bg.median_seconds(once, ctx.device, s.runs)
-            uncal = expert_seconds(n_g, u_g, wl.model, gpu)
-            withcal = expert_seconds(n_g, u_g, wl.model, gpu, cal) if cal is not None else np.full(G, np.nan)
+            uncal = expert_seconds(picks, wl.model, gpu)
+            withcal = expert_seconds(picks, wl.model, gpu, cal) if cal is not None else np.full(G, np.nan)
             key = {"workload": wl.name, "regime": regime, "plan": name, "router": router, "batch": b, "layer": layer}
             for g in range(G):
                 gpu_rows.append({**key, "gpu": g, "picks": int(n_g[g]), "touched": int(u_g[g]),

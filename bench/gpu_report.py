@@ -2,7 +2,7 @@
 
 What it reports, from the files alone (nothing is measured here):
 
-- the grouped GEMM against the cost model's expert time (``cost.time.expert_seconds``) per expert shape and regime,
+- the grouped GEMM against the cost model's expert time (``cost.time.gemm_seconds``) per expert shape and regime,
   with the published peaks and with the fitted calibration: the mean absolute log error and the geometric-mean
   ratio modelled / measured. A run's regime is what the published-peak roofline says binds it: memory (few tokens
   per expert: decode) or FLOPs (many: prefill);
@@ -38,7 +38,7 @@ except ImportError:
 import numpy as np  # noqa: E402
 
 from moebalance.cost.hardware import GPUS, GpuSpec  # noqa: E402
-from moebalance.cost.time import Calibration, expert_seconds  # noqa: E402
+from moebalance.cost.time import Calibration, gemm_seconds  # noqa: E402
 from moebalance.models import get_model  # noqa: E402
 
 
@@ -209,8 +209,8 @@ def gemm_part(f: Folder) -> list[str]:
         cal = _kernel_calibration(f, kernel)
         H, F, u, t = (int(num(r[c])) for c in ("hidden_size", "ffn_size", "experts", "tokens_per_expert"))
         model = shape_model(H, F)
-        peak = float(expert_seconds(u * t, u, model, gpu))
-        calib = float(expert_seconds(u * t, u, model, gpu, cal)) if cal is not None else math.nan
+        peak = float(gemm_seconds(u * t, u, model, gpu))
+        calib = float(gemm_seconds(u * t, u, model, gpu, cal)) if cal is not None else math.nan
         flops = 6.0 * H * F * u * t / (gpu.bf16_tflops * 1e12)
         regime = "FLOP-bound (prefill)" if flops >= peak - 1e-15 else "memory-bound (decode)"
         groups[(kernel, r.get("shape", f"{H}x{F}"), regime)].append((num(r["seconds"]), peak, calib, t))
@@ -265,7 +265,7 @@ def straggler_part(f: Folder) -> list[str]:
     res = f.section("straggler").get("result", {})
     lines += [f"Each virtual GPU's grouped GEMM (`{res.get('kernel', '?')}` kernel) ran with the picks and experts the "
               "plan and its router give it, one GPU after another; the layer's measured time is the slowest GPU's "
-              "(median of repeated runs), the modelled one `max_g expert_seconds(picks_g, experts touched_g)` with the "
+              "(median of repeated runs), the modelled one `max_g expert_seconds(picks [G, E])` with the "
               "published peaks and with the calibration. Static plans (made on the first batches, scored on later "
               "ones) use the `uniform` router; `libra` is the contiguous base plus the batch's extras from its true "
               "routing, with the `rebalance` router.", ""]
@@ -413,9 +413,9 @@ def plot(f: Folder, path: Path) -> bool:
             model = shape_model(pts[0][2], pts[0][3])
             color = f"C{i}"
             ax.loglog(t, [p[1] * 1e3 for p in pts], "o", color=color, ms=4, label=f"{u} expert{'s' if u > 1 else ''}")
-            ax.loglog(t, expert_seconds(t * u, u, model, gpu) * 1e3, "--", color=color, lw=1)
+            ax.loglog(t, gemm_seconds(t * u, u, model, gpu) * 1e3, "--", color=color, lw=1)
             if cal is not None:
-                ax.loglog(t, expert_seconds(t * u, u, model, gpu, cal) * 1e3, "-", color=color, lw=1)
+                ax.loglog(t, gemm_seconds(t * u, u, model, gpu, cal) * 1e3, "-", color=color, lw=1)
         ax.set_title(f"{shape} ({primary})", fontsize=9)
         ax.set_xlabel("tokens per expert")
         ax.set_ylabel("ms (points: measured; --: peaks; -: calibrated)", fontsize=7)

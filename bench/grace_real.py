@@ -11,7 +11,7 @@ Clusters: 1 node x 8 GPUs and 2 nodes x 4 GPUs (one rank per GPU), linked as GRA
 PCIe 4.0 x16 inside a node and one 25 Gb Ethernet NIC per node shared by its GPUs; copies are 2-byte
 activations of the model's hidden size, counted once per destination GPU per token. Budgets: one slot per GPU
 and layer beyond ``E / G`` (``slots_per_gpu = E / G + 1``: 9 for ESFT, 17 for Qwen3), and the same memory as
-``replicas_per_gpu = L``. Modelled layer time: ``moebalance.pricing.goodput.plan_cost`` for the trace's model on
+``replicas_per_gpu = L``. Modelled layer time: ``moebalance.pricing.goodput.price_plan`` for the trace's model on
 RTX 4090s (the mean over held-out batches and layers of the straggler's expert time plus the all-to-all).
 
 Rows: ``contiguous`` (Megatron blocks, no replicas, equal split), ``eplb`` (DeepSeek EPLB with the same memory,
@@ -43,10 +43,11 @@ from _common import ROOT, machine
 from moebalance.app.compare import Scenario, run_comparison
 from moebalance.core.cluster import LINK_PRESETS, Cluster
 from moebalance.core.load import read_load
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
 from moebalance.policies import Budget
-from moebalance.pricing.goodput import plan_cost
+from moebalance.pricing.goodput import price_plan
 from moebalance.routing.simulate import evaluate
 
 #: The commit whose GRACE the "before" rows run (the last one before the fixes of docs/results/grace_real.md).
@@ -99,6 +100,7 @@ def measure(labels: tuple[str, ...]) -> list[Row]:
         load = read_load(f"bundled:{name}")
         assert load.preset is not None
         arch = get_model(load.preset)
+        deployment = Deployment(model=arch, gpu=gpu)
         hidden = arch.hidden_size
         train, _ = load.split(0.5)
         L, E = load.num_layers, load.num_experts
@@ -111,8 +113,8 @@ def measure(labels: tuple[str, ...]) -> list[Row]:
                                       plan_name=ROWS[lab][0]) for lab in labels]
                 t0 = time.perf_counter()
                 got, plans = run_comparison(load, cluster, scenarios, bytes_per_copy=2 * hidden,
-                                            cost=lambda plan, test, router, arch=arch: plan_cost(plan, test, arch,
-                                                                                                 gpu, router=router))
+                                            cost=lambda plan, test, router, dep=deployment: price_plan(
+                                                plan, test, dep, router=router))
                 for sc, row in zip(scenarios, got.values(), strict=True):
                     plan = plans[ROWS[sc.label or ""][0]]
                     traffic = row.score.traffic
@@ -248,7 +250,7 @@ def main() -> None:
         "(48 x 128, top-8, 64 x 256 tokens). Planned on the first half of the batches; balancedness in-sample "
         "(that half) and held out (the second half); copies and modelled times on the held-out half. PCIe 4.0 "
         "inside a node, one 25 Gb Ethernet NIC per node (GRACE Section 5.1); modelled on RTX 4090s "
-        "(`moebalance.pricing.goodput.plan_cost`). Budgets: `slots_per_gpu = E / G + 1` and the same memory as "
+        "(`moebalance.pricing.goodput.price_plan`). Budgets: `slots_per_gpu = E / G + 1` and the same memory as "
         f"`replicas_per_gpu = L`. {note}. Machine: {machine()}.",
         "Reproduce: `.venv/bin/python bench/grace_real.py`.",
         "",

@@ -58,8 +58,9 @@ from moebalance.core.load import LoadMatrix
 from moebalance.lm.capture import capture
 from moebalance.lm.data import DOMAINS, domain_tokens
 from moebalance.lm.moe_lm import bundled_checkpoint, load_checkpoint
+from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import OnlineResult, replay
-from moebalance.prediction.predictors import AccuracyTally, make_predictor
+from moebalance.prediction.predictors import AccuracyTally, PredictorInputs, make_predictor
 
 CHECKPOINT = "moe_lm_8x32.safetensors"
 G = 8
@@ -189,8 +190,9 @@ def online_runs(work: dict[str, Any], predictor: str, n: int, hidden: np.ndarray
     out = []
     for label, spec in runs:
         r = replay(load, cluster, spec["budget"], spec["policy"], spec.get("params", {}), warmup=warm,
-                   router=spec.get("router"), replan_every=spec.get("replan_every"), window=spec.get("window"),
-                   hidden=hidden, model=model, build=build)
+                   router=spec.get("router"),
+                   replanning=Replanning(every=spec.get("replan_every"), window=spec.get("window")),
+                   inputs=PredictorInputs(hidden=hidden, model=model, build=build))
         out.append((label, r))
     return out
 

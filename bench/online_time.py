@@ -45,10 +45,13 @@ from _common import ROOT, batches_load, esft_batches, esft_from_args, esft_seque
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.io import save_png
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
+from moebalance.online.rearrange import DEFAULT_OVERHEAD_MS, Replanning
 from moebalance.online.replay import OnlineResult, replay
-from moebalance.pricing.step import DEFAULT_OVERHEAD_MS, StepPricing
+from moebalance.prediction.predictors import PredictorInputs
+from moebalance.pricing.step import StepPricing
 
 G, E = 8, 64
 SMALL, JOIN = 512, 16  # 8,192 tokens = 16 batches of 512
@@ -158,17 +161,18 @@ def specs() -> list[tuple[str, dict[str, Any]]]:
 def run_cell(work: dict[str, Any]) -> list[tuple[str, OnlineResult]]:
     """Every policy of :func:`specs` (the sweep's cells: only ``SWEEP_POLICIES`` with rebalance) on one workload."""
     cluster = Cluster(num_nodes=1, gpus_per_node=G)  # NVLink 4 inside the node (the default intra-node link)
-    model, gpu = get_model("deepseek-v2-lite"), get_gpu("h100-80gb")
+    pricing = StepPricing(deployment=Deployment(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb")))
     out = []
     for label, spec in specs():
         if work.get("sweep") and (label not in SWEEP_POLICIES or (spec["router"] == "uniform" and
                                   spec["policy"] != "contiguous")):
             continue
-        pricing = StepPricing(model=model, gpu=gpu, rearrange=spec.get("rearrange", "sync"))
+        replanning = Replanning(every=spec.get("replan_every"), window=spec.get("window"),
+                                migration=spec.get("migration", "fresh"), max_moves=spec.get("max_moves"),
+                                rearrange=spec.get("rearrange", "sync"))
         r = replay(work["load"], cluster, spec["budget"], spec["policy"], spec.get("params", {}),
-                   warmup=(0, work["warm"]), router=spec["router"], replan_every=spec.get("replan_every"),
-                   window=spec.get("window"), build=work["build"], pricing=pricing,
-                   migration=spec.get("migration", "fresh"), max_moves=spec.get("max_moves"))
+                   warmup=(0, work["warm"]), router=spec["router"], replanning=replanning,
+                   inputs=PredictorInputs(build=work["build"]), pricing=pricing)
         out.append((label, r))
     return out
 
@@ -318,9 +322,10 @@ def async_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]]) -> 
 
 def migration_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]]) -> list[str]:
     """What ``aligned`` and ``bounded`` change against ``fresh`` (periodic EPLB, rebalance router), per cell."""
-    pricing = StepPricing(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb"))
-    gib = pricing.bytes_per_expert / 2 ** 30
-    slots = pricing.model.num_layers * (E // G + 1)
+    deployment = Deployment(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb"))
+    overhead_ms = Replanning().overhead_ms  # the replay's (periodic EPLB's) host overhead per re-plan
+    gib = deployment.bytes_per_expert / 2 ** 30
+    slots = deployment.model.num_layers * (E // G + 1)
 
     def t(runs: list[tuple[str, OnlineResult]], mode: str, mig: str) -> dict[str, Any]:
         r = _get(runs, periodic(mode, mig), "rebalance")
@@ -330,13 +335,13 @@ def migration_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]])
     def per_replan(x: dict[str, Any]) -> tuple[float, float]:
         """(copies received per GPU per re-plan, transfer ms per re-plan) of a sync row."""
         n = max(x["rearrangements"], 1)
-        transfer = x["exposed_balancing_ms"] - x["exposed_router_ms"] - x["rearrangements"] * pricing.overhead_ms
+        transfer = x["exposed_balancing_ms"] - x["exposed_router_ms"] - x["rearrangements"] * overhead_ms
         return x["moved_gib"] / gib / n / G, transfer / n
 
     fresh_copies = [per_replan(t(runs, "sync", "fresh"))[0] for runs in cells.values()]
     w = [f"Migration-aware re-planning (periodic EPLB, rebalance router). A fresh re-plan moves "
          f"{min(fresh_copies):.0f}-{max(fresh_copies):.0f} expert copies into each GPU (of its {slots} slots: "
-         f"{pricing.model.num_layers} layers x {E // G + 1}); `bounded` here allows M = {MAX_MOVES} per GPU and "
+         f"{deployment.model.num_layers} layers x {E // G + 1}); `bounded` here allows M = {MAX_MOVES} per GPU and "
          f"re-plan, one per layer on average, {MAX_MOVES / max(fresh_copies):.0%}-{MAX_MOVES / min(fresh_copies):.0%} "
          "of that. Per cell, fresh / aligned / bounded:", ""]
     for (work, tokens), runs in cells.items():
@@ -351,7 +356,7 @@ def migration_note(cells: dict[tuple[str, int], list[tuple[str, OnlineResult]]])
             return " / ".join(f"{rows[mode, mig]['tokens_per_s'] / floor:.3f}x" for mig in MIGRATIONS)
 
         f_gib, a_gib = rows["sync", "fresh"]["moved_gib"], rows["sync", "aligned"]["moved_gib"]
-        host = rows["sync", "fresh"]["rearrangements"] * pricing.overhead_ms
+        host = rows["sync", "fresh"]["rearrangements"] * overhead_ms
         w.append(f"- **{work}, {tokens:,} tokens.** Sync: moved {three('moved_gib', '.1f', 'sync')} GiB "
                  f"(aligned {1 - a_gib / f_gib:.0%} fewer than fresh; copies received per GPU and "
                  f"re-plan {' / '.join(f'{c:.0f}' for c, _ in sync)}), transfer per re-plan "

@@ -25,8 +25,11 @@ from typing import Any
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
+from moebalance.online.failure import Failures
+from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import OnlineResult, replay
 from moebalance.pricing.step import StepPricing
 from moebalance.workloads.profiles import routing_profile
@@ -77,7 +80,7 @@ FAILING = ("static EPLB", f"periodic EPLB async, aligned (every {K} on {W})", "L
 def run(load: LoadMatrix, *, fail: bool = False) -> list[tuple[str, OnlineResult]]:
     """Every policy of :func:`specs` on ``load`` (with ``fail``: those in ``FAILING``, GPU 5 lost)."""
     cluster = Cluster(num_nodes=NODES, gpus_per_node=PER_NODE)
-    model, gpu = get_model(MODEL), get_gpu("h100-80gb")
+    pricing = StepPricing(deployment=Deployment(model=get_model(MODEL), gpu=get_gpu("h100-80gb")))
     out = []
     for label, spec in specs():
         if fail and label not in FAILING:
@@ -85,11 +88,12 @@ def run(load: LoadMatrix, *, fail: bool = False) -> list[tuple[str, OnlineResult
         if fail and spec["policy"] == "libra":  # 4 homes on 63 GPUs cannot hold 256 experts: an EPLB base of 5 slots
             spec = {**spec, "budget": Budget(slots_per_gpu=5), "params": {**spec["params"], "base": "eplb"}}
             label = f"{label}, EPLB base of 5 slots per GPU"
-        pricing = StepPricing(model=model, gpu=gpu, rearrange=spec.get("rearrange", "sync"))
+        replanning = Replanning(every=spec.get("replan_every"), window=spec.get("window"),
+                                migration=spec.get("migration", "fresh"), max_moves=spec.get("max_moves"),
+                                rearrange=spec.get("rearrange", "sync"))
         r = replay(load, cluster, spec["budget"], spec["policy"], spec.get("params", {}), warmup=(0, WARM),
-                   router=spec.get("router", "rebalance"), replan_every=spec.get("replan_every"),
-                   window=spec.get("window"), pricing=pricing, migration=spec.get("migration", "fresh"),
-                   max_moves=spec.get("max_moves"), failures=[(FAIL_GPU, WARM + FAIL_AT)] if fail else ())
+                   router=spec.get("router", "rebalance"), replanning=replanning, pricing=pricing,
+                   failures=Failures(((FAIL_GPU, WARM + FAIL_AT),)) if fail else None)
         out.append((label, r))
     return out
 

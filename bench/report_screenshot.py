@@ -28,9 +28,10 @@ from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.io import atomic_path
 from moebalance.core.load import read_bundled
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
-from moebalance.pricing.goodput import plan_cost
+from moebalance.pricing.goodput import price_plan
 
 WIDTH = 1200
 LIMIT = 300 * 1024
@@ -41,10 +42,11 @@ PROBE = "<script>document.body.setAttribute('data-height', document.documentElem
 def build(out: Path) -> Path:
     load = read_bundled("esft-law")
     cluster, budget = Cluster(num_nodes=1, gpus_per_node=8), Budget(slots_per_gpu=9)
-    model, gpu = get_model(load.preset or "deepseek-v2-lite"), get_gpu("h100-80gb")
+    model = get_model(load.preset or "deepseek-v2-lite")
+    deployment = Deployment(model=model, gpu=get_gpu("h100-80gb"))
     scenarios = [Scenario(p, budget, {}, "uniform", plan_name=p) for p in ("contiguous", "greedy", "eplb", "craft")]
     rows, plans = run_comparison(load, cluster, scenarios,
-                                 cost=lambda plan, test, router: plan_cost(plan, test, model, gpu, router=router))
+                                 cost=lambda plan, test, router: price_plan(plan, test, deployment, router=router))
     train, test = load.split(0.5)
     title = (f"bundled:esft-law ({model.display_name}, the ESFT law task): {load.num_layers} layers x "
              f"{load.num_experts} experts on 1x8 GPUs, {budget.describe()}, planned on {train.num_batches} batches, "

@@ -29,16 +29,19 @@ from moebalance.app.advise import (
     redundant_values,
 )
 from moebalance.app.advise_engines import launch_lines
-from moebalance.app.commands.advise import DEFAULT_MARGIN, FIT_ERROR_KEY
+from moebalance.app.commands.advise import DEFAULT_MARGIN
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_bundled, write_load
 from moebalance.core.plan import Placement, read_plan
+from moebalance.cost.calibrate import FIT_ERROR_KEY, read_calibration
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
 from moebalance.engines import read_any_load
 from moebalance.engines.detect import read_any_plan
 from moebalance.models import get_model
+from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import replay
 from moebalance.policies import make_plan
 from moebalance.pricing.phase import PhaseModel
@@ -196,8 +199,9 @@ def _setup(phase: str = "decode", router_ms: float = 0.0) -> Setup:
     load = read_bundled("esft-law")
     spec, gpu = get_model("deepseek-v2-lite"), get_gpu("h100-80gb")
     train, test = load.split(0.5)
-    pricing = StepPricing(model=spec, gpu=gpu, phase=phase, router_ms=router_ms, output_tokens=1000)
-    return Setup(cluster=Cluster(num_nodes=1, gpus_per_node=8), phase=PhaseModel(phase, spec, gpu), pricing=pricing,
+    deployment = Deployment(model=spec, gpu=gpu)
+    pricing = StepPricing(deployment=deployment, phase=phase, router_ms=router_ms)
+    return Setup(cluster=Cluster(num_nodes=1, gpus_per_node=8), phase=PhaseModel(phase, deployment), pricing=pricing,
                  train=train, test=test, workload_batches=(8,))
 
 
@@ -214,7 +218,7 @@ def test_a_given_plan_is_priced_as_the_replay_prices_its_policy(router: str) -> 
     assert given.balancedness == ref.balancedness and given.time == ref.time and given.policy == "eplb"
     assert given.time is not None and (given.time["exposed_router_ms"] > 0) == (router == "rebalance")
     with pytest.raises(InputError, match="a given plan serves unchanged"):
-        replay(steps, setup.cluster, budget, plan, replan_every=2, **kw)
+        replay(steps, setup.cluster, budget, plan, replanning=Replanning(every=2), **kw)
 
 
 def test_prefill_steps_are_a_chunk_per_rank_whatever_the_replicas() -> None:
@@ -244,15 +248,13 @@ def test_leave_eplb_off_unless_the_gain_clears_the_margin() -> None:
 
 
 def test_a_calibration_fit_error_widens_the_margin(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from moebalance.app.commands.advise import read_calibration
 
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"format": "moebalance.calibration", "flops_efficiency": 0.6,
                                 "bandwidth_efficiency": 0.8, "launch_us": 5.0, "source": "test",
                                 FIT_ERROR_KEY: 0.4}))
-    import argparse
 
-    calibration, error = read_calibration(argparse.Namespace(calibration=str(path)))
+    calibration, error = read_calibration(path)
     assert calibration.bandwidth_efficiency == 0.8 and error == 0.4
     # the recorded error (exp(0.4) - 1 = 49%) outweighs the default 5%: EPLB's modelled gain no longer clears it
     doc, _ = advise(capsys, "--load", DECODE, *V3, "--calibration", path)

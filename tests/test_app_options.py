@@ -174,8 +174,15 @@ def test_load_model_names_the_loads_model() -> None:
     assert options.load_model(named, "deepseek-v3") is named
     assert options.load_model(named, "deepseek-r1").preset == "deepseek-r1"  # a model of the same shape
     assert options.load_model(load, None) is load
-    with pytest.raises(InputError, match=r"--model kimi-k2 has 60 MoE layers .* 384 experts but the load has 61 x 256"):
+    with pytest.raises(InputError, match=r"the load \(--model kimi-k2\) does not fit model 'kimi-k2': it has 256 experts "
+                                         r"per layer, but Kimi-K2 has 384; give the load's --model"):
         options.load_model(load, "kimi-k2")
+    # the one rule of ModelSpec.misfit: the MoE layers alone (58), the decoder layers (61), or with the MTP layer (62)
+    for rows in (58, 61, 62):
+        assert options.load_model(LoadMatrix(np.ones((1, rows, 256), dtype=np.int64)), "deepseek-v3").num_layers == rows
+    with pytest.raises(InputError, match=r"it has 59 layers, but DeepSeek-V3 has 61 decoder layers \(3 dense, then 58 "
+                                         r"MoE\) and 1 MTP layer of 256 experts"):
+        options.load_model(LoadMatrix(np.ones((1, 59, 256), dtype=np.int64)), "deepseek-v3")
 
 
 # ----- the parser --------------------------------------------------------------------------------------------------

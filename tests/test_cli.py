@@ -1258,8 +1258,8 @@ def test_plan_model_gives_eplb_the_models_groups(inp: Path, outdir: Path, capsys
     assert "eplb ran hierarchical: 8 expert group(s), DeepSeek-V3's (--model); 8 node(s) divide them" in out
     rc, out, err = run_cli([*base, "--model", "deepseek-v3", "--groups", 1], capsys)
     assert rc == 0 and "eplb ran global: 1 expert group(s), as given" in out
-    assert_user_error([*base, "--model", "kimi-k2"], capsys, inp, "--model kimi-k2 has 60 MoE layers",
-                      "the load has 58 x 256")
+    assert_user_error([*base, "--model", "kimi-k2"], capsys, inp, "the load (--model kimi-k2) does not fit model "
+                      "'kimi-k2'", "256 experts per layer, but Kimi-K2 has 384", "give the load's --model")
 
 
 def test_plan_model_on_a_load_that_names_one(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,14 +18,16 @@ from hypothesis import strategies as st
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
-from moebalance.core.load import LoadMatrix
+from moebalance.core.load import LoadMatrix, read_bundled
 from moebalance.core.plan import Placement, write_plan
+from moebalance.cost.a2a import a2a_estimate
+from moebalance.cost.deployment import Deployment, Workload
 from moebalance.cost.hardware import GPUS, GpuSpec, get_gpu
 from moebalance.cost.memory import EngineMemory, memory_per_gpu
-from moebalance.cost.time import Calibration, expert_seconds, rest_seconds
+from moebalance.cost.time import Calibration, expert_seconds, gemm_seconds, rest_seconds
 from moebalance.models import MODELS, Attention, ModelSpec, get_model
 from moebalance.policies import make_plan
-from moebalance.pricing.goodput import Workload, a2a_estimate, plan_cost
+from moebalance.pricing.goodput import price_plan
 
 MIB = 1 << 20
 
@@ -159,13 +161,13 @@ def test_craft_kv_cache_reductions_within_five_points() -> None:
 def test_expert_time_by_hand() -> None:
     arch, h100 = get_model("deepseek-v3"), get_gpu("h100-80gb")
     # one pick, one expert: 3 x 7168 x 2048 x 2 B of weights + 2 x 7168 x 2 B in and out, at 3.35 TB/s
-    one = float(expert_seconds(1, 1, arch, h100))
+    one = float(gemm_seconds(1, 1, arch, h100))
     assert one == pytest.approx((3 * 7168 * 2048 * 2 + 2 * 7168 * 2) / 3.35e12)
     # 4096 picks of one expert: 6 x 7168 x 2048 x 4096 FLOPs at 989 TFLOP/s (compute bound)
-    many = float(expert_seconds(4096, 1, arch, h100))
+    many = float(gemm_seconds(4096, 1, arch, h100))
     assert many == pytest.approx(6 * 7168 * 2048 * 4096 / 989e12)
-    assert float(expert_seconds(0, 0, arch, h100)) == 0.0
-    slow = float(expert_seconds(1, 1, arch, h100, Calibration(bandwidth_efficiency=0.5, launch_us=10.0)))
+    assert float(gemm_seconds(0, 0, arch, h100)) == 0.0
+    slow = float(gemm_seconds(1, 1, arch, h100, Calibration(bandwidth_efficiency=0.5, launch_us=10.0)))
     assert slow == pytest.approx(2 * one + 10e-6)
 
 
@@ -174,7 +176,7 @@ def test_expert_time_by_hand() -> None:
 def test_expert_time_is_monotone_in_tokens_and_experts(n1: float, n2: float, u1: float, u2: float, gpu: str) -> None:
     arch = get_model("kimi-k2")
     lo_n, hi_n, lo_u, hi_u = min(n1, n2), max(n1, n2), min(u1, u2), max(u1, u2)
-    t = lambda n, u: float(expert_seconds(n, u, arch, get_gpu(gpu)))  # noqa: E731
+    t = lambda n, u: float(gemm_seconds(n, u, arch, get_gpu(gpu)))  # noqa: E731
     assert t(lo_n, lo_u) <= t(hi_n, lo_u) + 1e-15
     assert t(lo_n, lo_u) <= t(lo_n, hi_u) + 1e-15
 
@@ -210,12 +212,12 @@ def _tiny_plan_and_load() -> tuple[Placement, LoadMatrix]:
 def test_plan_cost_layer_time_is_the_straggler_plus_all_to_all() -> None:
     plan, load = _tiny_plan_and_load()
     arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
-    cost = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1, reserve_gib=0.0))
+    cost = price_plan(plan, load, Deployment(model=arch, gpu=gpu, engine=EngineMemory(attention_tp=1, reserve_gib=0.0)))
     from moebalance.routing.simulate import gpu_loads
 
     loads = gpu_loads(plan, load.counts)  # uniform router
     touched = np.einsum("ble,leg->blg", (load.counts > 0).astype(float), (plan.copies > 0).astype(float))
-    expect = expert_seconds(loads, touched, arch, gpu).max(axis=2) + a2a_estimate(loads, plan.cluster, 2048 * 2)
+    expect = gemm_seconds(loads, touched, arch, gpu).max(axis=2) + a2a_estimate(loads, plan.cluster, 2048 * 2)
     assert cost.modelled_layer_ms == pytest.approx(1e3 * expect.mean())
     assert cost.modelled_goodput > 0 and cost.decode_step_ms > 0 and cost.prefill_step_ms > cost.decode_step_ms / 100
     assert set(cost.as_dict()) >= {"weights_gb_per_gpu", "replica_gb_per_gpu", "kv_cache_gb_per_gpu",
@@ -226,8 +228,8 @@ def test_goodput_falls_when_the_kv_cache_is_taken() -> None:
     """The same plan with a larger engine reserve holds fewer requests, so its goodput is lower."""
     plan, load = _tiny_plan_and_load()
     arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
-    roomy = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1, reserve_gib=0.0))
-    tight = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1, reserve_gib=10.0))
+    roomy = price_plan(plan, load, Deployment(model=arch, gpu=gpu, engine=EngineMemory(attention_tp=1, reserve_gib=0.0)))
+    tight = price_plan(plan, load, Deployment(model=arch, gpu=gpu, engine=EngineMemory(attention_tp=1, reserve_gib=10.0)))
     assert tight.memory.max_concurrency < roomy.memory.max_concurrency
     assert tight.modelled_goodput < roomy.modelled_goodput
     with pytest.raises(InputError, match="prompt_tokens"):
@@ -295,7 +297,7 @@ def test_calibration_fit_recovers_known_constants(tmp_path, capsys: pytest.Captu
     lines = ["experts,tokens_per_expert,hidden_size,ffn_size,seconds"]
     for experts in (1, 8, 32):
         for tokens in (1, 4, 16, 64, 256, 1024, 2048):
-            t = float(expert_seconds(experts * tokens, experts, arch, gpu, truth))
+            t = float(gemm_seconds(experts * tokens, experts, arch, gpu, truth))
             lines.append(f"{experts},{tokens},7168,2048,{t!r}")
     (tmp_path / "m.csv").write_text("\n".join(lines) + "\n")
     got, error, (by_flops, by_memory) = fit(read_measurements(tmp_path / "m.csv"), gpu)
@@ -383,8 +385,8 @@ def test_compare_auto_by_goodput(capsys: pytest.CaptureFixture[str]) -> None:
 def test_no_room_for_a_request_and_bad_attention_split() -> None:
     plan, load = _tiny_plan_and_load()
     arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
-    huge = plan_cost(plan, load, arch, gpu, engine=EngineMemory(attention_tp=1),
-                     workload=Workload(prompt_tokens=10**8, output_tokens=1))
+    huge = price_plan(plan, load, Deployment(model=arch, gpu=gpu, engine=EngineMemory(attention_tp=1),
+                                             workload=Workload(prompt_tokens=10**8, output_tokens=1)))
     assert huge.memory.max_concurrency == 0 and huge.modelled_goodput == 0.0
     json.dumps(huge.as_dict(), allow_nan=False)  # a finite decode step even then
     with pytest.raises(InputError, match="--attention-tp 3 must divide"):
@@ -399,7 +401,7 @@ def test_calibration_of_one_regime_keeps_the_other_efficiency_at_its_largest(tmp
     arch, gpu = get_model("deepseek-v3"), get_gpu("h100-80gb")
     truth = Calibration(flops_efficiency=0.6, bandwidth_efficiency=0.8)
     lines = ["experts,tokens_per_expert,hidden_size,ffn_size,seconds"]
-    lines += [f"{u},{n},7168,2048,{float(expert_seconds(u * n, u, arch, gpu, truth))!r}" for u in (1, 8) for n in (1, 4)]
+    lines += [f"{u},{n},7168,2048,{float(gemm_seconds(u * n, u, arch, gpu, truth))!r}" for u in (1, 8) for n in (1, 4)]
     (tmp_path / "m.csv").write_text("\n".join(lines) + "\n")
     got, error, (by_flops, by_memory) = fit(read_measurements(tmp_path / "m.csv"), gpu)
     assert (by_flops, by_memory) == (0, 4) and got.flops_efficiency == 1.0
@@ -413,7 +415,7 @@ def test_goodput_of_a_tiny_deployment_by_hand() -> None:
     load = LoadMatrix(np.array([[[2, 2, 0, 0], [1, 1, 1, 1]]]))
     engine = EngineMemory(memory_fraction=0.5, reserve_gib=0.0, attention_tp=1)
     work = Workload(prompt_tokens=4, output_tokens=2, prefill_chunk=8)
-    cost = plan_cost(plan, load, TINY, SMALL_GPU, engine=engine, workload=work)
+    cost = price_plan(plan, load, Deployment(model=TINY, gpu=SMALL_GPU, engine=engine, workload=work))
     # memory: 524,288 B - 416 B of non-expert weights - 8 experts x 192 B = 522,336 B; a request holds 6 tokens x 16 B
     assert cost.memory.max_concurrency == 522336 // 96 == 5441
     # at the load's own size: layer 0 has 4 picks on 2 touched experts, layer 1 4 picks on 4 (memory bound:
@@ -455,13 +457,91 @@ def test_step_model_skips_idle_batches_and_node_dispatch_needs_tokens() -> None:
     plan, load = _tiny_plan_and_load()
     arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
     engine = EngineMemory(attention_tp=1, reserve_gib=0.0)
-    busy = plan_cost(plan, load, arch, gpu, engine=engine)
+    busy = price_plan(plan, load, Deployment(model=arch, gpu=gpu, engine=engine))
     counts = np.zeros((2 * load.num_batches, *load.counts.shape[1:]), dtype=np.int64)
     counts[1::2] = load.counts  # every other batch idle: the same busy batches, the step model must not see zeros
-    idle = plan_cost(plan, LoadMatrix(counts), arch, gpu, engine=engine)
+    idle = price_plan(plan, LoadMatrix(counts), Deployment(model=arch, gpu=gpu, engine=engine))
     assert idle.decode_step_ms == pytest.approx(busy.decode_step_ms)
     assert idle.modelled_goodput == pytest.approx(busy.modelled_goodput)
     with pytest.raises(InputError, match="--dispatch node needs a token-level load"):
-        plan_cost(plan, load, arch, gpu, engine=engine, node_forwarding=True)
+        price_plan(plan, load, Deployment(model=arch, gpu=gpu, engine=engine, dispatch="node"))
     with pytest.raises(InputError, match="--dense-tp 9"):
         memory_per_gpu(arch, gpu, num_gpus=4, gpus_per_node=2, engine=EngineMemory(dense_tp=9))
+
+
+# ----- the contract: expert_seconds(picks [..., G, E], model, gpu, calibration=...) -> [..., G] --------------------
+
+def test_expert_seconds_contract_worked_example() -> None:
+    """The docstring's example by hand: DeepSeek-V3 on an H100 at its peaks; GPU 0 serves 3 + 1 picks of two experts,
+    GPU 1 four picks of one. Reading an expert's 3 H F x 2 bytes at 3.35 TB/s dominates the FLOPs."""
+    v3, h100 = MODELS["deepseek-v3"], GPUS["h100-80gb"]
+    H, F = v3.hidden_size, v3.moe_intermediate_size
+    read = 3 * H * F * 2 / 3.35e12  # one expert's weights: 26.3 us
+    act = 2 * H * 2 / 3.35e12  # one pick's input and output
+    got = expert_seconds(np.array([[3, 1, 0], [0, 0, 4]]), v3, h100)
+    assert got.shape == (2,)
+    np.testing.assert_allclose(got, [2 * read + 4 * act, read + 4 * act], rtol=1e-12)
+    assert np.round(got * 1e6, 1).tolist() == [52.6, 26.3]
+
+
+@given(picks=st.lists(st.lists(st.lists(st.integers(0, 5000), min_size=3, max_size=3), min_size=2, max_size=2),
+                      min_size=1, max_size=3),
+       launch=st.sampled_from([0.0, 7.5]))
+@settings(max_examples=50, deadline=None)
+def test_expert_seconds_is_the_roofline_of_each_gpus_picks(picks: list[list[list[int]]], launch: float) -> None:
+    """Leading axes broadcast; each GPU's time is the roofline of its picks and the experts they touch, an idle GPU
+    takes nothing, and more picks of an expert it already reads never make it faster."""
+    arr = np.array(picks)  # [B, G, E]
+    cal = Calibration(flops_efficiency=0.5, bandwidth_efficiency=0.7, launch_us=launch)
+    arch = MODELS["mixtral-8x7b"]
+    got = expert_seconds(arr, arch, GPUS["a100-80gb"], cal)
+    assert got.shape == arr.shape[:-1]
+    H, F = arch.hidden_size, arch.moe_intermediate_size
+    for idx in np.ndindex(*arr.shape[:-1]):
+        n, u = int(arr[idx].sum()), int((arr[idx] > 0).sum())
+        want = 0.0 if n == 0 else launch * 1e-6 + max(6 * H * F * n / (312e12 * 0.5),
+                                                       (3 * H * F * 2 * u + 2 * n * H * 2) / (2039e9 * 0.7))
+        assert got[idx] == pytest.approx(want, rel=1e-12)
+    more = arr + (arr > 0)  # one more pick of every expert already read
+    assert np.all(expert_seconds(more, arch, GPUS["a100-80gb"], cal) >= got)
+
+
+def test_expert_seconds_refuses_what_is_not_a_picks_matrix() -> None:
+    v3, h100 = MODELS["deepseek-v3"], GPUS["h100-80gb"]
+    with pytest.raises(InputError, match=r"picks must be \[\.\.\., G, E\]"):
+        expert_seconds(np.array([1, 2]), v3, h100)
+    with pytest.raises(InputError, match="whole numbers of tokens"):
+        expert_seconds(np.array([[0.5, 1.0]]), v3, h100)
+    with pytest.raises(InputError, match=">= 0"):
+        expert_seconds(np.array([[-1, 1]]), v3, h100)
+    assert expert_seconds(np.array([[2.0, 0.0]]), v3, h100)[0] > 0  # whole numbers in a float array are picks
+
+
+def test_every_price_of_a_layer_is_the_deployments() -> None:
+    """The goodput model's layer time, the phase time and a served step are one formula: on the same plan, load and
+    router they agree to the last bit (the layer priced once, by pricing.layer)."""
+    from moebalance.pricing.layer import price_layers
+    from moebalance.pricing.phase import phase_time
+    from moebalance.routing import get_router
+
+    arch, gpu = get_model("olmoe-1b-7b"), GPUS["h100-80gb"]
+    load = read_bundled("olmoe-1b-7b-tokens").select_batches(0, 3)
+    cluster = Cluster(num_nodes=2, gpus_per_node=4)
+    plan = make_plan("eplb", load, cluster, Budget(slots_per_gpu=9))[0]
+    d = Deployment(model=arch, gpu=gpu, engine=EngineMemory(attention_tp=1))
+    priced = price_layers(plan, load, get_router("uniform"), d, np.random.default_rng(0))
+    active = priced.active
+    cost = price_plan(plan, load, d)
+    phase = phase_time(plan, load, "uniform", d, phase="prefill", step_tokens=256)
+    assert cost.modelled_layer_ms == pytest.approx(float(priced.seconds[active].mean() * 1e3), rel=1e-15)
+    assert phase.moe_layer_ms == cost.modelled_layer_ms
+    np.testing.assert_array_equal(priced.seconds, priced.expert.max(axis=2) + priced.a2a)
+
+
+def test_expert_seconds_docstring_example_runs() -> None:
+    import doctest
+
+    import moebalance.cost.time as module
+
+    result = doctest.testmod(module, extraglobs={"np": np})
+    assert result.attempted >= 2 and result.failed == 0

@@ -17,15 +17,13 @@ import json
 import math
 import subprocess
 import sys
-from argparse import Namespace
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from moebalance.app.options import calibration_from
-from moebalance.cost.calibrate import read_measurements
+from moebalance.cost.calibrate import read_calibration, read_measurements
 from moebalance.cost.hardware import GPUS
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -65,7 +63,7 @@ def test_gemm_measurements_and_calibration_are_what_the_cli_reads(folder: Path) 
     kernels = {r["kernel"] for r in rows}
     assert kernels <= {"bmm", "grouped_mm"} and "bmm" in kernels
     assert len(rows) == len(kernels) * len(setup.gemm_shapes) * len(setup.gemm_experts) * len(setup.gemm_tokens)
-    cal = calibration_from(Namespace(calibration=str(folder / "calibration.json")))
+    cal = read_calibration(folder / "calibration.json")[0]
     assert 0 < cal.flops_efficiency <= 1 and 0 < cal.bandwidth_efficiency <= 1 and cal.launch_us >= 0
     fits = json.loads((folder / "env.json").read_text())["sections"]["gemm"]["result"]["fits"]
     assert {f"{k}/all" for k in kernels} <= set(fits)

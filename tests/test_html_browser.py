@@ -25,8 +25,10 @@ from moebalance.app.html_report import Report, compare_report, online_report
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.load import read_bundled
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
+from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import replay
 from moebalance.pricing.step import StepPricing
 
@@ -138,8 +140,10 @@ def esft_pages(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, st
     scenarios = [Scenario(p, budget, {}, "uniform", plan_name=p) for p in ("contiguous", "greedy", "eplb")]
     rows, plans = run_comparison(load, cluster, scenarios)
     compare = compare_report(rows, plans, scenarios, load.split(0.5)[1], "bundled:esft-law on 1 x 8 GPUs")
-    pricing = StepPricing(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb"), router_ms=0.05)
-    results = [replay(load, cluster, budget, "eplb", {}, warmup=(0, 4), replan_every=4, window=4, pricing=pricing),
+    pricing = StepPricing(deployment=Deployment(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb")),
+                          router_ms=0.05)
+    results = [replay(load, cluster, budget, "eplb", {}, warmup=(0, 4), replanning=Replanning(every=4, window=4),
+                      pricing=pricing),
                replay(load, cluster, budget, "libra", {"n": 2, "predictor": "path"}, warmup=(0, 4), pricing=pricing)]
     online = online_report(results, "bundled:esft-law served after 4 warm-up batches")
     return (compare.write(tmp / "compare.html"), online.write(tmp / "online.html"),

@@ -28,10 +28,12 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_bundled
 from moebalance.core.plan import Placement
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
+from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import replay
-from moebalance.pricing.goodput import plan_cost
+from moebalance.pricing.goodput import price_plan
 from moebalance.pricing.step import StepPricing
 
 
@@ -305,10 +307,10 @@ def test_compare_report(esft: LoadMatrix) -> None:
 def test_compare_report_priced(esft: LoadMatrix) -> None:
     """With the cost model (``compare --gpu``): ranked by modelled goodput, each row's MoE layer split into expert
     time and all-to-all, the two adding up to the row's modelled layer."""
-    model, gpu = get_model("deepseek-v2-lite"), get_gpu("h100-80gb")
+    deployment = Deployment(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb"))
     scenarios = [Scenario(p, Budget(slots_per_gpu=9), {}, "uniform", plan_name=p) for p in ("eplb", "contiguous")]
     rows, plans = run_comparison(esft, Cluster(num_nodes=1, gpus_per_node=8), scenarios,
-                                 cost=lambda plan, test, router: plan_cost(plan, test, model, gpu, router=router))
+                                 cost=lambda plan, test, router: price_plan(plan, test, deployment, router=router))
     page = Page(compare_report(rows, plans, scenarios, esft.split(0.5)[1], "priced").html())
     sec = page.sections()
     ranked = sorted(rows.values(), key=lambda r: -r.cost.modelled_goodput if r.cost else 0.0)
@@ -337,8 +339,10 @@ def test_compare_report_of_one_row(esft: LoadMatrix) -> None:
 
 def test_online_report(esft: LoadMatrix) -> None:
     cluster, budget = Cluster(num_nodes=1, gpus_per_node=8), Budget(slots_per_gpu=9)
-    pricing = StepPricing(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb"), router_ms=0.05)
-    results = [replay(esft, cluster, budget, "eplb", {}, warmup=(0, 4), replan_every=2, window=2, pricing=pricing),
+    pricing = StepPricing(deployment=Deployment(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb")),
+                          router_ms=0.05)
+    results = [replay(esft, cluster, budget, "eplb", {}, warmup=(0, 4), replanning=Replanning(every=2, window=2),
+                      pricing=pricing),
                replay(esft, cluster, budget, "libra", {"n": 2, "predictor": "path"}, warmup=(0, 4), pricing=pricing),
                replay(esft, cluster, budget, "contiguous", {}, warmup=(0, 4), pricing=pricing)]
     page = Page(online_report(results, "esft-law online").html())

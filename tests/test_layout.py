@@ -117,3 +117,120 @@ def test_readme_layout_names_existing_modules() -> None:
         for name in sorted(actual - named):
             problems.append(f"{m.group(1)}/{name} is not named in README's layout")
     assert not problems, "README layout and the tree differ: " + "; ".join(problems)
+
+
+# ----- floors: imports run one way ---------------------------------------------------------------------------------
+
+def _floors() -> dict[str, int]:
+    """The floor of every unit, from docs/design.md, "Architecture" (the block that starts ``floor  units``)."""
+    section = (ROOT / "docs" / "design.md").read_text().split("## Architecture", 1)[1].split("\n## ", 1)[0]
+    block = next(b for b in section.split("```")[1::2] if b.strip().startswith("floor"))
+    floors: dict[str, int] = {}
+    for line in block.strip().splitlines()[1:]:
+        number, *units = line.split()
+        for unit in units:
+            floors[unit] = int(number)
+    return floors
+
+
+def _unit(module: str) -> str:
+    """The unit of a ``moebalance`` module: its package, except ``core.errors`` and the top-level modules."""
+    if module == "moebalance.core.errors" or module.startswith("moebalance.core.errors."):
+        return "core.errors"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "moebalance"
+
+
+def _imported(tree: ast.AST, path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import of a ``moebalance`` module anywhere in ``tree``: at module level, inside
+    functions and under ``TYPE_CHECKING`` alike (``from pkg import mod`` names ``pkg.mod`` where it is a module)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "moebalance"]
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(node.module, node.level, path)
+            if source.split(".")[0] != "moebalance":
+                continue
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                is_module = (SRC.parent / Path(*sub.split("."))).with_suffix(".py").exists() or \
+                    (SRC.parent / Path(*sub.split("."))).is_dir()
+                out.append((node.lineno, sub if is_module else source))
+    return out
+
+
+def upward_imports(path: Path, text: str, floors: dict[str, int]) -> list[str]:
+    """The imports in ``text`` (the source of ``path``) of a unit on the same floor or above its own, or of a unit
+    no floor names."""
+    here = _unit(_module_name(path))
+    found = []
+    for line, module in _imported(ast.parse(text, filename=str(path)), path):
+        there = _unit(module)
+        if there == here:
+            continue
+        where = f"{path.relative_to(ROOT)}:{line} ({here}) imports {module} ({there})"
+        if here not in floors or there not in floors:
+            found.append(f"{where}: a unit docs/design.md's floors do not name")
+        elif floors[there] >= floors[here]:
+            found.append(f"{where}: floor {floors[there]} is not below floor {floors[here]}")
+    return found
+
+
+def test_every_import_points_down_the_floors() -> None:
+    floors = _floors()
+    found = [f for path in _sources() for f in upward_imports(path, path.read_text(), floors)]
+    assert not found, "imports that do not run down the floors of docs/design.md, \"Architecture\":\n" + \
+        "\n".join(found)
+
+
+def test_the_floor_check_catches_a_planted_upward_import() -> None:
+    """The check fails on a lower floor importing a higher one, wherever the import sits."""
+    floors = _floors()
+    path = SRC / "core" / "load.py"
+    text = path.read_text()
+    assert upward_imports(path, text, floors) == []
+    planted = {
+        "module level": text + "\nfrom moebalance.pricing.layer import price_layers\n",
+        "inside a function": text + "\n\ndef f() -> None:\n    from moebalance.app import options\n",
+        "under TYPE_CHECKING": text + "\nif TYPE_CHECKING:\n    import moebalance.routing.simulate\n",
+        "a package of its own floor's neighbours": text + "\nfrom moebalance import cost\n",
+    }
+    for where, source in planted.items():
+        found = upward_imports(path, source, floors)
+        assert len(found) == 1 and "is not below floor 2" in found[0], (where, found)
+    same_floor = SRC / "cost" / "time.py"
+    found = upward_imports(same_floor, same_floor.read_text() + "\nfrom moebalance.algorithms import eplb\n", floors)
+    assert len(found) == 1 and "floor 3 is not below floor 3" in found[0]
+
+
+def test_no_command_imports_another_command() -> None:
+    commands = SRC / "app" / "commands"
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in commands.glob("*.py") if path.name != "__init__.py"
+             for line, module in _imported(ast.parse(path.read_text()), path)
+             if module.startswith("moebalance.app.commands")]
+    assert not found, "command modules are leaves; share code through app/ or a lower floor:\n" + "\n".join(found)
+
+
+def test_the_roofline_is_written_in_one_module() -> None:
+    """The grouped GEMM's roofline (6 H F FLOPs per pick against 3 H F w bytes per expert) lives in cost/time.py."""
+    pattern = re.compile(r"6\.0 \* H \* F|3\.0 \* H \* F")
+    found = sorted(str(p.relative_to(ROOT)) for p in _sources() if pattern.search(p.read_text()))
+    assert found == ["src/moebalance/cost/time.py"], found
+
+
+# ----- registries: exactly the documented names --------------------------------------------------------------------
+
+def _documented(section: str) -> list[str]:
+    """The names of the first table of docs/design.md's ``section`` (its rows' first cells, backquoted)."""
+    text = (ROOT / "docs" / "design.md").read_text().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z_]+)` \|", text, flags=re.MULTILINE)
+
+
+def test_the_registries_are_the_documented_names() -> None:
+    from moebalance.policies import DYNAMIC_POLICIES, POLICIES
+    from moebalance.routing import ROUTERS
+
+    assert list(ROUTERS) == _documented("Routers")
+    assert [*POLICIES, *DYNAMIC_POLICIES] == _documented("Policies")

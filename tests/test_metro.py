@@ -17,11 +17,12 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_load
 from moebalance.core.plan import Placement, write_plan
 from moebalance.core.trace import RoutingTrace
+from moebalance.cost.a2a import a2a_estimate
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
-from moebalance.cost.time import expert_seconds
+from moebalance.cost.time import gemm_seconds
 from moebalance.models import get_model
 from moebalance.policies import Budget, make_plan
-from moebalance.pricing.goodput import a2a_estimate
 from moebalance.pricing.phase import PhaseModel, phase_steps, phase_time
 from moebalance.routing import ROUTERS, get_router
 from moebalance.routing.base import check_routes
@@ -69,7 +70,7 @@ def test_decode_batch_where_token_balance_is_wrong() -> None:
     times = {}
     for name, router in (("uniform", ROUTERS["uniform"]), ("rebalance", ROUTERS["rebalance"]), ("metro", METRO)):
         picks, touched = split_touched(router, plan, counts, RNG)
-        times[name] = float(expert_seconds(picks, touched, V3, H100).max()) * 1e6
+        times[name] = float(gemm_seconds(picks, touched, V3, H100).max()) * 1e6
         if name == "metro":
             assert sorted(picks[0, 0].tolist()) == [1.0, 3.0] and touched[0, 0].tolist() == [1.0, 1.0]
         if name == "rebalance":
@@ -118,7 +119,7 @@ def cases(draw: st.DrawFn) -> tuple[Placement, np.ndarray, str, str]:
 
 def _layer_seconds(plan: Placement, model: str, gpu: str, picks: np.ndarray, touched: np.ndarray,
                    a2a: np.ndarray) -> np.ndarray:
-    return expert_seconds(picks, touched, get_model(model), get_gpu(gpu)).max(axis=2) + a2a
+    return gemm_seconds(picks, touched, get_model(model), get_gpu(gpu)).max(axis=2) + a2a
 
 
 @given(case=cases())
@@ -175,9 +176,10 @@ def test_kernel_roofline_is_the_cost_model(n: int, u: int, model: str, gpu: str)
     model than the one it is scored by), calibrated too."""
     router = get_router("metro", {"gpu": gpu, "model": model, "flops_efficiency": 0.6, "launch_us": 4.0})
     plan = Placement([[[0], [0]]], 1, Cluster(num_nodes=1, gpus_per_node=2))
-    cost = router.config.cost_vector(plan)  # type: ignore[union-attr]
-    want = float(expert_seconds(n, max(u, 1) if n else u, get_model(model), get_gpu(gpu),
-                                router.config.calibration()))  # type: ignore[union-attr]
+    deployment = router.config.deployment()  # type: ignore[union-attr]
+    cost = deployment.cost_vector(plan.cluster)
+    assert deployment.calibration.flops_efficiency == 0.6 and deployment.calibration.launch_us == 4.0
+    want = float(gemm_seconds(n, max(u, 1) if n else u, get_model(model), get_gpu(gpu), deployment.calibration))
     assert kernel.expert_time(n, max(u, 1) if n else u, cost) == pytest.approx(want, rel=1e-12, abs=1e-18)
 
 
@@ -232,10 +234,10 @@ def test_phase_time_of_metro_is_at_most_uniform_on_decode_steps() -> None:
     train, test = load.split(0.5)
     cluster = Cluster(num_nodes=8, gpus_per_node=8)
     plan = make_plan("eplb", train, cluster, Budget(slots_per_gpu=6))[0]
-    phase = PhaseModel("decode", V3, H100)
+    phase = PhaseModel("decode", Deployment(model=V3, gpu=H100))
     steps, tokens = phase.plan_steps(plan, test)
     assert tokens == phase.step_tokens(cluster, np.full(64, 6 * 58))
-    t = {r: phase_time(plan, steps, get_router(r) if r != "metro" else METRO, V3, H100, phase="decode",
+    t = {r: phase_time(plan, steps, get_router(r) if r != "metro" else METRO, phase.deployment, phase="decode",
                        step_tokens=tokens) for r in ("uniform", "rebalance", "metro")}
     assert t["metro"].moe_layer_ms <= min(t["uniform"].moe_layer_ms, t["rebalance"].moe_layer_ms) * (1 + 1e-12)
     assert t["metro"].moe_layer_ms == pytest.approx(t["metro"].expert_ms + t["metro"].a2a_ms)

@@ -25,6 +25,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_bundled
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
+from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import OnlineResult, moved_copies, replay
 from moebalance.policies import get_policy, make_plan
 from moebalance.policies.libra import LibraConfig, batch_plan
@@ -34,6 +35,7 @@ from moebalance.prediction.predictors import (
     OraclePredictor,
     PathPredictor,
     Prediction,
+    PredictorInputs,
     accuracy,
     demand_of,
     make_predictor,
@@ -448,7 +450,8 @@ CASES = [
 @pytest.mark.parametrize(("policy", "every", "window", "replans", "moved", "imbalance"), CASES)
 def test_periodic_replanning_by_hand(policy: str, every: int | None, window: int | None, replans: int,
                                      moved: list[int], imbalance: list[float]) -> None:
-    res = replay(SHIFT, TWO, Budget(slots_per_gpu=2), policy, warmup=(0, 4), replan_every=every, window=window)
+    res = replay(SHIFT, TWO, Budget(slots_per_gpu=2), policy, warmup=(0, 4),
+                 replanning=Replanning(every=every, window=window))
     assert res.batches.tolist() == list(range(4, 12))
     assert res.replans == replans
     assert res.per_batch_moved.tolist() == moved
@@ -565,18 +568,19 @@ def test_libra_history_and_path_on_a_trace(olmoe: LoadMatrix) -> None:
                                                                       range(4, 6), 8))
     build = olmoe.select_batches(40, 64)
     other = replay(olmoe, OLMOE_CLUSTER, budget, "libra", {"predictor": "path", "depth": 1}, warmup=(0, 4),
-                   batches=(4, 6), build=build)
+                   batches=(4, 6), inputs=PredictorInputs(build=build))
     assert build.trace is not None
     np.testing.assert_allclose(other.per_layer_accuracy,  # type: ignore[arg-type]
                                mean_accuracy(PathPredictor([build.trace], 1), olmoe.trace, range(4, 6), 8))
     with pytest.raises(InputError, match="token-level build split"):
-        replay(olmoe, OLMOE_CLUSTER, budget, "libra", {"predictor": "path"}, warmup=(0, 4), build=LoadMatrix(build.counts))
+        replay(olmoe, OLMOE_CLUSTER, budget, "libra", {"predictor": "path"}, warmup=(0, 4),
+               inputs=PredictorInputs(build=LoadMatrix(build.counts)))
 
 
 def test_libra_lookahead_replay(captured: tuple[Any, Any]) -> None:
     model, cap = captured
     res = replay(cap.load, TWO, Budget(slots_per_gpu=8), "libra", {"predictor": "lookahead", "n": 2},
-                 warmup=(0, 1), hidden=cap.hidden_states, model=model)
+                 warmup=(0, 1), inputs=PredictorInputs(hidden=cap.hidden_states, model=model))
     assert res.batches.tolist() == [1, 2, 3]
     expected = mean_accuracy(LookaheadPredictor.from_model(model, cap.hidden_states), cap.load.trace, range(1, 4), 2)
     assert res.per_layer_accuracy is not None
@@ -599,10 +603,10 @@ def test_libra_lookahead_replay(captured: tuple[Any, Any]) -> None:
     ({"warmup": (0, 4), "batches": (2, 6)}, ("served batches 2:6", "after the warm-up")),
     ({"warmup": (0, 4), "batches": (6, 13)}, ("served batches 6:13",)),
     ({"warmup": (0, 4), "batches": (6, 6)}, ("served batches 6:6",)),
-    ({"warmup": (0, 4), "replan_every": 0}, ("replan_every (0)",)),
-    ({"warmup": (0, 4), "replan_every": 2, "window": 0}, ("window (0)",)),
+    ({"warmup": (0, 4), "replanning": {"every": 0}}, ("replan_every (0)", "positive number of batches")),
+    ({"warmup": (0, 4), "replanning": {"every": 2, "window": 0}}, ("window (0)", "positive number of batches")),
     ({"warmup": (0, 4), "policy": "foo"}, ("unknown policy 'foo'", "libra")),
-    ({"warmup": (0, 4), "policy": "libra", "replan_every": 2}, ("--replan-every",)),
+    ({"warmup": (0, 4), "policy": "libra", "replanning": {"every": 2}}, ("--replan-every",)),
     ({"warmup": (0, 4), "policy": "libra", "params": {"n": -1}}, ("n",)),
     ({"warmup": (0, 4), "policy": "libra", "params": {"alpha": 2}}, ("alpha (2)",)),
     ({"warmup": (0, 4), "policy": "libra", "params": {"base": "libra"}}, ("base",)),
@@ -615,7 +619,10 @@ def test_replay_errors(kwargs: dict[str, Any], fragments: tuple[str, ...]) -> No
     kwargs = dict(kwargs)
     policy = kwargs.pop("policy", "greedy")
     params = kwargs.pop("params", {"predictor": "oracle"} if policy == "libra" else None)
-    with pytest.raises(InputError) as info:
+    replanning = kwargs.pop("replanning", None)
+    with pytest.raises(InputError) as info:  # a bad re-plan is refused by Replanning itself
+        if replanning is not None:
+            kwargs["replanning"] = Replanning(**replanning)
         replay(SHIFT, TWO, Budget(slots_per_gpu=2), policy, params, **kwargs)
     for fragment in fragments:
         assert fragment in str(info.value)

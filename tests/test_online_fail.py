@@ -22,9 +22,11 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_bundled
 from moebalance.core.plan import Placement
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
-from moebalance.online.failure import check_failures, parse_failure, recovery_cost
+from moebalance.online.failure import Failures, check_failures, parse_failure, recovery_cost
+from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import moved_copies, replay
 from moebalance.policies import make_plan
 from moebalance.pricing.step import StepPricing
@@ -52,9 +54,9 @@ def drifting(batches: int = 8, layers: int = 2, experts: int = 16, seed: int = 0
 
 def test_aligned_moves_fewer_experts_than_fresh_with_the_same_balance() -> None:
     load = drifting()
-    kw: dict[str, Any] = {"warmup": (0, 2), "replan_every": 1, "window": 1}
-    fresh = replay(load, FOUR, Budget(slots_per_gpu=5), "eplb", **kw)
-    aligned = replay(load, FOUR, Budget(slots_per_gpu=5), "eplb", migration="aligned", **kw)
+    fresh = replay(load, FOUR, Budget(slots_per_gpu=5), "eplb", warmup=(0, 2), replanning=Replanning(every=1, window=1))
+    aligned = replay(load, FOUR, Budget(slots_per_gpu=5), "eplb", warmup=(0, 2),
+                     replanning=Replanning(every=1, window=1, migration="aligned"))
     # a relabelling of GPUs: every batch's imbalance is the fresh plan's, and fewer copies move
     np.testing.assert_allclose(aligned.per_batch_imbalance, fresh.per_batch_imbalance, rtol=1e-12)
     assert aligned.per_batch_moved.sum() < fresh.per_batch_moved.sum()
@@ -66,9 +68,11 @@ def test_bounded_never_receives_more_than_m_per_gpu() -> None:
     load = drifting()
     budget = Budget(slots_per_gpu=5)
     # M = 0: no GPU receives an expert it lacks (a second copy of one it holds is a local clone), nothing is priced
-    none = replay(load, FOUR, budget, "eplb", warmup=(0, 2), replan_every=1, migration="bounded", max_moves=0,
-                  pricing=StepPricing(model=dataclasses.replace(SMALL, num_layers=2, num_experts=16),
-                                      gpu=get_gpu("h100-80gb")))
+    none = replay(load, FOUR, budget, "eplb", warmup=(0, 2),
+                  replanning=Replanning(every=1, migration="bounded", max_moves=0),
+                  pricing=StepPricing(deployment=Deployment(model=dataclasses.replace(SMALL, num_layers=2,
+                                                                                      num_experts=16),
+                                                            gpu=get_gpu("h100-80gb"))))
     assert none.time is not None and none.time["exposed_balancing_ms"] == 0 and none.time["moved_gib"] == 0
     # M = 2, the online loop's chain of re-plans: no GPU receives more than 2 copies per re-plan (summed over layers)
     prev = make_plan("eplb", load.select_batches(0, 2), FOUR, budget)[0]
@@ -83,16 +87,17 @@ def test_bounded_never_receives_more_than_m_per_gpu() -> None:
         copies.append(moved_copies(prev, new))
         prev = new
     assert total > 0  # the bound binds something: moves were made
-    res = replay(load, FOUR, budget, "eplb", warmup=(0, 2), replan_every=1, migration="bounded", max_moves=2)
+    res = replay(load, FOUR, budget, "eplb", warmup=(0, 2),
+                 replanning=Replanning(every=1, migration="bounded", max_moves=2))
     assert res.per_batch_moved.tolist() == [0, *copies] and res.params["max_moves"] == 2
 
 
 def test_migration_refusals() -> None:
     load = drifting()
     with pytest.raises(InputError, match="needs a static policy with --replan-every"):
-        replay(load, FOUR, Budget(slots_per_gpu=5), "eplb", warmup=(0, 2), migration="aligned")
-    with pytest.raises(InputError, match="max_moves goes with migration bounded"):
-        replay(load, FOUR, Budget(slots_per_gpu=5), "eplb", warmup=(0, 2), replan_every=1, migration="bounded")
+        replay(load, FOUR, Budget(slots_per_gpu=5), "eplb", warmup=(0, 2), replanning=Replanning(migration="aligned"))
+    with pytest.raises(InputError, match="max_moves goes with migration bounded"):  # refused by Replanning itself
+        Replanning(every=1, migration="bounded")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -129,9 +134,10 @@ def test_a_lost_gpu_serves_nothing_and_balance_is_over_the_survivors() -> None:
     # 1 layer, 4 experts of 10 picks per batch on 4 GPUs of 2 slots: EPLB's plan is [[0, 0], [1, 1], [2, 2], [3, 3]]
     # (its packing's ties), every GPU at 10 picks
     load = LoadMatrix(np.full((6, 1, 4), 10, dtype=np.int64))
-    pricing = StepPricing(model=dataclasses.replace(SMALL, num_layers=1, num_experts=4, top_k=2),
-                          gpu=get_gpu("h100-80gb"), overhead_ms=5.0)
-    res = replay(load, FOUR, Budget(slots_per_gpu=2), "eplb", warmup=(0, 2), failures=[(1, 4)], pricing=pricing)
+    pricing = StepPricing(deployment=Deployment(model=dataclasses.replace(SMALL, num_layers=1, num_experts=4, top_k=2),
+                                                gpu=get_gpu("h100-80gb")))
+    res = replay(load, FOUR, Budget(slots_per_gpu=2), "eplb", warmup=(0, 2), replanning=Replanning(overhead_ms=5.0),
+                 failures=Failures(((1, 4),)), pricing=pricing)
     # batches 2, 3 balanced; from 4 on 3 survivors x 2 slots hold the 4 experts twice for two of them:
     # copies of 10, 10, 5, 5, 5, 5 packed 15, 15, 10: imbalance 15 / (40 / 3) = 1.125, balancedness 0.8889
     np.testing.assert_allclose(res.per_batch_imbalance, [1.0, 1.0, 1.125, 1.125], rtol=1e-12)
@@ -154,7 +160,7 @@ def test_libra_after_a_failure_prefetches_for_the_survivors_only() -> None:
     kw: dict[str, Any] = {"warmup": (0, 2), "router": "rebalance"}
     params = {"predictor": "oracle", "n": 2, "base": "eplb"}
     whole = replay(load, cluster, Budget(slots_per_gpu=3), "libra", params, **kw)
-    failed = replay(load, cluster, Budget(slots_per_gpu=3), "libra", params, failures=[(1, 6)], **kw)
+    failed = replay(load, cluster, Budget(slots_per_gpu=3), "libra", params, failures=Failures(((1, 6),)), **kw)
     f = failed.failures[0]
     assert f["imbalance_before"] == pytest.approx(whole.per_batch_imbalance[:4].mean())
     assert f["mean_imbalance_after"] <= f["imbalance_before"] * 1.02 and f["recovery_batches"] == 0
@@ -163,7 +169,7 @@ def test_libra_after_a_failure_prefetches_for_the_survivors_only() -> None:
 def test_three_experts_recover_at_once() -> None:
     # 3 experts on 4 GPUs of 2 slots; after GPU 0 fails the 3 survivors hold each expert twice: 5 + 5 each
     load = LoadMatrix(np.full((6, 1, 3), 10, dtype=np.int64))
-    res = replay(load, FOUR, Budget(slots_per_gpu=2), "eplb", warmup=(0, 2), failures=[(0, 3)])
+    res = replay(load, FOUR, Budget(slots_per_gpu=2), "eplb", warmup=(0, 2), failures=Failures(((0, 3),)))
     (f,) = res.failures
     assert f["recovery_batches"] == 0 and f["mean_imbalance_after"] == 1.0 and f["stall_ms"] is None
 
@@ -172,7 +178,7 @@ def test_survivors_that_cannot_hold_every_expert_are_refused() -> None:
     load = LoadMatrix(np.full((6, 1, 8), 10, dtype=np.int64))
     # 4 GPUs x 2 slots hold the 8 experts once; 3 survivors hold 6 < 8: each would need ceil(8 / 3) = 3
     with pytest.raises(InputError, match=r"3 surviving GPUs hold 2 expert slots each.*each would need 3 slots"):
-        replay(load, FOUR, Budget(slots_per_gpu=2), "eplb", warmup=(0, 2), failures=[(2, 4)])
+        replay(load, FOUR, Budget(slots_per_gpu=2), "eplb", warmup=(0, 2), failures=Failures(((2, 4),)))
 
 
 # ----------------------------------------------------------------------------------------------------------

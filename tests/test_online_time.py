@@ -23,19 +23,19 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_bundled
 from moebalance.core.plan import Placement
+from moebalance.cost.deployment import Deployment, Workload
 from moebalance.cost.hardware import get_gpu
 from moebalance.models import get_model
+from moebalance.online.rearrange import DEFAULT_OVERHEAD_MS, Rearranger, Replanning, hybrid
 from moebalance.online.replay import replay
 from moebalance.policies import make_plan
-from moebalance.pricing.goodput import plan_cost
+from moebalance.pricing.goodput import price_plan
+from moebalance.pricing.layer import LayerPrice, price_layers
 from moebalance.pricing.step import (
-    DEFAULT_OVERHEAD_MS,
-    Rearranger,
     RouterTimer,
     StepPricing,
     exposed_prefetch,
     exposed_router,
-    hybrid,
     local_seconds,
     step_time,
 )
@@ -50,8 +50,17 @@ def plan_of(layers: Sequence[Sequence[Sequence[int]]], cluster: Cluster = ONE_NO
     return Placement(gpu_experts=[[list(g) for g in layer] for layer in layers], num_experts=experts, cluster=cluster)
 
 
-def pricing(**kw: Any) -> StepPricing:
-    return StepPricing(model=SMALL, gpu=H100, **kw)
+SMALL_BYTES = Deployment(model=SMALL, gpu=H100).bytes_per_expert
+
+
+def moves_of(plan: Placement, **kw: Any) -> Rearranger:
+    """A priced rearranger of ``SMALL`` experts with the re-plan options ``kw``."""
+    return Rearranger(plan, Replanning(**kw), SMALL_BYTES)
+
+
+def priced(model: Any, **kw: Any) -> StepPricing:
+    """The step pricing of ``model`` on an H100 (``kw``: the phase and router time)."""
+    return StepPricing(deployment=Deployment(model=model, gpu=H100), **kw)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -63,7 +72,7 @@ NEW = plan_of([[[0, 1], [1]], [[0, 1], [1]]])  # GPU 0 also hosts expert 1 in bo
 
 
 def test_sync_stall_is_the_transfer_plus_the_host_overhead() -> None:
-    moves = Rearranger(OLD, pricing(overhead_ms=5.0))
+    moves = moves_of(OLD, overhead_ms=5.0)
     moves.replan(NEW)
     # GPU 0 receives expert 1 of each layer from GPU 1: GPU 1 sends twice, 2 rounds of 9 MB / 450 GB/s = 20 us each;
     # serving stops for them and for the 5 ms of host time: 5.04 ms, and the new plan serves this very step
@@ -73,11 +82,11 @@ def test_sync_stall_is_the_transfer_plus_the_host_overhead() -> None:
     moves.after_step(1e-3)
     assert moves.before_step() == (NEW, 0.0)  # nothing left to move
     # the default host overhead is SGLang's measured second
-    assert pricing().overhead_ms == DEFAULT_OVERHEAD_MS == 1000.0
+    assert Replanning().overhead_ms == DEFAULT_OVERHEAD_MS == 1000.0
 
 
 def test_sync_with_one_layer_per_step_stalls_each_step_for_its_layer() -> None:
-    moves = Rearranger(OLD, pricing(overhead_ms=5.0, layers_per_step=1))
+    moves = moves_of(OLD, overhead_ms=5.0, layers_per_step=1)
     moves.replan(NEW)
     # step 1: layer 0's one copy, 1 round of 20 us, plus the host's 5 ms; layer 0 serves the new plan, layer 1 the old
     plan, exposed = moves.before_step()
@@ -91,7 +100,7 @@ def test_sync_with_one_layer_per_step_stalls_each_step_for_its_layer() -> None:
 
 
 def test_async_delay_is_the_steps_the_transfer_takes() -> None:
-    moves = Rearranger(OLD, pricing(rearrange="async"))
+    moves = moves_of(OLD, rearrange="async")
     moves.replan(NEW)
     # the 40 us transfer runs beside steps of 15 us: after 1 step 15 us, after 2 30 us (< 40), after 3 45 us:
     # ceil(40 / 15) = 3 steps on the old plan, the new one from the 4th; nothing exposed
@@ -106,7 +115,7 @@ def test_async_delay_is_the_steps_the_transfer_takes() -> None:
 
 
 def test_an_async_replan_abandoned_before_it_lands_is_no_rearrangement() -> None:
-    moves = Rearranger(OLD, pricing(rearrange="async"))
+    moves = moves_of(OLD, rearrange="async")
     moves.replan(NEW)
     for _ in range(2):  # 30 us served of the 40 us transfer: nothing landed yet
         assert moves.before_step() == (OLD, 0.0)
@@ -117,13 +126,13 @@ def test_an_async_replan_abandoned_before_it_lands_is_no_rearrangement() -> None
 
 
 def test_a_replan_that_moves_nothing_is_free() -> None:
-    moves = Rearranger(OLD, pricing())
+    moves = moves_of(OLD)
     same = plan_of([[[0], [1]], [[0], [1]]])
     moves.replan(same)
     assert moves.before_step() == (same, 0.0)
     assert moves.rearrangements == 0 and moves.moved_bytes == 0
     # without pricing a re-plan serves at once (the imbalance-only replay)
-    free = Rearranger(OLD, None)
+    free = Rearranger(OLD, Replanning(), None)
     free.replan(NEW)
     assert free.before_step() == (NEW, 0.0)
 
@@ -131,7 +140,7 @@ def test_a_replan_that_moves_nothing_is_free() -> None:
 def test_inter_node_moves_take_the_network() -> None:
     two_nodes = Cluster(num_nodes=2, gpus_per_node=1)
     old = plan_of([[[0], [1]]], two_nodes)
-    moves = Rearranger(old, pricing(overhead_ms=0.0))
+    moves = moves_of(old, overhead_ms=0.0)
     moves.replan(plan_of([[[0, 1], [1]]], two_nodes))
     # one copy across nodes: 9 MB / 50 GB/s = 180 us
     assert moves.before_step()[1] == pytest.approx(180 * US, rel=1e-12)
@@ -142,11 +151,11 @@ def test_hybrid_takes_the_landed_layers() -> None:
     assert [list(map(list, layer)) for layer in mixed.gpu_experts] == [[[0], [1]], [[0, 1], [1]]]
 
 
-def test_pricing_refuses_bad_settings() -> None:
+def test_replanning_refuses_bad_settings() -> None:
     for kw, fragment in (({"rearrange": "later"}, "rearrange mode 'later'"),
                          ({"overhead_ms": -1.0}, "overhead (-1.0 ms)"), ({"layers_per_step": 0}, "layers per step (0)")):
         with pytest.raises(InputError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-            pricing(**kw)
+            Replanning(**kw)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -200,10 +209,10 @@ def test_local_seconds_count_the_picks_the_token_gpu_holds() -> None:
     plan = plan_of([[[0], [1]]])  # GPU 0 holds expert 0, GPU 1 expert 1
     # three tokens, top-1: on GPU 0 one picks expert 0 (local) and one expert 1 (remote); on GPU 1 one picks expert 1
     trace = RoutingTrace(topk_ids=[[[0]], [[1]], [[1]]], src_gpu=[0, 0, 1], batch=[0, 0, 0], num_experts=2)
-    got = local_seconds(plan, LoadMatrix(trace.counts(), trace=trace), pricing())
-    from moebalance.cost.time import expert_seconds
+    got = local_seconds(plan, LoadMatrix(trace.counts(), trace=trace), Deployment(model=SMALL, gpu=H100))
+    from moebalance.cost.time import gemm_seconds
 
-    one = expert_seconds(1.0, 1.0, SMALL, H100)  # each GPU: one local pick of one expert
+    one = gemm_seconds(1.0, 1.0, SMALL, H100)  # each GPU: one local pick of one expert
     np.testing.assert_allclose(got, [[one, one]])
 
 
@@ -246,8 +255,8 @@ def test_router_timer_warms_each_function_up_on_its_own() -> None:
 def test_replay_exposes_a_slow_router_and_not_a_fast_one(olmoe: LoadMatrix) -> None:
     budget = Budget(slots_per_gpu=9)
     kw: dict[str, Any] = {"warmup": (0, 4), "batches": (4, 6), "router": "rebalance"}
-    slow = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100, router_ms=10.0), **kw)
-    free = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100, router_ms=0.0), **kw)
+    slow = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=priced(OLMOE, router_ms=10.0), **kw)
+    free = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=priced(OLMOE, router_ms=0.0), **kw)
     assert slow.time is not None and free.time is not None and free.time["exposed_balancing_ms"] == 0.0
     # 10 ms per layer is far beyond a 256-token batch's local phase: nearly all of 16 layers x 2 batches x 10 ms
     assert 300.0 < slow.time["exposed_balancing_ms"] <= 320.0
@@ -255,13 +264,13 @@ def test_replay_exposes_a_slow_router_and_not_a_fast_one(olmoe: LoadMatrix) -> N
     assert slow.time["step_ms_mean"] - free.time["step_ms_mean"] == pytest.approx(
         slow.time["exposed_balancing_ms"] / 2, rel=1e-6)
     # measured (the default): positive, and a router that ignores loads is never charged
-    measured = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100), **kw)
+    measured = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=priced(OLMOE), **kw)
     assert measured.time is not None and measured.time["exposed_router_ms"] == measured.time["exposed_balancing_ms"]
-    uniform = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100, router_ms=10.0),
+    uniform = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=priced(OLMOE, router_ms=10.0),
                      warmup=(0, 4), batches=(4, 6))
     assert uniform.time is not None and uniform.time["exposed_balancing_ms"] == 0.0
     with pytest.raises(InputError, match="router time"):
-        StepPricing(model=OLMOE, gpu=H100, router_ms=-1.0)
+        priced(OLMOE, router_ms=-1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -282,17 +291,21 @@ def test_step_layers_match_the_cost_model(olmoe: LoadMatrix) -> None:
     budget = Budget(slots_per_gpu=9)
     plan = make_plan("eplb", olmoe.select_batches(0, 4), OLMOE_CLUSTER, budget)[0]
     res = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", warmup=(0, 4), batches=(4, 5),
-                 pricing=StepPricing(model=OLMOE, gpu=H100))
+                 pricing=priced(OLMOE))
     assert res.time is not None
     batch = olmoe.select_batches(4, 5)
-    cost = plan_cost(plan, batch, OLMOE, H100, router="uniform")
+    cost = price_plan(plan, batch, Deployment(model=OLMOE, gpu=H100), router="uniform")
     from moebalance.routing import get_router
     from moebalance.routing.simulate import replay_loads
 
     loads, moved, _ = replay_loads(plan, batch, get_router("uniform"), np.random.default_rng(0), with_traffic=True,
                                    bytes_per_copy=OLMOE.hidden_size * 2)
-    assert moved is not None
-    st = step_time(plan, batch, loads, moved.a2a_seconds, 256.0, StepPricing(model=OLMOE, gpu=H100))
+    assert moved is not None and moved.a2a_seconds is not None
+    layers = price_layers(plan, batch, get_router("uniform"), Deployment(model=OLMOE, gpu=H100),
+                          np.random.default_rng(0))
+    np.testing.assert_array_equal(layers.loads, loads)  # the same routed picks and copies as the plain replay
+    np.testing.assert_array_equal(layers.a2a, moved.a2a_seconds)
+    st = step_time(plan, layers, 256.0, priced(OLMOE))
     assert float(st.expert.sum() + st.a2a.sum()) == pytest.approx(cost.modelled_layer_ms * 1e-3 * 16, rel=1e-9)
     assert st.rest > 0
     assert res.time["per_batch_step_ms"][0] == pytest.approx(st.seconds * 1e3, rel=1e-5)
@@ -308,38 +321,48 @@ def test_decode_steps_read_the_kv_cache_and_a_logit_per_token(olmoe: LoadMatrix)
 
     budget = Budget(slots_per_gpu=9)
     plan = make_plan("eplb", olmoe.select_batches(0, 4), OLMOE_CLUSTER, budget)[0]
-    batch = olmoe.select_batches(4, 5)
-    loads = np.ones((1, 16, 8))
-    decode = step_time(plan, batch, loads, None, 256.0,
-                       StepPricing(model=OLMOE, gpu=H100, phase="decode", prompt_tokens=1000, output_tokens=200))
-    prefill = step_time(plan, batch, loads, None, 256.0, StepPricing(model=OLMOE, gpu=H100, prompt_tokens=1000))
+    layers = hand_priced(plan, np.ones((1, 16, 8)), np.ones((1, 16, 8)))
+    requests = Workload(prompt_tokens=1000, output_tokens=200)
+    decode = step_time(plan, layers, 256.0, StepPricing(deployment=Deployment(model=OLMOE, gpu=H100, workload=requests),
+                                                        phase="decode"))
+    prefill = step_time(plan, layers, 256.0, StepPricing(deployment=Deployment(model=OLMOE, gpu=H100, workload=requests)))
     per_rank = 256.0 / (8 // EngineMemory().attention_group(4))  # the batch over the data-parallel ranks
     want = rest_seconds(per_rank, OLMOE, H100, EngineMemory(), 4, kv_tokens_per_rank=per_rank * 1100)
     assert decode.rest == pytest.approx(want) and decode.rest > prefill.rest
     np.testing.assert_array_equal(decode.expert, prefill.expert)
     with pytest.raises(InputError, match="phase 'chat' is unknown"):
-        StepPricing(model=OLMOE, gpu=H100, phase="chat")
+        priced(OLMOE, phase="chat")
+
+
+def hand_priced(plan: Placement, loads: np.ndarray, touched: np.ndarray) -> LayerPrice:
+    """One batch's layers priced from given picks and experts touched per GPU ``[1, L, G]`` (counts' all-to-all)."""
+    d = Deployment(model=OLMOE, gpu=H100)
+    expert = d.gemm_seconds(loads, touched)
+    a2a = d.a2a_estimate(loads, plan.cluster)
+    return LayerPrice(loads=loads, touched=touched, expert=expert, a2a=a2a, seconds=d.layer_seconds(expert, a2a))
 
 
 def test_step_time_takes_the_experts_the_router_touched(olmoe: LoadMatrix) -> None:
     """With the experts each GPU actually reads, a GPU that serves its picks from fewer experts is faster."""
+    from moebalance.routing.touched import hosted_touched
+
     plan = make_plan("eplb", olmoe.select_batches(0, 4), OLMOE_CLUSTER, Budget(slots_per_gpu=9))[0]
     batch = olmoe.select_batches(4, 5)
     loads = np.full((1, 16, 8), 64.0)
-    p = StepPricing(model=OLMOE, gpu=H100)
-    hosted = step_time(plan, batch, loads, None, 256.0, p)
-    one = step_time(plan, batch, loads, None, 256.0, p, touched=np.ones((1, 16, 8)))
-    from moebalance.cost.time import expert_seconds
+    p = priced(OLMOE)
+    hosted = step_time(plan, hand_priced(plan, loads, hosted_touched(plan, batch.counts)), 256.0, p)
+    one = step_time(plan, hand_priced(plan, loads, np.ones((1, 16, 8))), 256.0, p)
+    from moebalance.cost.time import gemm_seconds
 
-    np.testing.assert_allclose(one.expert, expert_seconds(64.0, 1.0, OLMOE, H100))
+    np.testing.assert_allclose(one.expert, gemm_seconds(64.0, 1.0, OLMOE, H100))
     assert (one.expert <= hosted.expert).all() and (one.expert < hosted.expert).any()
     assert one.moe_layer_seconds == pytest.approx(float((one.expert + one.a2a).mean()))
 
 
 def test_replay_sync_exposes_each_rearrangement(olmoe: LoadMatrix) -> None:
     budget = Budget(slots_per_gpu=9)
-    kw: dict[str, Any] = {"warmup": (0, 4), "batches": (4, 10), "replan_every": 2, "window": 1}
-    sync = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100), **kw)
+    kw: dict[str, Any] = {"warmup": (0, 4), "batches": (4, 10), "replanning": Replanning(every=2, window=1)}
+    sync = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=priced(OLMOE), **kw)
     plain = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", **kw)
     t = sync.time
     assert t is not None and plain.time is None and "time" not in plain.as_dict()
@@ -352,22 +375,22 @@ def test_replay_sync_exposes_each_rearrangement(olmoe: LoadMatrix) -> None:
     np.testing.assert_array_equal(sync.per_batch_imbalance, plain.per_batch_imbalance)
     np.testing.assert_array_equal(sync.per_batch_moved, plain.per_batch_moved)
     # async: nothing exposed, the new plans serve later, the same moves
-    lazy = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=StepPricing(model=OLMOE, gpu=H100, rearrange="async"),
-                  **kw)
+    lazy = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", pricing=priced(OLMOE), warmup=(0, 4), batches=(4, 10),
+                  replanning=Replanning(every=2, window=1, rearrange="async"))
     assert lazy.time is not None and lazy.time["exposed_balancing_ms"] == 0.0
     assert lazy.time["tokens_per_s"] > t["tokens_per_s"]
 
 
 def test_replay_libra_oracle_exposes_its_prefetch(olmoe: LoadMatrix) -> None:
     budget = Budget(slots_per_gpu=8)
-    p = StepPricing(model=OLMOE, gpu=H100)
+    p = priced(OLMOE)
     res = replay(olmoe, OLMOE_CLUSTER, budget, "libra", {"predictor": "oracle", "n": 2}, warmup=(0, 4),
                  batches=(4, 7), pricing=p)
     assert res.time is not None
     # every copy is exposed: per layer the busiest GPU's copies x 6.29 MB / 450 GB/s; at least the mean's share
     copies = res.per_batch_moved.sum()
-    assert res.time["moved_gib"] == pytest.approx(copies * p.bytes_per_expert / 2**30, rel=1e-5)
-    mean_ms = copies / 8 * p.bytes_per_expert / 450e9 * 1e3
+    assert res.time["moved_gib"] == pytest.approx(copies * p.deployment.bytes_per_expert / 2**30, rel=1e-5)
+    mean_ms = copies / 8 * p.deployment.bytes_per_expert / 450e9 * 1e3
     assert res.time["exposed_balancing_ms"] >= mean_ms * (1 - 1e-6)
     assert res.time["rearrangements"] == 3
     with pytest.raises(InputError, match="OLMoE-1B-7B has 16 MoE layers"):
@@ -378,7 +401,7 @@ def test_replay_libra_oracle_exposes_its_prefetch(olmoe: LoadMatrix) -> None:
 def test_libra_exact_is_oracle_in_the_priced_replay(olmoe: LoadMatrix) -> None:
     """``predictor=exact`` is the after-the-gate policy: accepted on counts, its copies exposed in full, the same
     result as its alias ``oracle`` (before, exact was refused on counts and priced as a hidden prediction)."""
-    p = StepPricing(model=OLMOE, gpu=H100, router_ms=0.0)
+    p = priced(OLMOE, router_ms=0.0)
     for load in (olmoe, LoadMatrix(olmoe.counts)):
         got = [replay(load, OLMOE_CLUSTER, Budget(slots_per_gpu=8), "libra", {"predictor": pred, "n": 2},
                       warmup=(0, 4), batches=(4, 7), pricing=p) for pred in ("exact", "oracle")]
@@ -389,7 +412,7 @@ def test_libra_exact_is_oracle_in_the_priced_replay(olmoe: LoadMatrix) -> None:
 def test_replay_on_counts_only_estimates_the_all_to_all(olmoe: LoadMatrix) -> None:
     counts = LoadMatrix(olmoe.counts, preset="olmoe-1b-7b")
     res = replay(counts, OLMOE_CLUSTER, Budget(slots_per_gpu=8), "libra", {"predictor": "history", "n": 1},
-                 warmup=(0, 4), batches=(4, 6), pricing=StepPricing(model=OLMOE, gpu=H100))
+                 warmup=(0, 4), batches=(4, 6), pricing=priced(OLMOE))
     assert res.time is not None and min(res.time["per_batch_step_ms"]) > 0
     # 256 tokens per batch: each layer's picks over top-8
     assert res.time["tokens_per_s"] == pytest.approx(2 * 256 / sum(res.time["per_batch_step_ms"]) * 1e3, rel=1e-4)

@@ -381,7 +381,7 @@ def test_cli_errors_are_one_line(workloads: tuple[Path, Path, np.ndarray, np.nda
 
 
 def test_concatenated_traces_keep_their_tokens() -> None:
-    from moebalance.app.commands.plan import concatenate_loads
+    from moebalance.core.load import concatenate_loads
     from moebalance.core.trace import RoutingTrace
 
     rng = np.random.default_rng(31)

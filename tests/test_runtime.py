@@ -19,7 +19,7 @@ from moebalance.core.errors import InputError, MoebalanceError, PlanError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
-from moebalance.policies import DOCUMENTED_POLICIES, DYNAMIC_POLICIES, POLICIES, Budget, make_plan
+from moebalance.policies import POLICIES, Budget, make_plan
 from moebalance.routing import ROUTERS, Router
 from moebalance.routing.copies import traffic
 from moebalance.routing.simulate import gpu_loads
@@ -52,10 +52,9 @@ READY = {n: r.with_params(gpu="h100-80gb", model="mixtral-8x7b") if n == "metro"
 #: Routers whose choice depends on the load (they implement ``Router.assign_kept``).
 LOAD_AWARE = sorted(n for n, r in ROUTERS.items() if r.assign_kept is not None)
 POLICY_NAMES = sorted(POLICIES)
-#: Every documented policy: one that is documented but not registered fails every test that uses its cluster
-#: (``make_plan`` refuses the name). Dynamic policies (``libra``) have no single plan; their per-batch plans
-#: run in tests/test_runtime_libra.py.
-PLAN_NAMES = sorted((set(POLICIES) | set(DOCUMENTED_POLICIES)) - set(DYNAMIC_POLICIES))
+#: Every registered static policy (test_layout.py checks the registries equal docs/design.md's table). Dynamic
+#: policies (``libra``) have no single plan; their per-batch plans run in tests/test_runtime_libra.py.
+PLAN_NAMES = sorted(POLICIES)
 
 
 # ---------------------------------------------------------------- inputs, identical in every process

@@ -140,7 +140,7 @@ def test_random_router_is_unbiased() -> None:
 
 
 def test_a2a_seconds_hand_computed() -> None:
-    from moebalance.routing.simulate import a2a_seconds
+    from moebalance.cost.a2a import a2a_seconds
 
     # 2 nodes x 2 GPUs, 100 GB/s inside a node, 10 GB/s across; 1000-byte copies.
     # GPU 0 sends 50 copies to GPU 1 (intra) and 20 to GPU 2 (inter); GPU 3 sends 30 to GPU 2 (intra).

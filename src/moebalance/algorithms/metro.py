@@ -10,7 +10,7 @@ One ``(batch, layer)``: expert loads ``W [E]`` and the GPUs holding each expert,
 ``g`` then serves ``n_g`` picks and touches ``u_g`` experts (its entries with ``take > 0``). Its grouped GEMM
 takes the cost model's roofline (:func:`moebalance.cost.time.expert_seconds`), and receiving its picks' tokens
 takes about ``kappa`` per pick (the all-to-all's busiest link when tokens come from every GPU alike,
-:func:`moebalance.pricing.goodput.a2a_estimate`); the local search below balances their sum::
+:func:`moebalance.cost.a2a.a2a_estimate`); the local search below balances their sum::
 
     t(n, u) = max(alpha * n, beta * u + gamma * n) + kappa * n + launch        (0 when n = 0)
 

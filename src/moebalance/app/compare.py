@@ -25,7 +25,7 @@ from moebalance.core.io import atomic_write_text, dumps
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement, write_plan
 from moebalance.policies import make_plan
-from moebalance.pricing.goodput import PlanCost
+from moebalance.pricing.goodput import PlanPrice
 from moebalance.pricing.phase import PhaseModel, PhaseTime
 from moebalance.routing import Router
 from moebalance.routing.simulate import evaluate
@@ -97,7 +97,7 @@ class Comparison:
 def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], *, train_frac: float = 0.5,
                    seed: int = 0, bytes_per_copy: int | None = None,
                    on_done: Callable[[str], None] | None = None,
-                   cost: Callable[[Placement, LoadMatrix, str | Router], PlanCost] | None = None,
+                   cost: Callable[[Placement, LoadMatrix, str | Router], PlanPrice] | None = None,
                    node_forwarding: bool = False,
                    phase: PhaseModel | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """Plan and score every scenario; rows by scenario key (in order) and plans by plan name.
@@ -139,7 +139,7 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
 
 
 def run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], train_frac: float, seed: int,
-                  cost: Callable[[Placement, LoadMatrix, str | Router], PlanCost] | None = None,
+                  cost: Callable[[Placement, LoadMatrix, str | Router], PlanPrice] | None = None,
                   node_forwarding: bool = False,
                   phase: PhaseModel | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """:func:`run_comparison` with a progress bar, copies of the load model's hidden size."""

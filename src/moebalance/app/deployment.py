@@ -18,12 +18,23 @@ from moebalance.cost.hardware import GPUS, get_gpu
 from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import Calibration
 from moebalance.models import get_model
-from moebalance.pricing.goodput import PlanCost, plan_cost
+from moebalance.pricing.goodput import PlanPrice, price_plan
 from moebalance.routing import Router
 from moebalance.routing.metro import check_ready, with_deployment
 
-__all__ = ["FLAGS", "CostFn", "add", "add_phase", "auto_by_goodput", "bind_routers", "build", "calibration",
-           "cost_fn", "given", "refuse"]
+__all__ = [
+    "FLAGS",
+    "PriceFn",
+    "add",
+    "add_phase",
+    "auto_by_goodput",
+    "bind_routers",
+    "build",
+    "calibration",
+    "given",
+    "price_fn",
+    "refuse",
+]
 
 _ENGINE, _WORK = EngineMemory(), Workload()  # the defaults the flags show
 #: The most GPUs a parallel group flag names.
@@ -35,8 +46,8 @@ FLAGS = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gi
          ("--dense-tp", "dense_tp"), ("--prompt-tokens", "prompt_tokens"), ("--output-tokens", "output_tokens"),
          ("--prefill-chunk", "prefill_chunk"), ("--calibration", "calibration"), ("--dispatch", "dispatch"))
 
-#: ``(plan, held-out load, router) -> PlanCost``.
-CostFn = Callable[[Placement, LoadMatrix, "str | Router"], PlanCost]
+#: ``(plan, held-out load, router) -> PlanPrice``.
+PriceFn = Callable[[Placement, LoadMatrix, "str | Router"], PlanPrice]
 
 
 def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
@@ -114,7 +125,7 @@ def bind_routers(chosen: Sequence[Router], deployment: Deployment | None, load: 
     return out
 
 
-def cost_fn(args: argparse.Namespace, load: LoadMatrix) -> CostFn | None:
+def price_fn(args: argparse.Namespace, load: LoadMatrix) -> PriceFn | None:
     """The goodput model of ``--gpu``'s deployment (``compare``, ``sweep``), else None (refusing its flags)."""
     if getattr(args, "gpu", None) is None:
         refuse(args, "with --gpu (the cost model)")
@@ -122,15 +133,15 @@ def cost_fn(args: argparse.Namespace, load: LoadMatrix) -> CostFn | None:
     deployment = build(args, load)
     seed = args.seed
 
-    def costing(plan: Placement, test: LoadMatrix, router: str | Router) -> PlanCost:
-        return plan_cost(plan, test, deployment, router=router, seed=seed)
+    def costing(plan: Placement, test: LoadMatrix, router: str | Router) -> PlanPrice:
+        return price_plan(plan, test, deployment, router=router, seed=seed)
 
     return costing
 
 
 def auto_by_goodput(args: argparse.Namespace, load: LoadMatrix,
-                    policies: Sequence[str]) -> Callable[[Placement, LoadMatrix], PlanCost] | None:
-    """``(plan, load) -> PlanCost`` when ``--auto-by goodput`` asks for it (checked), else None."""
+                    policies: Sequence[str]) -> Callable[[Placement, LoadMatrix], PlanPrice] | None:
+    """``(plan, load) -> PlanPrice`` when ``--auto-by goodput`` asks for it (checked), else None."""
     if args.auto_by != "goodput":
         return None
     if args.replicas_per_gpu != "auto" or "craft" not in policies:
@@ -139,4 +150,4 @@ def auto_by_goodput(args: argparse.Namespace, load: LoadMatrix,
     if args.gpu is None:
         raise InputError("--auto-by goodput needs --gpu (and --model when the load names none): the cost model")
     deployment = build(args, load)
-    return lambda plan, part: plan_cost(plan, part, deployment, router="uniform", seed=args.seed)
+    return lambda plan, part: price_plan(plan, part, deployment, router="uniform", seed=args.seed)

@@ -257,7 +257,7 @@ def load_model(load: LoadMatrix, name: str | None) -> LoadMatrix:
     and layers."""
     if name is None or load.preset == name:
         return load
-    get_model(name).check_fits(load.num_layers, load.num_experts, what=f"--model {name}: the load")
+    get_model(name).check_fits(load.num_layers, load.num_experts, what=f"the load (--model {name})")
     return dataclasses.replace(load, preset=name)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from rich.table import Table
 
 from moebalance.core.io import save_png
-from moebalance.pricing.goodput import PlanCost
+from moebalance.pricing.goodput import PlanPrice
 from moebalance.routing.simulate import Score
 
 __all__ = ["ComparisonRow", "budget_notes", "comparison_markdown", "comparison_table", "plot_per_layer",
@@ -28,7 +28,7 @@ class ComparisonRow:
     plan_seconds: float
     warnings: tuple[str, ...] = ()
     #: The plan's modelled memory, time and goodput on the held-out batches (``compare --gpu``), if asked for.
-    cost: PlanCost | None = None
+    cost: PlanPrice | None = None
     #: How the policy read the budget when it could not take it as given (the plan's ``budget_note``), or None.
     budget_note: str | None = None
 

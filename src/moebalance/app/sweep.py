@@ -35,7 +35,7 @@ from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.policies import Budget, make_plan
 from moebalance.policies.craft import CraftConfig
-from moebalance.pricing.goodput import PlanCost
+from moebalance.pricing.goodput import PlanPrice
 from moebalance.routing.simulate import evaluate
 
 __all__ = ["SWEEP_ALIASES", "SWEEP_POLICIES", "SweepPoint", "SweepResult", "canonical", "sweep", "sweep_keys",
@@ -133,7 +133,7 @@ def sweep(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas:
           train_frac: float = 0.5, num_groups: int | None = None,
           params: Mapping[str, Mapping[str, Any]] | None = None,
           on_step: Callable[[], None] | None = None,
-          cost: Callable[[Placement, LoadMatrix], PlanCost] | None = None) -> SweepResult:
+          cost: Callable[[Placement, LoadMatrix], PlanPrice] | None = None) -> SweepResult:
     """Score every policy at every ``R`` in ``replicas`` (plus ``R = L`` for eplb); with ``cost``, also model each
     plan's KV cache and goodput on the held-out batches. ``params[policy]`` are a policy's options;
     ``num_groups`` is eplb's (``params`` win)."""

@@ -11,7 +11,7 @@ reads the weights of every expert it touches once, and its picks' inputs and out
 
 (``w`` bytes per weight, ``a`` per activation.) Few tokens per expert (decode) leave it bound by the experts
 touched; many (prefill) by FLOPs. The layer waits for its slowest GPU (the straggler model), then for the
-all-to-all (:func:`moebalance.routing.simulate.a2a_seconds`: busiest link, dispatch and combine)::
+all-to-all (:func:`moebalance.cost.a2a.a2a_seconds`: busiest link, dispatch and combine)::
 
     layer = max_g t_g + a2a
 
@@ -111,6 +111,8 @@ def expert_seconds(picks: np.ndarray, model: ModelSpec, gpu: GpuSpec, calibratio
         raise InputError(f"picks must be [..., G, E] (tokens each GPU serves of each expert), got shape {a.shape}")
     if a.dtype.kind not in "iub" and not (a.dtype.kind == "f" and np.all(np.isfinite(a)) and np.all(a == np.round(a))):
         raise InputError(f"picks must be whole numbers of tokens, got dtype {a.dtype}")
+    if a.size and a.min() < 0:
+        raise InputError(f"picks must be >= 0, got {a.min()}")
     return gemm_seconds(a.sum(axis=-1, dtype=np.float64), (a > 0).sum(axis=-1), model, gpu, calibration,
                         weight_bytes=weight_bytes, activation_bytes=activation_bytes)
 

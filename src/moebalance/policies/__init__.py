@@ -27,7 +27,6 @@ from moebalance.policies.libra import LIBRA, DynamicPolicy
 from moebalance.policies.moetuner import MOETUNER
 
 __all__ = [
-    "DOCUMENTED_POLICIES",
     "DYNAMIC_POLICIES",
     "POLICIES",
     "Budget",
@@ -44,9 +43,6 @@ __all__ = [
 
 PolicyFn = Callable[..., Placement]
 
-#: Policy names of the command-line contract.
-DOCUMENTED_POLICIES = ("contiguous", "greedy", "eplb", "craft", "grace", "moetuner", "libra")
-
 POLICIES: dict[str, Policy[Any] | PolicyFn] = {
     "contiguous": CONTIGUOUS,
     "greedy": GREEDY,
@@ -59,9 +55,6 @@ POLICIES: dict[str, Policy[Any] | PolicyFn] = {
 #: Policies that plan every batch from a prediction (``moebalance online``), so have no single plan.
 DYNAMIC_POLICIES: dict[str, DynamicPolicy] = {"libra": LIBRA}
 
-_unknown = (set(POLICIES) | set(DYNAMIC_POLICIES)) - set(DOCUMENTED_POLICIES)
-if _unknown:
-    raise RuntimeError(f"policies {sorted(_unknown)} are registered but not documented in DOCUMENTED_POLICIES")
 
 
 def get_policy(policy: str | Policy[Any] | PolicyFn) -> tuple[str, Policy[Any] | PolicyFn]:

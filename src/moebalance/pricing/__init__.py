@@ -10,10 +10,21 @@ load through a plan and a router and prices what it serves, with the cost model 
 - :mod:`~moebalance.pricing.auto`: CRAFT's replication factor chosen by modelled goodput.
 """
 
-from moebalance.pricing.goodput import PlanCost, plan_cost
+from moebalance.pricing.goodput import PlanPrice, price_plan
 from moebalance.pricing.layer import LayerPrice, price_layers
 from moebalance.pricing.phase import PhaseModel, PhaseTime, phase_steps, phase_time
 from moebalance.pricing.step import StepPricing, StepTime, step_time
 
-__all__ = ["LayerPrice", "PhaseModel", "PhaseTime", "PlanCost", "StepPricing", "StepTime", "phase_steps",
-           "phase_time", "plan_cost", "price_layers", "step_time"]
+__all__ = [
+           "LayerPrice",
+           "PhaseModel",
+           "PhaseTime",
+           "PlanPrice",
+           "StepPricing",
+           "StepTime",
+           "phase_steps",
+           "phase_time",
+           "price_layers",
+           "price_plan",
+           "step_time",
+]

@@ -3,7 +3,7 @@
 CRAFT Step 2 chooses ``R`` from the balancedness curve alone (the knee of mean gain against ``log2 R``,
 :func:`moebalance.algorithms.craft.auto_replicas_per_gpu`): it cannot see that replicas take KV cache. Here each
 candidate ``R`` in ``0, 1, 2, 4, ..., L`` gets CRAFT's plan (one benefit table for all of them, Steps 3-5 per ``R``),
-each plan is modelled on the planning batches (:func:`moebalance.pricing.goodput.plan_cost`: its balance and traffic
+each plan is modelled on the planning batches (:func:`moebalance.pricing.goodput.price_plan`: its balance and traffic
 against the KV cache its replicas leave), and the ``R`` with the best modelled goodput wins (ties to the smaller
 ``R``). The plan records ``auto_by``, the chosen ``R`` and the goodput of every candidate.
 """
@@ -19,7 +19,7 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.policies import make_plan
-from moebalance.pricing.goodput import PlanCost
+from moebalance.pricing.goodput import PlanPrice
 
 __all__ = ["candidates", "craft_by_goodput"]
 
@@ -30,7 +30,7 @@ def candidates(num_layers: int) -> tuple[int, ...]:
     return (0, *powers, *((num_layers,) if powers[-1] != num_layers else ()))
 
 
-def craft_by_goodput(load: LoadMatrix, cluster: Cluster, cost: Callable[[Placement, LoadMatrix], PlanCost], *,
+def craft_by_goodput(load: LoadMatrix, cluster: Cluster, cost: Callable[[Placement, LoadMatrix], PlanPrice], *,
                      dense_layers: Sequence[int] | None = None, **params: Any) -> Placement:
     """CRAFT's plan at the ``R`` whose plan has the best modelled goodput on ``load`` (module docstring);
     ``dense_layers`` as :func:`moebalance.policies.make_plan` takes them."""

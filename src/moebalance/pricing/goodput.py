@@ -38,14 +38,14 @@ from moebalance.pricing.layer import price_layers
 from moebalance.routing import Router, get_router
 from moebalance.routing.simulate import check_compatible
 
-__all__ = ["PlanCost", "plan_cost"]
+__all__ = ["PlanPrice", "price_plan"]
 
 #: At most this many held-out batches feed the step model (evenly spaced): it holds [B, L, E, G]-sized terms.
 _STEP_BATCHES = 16
 
 
 @dataclass(frozen=True, slots=True)
-class PlanCost:
+class PlanPrice:
     """What a plan costs (the ``moebalance cost`` keys with ``--plan``)."""
 
     memory: MemoryReport
@@ -69,8 +69,8 @@ class PlanCost:
         return out
 
 
-def plan_cost(plan: Placement, load: LoadMatrix, deployment: Deployment, *, router: str | Router = "uniform",
-              seed: int = 0) -> PlanCost:
+def price_plan(plan: Placement, load: LoadMatrix, deployment: Deployment, *, router: str | Router = "uniform",
+              seed: int = 0) -> PlanPrice:
     """Model ``plan`` on ``load`` (held-out batches) for ``deployment`` (module docstring).
 
     With ``deployment.dispatch == "node"`` a token-level load's all-to-all sends one network copy per destination
@@ -127,6 +127,6 @@ def plan_cost(plan: Placement, load: LoadMatrix, deployment: Deployment, *, rout
     decode = step(max(C, 1), "decode")
     round_seconds = work.output_tokens * decode + C * work.prompt_tokens / chunk * prefill
     goodput = C * work.output_tokens / round_seconds
-    return PlanCost(memory=memory, modelled_layer_ms=float(priced.seconds[active].mean() * 1e3),
+    return PlanPrice(memory=memory, modelled_layer_ms=float(priced.seconds[active].mean() * 1e3),
                     modelled_a2a_ms=float(a2a[active].mean() * 1e3), modelled_goodput=goodput,
                     decode_step_ms=decode * 1e3, prefill_step_ms=prefill * 1e3)

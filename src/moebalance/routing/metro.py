@@ -10,7 +10,7 @@ spread over the GPUs; in prefill the picks spread as a token balancer spreads th
 
 Per ``(batch, layer)`` the router also computes what ``uniform`` and ``rebalance`` (default options) would do and
 keeps the fastest of the three by the modelled layer time: the slowest GPU's grouped GEMM plus the all-to-all
-(:func:`moebalance.pricing.goodput.a2a_estimate` on counts; on tokens the picks' copies, one per destination GPU,
+(:func:`moebalance.cost.a2a.a2a_estimate` on counts; on tokens the picks' copies, one per destination GPU,
 :func:`moebalance.routing.simulate.traffic`, on the plan's links). So ``metro`` is never slower than either in
 modelled layer time: on counts against their ``split_counts`` (experts touched:
 :func:`moebalance.routing.touched.hosted_touched` for both), on tokens against their picks (whole picks; experts
@@ -94,7 +94,7 @@ class MetroConfig(RouterConfig):
     def calibration(self, base: Calibration) -> Calibration:
         """``base`` with the calibration options given."""
         given = {name: getattr(self, name) for name in CALIBRATION_OPTIONS if getattr(self, name) is not None}
-        if not given:
+        if all(getattr(base, name) == value for name, value in given.items()):
             return base
         try:
             return dataclasses.replace(base, **given, source="metro options")
@@ -219,8 +219,12 @@ def with_deployment(router: Router, deployment: Deployment | None = None, model:
             raise InputError(f"router 'metro' models {mine.display_name} ({mine.num_layers} MoE layers x "
                              f"{mine.num_experts} experts) but the load is {theirs.display_name}'s ({theirs.num_layers} "
                              f"x {theirs.num_experts}); drop --router-set model= or give the load's model")
-    if deployment is not None:
-        return make_metro(config, deployment)
+    if deployment is not None:  # the options show what it prices with
+        named: dict[str, Any] = {"gpu": deployment.gpu.name, "model": deployment.model.name}
+        if deployment.calibration != Calibration():
+            named.update({name: getattr(deployment.calibration, name) for name in CALIBRATION_OPTIONS})
+        unset = {k: v for k, v in named.items() if getattr(config, k) is None}
+        return make_metro(dataclasses.replace(config, **unset) if unset else config, deployment)
     if model is not None and config.model is None:
         return router.with_params(model=model)
     return router

@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> None:
         took = time.perf_counter() - t0
         scenarios = [dataclasses.replace(sc, fixed=chosen, fixed_seconds=took)
                      if sc.policy == "craft" and sc.fixed is None else sc for sc in scenarios]
-    cost = deployment.cost_fn(args, load)
+    cost = deployment.price_fn(args, load)
     phase = PhaseModel(args.phase, dep, seed=args.seed) if args.phase is not None and dep is not None else None
     rows, plans = run_scenarios(load, cluster, scenarios, args.train_frac, args.seed, cost,
                                 node_forwarding=args.dispatch == "node", phase=phase)

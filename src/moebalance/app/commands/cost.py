@@ -16,7 +16,7 @@ from moebalance.core.limits import check_count
 from moebalance.core.load import parse_batch_range
 from moebalance.cost.memory import memory_per_gpu
 from moebalance.models import MODELS
-from moebalance.pricing.goodput import plan_cost
+from moebalance.pricing.goodput import price_plan
 
 __all__ = ["add_parser", "run"]
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> None:
         c = plan.cluster
         start, stop = parse_batch_range(args.batches, load.num_batches)
         router = deployment.bind_routers([options.router(args)], dep, load)[0]
-        cost = plan_cost(plan, load.select_batches(start, stop), dep, router=router, seed=args.seed)
+        cost = price_plan(plan, load.select_batches(start, stop), dep, router=router, seed=args.seed)
         result = {**cost.as_dict(), "batches": f"{start}:{stop}"}
         title = (f"{spec.display_name}: {plan.policy} plan on {c.num_nodes} x {c.gpus_per_node} "
                  f"{gpu.display_name}, batches {start}:{stop}")

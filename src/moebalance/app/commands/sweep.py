@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> None:
     load = options.load_model(raw, args.model)
     if args.gpu is None and options.links(args):  # a sweep scores balance only, unless the cost model runs
         raise InputError("--intra-link and --inter-link are used by sweep only with --gpu (the cost model); drop them")
-    costed = deployment.cost_fn(args, load)
+    costed = deployment.price_fn(args, load)
     with progress() as bar:
         task = bar.add_task("sweep", total=sweep_steps(load, cluster, policies, replicas, params))
         result = sweep(load, cluster, policies, replicas, train_frac=args.train_frac, params=params,
