@@ -22,6 +22,11 @@ from moebalance.core.errors import InputError, PlanError
 from moebalance.core.io import read_json
 from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load
 from moebalance.core.plan import Placement, read_plan, with_dense_layers
+from moebalance.engines.layers import choose_model, decoder_layers
+from moebalance.engines.sglang import read_dumps, read_placement, read_stat
+from moebalance.engines.trtllm import read_config, read_statistics
+from moebalance.engines.vllm import read_routed_experts
+from moebalance.models import MODELS
 
 __all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "OpenedLoad", "detect_load", "moe_layer_ids", "open_load", "read_any_load",
            "read_any_plan"]
@@ -83,24 +88,16 @@ def open_load(path: str | os.PathLike[str], fmt: str | None = None, *, model: st
     if kind == "moebalance":
         load = read_load(path)
         if model is not None and model != load.preset:
-            from moebalance.engines.layers import choose_model
-
             loaded = None if load.layer_ids is not None else (load.counts.sum(axis=(0, 2)) > 0).tolist()
             ids = None if load.layer_ids is None else load.layer_ids.tolist()
             choose_model(load.num_layers, load.num_experts, ids, loaded, model)  # refuses a load of another shape
             load = dataclasses.replace(load, preset=model)
         return OpenedLoad(load, kind)
     if kind == "sglang":
-        from moebalance.engines.sglang import read_dumps, read_stat
-
         load = read_dumps(path, model=model) if Path(path).is_dir() else read_stat(path, model=model)
     elif kind == "vllm":
-        from moebalance.engines.vllm import read_routed_experts
-
         load = read_routed_experts(path, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts, model=model)
     else:
-        from moebalance.engines.trtllm import read_statistics
-
         if not Path(path).is_dir():
             raise InputError(f"{str(path)!r} is a file; TensorRT-LLM statistics are a folder (meta_info.json and "
                              "rank*.safetensors)")
@@ -112,8 +109,6 @@ def _inferred(load: LoadMatrix) -> tuple[str, ...]:
     """The note of an engine load whose reader named the model from its shape."""
     if load.preset is None:
         return ()
-    from moebalance.engines.layers import choose_model
-
     ids = None if load.layer_ids is None else load.layer_ids.tolist()
     loaded = None if ids is not None else (load.counts.sum(axis=(0, 2)) > 0).tolist()
     note = choose_model(load.num_layers, load.num_experts, ids, loaded).note
@@ -133,9 +128,6 @@ def moe_layer_ids(load: LoadMatrix) -> np.ndarray | None:
     """The decoder-layer ids ``D .. H - 1`` of a load that is a model's MoE layers alone (``[B, L_moe, E]``, no ids
     recorded: a plain ``.npy`` of a model with dense layers first), the model being the load's preset or the one
     its shape fits (:func:`moebalance.engines.layers.choose_model`); ``None`` for any other load."""
-    from moebalance.engines.layers import choose_model, decoder_layers
-    from moebalance.models import MODELS
-
     if load.layer_ids is not None:
         return None
     named = load.preset if load.preset in MODELS else None
@@ -179,16 +171,11 @@ def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, 
     ids = None if load is None else load.layer_ids
     moe_only = None if load is None or ids is not None else moe_layer_ids(load)
     if kind == "sglang":
-        from moebalance.engines.sglang import read_placement
-
         plan = read_placement(p, cluster, E)
         if moe_only is not None and load is not None and plan.num_layers > load.num_layers:
             ids = moe_only  # the engine's rows of every decoder layer, scored on the MoE layers alone
     else:
-        from moebalance.engines.trtllm import read_config
-
         ids = ids if moe_only is None else moe_only  # TensorRT-LLM's keys are decoder-layer ids
-
         if load is None:
             moe: list[int] = []
         elif ids is not None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from moebalance.core.errors import InputError
 from moebalance.core.limits import check_alloc
+from moebalance.engines.layers import choose_model
 
 __all__ = ["load_model", "read_npy_bytes"]
 
@@ -51,6 +52,4 @@ def read_npy_bytes(data: bytes, source: str, what: str = "routed_experts") -> np
 def load_model(num_rows: int, num_experts: int, layer_ids: Sequence[int] | None = None,
                loaded: Sequence[bool] | None = None, model: str | None = None) -> str | None:
     """The preset of a load of ``[num_rows, num_experts]`` (module docstring)."""
-    from moebalance.engines.layers import choose_model
-
     return choose_model(num_rows, num_experts, layer_ids, loaded, model).preset

@@ -52,7 +52,9 @@ from moebalance.core.io import atomic_write_text, read_json
 from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix, check_counts
 from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
 from moebalance.engines.files import load_model
+from moebalance.engines.layers import plan_layers
 from moebalance.engines.slots import slot_table
 
 __all__ = ["plan_from_map", "read_dumps", "read_placement", "read_stat", "read_torch", "write_placement"]
@@ -215,8 +217,6 @@ def _token_level(picks: list[dict[int, np.ndarray]], passes: list[int], m: np.nd
     """The per_token dumps as a token-level trace: batch = forward pass, source GPU = rank, tokens rank-major within
     a pass; physical ids mapped to logical experts; layers without picks (dense: all -1) left out, the model's
     layer ids kept."""
-    from moebalance.core.trace import RoutingTrace
-
     parts, src, batch = [], [], []
     for b, fid in enumerate(passes):
         for rank, ids_of in enumerate(picks):
@@ -299,8 +299,6 @@ def write_placement(path: str | os.PathLike[str], plan: Placement, layer_ids: li
     trivial layout, slot ``p`` holding expert ``p mod E``; the plan's MTP rows (engine layer ``H`` and above) are
     left out, as SGLang's draft layer does not read the map. ``layer_ids`` other than ``0 .. L - 1`` give the
     engine layer of each plan row explicitly."""
-    from moebalance.engines.layers import plan_layers
-
     if layer_ids is not None and list(layer_ids) != list(range(plan.num_layers)):
         plan = plan.with_params({**plan.params, "layer_ids": [int(x) for x in layer_ids]})
     layers = plan_layers(plan, model=model, num_hidden_layers=num_hidden_layers)

@@ -38,6 +38,8 @@ from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.engines.files import load_model
+from moebalance.engines.layers import plan_layers
+from moebalance.engines.sglang import plan_from_map
 from moebalance.engines.slots import slot_table
 
 __all__ = ["read_config", "read_statistics", "write_config"]
@@ -171,8 +173,6 @@ def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int 
                         "MoE layer in initial_global_assignments")
     default = [p_ % E for p_ in range(slots)]
     m = np.asarray([rows.get(layer, default) for layer in range(L)], dtype=np.int64)
-    from moebalance.engines.sglang import plan_from_map
-
     return plan_from_map(m, cluster, E, source=str(p), policy="trtllm")
 
 
@@ -189,8 +189,6 @@ def write_config(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequ
     plan has, from a load that recorded them) writes keys ``H .. H + mtp_layers - 1``, each from the plan's MTP row
     where it has one, else in the engine's default order (slot ``p`` holding expert ``p mod E``)."""
     import yaml
-
-    from moebalance.engines.layers import plan_layers
 
     table = slot_table(plan)
     layers = plan_layers(plan, model=model, num_hidden_layers=num_hidden_layers)

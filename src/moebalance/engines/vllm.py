@@ -39,7 +39,9 @@ from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.engines.files import load_model, read_npy_bytes
+from moebalance.engines.layers import plan_layers
 from moebalance.engines.slots import slot_table
+from moebalance.models import get_model
 
 __all__ = ["read_routed_experts", "write_map"]
 
@@ -100,8 +102,6 @@ def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_to
                                     or num_experts < 1):
         raise InputError(f"--experts ({num_experts!r}) must be a positive integer, the model's expert count")
     if num_experts is None and model is not None:  # a named model has its experts, picked or not
-        from moebalance.models import get_model
-
         num_experts, limit = get_model(model).num_experts, f"{model}'s expert count"
     else:
         limit = "--experts"
@@ -131,8 +131,6 @@ def write_map(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequenc
     atomically; returns ``num_slots``, ``num_redundant_experts``, ``ep_size`` and ``notes``. The plan's MTP rows
     (engine layer ``num_hidden_layers`` and above, :func:`moebalance.engines.layers.plan_layers`) are left out:
     vLLM balances an MTP drafter's experts in a state of their own."""
-    from moebalance.engines.layers import plan_layers
-
     table = slot_table(plan)
     layers = plan_layers(plan, model=model, num_hidden_layers=num_hidden_layers)
     rows = [r for r in range(plan.num_layers) if r not in plan.dense_layers] if moe_layers is None else \

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from moebalance.core.errors import InputError, MoebalanceError
+from moebalance.core.io import atomic_write_text, dumps, save_png
 from moebalance.lm.data import DOMAINS, domain_tokens, provenance
 from moebalance.lm.moe_lm import ModelConfig, MoELM, load_checkpoint, save_checkpoint
 
@@ -272,8 +273,6 @@ def plot_loss(record: dict[str, Any], path: str | os.PathLike[str]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moebalance.core.io import save_png
-
     curve = record["loss_curve"]
     fig, ax = plt.subplots(figsize=(7.5, 4), dpi=110)
     ax.plot([p["step"] for p in curve], [p["train_bits_per_token"] for p in curve],
@@ -335,8 +334,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from moebalance.core.io import atomic_write_text, dumps
 
     err = Console(stderr=True, highlight=False)
     threads_before = torch.get_num_threads()

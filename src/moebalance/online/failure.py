@@ -43,6 +43,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
+from moebalance.cost.transfer import schedule_transfers
 from moebalance.policies import make_plan
 
 __all__ = ["DEFAULT_RELOAD_GBPS", "RECOVERED_WITHIN", "Failures", "check_capacity", "check_failures", "failure_report", "lift",
@@ -156,8 +157,6 @@ def recovery_cost(previous: Placement, new: Placement, lost: Sequence[int], byte
                   reload_gbps: float) -> tuple[float, int, int]:
     """``(seconds, bytes moved, experts reloaded)`` to go from ``previous`` to ``new`` once ``lost`` GPUs are gone:
     the reloads over each survivor's host link of ``reload_gbps`` GB/s, then the schedule among survivors."""
-    from moebalance.cost.transfer import schedule_transfers
-
     G = new.num_gpus
     alive = np.ones(G, dtype=bool)
     alive[list(lost)] = False
