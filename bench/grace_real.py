@@ -113,16 +113,16 @@ def measure(labels: tuple[str, ...]) -> list[Row]:
                                       plan_name=ROWS[lab][0]) for lab in labels]
                 t0 = time.perf_counter()
                 got, plans = run_comparison(load, cluster, scenarios, bytes_per_copy=2 * hidden,
-                                            cost=lambda plan, test, router, dep=deployment: price_plan(
+                                            price=lambda plan, test, router, dep=deployment: price_plan(
                                                 plan, test, dep, router=router))
                 for sc, row in zip(scenarios, got.values(), strict=True):
                     plan = plans[ROWS[sc.label or ""][0]]
                     traffic = row.score.traffic
-                    assert traffic is not None and row.cost is not None
+                    assert traffic is not None and row.price is not None
                     rows.append(Row(name, f"{nodes}x{gpn}", budget.describe(), sc.label or "",
                                     evaluate(plan, train, sc.router).balancedness, row.score.balancedness,
                                     int(traffic.inter_node), int(traffic.intra_node), plan.extra_replicas, allowed,
-                                    row.cost.modelled_layer_ms, row.cost.modelled_a2a_ms, row.plan_seconds,
+                                    row.price.modelled_layer_ms, row.price.modelled_a2a_ms, row.plan_seconds,
                                     max((max(n) for n in plan.params.get("node_experts") or []), default=0)))
                 print(f"{name} {nodes}x{gpn} {budget.describe()}: {time.perf_counter() - t0:.1f} s",
                       file=sys.stderr, flush=True)

@@ -46,7 +46,7 @@ def build(out: Path) -> Path:
     deployment = Deployment(model=model, gpu=get_gpu("h100-80gb"))
     scenarios = [Scenario(p, budget, {}, "uniform", plan_name=p) for p in ("contiguous", "greedy", "eplb", "craft")]
     rows, plans = run_comparison(load, cluster, scenarios,
-                                 cost=lambda plan, test, router: price_plan(plan, test, deployment, router=router))
+                                 price=lambda plan, test, router: price_plan(plan, test, deployment, router=router))
     train, test = load.split(0.5)
     title = (f"bundled:esft-law ({model.display_name}, the ESFT law task): {load.num_layers} layers x "
              f"{load.num_experts} experts on 1x8 GPUs, {budget.describe()}, planned on {train.num_batches} batches, "

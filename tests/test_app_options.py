@@ -168,7 +168,9 @@ def test_replicas_per_gpu_type() -> None:
 # ----- --model names a load's model ------------------------------------------------------------------------------
 
 def test_load_model_names_the_loads_model() -> None:
-    load = LoadMatrix(np.ones((1, 61, 256), dtype=np.int64))  # DeepSeek-V3's 61 decoder layers, dense ones too
+    counts = np.ones((1, 61, 256), dtype=np.int64)
+    counts[:, :3] = 0  # DeepSeek-V3's 61 decoder layers, the 3 dense ones without load
+    load = LoadMatrix(counts)
     named = options.load_model(load, "deepseek-v3")
     assert named.preset == "deepseek-v3" and named.model is not None and named.model.num_groups == 8
     assert options.load_model(named, "deepseek-v3") is named
@@ -179,7 +181,11 @@ def test_load_model_names_the_loads_model() -> None:
         options.load_model(load, "kimi-k2")
     # the one rule of ModelSpec.misfit: the MoE layers alone (58), the decoder layers (61), or with the MTP layer (62)
     for rows in (58, 61, 62):
-        assert options.load_model(LoadMatrix(np.ones((1, rows, 256), dtype=np.int64)), "deepseek-v3").num_layers == rows
+        rows_load = np.ones((1, rows, 256), dtype=np.int64)
+        rows_load[:, :3] *= rows == 58  # the decoder layers' dense rows carry no load
+        assert options.load_model(LoadMatrix(rows_load), "deepseek-v3").num_layers == rows
+    with pytest.raises(InputError, match=r"it has load in layer 0, which is dense in DeepSeek-V3 \(layers 0\.\.2\)"):
+        options.load_model(LoadMatrix(np.ones((1, 61, 256), dtype=np.int64)), "deepseek-v3")
     with pytest.raises(InputError, match=r"it has 59 layers, but DeepSeek-V3 has 61 decoder layers \(3 dense, then 58 "
                                          r"MoE\) and 1 MTP layer of 256 experts"):
         options.load_model(LoadMatrix(np.ones((1, 59, 256), dtype=np.int64)), "deepseek-v3")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -545,3 +546,22 @@ def test_expert_seconds_docstring_example_runs() -> None:
 
     result = doctest.testmod(module, extraglobs={"np": np})
     assert result.attempted >= 2 and result.failed == 0
+
+
+def test_a_load_with_load_in_a_dense_layer_is_no_models_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One fit rule everywhere: DeepSeek-V3's 61 decoder rows fit only with no load in the 3 dense ones, on the command
+    line and in the library's price."""
+    counts = np.ones((2, 61, 256), dtype=np.int64)
+    np.save(tmp_path / "dense.npy", counts)
+    assert_user_error(["compare", "--load", tmp_path / "dense.npy", "--model", "deepseek-v3", "--gpu", "h100-80gb",
+                       "--policies", "eplb", "--nodes", 8, "--gpus-per-node", 8, "--slots-per-gpu", 5], capsys,
+                      "load in layer 0, which is dense in DeepSeek-V3 (layers 0..2)")
+    v3 = Deployment(model=get_model("deepseek-v3"), gpu=GPUS["h100-80gb"])
+    cluster = Cluster(num_nodes=8, gpus_per_node=8)
+    fine = counts.copy()
+    fine[:, :3] = 0
+    plan = make_plan("eplb", LoadMatrix(fine, preset="deepseek-v3"), cluster, Budget(slots_per_gpu=5))[0]
+    assert price_plan(plan, LoadMatrix(fine), v3).modelled_goodput > 0
+    with pytest.raises(InputError, match=r"the plan's load does not fit model 'deepseek-v3': it has load in layer 0.*"
+                                         r"give the model the plan was made for"):
+        price_plan(plan, LoadMatrix(counts), v3)

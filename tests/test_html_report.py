@@ -310,19 +310,19 @@ def test_compare_report_priced(esft: LoadMatrix) -> None:
     deployment = Deployment(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb"))
     scenarios = [Scenario(p, Budget(slots_per_gpu=9), {}, "uniform", plan_name=p) for p in ("eplb", "contiguous")]
     rows, plans = run_comparison(esft, Cluster(num_nodes=1, gpus_per_node=8), scenarios,
-                                 cost=lambda plan, test, router: price_plan(plan, test, deployment, router=router))
+                                 price=lambda plan, test, router: price_plan(plan, test, deployment, router=router))
     page = Page(compare_report(rows, plans, scenarios, esft.split(0.5)[1], "priced").html())
     sec = page.sections()
-    ranked = sorted(rows.values(), key=lambda r: -r.cost.modelled_goodput if r.cost else 0.0)
+    ranked = sorted(rows.values(), key=lambda r: -r.price.modelled_goodput if r.price else 0.0)
     ranking = page.text(sec["Ranking"])
     assert "ranked by modelled goodput" in ranking
-    assert ranking.index(f"{ranked[0].cost.modelled_goodput:,.0f}") < ranking.index(
-        f"{ranked[1].cost.modelled_goodput:,.0f}")
+    assert ranking.index(f"{ranked[0].price.modelled_goodput:,.0f}") < ranking.index(
+        f"{ranked[1].price.modelled_goodput:,.0f}")
     assert f"Best by modelled goodput: {ranked[0].policy}" in page.text(sec["Recommendation"])
     bars = sec["Modelled MoE layer time"]
     assert len(page.find("rect", "seg", bars)) == 4
     totals = re.findall(r"^[\d,.]+$", page.text(bars), flags=re.M)
-    expected = [short_number(r.cost.modelled_layer_ms) for r in ranked if r.cost]
+    expected = [short_number(r.price.modelled_layer_ms) for r in ranked if r.price]
     assert [t for t in totals if t in set(expected)] == expected
 
 

@@ -129,6 +129,7 @@ def _floors() -> dict[str, int]:
     for line in block.strip().splitlines()[1:]:
         number, *units = line.split()
         for unit in units:
+            assert unit not in floors, f"docs/design.md puts {unit} on floors {floors[unit]} and {number}"
             floors[unit] = int(number)
     return floors
 
@@ -146,7 +147,11 @@ def _imported(tree: ast.AST, path: Path) -> list[tuple[int, str]]:
     functions and under ``TYPE_CHECKING`` alike (``from pkg import mod`` names ``pkg.mod`` where it is a module)."""
     out = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and \
+                isinstance(node.args[0].value, str) and node.args[0].value.split(".")[0] == "moebalance" and \
+                ast.unparse(node.func).split(".")[-1] in ("import_module", "__import__"):
+            out.append((node.lineno, node.args[0].value))  # importlib.import_module("moebalance.x"), __import__
+        elif isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "moebalance"]
         elif isinstance(node, ast.ImportFrom):
             source = _resolve(node.module, node.level, path)
@@ -177,6 +182,13 @@ def upward_imports(path: Path, text: str, floors: dict[str, int]) -> list[str]:
     return found
 
 
+def test_every_unit_stands_on_one_floor() -> None:
+    """Every package and top-level module of the tree is on docs/design.md's floors, and nothing else is."""
+    units = {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    units |= {"core.errors", "moebalance", *(p.stem for p in SRC.glob("*.py") if p.stem != "__init__")}
+    assert set(_floors()) == units, f"floors name {sorted(set(_floors()) - units)}; missing {sorted(units - set(_floors()))}"
+
+
 def test_every_import_points_down_the_floors() -> None:
     floors = _floors()
     found = [f for path in _sources() for f in upward_imports(path, path.read_text(), floors)]
@@ -195,6 +207,7 @@ def test_the_floor_check_catches_a_planted_upward_import() -> None:
         "inside a function": text + "\n\ndef f() -> None:\n    from moebalance.app import options\n",
         "under TYPE_CHECKING": text + "\nif TYPE_CHECKING:\n    import moebalance.routing.simulate\n",
         "a package of its own floor's neighbours": text + "\nfrom moebalance import cost\n",
+        "by name, at run time": text + "\nimportlib.import_module(\"moebalance.pricing\")\n",
     }
     for where, source in planted.items():
         found = upward_imports(path, source, floors)
@@ -202,6 +215,9 @@ def test_the_floor_check_catches_a_planted_upward_import() -> None:
     same_floor = SRC / "cost" / "time.py"
     found = upward_imports(same_floor, same_floor.read_text() + "\nfrom moebalance.algorithms import eplb\n", floors)
     assert len(found) == 1 and "floor 3 is not below floor 3" in found[0]
+    package = SRC / "cost" / "__init__.py"  # a package's __init__ and a relative import
+    found = upward_imports(package, package.read_text() + "\nfrom ..pricing import price_plan\n", floors)
+    assert len(found) == 1 and "imports moebalance.pricing (pricing)" in found[0]
 
 
 def test_no_command_imports_another_command() -> None:
@@ -214,10 +230,15 @@ def test_no_command_imports_another_command() -> None:
 
 
 def test_the_roofline_is_written_in_one_module() -> None:
-    """The grouped GEMM's roofline (6 H F FLOPs per pick against 3 H F w bytes per expert) lives in cost/time.py."""
-    pattern = re.compile(r"6\.0 \* H \* F|3\.0 \* H \* F")
-    found = sorted(str(p.relative_to(ROOT)) for p in _sources() if pattern.search(p.read_text()))
-    assert found == ["src/moebalance/cost/time.py"], found
+    """The grouped GEMM's roofline (6 H F FLOPs per pick against 3 H F w bytes per expert) and the GPU's peak rates
+    it divides by live in cost/time.py: no other source multiplies them out (code, not docstrings)."""
+    pattern = re.compile(r"\b6(\.0)? \* (\w+\.)?(H\b|hidden)|bf16_tflops \*|memory_bandwidth \*")
+    found = set()
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.BinOp) and pattern.search(ast.unparse(node)):
+                found.add(str(path.relative_to(ROOT)))
+    assert found == {"src/moebalance/cost/time.py"}, found
 
 
 # ----- registries: exactly the documented names --------------------------------------------------------------------

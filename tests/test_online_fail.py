@@ -118,6 +118,16 @@ def test_parse_and_check_failures_refuse_in_one_line() -> None:
             check_failures(fails, 4, (2, 8))
 
 
+def test_failures_are_pairs_of_integers_and_a_positive_link() -> None:
+    assert Failures(((3, 4), [1, np.int64(2)])).events == ((3, 4), (1, 2))
+    for bad in (((1.7, 2),), ((1,),), (3,), ((True, 2),)):
+        with pytest.raises(InputError, match=r"must be a \(GPU, batch\) pair of integers"):
+            Failures(bad)  # type: ignore[arg-type]
+    for link in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(InputError, match="reload link"):
+            Failures((), reload_gbps=link)
+
+
 def test_recovery_reloads_the_only_copies_then_moves_the_rest() -> None:
     cluster = FOUR
     prev = Placement([[[0, 1], [1, 2], [2, 0], [3, 4]]], 5, cluster)

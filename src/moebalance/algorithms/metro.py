@@ -8,7 +8,7 @@ One ``(batch, layer)``: expert loads ``W [E]`` and the GPUs holding each expert,
 ``hosts[hstart[e]:hstart[e + 1]]`` (:func:`moebalance.algorithms.minmax.host_lists`). A split ``take [P]`` sends
 ``take[j]`` of the picks of entry ``j``'s expert to its GPU, ``sum`` over an expert's entries ``= W[e]``. GPU
 ``g`` then serves ``n_g`` picks and touches ``u_g`` experts (its entries with ``take > 0``). Its grouped GEMM
-takes the cost model's roofline (:func:`moebalance.cost.time.expert_seconds`), and receiving its picks' tokens
+takes the cost model's roofline (:func:`moebalance.cost.time.gemm_seconds`), and receiving its picks' tokens
 takes about ``kappa`` per pick (the all-to-all's busiest link when tokens come from every GPU alike,
 :func:`moebalance.cost.a2a.a2a_estimate`); the local search below balances their sum::
 

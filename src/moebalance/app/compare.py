@@ -97,13 +97,13 @@ class Comparison:
 def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], *, train_frac: float = 0.5,
                    seed: int = 0, bytes_per_copy: int | None = None,
                    on_done: Callable[[str], None] | None = None,
-                   cost: Callable[[Placement, LoadMatrix, str | Router], PlanPrice] | None = None,
+                   price: Callable[[Placement, LoadMatrix, str | Router], PlanPrice] | None = None,
                    node_forwarding: bool = False,
                    phase: PhaseModel | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """Plan and score every scenario; rows by scenario key (in order) and plans by plan name.
 
     Scenarios that differ only in their router share one plan (made once, its planning time on each row). With
-    ``cost``, each row also carries ``cost(plan, held-out load, router)`` (``compare --gpu``). With ``phase``
+    ``price``, each row also carries ``price(plan, held-out load, router)`` (``compare --gpu``). With ``phase``
     (``compare --phase``) each plan is scored on the held-out batches drawn as that phase's steps for its
     deployment (:mod:`moebalance.pricing.phase`), and each row is a :class:`PhaseRow` with its modelled MoE layer time.
     """
@@ -126,7 +126,7 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
         scored, tokens = (test, 0) if phase is None else phase.plan_steps(plan, test)
         score = evaluate(plan, scored, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True,
                          node_forwarding=node_forwarding)
-        modelled = None if cost is None else cost(plan, scored, sc.router)
+        modelled = None if price is None else price(plan, scored, sc.router)
         note = plan.params.get("budget_note")
         timed = None if phase is None else phase.time(plan, scored, sc.router, tokens)
         rows[sc.key] = PhaseRow(sc.display, score, seconds, plan.warnings, modelled,
@@ -139,7 +139,7 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
 
 
 def run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], train_frac: float, seed: int,
-                  cost: Callable[[Placement, LoadMatrix, str | Router], PlanPrice] | None = None,
+                  price: Callable[[Placement, LoadMatrix, str | Router], PlanPrice] | None = None,
                   node_forwarding: bool = False,
                   phase: PhaseModel | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """:func:`run_comparison` with a progress bar, copies of the load model's hidden size."""
@@ -147,7 +147,7 @@ def run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenar
         task = bar.add_task("plan + score", total=len(scenarios))
         return run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
                               bytes_per_copy=bytes_per_copy(load, None, 2), on_done=lambda _: bar.advance(task),
-                              cost=cost, node_forwarding=node_forwarding, phase=phase)
+                              price=price, node_forwarding=node_forwarding, phase=phase)
 
 
 def comparison_title(load: LoadMatrix, source: str, cluster: Cluster, budget: Budget, train_frac: float,

@@ -23,7 +23,9 @@ from moebalance.routing import Router
 from moebalance.routing.metro import check_ready, with_deployment
 
 __all__ = [
+    "ENGINE_FLAGS",
     "FLAGS",
+    "REQUEST_FLAGS",
     "PriceFn",
     "add",
     "add_phase",
@@ -31,6 +33,7 @@ __all__ = [
     "bind_routers",
     "build",
     "calibration",
+    "from_args",
     "given",
     "price_fn",
     "refuse",
@@ -42,9 +45,13 @@ _MAX_GPUS = 65_536
 
 #: ``(flag, dest)`` of the deployment's flags besides ``--gpu``: given or not (default None), so that a command can
 #: refuse them where nothing is priced.
-FLAGS = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"), ("--attention-tp", "attention_tp"),
-         ("--dense-tp", "dense_tp"), ("--prompt-tokens", "prompt_tokens"), ("--output-tokens", "output_tokens"),
-         ("--prefill-chunk", "prefill_chunk"), ("--calibration", "calibration"), ("--dispatch", "dispatch"))
+#: The engine's memory layout (:class:`~moebalance.cost.EngineMemory`'s fields) and the requests
+#: (:class:`~moebalance.cost.Workload`'s): ``(flag, dest)``, the dest being the field.
+ENGINE_FLAGS = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
+                ("--attention-tp", "attention_tp"), ("--dense-tp", "dense_tp"))
+REQUEST_FLAGS = (("--prompt-tokens", "prompt_tokens"), ("--output-tokens", "output_tokens"),
+                 ("--prefill-chunk", "prefill_chunk"))
+FLAGS = (*ENGINE_FLAGS, *REQUEST_FLAGS, ("--calibration", "calibration"), ("--dispatch", "dispatch"))
 
 #: ``(plan, held-out load, router) -> PlanPrice``.
 PriceFn = Callable[[Placement, LoadMatrix, "str | Router"], PlanPrice]
@@ -97,18 +104,21 @@ def calibration(args: argparse.Namespace) -> tuple[Calibration, float | None]:
     return read_calibration(args.calibration)
 
 
-def build(args: argparse.Namespace, load: LoadMatrix | None = None) -> Deployment:
+def build(args: argparse.Namespace, load: LoadMatrix | None = None, *,
+          calibrated: Calibration | None = None) -> Deployment:
     """The deployment of the command line: ``--gpu``, the model of ``--model`` (else the load's, checked against the
-    load's shape: :meth:`moebalance.models.ModelSpec.misfit`) and the other flags, defaults where not given."""
+    load's shape: :meth:`moebalance.core.load.LoadMatrix.check_model`) and the other flags, defaults where not given;
+    ``calibrated``: ``--calibration`` already read (:func:`calibration`)."""
     name = getattr(args, "model", None) or (load.preset if load is not None else None)
     if name is None:
         raise InputError("the load names no model; give --model with --gpu (e.g. --model deepseek-v3)")
     spec = get_model(name)
     if load is not None:
-        spec.check_fits(load.num_layers, load.num_experts)
-    engine = {dest: getattr(args, dest, None) for dest in ("memory_fraction", "reserve_gib", "attention_tp", "dense_tp")}
-    work = {dest: getattr(args, dest, None) for dest in ("prompt_tokens", "output_tokens", "prefill_chunk")}
-    return Deployment(model=spec, gpu=get_gpu(args.gpu), calibration=calibration(args)[0],
+        load.check_model(spec)
+    engine = {dest: getattr(args, dest, None) for _, dest in ENGINE_FLAGS}
+    work = {dest: getattr(args, dest, None) for _, dest in REQUEST_FLAGS}
+    return Deployment(model=spec, gpu=get_gpu(args.gpu),
+                      calibration=calibration(args)[0] if calibrated is None else calibrated,
                       engine=EngineMemory(**{k: v for k, v in engine.items() if v is not None}),
                       workload=Workload(**{k: v for k, v in work.items() if v is not None}),
                       dispatch=getattr(args, "dispatch", None) or "gpu")
@@ -125,21 +135,26 @@ def bind_routers(chosen: Sequence[Router], deployment: Deployment | None, load: 
     return out
 
 
-def price_fn(args: argparse.Namespace, load: LoadMatrix) -> PriceFn | None:
-    """The goodput model of ``--gpu``'s deployment (``compare``, ``sweep``), else None (refusing its flags)."""
+def price_fn(deployment: Deployment | None, seed: int) -> PriceFn | None:
+    """A plan's price on a held-out load for ``deployment`` (``compare``, ``sweep``; ``None`` without one)."""
+    if deployment is None:
+        return None
+
+    def price(plan: Placement, test: LoadMatrix, router: str | Router) -> PlanPrice:
+        return price_plan(plan, test, deployment, router=router, seed=seed)
+
+    return price
+
+
+def from_args(args: argparse.Namespace, load: LoadMatrix) -> Deployment | None:
+    """The deployment of ``--gpu`` for ``load``, else ``None``, refusing the deployment's other flags without it."""
     if getattr(args, "gpu", None) is None:
         refuse(args, "with --gpu (the cost model)")
         return None
-    deployment = build(args, load)
-    seed = args.seed
-
-    def costing(plan: Placement, test: LoadMatrix, router: str | Router) -> PlanPrice:
-        return price_plan(plan, test, deployment, router=router, seed=seed)
-
-    return costing
+    return build(args, load)
 
 
-def auto_by_goodput(args: argparse.Namespace, load: LoadMatrix,
+def auto_by_goodput(args: argparse.Namespace, deployment: Deployment | None,
                     policies: Sequence[str]) -> Callable[[Placement, LoadMatrix], PlanPrice] | None:
     """``(plan, load) -> PlanPrice`` when ``--auto-by goodput`` asks for it (checked), else None."""
     if args.auto_by != "goodput":
@@ -147,7 +162,6 @@ def auto_by_goodput(args: argparse.Namespace, load: LoadMatrix,
     if args.replicas_per_gpu != "auto" or "craft" not in policies:
         raise InputError("--auto-by goodput chooses craft's R: give --policy craft (or craft in --policies) with "
                          "--replicas-per-gpu auto")
-    if args.gpu is None:
+    if deployment is None:
         raise InputError("--auto-by goodput needs --gpu (and --model when the load names none): the cost model")
-    deployment = build(args, load)
     return lambda plan, part: price_plan(plan, part, deployment, router="uniform", seed=args.seed)

@@ -231,8 +231,8 @@ def relative_loads(plan: Placement, load: LoadMatrix, router: str | Router = "un
 
 def _rank_key(row: ComparisonRow) -> float:
     """Smaller is better: modelled goodput (``--gpu``), else the phase's MoE layer time, else balancedness."""
-    if row.cost is not None:
-        return -row.cost.modelled_goodput
+    if row.price is not None:
+        return -row.price.modelled_goodput
     if isinstance(row, PhaseRow) and row.phase is not None:
         return row.phase.moe_layer_ms
     return -row.score.balancedness
@@ -244,8 +244,8 @@ def _comparison_cells(row: ComparisonRow) -> tuple[list[str], list[str]]:
     cols = ["row", "extra replicas", "balancedness", "imbalance ratio", "gap to bound", "routing gap"]
     cells = [row.policy, f"{s.extra_replicas:,}", f"{s.balancedness:.4f}", f"{s.imbalance_ratio:.3f}",
              f"{100 * s.lower_bound_gap:.1f}%", "-" if s.routing_gap is None else f"{100 * s.routing_gap:.1f}%"]
-    if row.cost is not None:
-        c = row.cost
+    if row.price is not None:
+        c = row.price
         cols += ["KV cache GiB / GPU", "MoE layer ms", "goodput tok/s"]
         cells += [f"{c.memory.kv_cache_gb_per_gpu:.1f}", f"{c.modelled_layer_ms:.3f}", f"{c.modelled_goodput:,.0f}"]
     if isinstance(row, PhaseRow) and row.phase is not None:
@@ -256,9 +256,9 @@ def _comparison_cells(row: ComparisonRow) -> tuple[list[str], list[str]]:
 
 def _cost_bars(rows: Sequence[ComparisonRow]) -> tuple[dict[str, dict[str, float]], str] | None:
     """Each row's modelled MoE layer split into expert and all-to-all time, and its unit, where the rows have it."""
-    if rows and all(r.cost is not None for r in rows):
-        return {r.policy: {"expert (slowest GPU)": max(r.cost.modelled_layer_ms - r.cost.modelled_a2a_ms, 0.0),
-                           "all-to-all": r.cost.modelled_a2a_ms} for r in rows if r.cost is not None}, "ms per MoE layer"
+    if rows and all(r.price is not None for r in rows):
+        return {r.policy: {"expert (slowest GPU)": max(r.price.modelled_layer_ms - r.price.modelled_a2a_ms, 0.0),
+                           "all-to-all": r.price.modelled_a2a_ms} for r in rows if r.price is not None}, "ms per MoE layer"
     timed = [r for r in rows if isinstance(r, PhaseRow) and r.phase is not None]
     if rows and len(timed) == len(rows):
         return {r.policy: {"expert (slowest GPU)": 1e3 * r.phase.expert_ms, "all-to-all": 1e3 * r.phase.a2a_ms}
@@ -293,8 +293,8 @@ def _compare_advice(best: _Entry, before: _Entry | None, by: str) -> tuple[str, 
     s = row.score
     text = (f"Best by {by}: {row.policy} (balancedness {s.balancedness:.4f}, imbalance ratio "
             f"{s.imbalance_ratio:.3f}, {s.extra_replicas:,} extra replicas)")
-    if row.cost is not None:
-        text += f", modelled goodput {row.cost.modelled_goodput:,.0f} tokens/s"
+    if row.price is not None:
+        text += f", modelled goodput {row.price.modelled_goodput:,.0f} tokens/s"
     if before is not None:
         text += f"; {before[1].policy}: balancedness {before[1].score.balancedness:.4f}"
     name = sc.plan_name or sc.display
@@ -322,7 +322,7 @@ def compare_report(rows: Mapping[str, ComparisonRow], plans: Mapping[str, Placem
         cols, cells = _comparison_cells(row)
         table.append(cells if number is None else [f"{cells[0]} (budget note {number})", *cells[1:]])
     first = ranked[0][1]
-    by = ("modelled goodput" if first.cost is not None else "modelled MoE layer time"
+    by = ("modelled goodput" if first.price is not None else "modelled MoE layer time"
           if isinstance(first, PhaseRow) and first.phase is not None else "held-out balancedness")
     report.ranking(table, cols, caption=f"Rows ranked by {by}, best first.")
     for line in notes:

@@ -1,5 +1,6 @@
 """Options shared by the commands (:mod:`moebalance.app.commands`): argument types with bounds, the cluster, budget,
-link, format, router and cost flags, what they build, and the one ``--set`` rule.
+link, format and router flags, reading loads and plans, what they build, and the one ``--set`` rule (the
+deployment's flags are :mod:`moebalance.app.deployment`'s).
 
 The ``--set`` rule (:func:`resolve_set`), the same in ``plan``, ``compare``, ``sweep``, ``online`` and ``predict``:
 ``policy.key=value`` goes to that policy only, ``key=value`` to every chosen policy that has ``key``; items apply
@@ -257,7 +258,7 @@ def load_model(load: LoadMatrix, name: str | None) -> LoadMatrix:
     and layers."""
     if name is None or load.preset == name:
         return load
-    get_model(name).check_fits(load.num_layers, load.num_experts, what=f"the load (--model {name})")
+    load.check_model(get_model(name), what=f"the load (--model {name})")
     return dataclasses.replace(load, preset=name)
 
 

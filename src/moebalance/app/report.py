@@ -28,14 +28,14 @@ class ComparisonRow:
     plan_seconds: float
     warnings: tuple[str, ...] = ()
     #: The plan's modelled memory, time and goodput on the held-out batches (``compare --gpu``), if asked for.
-    cost: PlanPrice | None = None
+    price: PlanPrice | None = None
     #: How the policy read the budget when it could not take it as given (the plan's ``budget_note``), or None.
     budget_note: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = self.score.as_dict()
         d.pop("traffic_matrix", None)
-        extra = {} if self.cost is None else {"cost": self.cost.as_dict()}
+        extra = {} if self.price is None else {"cost": self.price.as_dict()}
         note = {} if self.budget_note is None else {"budget_note": self.budget_note}
         return {"policy": self.policy, "plan_seconds": round(self.plan_seconds, 6), **d,
                 "warnings": list(self.warnings), **note, **extra}
@@ -57,8 +57,8 @@ def _cells(row: ComparisonRow) -> list[str]:
         cells += [f"{t.inter_node / 1e3:,.1f}k", f"{t.intra_node / 1e3:,.1f}k"]
         if t.a2a_seconds is not None:
             cells.append(f"{1e6 * float(t.a2a_seconds.mean()):.1f} us")
-    if row.cost is not None:
-        c = row.cost
+    if row.price is not None:
+        c = row.price
         cells += [f"{c.memory.kv_cache_gb_per_gpu:.1f} GiB -{100 * c.memory.kv_cache_reduction:.0f}%",
                   f"{c.modelled_layer_ms:.3f} ms", f"{c.modelled_goodput:,.0f}"]
     return cells
@@ -70,7 +70,7 @@ def _columns(rows: Sequence[ComparisonRow]) -> list[str]:
         cols += ["inter-node copies", "intra-node copies"]
         if rows[0].score.traffic.a2a_seconds is not None:
             cols.append("all-to-all per layer")
-    if rows and rows[0].cost is not None:
+    if rows and rows[0].price is not None:
         cols += ["KV cache per GPU", "modelled layer", "modelled goodput tok/s"]
     return cols
 

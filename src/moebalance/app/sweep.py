@@ -133,8 +133,8 @@ def sweep(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas:
           train_frac: float = 0.5, num_groups: int | None = None,
           params: Mapping[str, Mapping[str, Any]] | None = None,
           on_step: Callable[[], None] | None = None,
-          cost: Callable[[Placement, LoadMatrix], PlanPrice] | None = None) -> SweepResult:
-    """Score every policy at every ``R`` in ``replicas`` (plus ``R = L`` for eplb); with ``cost``, also model each
+          price: Callable[[Placement, LoadMatrix], PlanPrice] | None = None) -> SweepResult:
+    """Score every policy at every ``R`` in ``replicas`` (plus ``R = L`` for eplb); with ``price``, also model each
     plan's KV cache and goodput on the held-out batches. ``params[policy]`` are a policy's options;
     ``num_groups`` is eplb's (``params`` win)."""
     names = canonical(policies)
@@ -162,7 +162,7 @@ def sweep(load: LoadMatrix, cluster: Cluster, policies: Sequence[str], replicas:
                 result.skipped.append(f"{policy} at R = {R}: {exc}")
             else:
                 score = evaluate(plan, test)
-                modelled = None if cost is None else cost(plan, test)
+                modelled = None if price is None else price(plan, test)
                 result.points.append(SweepPoint(
                     policy, R, plan.extra_replicas, score.balancedness, score.imbalance_ratio, score.balancedness - base,
                     None if modelled is None else modelled.memory.kv_cache_gb_per_gpu,

@@ -162,6 +162,13 @@ class LoadMatrix:
         """
         return None if self.preset is None else MODELS.get(self.preset)
 
+    def check_model(self, spec: ModelSpec, *, what: str = "the load", fix: str = "give the load's --model") -> None:
+        """Refuse ``spec`` where it is not this load's model (:meth:`moebalance.models.ModelSpec.misfit`, with the
+        layer ids the load recorded, else the rows that carry load: a dense layer has none), in one line."""
+        ids = None if self.layer_ids is None else [int(i) for i in self.layer_ids]
+        loaded = None if ids is not None else (self.counts.sum(axis=(0, 2)) > 0).tolist()
+        spec.check_fits(self.num_layers, self.num_experts, ids, loaded, what=what, fix=fix)
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(B, L, E)``: batches, layers, experts."""

@@ -23,7 +23,7 @@ import numpy as np
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_write_text, dumps, read_json
 from moebalance.cost.hardware import GpuSpec
-from moebalance.cost.time import Calibration
+from moebalance.cost.time import Calibration, gemm_work, peak_rates
 
 __all__ = ["COLUMNS", "FIT_ERROR_KEY", "FORMAT", "LIMITS", "Measurements", "check_measurement", "fit",
            "read_calibration", "read_measurements", "write_calibration"]
@@ -107,10 +107,11 @@ def fit(m: Measurements, gpu: GpuSpec, *, weight_bytes: int = 2,
     """The calibration that best matches ``m`` on ``gpu``, its mean absolute log error, and how many runs the fitted
     roofline has bound by FLOPs and by memory (module docstring)."""
     n = m.experts * m.tokens_per_expert
-    flops = 6.0 * m.hidden_size * m.ffn_size * n
-    traffic = m.experts * 3.0 * m.hidden_size * m.ffn_size * weight_bytes + 2.0 * n * m.hidden_size * weight_bytes
-    compute = flops[None, :] / (gpu.bf16_tflops * 1e12 * _GRID[:, None])  # [grid, N]
-    memory = traffic[None, :] / (gpu.memory_bandwidth * 1e9 * _GRID[:, None])
+    flops, traffic = gemm_work(n, m.experts, m.hidden_size, m.ffn_size, weight_bytes=weight_bytes,
+                               activation_bytes=weight_bytes)
+    peak_flops, peak_bytes = peak_rates(gpu)
+    compute = flops[None, :] / (peak_flops * _GRID[:, None])  # [grid, N]
+    memory = traffic[None, :] / (peak_bytes * _GRID[:, None])
     best: tuple[float, float, float, float] = (math.inf, 1.0, 1.0, 0.0)
     log_measured = np.log(m.seconds)
     for i in range(_GRID.size - 1, -1, -1):  # from the largest efficiency down: among equal errors, the largest
@@ -121,8 +122,7 @@ def fit(m: Measurements, gpu: GpuSpec, *, weight_bytes: int = 2,
         if err[j] < best[0] - 1e-12:
             best = (float(err[j]), float(_GRID[i]), float(_GRID[j]), float(launch[j]))
     error, flops_eff, bandwidth_eff, launch_s = best
-    bound_by_flops = int(np.count_nonzero(flops / (gpu.bf16_tflops * 1e12 * flops_eff)
-                                          >= traffic / (gpu.memory_bandwidth * 1e9 * bandwidth_eff)))
+    bound_by_flops = int(np.count_nonzero(flops / (peak_flops * flops_eff) >= traffic / (peak_bytes * bandwidth_eff)))
     return (Calibration(flops_efficiency=flops_eff, bandwidth_efficiency=bandwidth_eff, launch_us=launch_s * 1e6,
                         source=source), error, (bound_by_flops, n.size - bound_by_flops))
 

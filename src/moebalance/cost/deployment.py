@@ -20,6 +20,7 @@ import numpy as np
 
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
+from moebalance.core.load import LoadMatrix
 from moebalance.cost.a2a import a2a_estimate, a2a_per_pick
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.memory import EngineMemory
@@ -84,9 +85,15 @@ class Deployment:
         return self.dispatch == "node"
 
     @property
+    def activation_bytes(self) -> int:
+        """``a``, bytes per activation: the grouped GEMM's inputs and outputs and the all-to-all's copies, in the
+        weights' precision (``engine.weight_bytes``) until the deployment names a precision of its own."""
+        return self.engine.weight_bytes
+
+    @property
     def bytes_per_copy(self) -> int:
         """One dispatched token copy: ``H a``."""
-        return self.model.hidden_size * self.engine.weight_bytes
+        return self.model.hidden_size * self.activation_bytes
 
     @property
     def bytes_per_expert(self) -> int:
@@ -97,20 +104,21 @@ class Deployment:
         """Data-parallel ranks on ``cluster`` with ``lost`` GPUs gone (at least 1)."""
         return max((cluster.num_gpus - lost) // self.engine.attention_group(cluster.gpus_per_node), 1)
 
-    def check_load(self, num_rows: int, num_experts: int, what: str = "the load") -> None:
-        """Refuse a load or plan of another model's shape (:meth:`moebalance.models.ModelSpec.misfit`)."""
-        self.model.check_fits(num_rows, num_experts, what=what)
+    def check_load(self, load: LoadMatrix, *, what: str = "the load", fix: str = "give the load's --model") -> None:
+        """Refuse a load (or a plan's load) of another model's shape (:meth:`moebalance.core.load.LoadMatrix.check_model`)."""
+        load.check_model(self.model, what=what, fix=fix)
 
     # ----- the layer's price --------------------------------------------------------------------------------------
 
     def expert_seconds(self, picks: np.ndarray) -> np.ndarray:
         """``float64 [..., G]`` from ``picks [..., G, E]``: :func:`moebalance.cost.time.expert_seconds` here."""
-        return expert_seconds(picks, self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes)
+        return expert_seconds(picks, self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes,
+                              activation_bytes=self.activation_bytes)
 
     def gemm_seconds(self, picks: np.ndarray | float, touched: np.ndarray | float) -> np.ndarray:
         """A GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast)."""
         return gemm_seconds(picks, touched, self.model, self.gpu, self.calibration,
-                            weight_bytes=self.engine.weight_bytes)
+                            weight_bytes=self.engine.weight_bytes, activation_bytes=self.activation_bytes)
 
     def layer_seconds(self, expert_gpu: np.ndarray, a2a: np.ndarray | float) -> np.ndarray:
         """``float64 [...]``: an MoE layer from each GPU's grouped GEMM ``expert_gpu [..., G]`` and the all-to-all
@@ -125,10 +133,16 @@ class Deployment:
         """``float64 [5]``: ``[alpha, beta, gamma, launch, kappa]`` seconds on ``cluster``, the roofline's terms
         (:func:`moebalance.cost.time.roofline_terms`) and the all-to-all per pick
         (:func:`moebalance.cost.a2a.a2a_per_pick`), as the ``metro`` router's compiled kernel takes them."""
-        terms = roofline_terms(self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes)
+        terms = roofline_terms(self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes,
+                               activation_bytes=self.activation_bytes)
         return np.array([*terms, a2a_per_pick(cluster, self.bytes_per_copy)])
 
-    # ----- the rest of a step -------------------------------------------------------------------------------------
+    # ----- a step -----------------------------------------------------------------------------------------------
+
+    def step_seconds(self, layers: np.ndarray, tokens_per_rank: float, gpus_per_node: int, phase: str) -> float:
+        """A forward step: its MoE layers ``layers [L]`` (seconds, :meth:`layer_seconds`) one after another, then
+        everything else (:meth:`rest_seconds`) for ``tokens_per_rank`` tokens on each data-parallel rank."""
+        return float(np.sum(layers)) + self.rest_seconds(tokens_per_rank, gpus_per_node, phase)
 
     def rest_seconds(self, tokens_per_rank: float, gpus_per_node: int, phase: str) -> float:
         """Everything but the routed experts in one step of ``tokens_per_rank`` tokens on each data-parallel rank

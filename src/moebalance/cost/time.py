@@ -35,7 +35,8 @@ from moebalance.cost.memory import GIB, EngineMemory, non_expert_gib_per_gpu
 from moebalance.models import ModelSpec
 from moebalance.models.fields import check_fields
 
-__all__ = ["Calibration", "expert_seconds", "gemm_seconds", "prefetch_seconds", "rest_seconds", "roofline_terms"]
+__all__ = ["Calibration", "expert_seconds", "gemm_seconds", "gemm_work", "peak_rates", "prefetch_seconds", "rest_seconds",
+           "roofline_terms"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -56,16 +57,36 @@ class Calibration:
                 raise InputError(f"{name} ({getattr(self, name)}) must be in (0, 1]: a share of the GPU's peak")
 
 
+def peak_rates(gpu: GpuSpec, calibration: Calibration | None = None) -> tuple[float, float]:
+    """``(FLOP/s, bytes/s)`` the roofline divides by: the GPU's BF16 peak and memory bandwidth, each times the
+    calibration's share."""
+    cal = Calibration() if calibration is None else calibration
+    return gpu.bf16_tflops * 1e12 * cal.flops_efficiency, gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency
+
+
+def gemm_work(picks: np.ndarray | float, touched: np.ndarray | float, hidden_size: np.ndarray | float,
+              ffn_size: np.ndarray | float, *, weight_bytes: int = 2,
+              activation_bytes: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """``(FLOPs, bytes)`` of a grouped GEMM over ``picks`` picks touching ``touched`` experts of ``H x F``: each pick
+    runs ``6 H F`` FLOPs, each expert touched is read once (``3 H F w`` bytes) and each pick's input and output move
+    (``2 H a``); arrays broadcast (the calibration fits runs of many shapes)."""
+    n = np.asarray(picks, dtype=np.float64)
+    u = np.asarray(touched, dtype=np.float64)
+    H, F = np.asarray(hidden_size, dtype=np.float64), np.asarray(ffn_size, dtype=np.float64)
+    return 6.0 * H * F * n, u * 3.0 * H * F * weight_bytes + 2.0 * n * H * activation_bytes
+
+
 def roofline_terms(model: ModelSpec, gpu: GpuSpec, calibration: Calibration | None = None, *,
                    weight_bytes: int = 2, activation_bytes: int = 2) -> tuple[float, float, float, float]:
     """``(alpha, beta, gamma, launch)`` seconds: the grouped GEMM of ``n`` picks touching ``u`` experts takes
-    ``launch + max(alpha n, beta u + gamma n)`` (module docstring). :func:`gemm_seconds` evaluates it; compiled
-    kernels that search over picks (the ``metro`` router) take the four numbers."""
+    ``launch + max(alpha n, beta u + gamma n)``, the roofline of :func:`gemm_seconds` as compiled kernels that
+    search over picks take it (the ``metro`` router)."""
     cal = Calibration() if calibration is None else calibration
+    flops_rate, bytes_rate = peak_rates(gpu, cal)
     H, F = model.hidden_size, model.moe_intermediate_size
-    flops = gpu.bf16_tflops * 1e12 * cal.flops_efficiency
-    bandwidth = gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency
-    return (6.0 * H * F / flops, 3.0 * H * F * weight_bytes / bandwidth, 2.0 * H * activation_bytes / bandwidth,
+    pick_flops, pick_bytes = gemm_work(1.0, 0.0, H, F, weight_bytes=weight_bytes, activation_bytes=activation_bytes)
+    _, expert_bytes = gemm_work(0.0, 1.0, H, F, weight_bytes=weight_bytes, activation_bytes=activation_bytes)
+    return (float(pick_flops) / flops_rate, float(expert_bytes) / bytes_rate, float(pick_bytes) / bytes_rate,
             cal.launch_us * 1e-6)
 
 
@@ -73,20 +94,20 @@ def gemm_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: 
                  calibration: Calibration | None = None, *, weight_bytes: int = 2,
                  activation_bytes: int = 2) -> np.ndarray:
     """Seconds of one GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast;
-    ``touched`` may be an expectation, as the step model's is): the roofline of the module docstring, which
-    :func:`expert_seconds` evaluates from a GPU's picks of each expert.
+    ``touched`` may be an expectation, as the step model's is): the roofline of the module docstring. Callers with
+    each GPU's picks of each expert call :func:`expert_seconds`, which reduces them to these two numbers.
 
     Example (by hand): H100, H = 7168, F = 2048, one pick on one expert: 88 MB of weights at 3.35 TB/s is 26.3 us,
     the 88 MFLOPs take 0.09 us, so the pick costs the weight read.
     """
+    cal = Calibration() if calibration is None else calibration
     n = np.asarray(picks, dtype=np.float64)
-    u = np.asarray(touched, dtype=np.float64)
-    if np.any(n < 0) or np.any(u < 0):
+    if np.any(n < 0) or np.any(np.asarray(touched) < 0):
         raise InputError("picks and experts touched must be >= 0")
-    alpha, beta, gamma, launch = roofline_terms(model, gpu, calibration, weight_bytes=weight_bytes,
-                                                activation_bytes=activation_bytes)
-    t = np.maximum(alpha * n, beta * u + gamma * n)
-    return np.where(n > 0, t + launch, 0.0)
+    flops, traffic = gemm_work(n, touched, model.hidden_size, model.moe_intermediate_size, weight_bytes=weight_bytes,
+                               activation_bytes=activation_bytes)
+    flops_rate, bytes_rate = peak_rates(gpu, cal)
+    return np.where(n > 0, np.maximum(flops / flops_rate, traffic / bytes_rate) + cal.launch_us * 1e-6, 0.0)
 
 
 def expert_seconds(picks: np.ndarray, model: ModelSpec, gpu: GpuSpec, calibration: Calibration | None = None, *,
@@ -141,8 +162,8 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
     attention_tp = engine.attention_group(gpus_per_node)
     kv_bytes = kv_tokens_per_rank * model.kv_bytes_per_token(engine.kv_bytes) / model.kv_shards(attention_tp)
     traffic = (params - table) * engine.weight_bytes + kv_bytes
-    return max(flops / (gpu.bf16_tflops * 1e12 * cal.flops_efficiency),
-               traffic / (gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency))
+    flops_rate, bytes_rate = peak_rates(gpu, cal)
+    return max(flops / flops_rate, traffic / bytes_rate)
 
 
 def prefetch_seconds(copies: np.ndarray | float, model: ModelSpec, bandwidth: float, *,

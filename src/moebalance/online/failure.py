@@ -76,7 +76,13 @@ class Failures:
     reload_gbps: float = DEFAULT_RELOAD_GBPS
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "events", tuple((int(g), int(b)) for g, b in self.events))
+        events = []
+        for event in self.events:
+            pair = tuple(event) if isinstance(event, tuple | list) else (event,)
+            if len(pair) != 2 or not all(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in pair):
+                raise InputError(f"a failure ({event!r}) must be a (GPU, batch) pair of integers, e.g. (3, 120)")
+            events.append((int(pair[0]), int(pair[1])))
+        object.__setattr__(self, "events", tuple(events))
         r = self.reload_gbps
         if not (isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) and r > 0):
             raise InputError(f"the reload link ({r!r} GB/s) must be a positive number")

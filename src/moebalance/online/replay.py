@@ -252,7 +252,7 @@ def replay(load: LoadMatrix, cluster: Cluster, budget: Budget, policy: str | Pla
         raise InputError(f"{name} replans every batch from its predictor; --replan-every and --window apply to "
                          "static policies")
     if pricing is not None:
-        pricing.deployment.check_load(load.num_layers, load.num_experts)
+        pricing.deployment.check_load(load)
     if replanning.migration != "fresh" and (dynamic is not None or not replanning.periodic):
         raise InputError(f"migration {replanning.migration} lays periodic re-plans onto the plan in service; it needs "
                          "a static policy with --replan-every K")

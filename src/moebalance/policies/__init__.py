@@ -56,7 +56,6 @@ POLICIES: dict[str, Policy[Any] | PolicyFn] = {
 DYNAMIC_POLICIES: dict[str, DynamicPolicy] = {"libra": LIBRA}
 
 
-
 def get_policy(policy: str | Policy[Any] | PolicyFn) -> tuple[str, Policy[Any] | PolicyFn]:
     """``(name, policy)`` for a registered name, a :class:`Policy` or a callable."""
     if isinstance(policy, Policy):

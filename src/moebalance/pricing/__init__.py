@@ -15,16 +15,5 @@ from moebalance.pricing.layer import LayerPrice, price_layers
 from moebalance.pricing.phase import PhaseModel, PhaseTime, phase_steps, phase_time
 from moebalance.pricing.step import StepPricing, StepTime, step_time
 
-__all__ = [
-           "LayerPrice",
-           "PhaseModel",
-           "PhaseTime",
-           "PlanPrice",
-           "StepPricing",
-           "StepTime",
-           "phase_steps",
-           "phase_time",
-           "price_layers",
-           "price_plan",
-           "step_time",
-]
+__all__ = ["LayerPrice", "PhaseModel", "PhaseTime", "PlanPrice", "StepPricing", "StepTime", "phase_steps", "phase_time",
+           "price_layers", "price_plan", "step_time"]

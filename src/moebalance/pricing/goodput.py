@@ -74,13 +74,13 @@ def price_plan(plan: Placement, load: LoadMatrix, deployment: Deployment, *, rou
     """Model ``plan`` on ``load`` (held-out batches) for ``deployment`` (module docstring).
 
     With ``deployment.dispatch == "node"`` a token-level load's all-to-all sends one network copy per destination
-    node, forwarded inside it (DeepEP's normal kernels, GRACE's dispatch; :func:`moebalance.routing.simulate.traffic`).
+    node, forwarded inside it (DeepEP's normal kernels, GRACE's dispatch; :func:`moebalance.routing.copies.traffic`).
     """
     check_compatible(plan, load)
     model, engine, work = deployment.model, deployment.engine, deployment.workload
     dense = plan.dense_layers | set(np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist())
     moe = [layer for layer in range(plan.num_layers) if layer not in dense]  # dense rows hold no experts
-    deployment.check_load(plan.num_layers, plan.num_experts, what="the plan")
+    deployment.check_load(load, what="the plan's load", fix="give the model the plan was made for")
     if deployment.node_forwarding and load.trace is None:
         raise InputError("--dispatch node needs a token-level load (which GPUs each token goes to); this load has "
                          "counts only: use --dispatch gpu")
@@ -108,17 +108,17 @@ def price_plan(plan: Placement, load: LoadMatrix, deployment: Deployment, *, rou
     ranks = deployment.ranks(cluster)  # memory_per_gpu checked that the groups divide the GPUs
     K = model.top_k
 
-    def moe_seconds(tokens: float) -> float:
+    def moe_layers(tokens: float) -> np.ndarray:
         lam = tokens * K * np.where(ok[:, :, None], share, 0.0) / reps[None]
         used = np.einsum("ble,leg->blg", -np.expm1(-lam), has)
         n = tokens * K * np.where(ok[:, :, None], gpu_share, 0.0)
         t = deployment.layer_seconds(deployment.gemm_seconds(n, used), np.where(ok, a2a_per_pick, 0.0) * tokens * K)
         per_layer = np.where(ok, t, np.nan)
         means = np.nanmean(np.where(ok.any(axis=0)[None], per_layer, 0.0), axis=0)  # [L]; idle layers cost 0
-        return float(np.nansum(means))
+        return np.nan_to_num(means)
 
     def step(tokens: float, phase: str) -> float:
-        return moe_seconds(tokens) + deployment.rest_seconds(tokens / ranks, gpn, phase)
+        return deployment.step_seconds(moe_layers(tokens), tokens / ranks, gpn, phase)
 
     C = memory.max_concurrency
     chunk = work.prefill_chunk * ranks

@@ -45,7 +45,6 @@ from moebalance.routing import Router, get_router
 __all__ = ["PHASES", "PhaseModel", "PhaseTime", "phase_steps", "phase_time"]
 
 
-
 @dataclass(frozen=True, slots=True)
 class PhaseTime:
     """A router's modelled MoE layer time on a phase's steps (module docstring), ms."""

@@ -84,14 +84,12 @@ class StepTime:
     expert: np.ndarray
     #: ``float64 [L]``: the all-to-all per layer (dispatch and combine).
     a2a: np.ndarray
+    #: Everything but the routed experts.
     rest: float
+    #: The step without what balancing exposes (:meth:`moebalance.cost.Deployment.step_seconds`).
+    seconds: float
     #: ``float64 [L, G]``: each GPU's grouped GEMM per layer.
     expert_gpu: np.ndarray | None = None
-
-    @property
-    def seconds(self) -> float:
-        """The step without what balancing exposes."""
-        return float(self.expert.sum() + self.a2a.sum()) + self.rest
 
     @property
     def moe_layer_seconds(self) -> float:
@@ -108,7 +106,9 @@ def step_time(plan: Placement, priced: LayerPrice, tokens: float, pricing: StepP
     cluster = plan.cluster
     per_rank = tokens / d.ranks(cluster, lost)
     return StepTime(expert=priced.expert[0].max(axis=1), a2a=priced.a2a[0],
-                    rest=d.rest_seconds(per_rank, cluster.gpus_per_node, pricing.phase), expert_gpu=priced.expert[0])
+                    rest=d.rest_seconds(per_rank, cluster.gpus_per_node, pricing.phase),
+                    seconds=d.step_seconds(priced.seconds[0], per_rank, cluster.gpus_per_node, pricing.phase),
+                    expert_gpu=priced.expert[0])
 
 
 def local_seconds(plan: Placement, batch: LoadMatrix, deployment: Deployment) -> np.ndarray:

@@ -32,7 +32,6 @@ __all__ = ["ROUTERS", "Router", "RouterConfig", "get_router"]
 ROUTERS: dict[str, Router] = {r.name: r for r in (UNIFORM, RANDOM, WRR, LOCALITY, REBALANCE, MINMAX, METRO)}
 
 
-
 def get_router(router: str | Router, params: Mapping[str, Any] | None = None) -> Router:
     """The router called ``router`` (or ``router`` itself if it is a :class:`Router`), with options ``params``."""
     if not isinstance(router, Router):

@@ -2,16 +2,17 @@
 each GPU reads, not only its tokens (METRO, arXiv 2512.09277; the algorithm: :mod:`moebalance.algorithms.metro`).
 
 A GPU's expert time is the cost model's roofline over the picks it serves and the distinct experts they touch
-(:func:`moebalance.cost.time.expert_seconds`), so the router needs the GPU and the model: options ``gpu`` and
-``model`` (``--router-set gpu=h100-80gb --router-set model=deepseek-v3``; ``compare`` and ``online`` fill them
-from ``--gpu`` and ``--model``), and, from a calibration, ``flops_efficiency``, ``bandwidth_efficiency`` and ``launch_us``
-(default: the published peaks). In decode an expert's few picks go to few of its copies and the experts touched
+(:func:`moebalance.cost.time.gemm_seconds`), so the router prices on a :class:`~moebalance.cost.Deployment`: the one a
+command builds from ``--gpu``, ``--model`` and ``--calibration`` (:func:`with_deployment`; ``cost``, ``compare``,
+``online``), or one named by its options ``gpu`` and ``model`` (``--router-set gpu=h100-80gb --router-set
+model=deepseek-v3``) with, from a calibration, ``flops_efficiency``, ``bandwidth_efficiency`` and ``launch_us``
+(default: the published peaks); options given win over the command's deployment. In decode an expert's few picks go to few of its copies and the experts touched
 spread over the GPUs; in prefill the picks spread as a token balancer spreads them.
 
 Per ``(batch, layer)`` the router also computes what ``uniform`` and ``rebalance`` (default options) would do and
 keeps the fastest of the three by the modelled layer time: the slowest GPU's grouped GEMM plus the all-to-all
 (:func:`moebalance.cost.a2a.a2a_estimate` on counts; on tokens the picks' copies, one per destination GPU,
-:func:`moebalance.routing.simulate.traffic`, on the plan's links). So ``metro`` is never slower than either in
+:func:`moebalance.routing.copies.traffic`, on the plan's links). So ``metro`` is never slower than either in
 modelled layer time: on counts against their ``split_counts`` (experts touched:
 :func:`moebalance.routing.touched.hosted_touched` for both), on tokens against their picks (whole picks; experts
 touched from the picks; ``uniform``'s round-robin deal). It is a :class:`~moebalance.routing.touched.TouchingRouter`:

@@ -1,5 +1,5 @@
 """Experts touched: how many distinct experts each GPU's picks reach per ``(batch, layer)``, the weights its
-grouped GEMM reads (:func:`moebalance.cost.time.expert_seconds`).
+grouped GEMM reads (:func:`moebalance.cost.time.gemm_seconds`).
 
 Legend: ``B`` batches, ``L`` layers, ``E`` experts, ``G`` GPUs, ``T`` tokens, ``K`` picks per token.
 

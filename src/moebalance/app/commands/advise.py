@@ -96,9 +96,9 @@ def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
     workloads = options.read_workloads(argparse.Namespace(**{**vars(args), "batches": None}))
     if args.model is None and workloads.load.preset is None:
         raise InputError("the load names no model; give --model (e.g. --model deepseek-v3)")
-    dep = deployment.build(args, workloads.load)
+    calibrated, fit_error = deployment.calibration(args)
+    dep = deployment.build(args, workloads.load, calibrated=calibrated)
     name = dep.model.name
-    fit_error = deployment.calibration(args)[1]
     phase = args.phase or "decode"
     cluster = options.cluster(args)
     pricing = StepPricing(deployment=dep, router_ms=args.router_ms, phase=phase)

@@ -10,7 +10,7 @@ from moebalance.app.capture_inputs import add_text, model_tokens
 from moebalance.app.console import check_out, out, progress
 from moebalance.workloads.stats import layer_skew
 
-__all__ = ["add_parser", "add_text", "model_tokens", "run"]
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: Any) -> None:

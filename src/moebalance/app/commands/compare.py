@@ -87,23 +87,23 @@ def run(args: argparse.Namespace) -> None:
     cluster = options.cluster(args)
     raw = options.read_load(args, model=False)
     load = options.load_model(raw, args.model)
-    dep = deployment.build(args, load) if args.gpu is not None else None
+    dep = deployment.from_args(args, load)
     routers = deployment.bind_routers(routers, dep, load)
     budget = options.budget(args)
     several = len(routers) > 1
     scenarios = [Scenario(p, budget, per_policy[p], r, label=f"{p} + {r.label}" if several else None, plan_name=p)
                  for p in policies for r in routers]
     scenarios += _baselines(args, load, routers, scenarios)
-    by_goodput = deployment.auto_by_goodput(args, load, policies)
+    by_goodput = deployment.auto_by_goodput(args, dep, policies)
     if by_goodput is not None:  # craft's R chosen on the planning batches, then scored like every other plan
         t0 = time.perf_counter()
         chosen = craft_by_goodput(load.split(args.train_frac)[0], cluster, by_goodput, **per_policy["craft"])
         took = time.perf_counter() - t0
         scenarios = [dataclasses.replace(sc, fixed=chosen, fixed_seconds=took)
                      if sc.policy == "craft" and sc.fixed is None else sc for sc in scenarios]
-    cost = deployment.price_fn(args, load)
+    price = deployment.price_fn(dep, args.seed)
     phase = PhaseModel(args.phase, dep, seed=args.seed) if args.phase is not None and dep is not None else None
-    rows, plans = run_scenarios(load, cluster, scenarios, args.train_frac, args.seed, cost,
+    rows, plans = run_scenarios(load, cluster, scenarios, args.train_frac, args.seed, price,
                                 node_forwarding=args.dispatch == "node", phase=phase)
     title = comparison_title(load, Path(args.load).name, cluster, budget, args.train_frac,
                              "per row" if several else routers[0].label)

@@ -40,8 +40,8 @@ from moebalance.pricing.step import StepPricing
 
 __all__ = ["add_parser", "default_predictor", "phase_load", "prefetch", "pricing_from", "replanning", "run"]
 
-#: The cost options a step of online does not use (the memory and the request mix of ``cost``'s goodput).
-_UNUSED_COST = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
+#: The deployment's flags a step of online uses only with ``--phase`` (the memory and the requests size its steps).
+_PHASE_ONLY = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
                 ("--output-tokens", "output_tokens"), ("--prefill-chunk", "prefill_chunk"))
 #: The re-plan pricing options, which need --gpu and --replan-every.
 _REARRANGE = (("--rearrange", "rearrange"), ("--rearrange-overhead-ms", "rearrange_overhead_ms"),
@@ -145,7 +145,7 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
         if given:
             raise InputError(f"{given[0]} is used by online with --gpu (a step's time); give --gpu or drop it")
         return None
-    for flag, dest in _UNUSED_COST:
+    for flag, dest in _PHASE_ONLY:
         if getattr(args, dest) is not None and args.phase is None:
             raise InputError(f"{flag} is not used by online without --phase (a step's time needs no memory or request "
                              "mix); drop it or give --phase")

@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> None:
     several = len(work.names) > 1
     if several and "workload_batches" in (options.policy_keys(name) or ()):
         params["workload_batches"] = [part.num_batches for part in work.parts]
-    by_goodput = deployment.auto_by_goodput(args, load, [name])
+    dep = deployment.build(args, load) if goodput and args.gpu is not None else None
+    by_goodput = deployment.auto_by_goodput(args, dep, [name])
     if by_goodput is not None:
         t0 = time.perf_counter()
         plan = craft_by_goodput(load, cluster, by_goodput, dense_layers=dense, **params)

@@ -51,12 +51,12 @@ def run(args: argparse.Namespace) -> None:
     load = options.load_model(raw, args.model)
     if args.gpu is None and options.links(args):  # a sweep scores balance only, unless the cost model runs
         raise InputError("--intra-link and --inter-link are used by sweep only with --gpu (the cost model); drop them")
-    costed = deployment.price_fn(args, load)
+    priced = deployment.price_fn(deployment.from_args(args, load), args.seed)
     with progress() as bar:
         task = bar.add_task("sweep", total=sweep_steps(load, cluster, policies, replicas, params))
         result = sweep(load, cluster, policies, replicas, train_frac=args.train_frac, params=params,
                        on_step=lambda: bar.advance(task),
-                       cost=None if costed is None else (lambda plan, test: costed(plan, test, "uniform")))
+                       price=None if priced is None else (lambda plan, test: priced(plan, test, "uniform")))
     points = result.points
     train, test = load.split(args.train_frac)
     title = (f"{load.preset or Path(args.load).name}: {load.num_layers} layers x {load.num_experts} experts on "
