@@ -210,7 +210,7 @@ def _tiny_plan_and_load() -> tuple[Placement, LoadMatrix]:
     return plan, load
 
 
-def test_plan_cost_layer_time_is_the_straggler_plus_all_to_all() -> None:
+def test_price_plan_layer_time_is_the_straggler_plus_all_to_all() -> None:
     plan, load = _tiny_plan_and_load()
     arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
     cost = price_plan(plan, load, Deployment(model=arch, gpu=gpu, engine=EngineMemory(attention_tp=1, reserve_gib=0.0)))
