@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
-from moebalance.app.options import count, fraction, non_negative_float, positive
+from moebalance.app.options import MAX_GPUS, count, fraction, non_negative_float, positive
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
@@ -40,17 +40,15 @@ __all__ = [
 ]
 
 _ENGINE, _WORK = EngineMemory(), Workload()  # the defaults the flags show
-#: The most GPUs a parallel group flag names.
-_MAX_GPUS = 65_536
 
-#: ``(flag, dest)`` of the deployment's flags besides ``--gpu``: given or not (default None), so that a command can
-#: refuse them where nothing is priced.
 #: The engine's memory layout (:class:`~moebalance.cost.EngineMemory`'s fields) and the requests
 #: (:class:`~moebalance.cost.Workload`'s): ``(flag, dest)``, the dest being the field.
 ENGINE_FLAGS = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
                 ("--attention-tp", "attention_tp"), ("--dense-tp", "dense_tp"))
 REQUEST_FLAGS = (("--prompt-tokens", "prompt_tokens"), ("--output-tokens", "output_tokens"),
                  ("--prefill-chunk", "prefill_chunk"))
+#: Every flag of the deployment besides ``--gpu``: given or not (default None), so that a command can refuse them where
+#: nothing is priced.
 FLAGS = (*ENGINE_FLAGS, *REQUEST_FLAGS, ("--calibration", "calibration"), ("--dispatch", "dispatch"))
 
 #: ``(plan, held-out load, router) -> PlanPrice``.
@@ -65,8 +63,8 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
                         f"{_ENGINE.memory_fraction})")
     p.add_argument("--reserve-gib", type=non_negative_float,
                    help="GiB per GPU the engine keeps besides weights and KV cache (default fitted, docs/design.md)")
-    p.add_argument("--attention-tp", type=count(_MAX_GPUS), help="GPUs splitting attention weights (default: a node)")
-    p.add_argument("--dense-tp", type=count(_MAX_GPUS), help="GPUs splitting the other non-expert weights (default 1)")
+    p.add_argument("--attention-tp", type=count(MAX_GPUS), help="GPUs splitting attention weights (default: a node)")
+    p.add_argument("--dense-tp", type=count(MAX_GPUS), help="GPUs splitting the other non-expert weights (default 1)")
     p.add_argument("--prompt-tokens", type=positive, help=f"default {_WORK.prompt_tokens}")
     p.add_argument("--output-tokens", type=positive, help=f"default {_WORK.output_tokens}")
     p.add_argument("--prefill-chunk", type=positive,
