@@ -565,3 +565,81 @@ def test_a_load_with_load_in_a_dense_layer_is_no_models_load(tmp_path: Path, cap
     with pytest.raises(InputError, match=r"the plan's load does not fit model 'deepseek-v3': it has load in layer 0.*"
                                          r"give the model the plan was made for"):
         price_plan(plan, LoadMatrix(counts), v3)
+
+
+# ----- precision: the weights' and GEMMs' bytes and peak -------------------------------------------------------------
+
+def test_fp8_halves_the_weights_and_doubles_the_flops_peak() -> None:
+    """By hand: an FP8 DeepSeek-V3 expert is 3 H F bytes, read at the same bandwidth (half the decode time); a
+    FLOP-bound GEMM runs at the FP8 peak (1,979 against 989 TFLOP/s on an H100); a dispatch copy is H bytes plus a
+    float32 scale per 128 values, the combine stays bf16."""
+    v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
+    bf16 = Deployment(model=v3, gpu=h100)
+    fp8 = Deployment(model=v3, gpu=h100, precision="fp8")
+    H, F = v3.hidden_size, v3.moe_intermediate_size
+    assert (bf16.engine.weight_bytes, fp8.engine.weight_bytes) == (2, 1)
+    assert fp8.bytes_per_expert == 3 * H * F and bf16.bytes_per_expert == 2 * fp8.bytes_per_expert
+    assert fp8.dispatch_bytes == H + 4 * 56 and bf16.dispatch_bytes == 2 * H
+    assert fp8.bytes_per_copy == (H + 4 * 56 + 2 * H) // 2 and bf16.bytes_per_copy == 2 * H
+    decode = float(fp8.gemm_seconds(1.0, 1.0))  # one pick of one expert: the weight read (and 1.5 H bytes moved)
+    assert decode == pytest.approx((3 * H * F + 2 * H * 1.5) / 3.35e12, rel=1e-12)
+    prefill = 4096.0  # picks of one expert: bound by FLOPs
+    assert float(fp8.gemm_seconds(prefill, 1.0)) == pytest.approx(6 * H * F * prefill / 1979e12, rel=1e-12)
+    assert float(bf16.gemm_seconds(prefill, 1.0)) == pytest.approx(6 * H * F * prefill / 989e12, rel=1e-12)
+    # served: the checkpoint's own precision
+    assert Deployment(model=v3, gpu=h100, precision="served").precision == "fp8"
+    assert Deployment(model=get_model("qwen3-30b-a3b"), gpu=h100, precision="served").precision == "bf16"
+    assert {m.name for m in MODELS.values() if m.served_precision == "fp8"} == {"deepseek-v3", "deepseek-r1", "kimi-k2"}
+
+
+def test_fp8_leaves_more_kv_cache_and_is_refused_where_the_gpu_has_none(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["cost", "--model", "deepseek-v3", "--nodes", 8, "--gpus-per-node", 8, "--json"]
+    rc, out, err = run_cli([*base, "--gpu", "h100-80gb"], capsys)
+    assert rc == 0, err
+    bf16 = json.loads(out)
+    rc, out, err = run_cli([*base, "--gpu", "h100-80gb", "--precision", "served"], capsys)
+    assert rc == 0, err
+    fp8 = json.loads(out)
+    assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
+    assert fp8["weights_gb_per_gpu"] == pytest.approx(bf16["weights_gb_per_gpu"] / 2, rel=1e-3)
+    assert fp8["kv_cache_gb_per_gpu"] > bf16["kv_cache_gb_per_gpu"] and fp8["max_concurrency"] > bf16["max_concurrency"]
+    assert_user_error([*base, "--gpu", "a100-80gb", "--precision", "fp8"], capsys,
+                      "A100-SXM4-80GB has no FP8 tensor cores", "give --precision bf16")
+    assert_user_error(["compare", "--load", "bundled:deepseek-v3-8x8", "--policies", "eplb", "--nodes", 8,
+                       "--gpus-per-node", 8, "--slots-per-gpu", 5, "--precision", "fp8"], capsys,
+                      "--precision is used with --gpu")
+
+
+def test_the_request_cap_is_sglangs_split_over_ranks_and_fp8_kv_halves_a_requests_bytes() -> None:
+    """By hand: 8 x 8 H100 with a data-parallel rank per node (8 ranks). The KV cache holds ``k`` requests per rank;
+    ``--max-running-requests 100`` gives each rank 100 // 8 = 12 (SGLang's division), so 96 in all; an FP8 KV cache
+    holds twice the tokens of the same bytes."""
+    v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
+    free = memory_per_gpu(v3, h100, num_gpus=64, gpus_per_node=8, engine=EngineMemory(), context_tokens=2000)
+    capped = memory_per_gpu(v3, h100, num_gpus=64, gpus_per_node=8, engine=EngineMemory(max_running_requests=100),
+                            context_tokens=2000)
+    assert free.max_concurrency > 96 and capped.max_concurrency == 96
+    assert capped.kv_cache_gb_per_gpu == free.kv_cache_gb_per_gpu  # the cap leaves the pool as it is
+    loose = memory_per_gpu(v3, h100, num_gpus=64, gpus_per_node=8, context_tokens=2000,
+                           engine=EngineMemory(max_running_requests=10**9))
+    assert loose.max_concurrency == free.max_concurrency
+    fp8_kv = memory_per_gpu(v3, h100, num_gpus=64, gpus_per_node=8, engine=EngineMemory(kv_bytes=1),
+                            context_tokens=2000)
+    assert fp8_kv.max_concurrency // 8 == 2 * (free.max_concurrency // 8) or \
+        fp8_kv.max_concurrency // 8 == 2 * (free.max_concurrency // 8) + 1  # floor of twice the per-rank count
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(InputError, match="max_running_requests"):
+            EngineMemory(max_running_requests=bad)  # type: ignore[arg-type]
+
+
+def test_cap_and_kv_dtype_flags_reach_the_deployment(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["cost", "--model", "deepseek-v3", "--gpu", "h100-80gb", "--nodes", 8, "--gpus-per-node", 8, "--json"]
+    rc, out, err = run_cli([*base, "--max-running-requests", 1000], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["max_concurrency"] == 1000  # 125 on each of 8 ranks, under the 1,528 the cache holds
+    rc, out, err = run_cli([*base, "--kv-cache-dtype", "fp8"], capsys)
+    assert rc == 0, err
+    rc, out2, err = run_cli(base, capsys)
+    assert json.loads(out)["max_concurrency"] > json.loads(out2)["max_concurrency"]
+    assert_user_error([*base, "--max-running-requests", 0], capsys, "--max-running-requests", "0 must be >= 1")

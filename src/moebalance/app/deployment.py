@@ -13,10 +13,10 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.cost.calibrate import read_calibration
-from moebalance.cost.deployment import DISPATCH, PHASES, Deployment, Workload
+from moebalance.cost.deployment import DISPATCH, PHASES, PRECISIONS, Deployment, Workload
 from moebalance.cost.hardware import GPUS, get_gpu
 from moebalance.cost.memory import EngineMemory
-from moebalance.cost.time import Calibration
+from moebalance.cost.time import PRECISION_BYTES, Calibration
 from moebalance.models import get_model
 from moebalance.pricing.goodput import PlanPrice, price_plan
 from moebalance.routing import Router
@@ -44,12 +44,14 @@ _ENGINE, _WORK = EngineMemory(), Workload()  # the defaults the flags show
 #: The engine's memory layout (:class:`~moebalance.cost.EngineMemory`'s fields) and the requests
 #: (:class:`~moebalance.cost.Workload`'s): ``(flag, dest)``, the dest being the field.
 ENGINE_FLAGS = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
-                ("--attention-tp", "attention_tp"), ("--dense-tp", "dense_tp"))
+                ("--attention-tp", "attention_tp"), ("--dense-tp", "dense_tp"),
+                ("--max-running-requests", "max_running_requests"))
 REQUEST_FLAGS = (("--prompt-tokens", "prompt_tokens"), ("--output-tokens", "output_tokens"),
                  ("--prefill-chunk", "prefill_chunk"))
 #: Every flag of the deployment besides ``--gpu``: given or not (default None), so that a command can refuse them where
 #: nothing is priced.
-FLAGS = (*ENGINE_FLAGS, *REQUEST_FLAGS, ("--calibration", "calibration"), ("--dispatch", "dispatch"))
+FLAGS = (*ENGINE_FLAGS, *REQUEST_FLAGS, ("--calibration", "calibration"), ("--dispatch", "dispatch"),
+         ("--precision", "precision"), ("--kv-cache-dtype", "kv_cache_dtype"))
 
 #: ``(plan, held-out load, router) -> PlanPrice``.
 PriceFn = Callable[[Placement, LoadMatrix, "str | Router"], PlanPrice]
@@ -65,11 +67,20 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
                    help="GiB per GPU the engine keeps besides weights and KV cache (default fitted, docs/design.md)")
     p.add_argument("--attention-tp", type=count(MAX_GPUS), help="GPUs splitting attention weights (default: a node)")
     p.add_argument("--dense-tp", type=count(MAX_GPUS), help="GPUs splitting the other non-expert weights (default 1)")
+    p.add_argument("--max-running-requests", type=positive,
+                   help="requests the deployment runs at once at most, over all its data-parallel ranks, as SGLang's "
+                        "flag (default: as many as the KV cache holds)")
+    p.add_argument("--kv-cache-dtype", choices=tuple(PRECISION_BYTES),
+                   help="the KV cache's numbers: bf16 (the default) or fp8 (half the bytes per token)")
     p.add_argument("--prompt-tokens", type=positive, help=f"default {_WORK.prompt_tokens}")
     p.add_argument("--output-tokens", type=positive, help=f"default {_WORK.output_tokens}")
     p.add_argument("--prefill-chunk", type=positive,
                    help=f"prompt tokens a data-parallel rank prefills per step (default {_WORK.prefill_chunk})")
     p.add_argument("--calibration", help="JSON from 'moebalance calibrate' (default: published peaks)")
+    p.add_argument("--precision", choices=PRECISIONS,
+                   help="the weights' and GEMMs' precision: bf16 (the default), fp8 (half the weight bytes, the GPU's FP8 "
+                        "peak, FP8 dispatch with per-128 scales; combine stays bf16), or served: the model's own "
+                        "checkpoint's (fp8 for DeepSeek-V3/R1 and Kimi-K2, else bf16)")
     p.add_argument("--dispatch", choices=DISPATCH,
                    help="all-to-all of token-level loads: a copy per destination GPU (gpu, the default), or one per "
                         "destination node forwarded inside it, as DeepEP and GRACE do (node)")
@@ -114,12 +125,15 @@ def build(args: argparse.Namespace, load: LoadMatrix | None = None, *,
     if load is not None:
         load.check_model(spec)
     engine = {dest: getattr(args, dest, None) for _, dest in ENGINE_FLAGS}
+    kv_dtype = getattr(args, "kv_cache_dtype", None)
+    engine["kv_bytes"] = None if kv_dtype is None else PRECISION_BYTES[kv_dtype]
     work = {dest: getattr(args, dest, None) for _, dest in REQUEST_FLAGS}
     return Deployment(model=spec, gpu=get_gpu(args.gpu),
                       calibration=calibration(args)[0] if calibrated is None else calibrated,
                       engine=EngineMemory(**{k: v for k, v in engine.items() if v is not None}),
                       workload=Workload(**{k: v for k, v in work.items() if v is not None}),
-                      dispatch=getattr(args, "dispatch", None) or "gpu")
+                      dispatch=getattr(args, "dispatch", None) or "gpu",
+                      precision=getattr(args, "precision", None) or "bf16")
 
 
 def bind_routers(chosen: Sequence[Router], deployment: Deployment | None, load: LoadMatrix | None = None) -> list[Router]:

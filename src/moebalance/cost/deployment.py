@@ -14,6 +14,7 @@ It also owns the two formulas a layer's price is made of, so that a change of ei
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,15 +25,24 @@ from moebalance.core.load import LoadMatrix
 from moebalance.cost.a2a import a2a_estimate, a2a_per_pick
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.memory import EngineMemory
-from moebalance.cost.time import Calibration, expert_seconds, gemm_seconds, rest_seconds, roofline_terms
+from moebalance.cost.time import (
+    PRECISION_BYTES,
+    Calibration,
+    expert_seconds,
+    gemm_seconds,
+    rest_seconds,
+    roofline_terms,
+)
 from moebalance.models import ModelSpec
 from moebalance.models.fields import check_fields
 
-__all__ = ["DISPATCH", "PHASES", "Deployment", "Workload"]
+__all__ = ["DISPATCH", "PHASES", "PRECISIONS", "Deployment", "Workload"]
 
 #: How a token-level load's all-to-all crosses nodes: a copy per destination GPU, or one per destination node
 #: forwarded inside it (DeepEP's normal kernels, GRACE's dispatch).
 DISPATCH = ("gpu", "node")
+#: The precisions a deployment names: the weights' and GEMMs' (``served``: the model's own).
+PRECISIONS = ("bf16", "fp8", "served")
 #: The phases a step can be priced in.
 PHASES = ("decode", "prefill")
 
@@ -70,6 +80,9 @@ class Deployment:
     workload: Workload = field(default_factory=Workload)
     #: ``gpu`` or ``node`` (:data:`DISPATCH`).
     dispatch: str = "gpu"
+    #: The weights' and the GEMMs' precision, ``bf16`` or ``fp8`` (:data:`PRECISIONS`; ``served``: the model's own,
+    #: :attr:`~moebalance.models.ModelSpec.served_precision`). It sets ``engine.weight_bytes``.
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         for name, kind in (("model", ModelSpec), ("gpu", GpuSpec), ("calibration", Calibration),
@@ -78,6 +91,14 @@ class Deployment:
                 raise InputError(f"Deployment.{name} ({getattr(self, name)!r}) must be a {kind.__name__}")
         if self.dispatch not in DISPATCH:
             raise InputError(f"dispatch {self.dispatch!r} is unknown; choose one of: {', '.join(DISPATCH)}")
+        if self.precision == "served":
+            object.__setattr__(self, "precision", self.model.served_precision)
+        if self.precision not in PRECISION_BYTES:
+            raise InputError(f"precision {self.precision!r} is unknown; choose one of: {', '.join(PRECISIONS)}")
+        self.gpu.peak_tflops(self.precision)  # FP8 on a GPU without FP8 tensor cores: one line
+        weight_bytes = PRECISION_BYTES[self.precision]
+        if self.engine.weight_bytes != weight_bytes:
+            object.__setattr__(self, "engine", dataclasses.replace(self.engine, weight_bytes=weight_bytes))
 
     @property
     def node_forwarding(self) -> bool:
@@ -85,15 +106,23 @@ class Deployment:
         return self.dispatch == "node"
 
     @property
-    def activation_bytes(self) -> int:
-        """``a``, bytes per activation: the grouped GEMM's inputs and outputs and the all-to-all's copies, in the
-        weights' precision (``engine.weight_bytes``) until the deployment names a precision of its own."""
-        return self.engine.weight_bytes
+    def activation_bytes(self) -> float:
+        """``a``, bytes per activation the grouped GEMM moves: the mean of its input (in the GEMM's precision) and its
+        output (bf16)."""
+        return (PRECISION_BYTES[self.precision] + PRECISION_BYTES["bf16"]) / 2
+
+    @property
+    def dispatch_bytes(self) -> int:
+        """One token's dispatch copy: ``H`` values in the precision; FP8 adds a float32 scale per 128 values (the
+        per-token, per-128-channel scaling of DeepSeek's FP8 recipe, which DeepEP's FP8 dispatch sends)."""
+        H = self.model.hidden_size
+        return H * 2 if self.precision == "bf16" else H + 4 * -(-H // 128)
 
     @property
     def bytes_per_copy(self) -> int:
-        """One dispatched token copy: ``H a``."""
-        return self.model.hidden_size * self.activation_bytes
+        """Bytes per token copy and direction the all-to-all is timed with: the mean of the dispatch's
+        (:attr:`dispatch_bytes`) and the combine's (bf16, ``2 H``), so that its two phases add up to both."""
+        return -(-(self.dispatch_bytes + 2 * self.model.hidden_size) // 2)
 
     @property
     def bytes_per_expert(self) -> int:
@@ -113,12 +142,13 @@ class Deployment:
     def expert_seconds(self, picks: np.ndarray) -> np.ndarray:
         """``float64 [..., G]`` from ``picks [..., G, E]``: :func:`moebalance.cost.time.expert_seconds` here."""
         return expert_seconds(picks, self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes,
-                              activation_bytes=self.activation_bytes)
+                              activation_bytes=self.activation_bytes, precision=self.precision)
 
     def gemm_seconds(self, picks: np.ndarray | float, touched: np.ndarray | float) -> np.ndarray:
         """A GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast)."""
         return gemm_seconds(picks, touched, self.model, self.gpu, self.calibration,
-                            weight_bytes=self.engine.weight_bytes, activation_bytes=self.activation_bytes)
+                            weight_bytes=self.engine.weight_bytes, activation_bytes=self.activation_bytes,
+                            precision=self.precision)
 
     def layer_seconds(self, expert_gpu: np.ndarray, a2a: np.ndarray | float) -> np.ndarray:
         """``float64 [...]``: an MoE layer from each GPU's grouped GEMM ``expert_gpu [..., G]`` and the all-to-all
@@ -134,7 +164,7 @@ class Deployment:
         (:func:`moebalance.cost.time.roofline_terms`) and the all-to-all per pick
         (:func:`moebalance.cost.a2a.a2a_per_pick`), as the ``metro`` router's compiled kernel takes them."""
         terms = roofline_terms(self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes,
-                               activation_bytes=self.activation_bytes)
+                               activation_bytes=self.activation_bytes, precision=self.precision)
         return np.array([*terms, a2a_per_pick(cluster, self.bytes_per_copy)])
 
     # ----- a step -----------------------------------------------------------------------------------------------
@@ -154,6 +184,7 @@ class Deployment:
         if phase == "decode":
             return rest_seconds(tokens_per_rank, self.model, self.gpu, self.engine, gpus_per_node,
                                 kv_tokens_per_rank=tokens_per_rank * (w.prompt_tokens + w.output_tokens / 2),
-                                calibration=self.calibration)
+                                calibration=self.calibration, precision=self.precision)
         return rest_seconds(tokens_per_rank, self.model, self.gpu, self.engine, gpus_per_node,
-                            logits_per_rank=tokens_per_rank / w.prompt_tokens, calibration=self.calibration)
+                            logits_per_rank=tokens_per_rank / w.prompt_tokens, calibration=self.calibration,
+                            precision=self.precision)

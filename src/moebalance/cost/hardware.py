@@ -29,30 +29,51 @@ class GpuSpec:
     memory_bandwidth: float
     #: Where the numbers come from.
     source: str
+    #: Dense FP8 tensor-core peak, TFLOP/s; ``None``: the GPU has no FP8 tensor cores.
+    fp8_tflops: float | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, text=("name", "display_name", "source"),
                      positive_reals=("bf16_tflops", "memory_gib", "memory_bandwidth"))
+        if self.fp8_tflops is not None:
+            check_fields(self, positive_reals=("fp8_tflops",))
+
+    def peak_tflops(self, precision: str) -> float:
+        """The dense tensor-core peak of ``precision`` (``bf16`` or ``fp8``), TFLOP/s; FP8 on a GPU without FP8
+        tensor cores is a one-line :class:`InputError`."""
+        if precision == "bf16":
+            return self.bf16_tflops
+        if precision != "fp8":
+            raise InputError(f"precision {precision!r} is unknown; choose bf16 or fp8")
+        if self.fp8_tflops is None:
+            raise InputError(f"{self.display_name} has no FP8 tensor cores; give --precision bf16")
+        return self.fp8_tflops
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    # A100 SXM 80GB: BF16 tensor 312 TFLOPS dense (624 with sparsity), HBM2e 80 GB, 2,039 GB/s.
+    # A100 SXM 80GB: BF16 tensor 312 TFLOPS dense (624 with sparsity), HBM2e 80 GB, 2,039 GB/s; no FP8.
     GpuSpec(name="a100-80gb", display_name="A100-SXM4-80GB", bf16_tflops=312.0, memory_gib=80.0,
             memory_bandwidth=2039.0, source="NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB column)"),
-    # H100 SXM 80GB: BF16 tensor 1,979 TFLOPS with sparsity -> 989 dense, HBM3 80 GB, 3.35 TB/s.
+    # H100 SXM 80GB: BF16 tensor 1,979 TFLOPS with sparsity -> 989 dense, FP8 3,958 -> 1,979 dense, HBM3 80 GB,
+    # 3.35 TB/s.
     GpuSpec(name="h100-80gb", display_name="H100-SXM5-80GB", bf16_tflops=989.0, memory_gib=80.0,
-            memory_bandwidth=3350.0, source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)"),
-    # H200 SXM: BF16 tensor 1,979 TFLOPS with sparsity -> 989 dense, HBM3e 141 GB, 4.8 TB/s.
+            memory_bandwidth=3350.0, fp8_tflops=1979.0,
+            source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)"),
+    # H200 SXM: BF16 tensor 1,979 TFLOPS with sparsity -> 989 dense, FP8 3,958 -> 1,979 dense, HBM3e 141 GB,
+    # 4.8 TB/s.
     GpuSpec(name="h200", display_name="H200-SXM-141GB", bf16_tflops=989.0, memory_gib=141.0,
-            memory_bandwidth=4800.0, source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)"),
-    # B200 (HGX B200, 8 GPUs): BF16 tensor 36 PFLOPS with sparsity in all -> 2.25 PFLOPS dense per GPU,
-    # 1.4 TB HBM3e in all -> 180 GB per GPU, 64 TB/s in all -> 8 TB/s per GPU.
+            memory_bandwidth=4800.0, fp8_tflops=1979.0,
+            source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)"),
+    # B200 (HGX B200, 8 GPUs): BF16 tensor 36 PFLOPS with sparsity in all -> 2.25 PFLOPS dense per GPU, FP8 72
+    # PFLOPS with sparsity -> 4.5 dense per GPU, 1.4 TB HBM3e in all -> 180 GB per GPU, 64 TB/s in all -> 8 TB/s.
     GpuSpec(name="b200", display_name="B200-180GB", bf16_tflops=2250.0, memory_gib=180.0,
-            memory_bandwidth=8000.0, source="NVIDIA HGX B200 specifications (8-GPU totals divided by 8)"),
-    # GeForce RTX 4090: BF16 tensor with FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity),
-    # 24 GB GDDR6X, 1,008 GB/s.
+            memory_bandwidth=8000.0, fp8_tflops=4500.0,
+            source="NVIDIA HGX B200 specifications (8-GPU totals divided by 8)"),
+    # GeForce RTX 4090: BF16 tensor with FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity), FP8 with FP32
+    # accumulate 330.3 dense (660.6 with sparsity), 24 GB GDDR6X, 1,008 GB/s.
     GpuSpec(name="rtx4090", display_name="GeForce RTX 4090", bf16_tflops=165.2, memory_gib=24.0,
-            memory_bandwidth=1008.0, source="NVIDIA Ada Lovelace GPU architecture whitepaper, Appendix A (RTX 4090)"),
+            memory_bandwidth=1008.0, fp8_tflops=330.3,
+            source="NVIDIA Ada Lovelace GPU architecture whitepaper, Appendix A (RTX 4090)"),
 )}
 
 

@@ -56,10 +56,17 @@ class EngineMemory:
     #: Bytes per weight (bf16: 2) and per KV-cache number.
     weight_bytes: int = 2
     kv_bytes: int = 2
+    #: The requests the deployment runs at once at most, over all its data-parallel ranks (SGLang's
+    #: ``--max-running-requests``, which each rank takes divided by the data-parallel size); ``None``: as many as the
+    #: KV cache holds.
+    max_running_requests: int | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, positive_reals=("memory_fraction",), non_negative_reals=("reserve_gib",),
                      positive=("dense_tp", "weight_bytes", "kv_bytes"), label="")
+        cap = self.max_running_requests
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise InputError(f"max_running_requests ({cap!r}) must be a positive integer or None (the KV cache's)")
         if self.memory_fraction > 1.0:
             raise InputError(f"memory_fraction ({self.memory_fraction}) must be in (0, 1]")
         tp = self.attention_tp
@@ -142,14 +149,16 @@ def memory_per_gpu(model: ModelSpec, gpu: GpuSpec, *, num_gpus: int, gpus_per_no
     kv = kv_without - replica_gib
     per_request = context_tokens * model.kv_bytes_per_token(engine.kv_bytes) / GIB
     # each data-parallel rank (attention_tp GPUs) holds its own requests, split over kv_shards of its GPUs' pools
-    per_rank = max(0.0, kv) * model.kv_shards(attention_tp) / per_request
+    per_rank = math.floor(max(0.0, kv) * model.kv_shards(attention_tp) / per_request)
     ranks = num_gpus // attention_tp
+    if engine.max_running_requests is not None:  # each rank runs its share of the cap (SGLang divides it)
+        per_rank = min(per_rank, engine.max_running_requests // ranks)
     return MemoryReport(
         weights_gb_per_gpu=fixed + hosted * expert_gib,
         replica_gb_per_gpu=replica_gib,
         kv_cache_gb_per_gpu=max(0.0, kv),
         kv_cache_reduction=replica_gib / kv_without,
-        max_concurrency=math.floor(per_rank) * ranks,
+        max_concurrency=per_rank * ranks,
         context_tokens=context_tokens,
         experts_per_gpu=hosted,
         experts_per_gpu_no_replicas=base,

@@ -35,7 +35,11 @@ from moebalance.cost.memory import GIB, EngineMemory, non_expert_gib_per_gpu
 from moebalance.models import ModelSpec
 from moebalance.models.fields import check_fields
 
-__all__ = ["Calibration", "expert_seconds", "gemm_seconds", "gemm_work", "peak_rates", "prefetch_seconds", "rest_seconds",
+#: Bytes per weight of each precision the cost model prices (an FP8 checkpoint's block scales are left out: 1 in
+#: 16,384 weights).
+PRECISION_BYTES = {"bf16": 2, "fp8": 1}
+
+__all__ = ["PRECISION_BYTES", "Calibration", "expert_seconds", "gemm_seconds", "gemm_work", "peak_rates", "prefetch_seconds", "rest_seconds",
            "roofline_terms"]
 
 
@@ -57,16 +61,17 @@ class Calibration:
                 raise InputError(f"{name} ({getattr(self, name)}) must be in (0, 1]: a share of the GPU's peak")
 
 
-def peak_rates(gpu: GpuSpec, calibration: Calibration | None = None) -> tuple[float, float]:
-    """``(FLOP/s, bytes/s)`` the roofline divides by: the GPU's BF16 peak and memory bandwidth, each times the
-    calibration's share."""
+def peak_rates(gpu: GpuSpec, calibration: Calibration | None = None, precision: str = "bf16") -> tuple[float, float]:
+    """``(FLOP/s, bytes/s)`` the roofline divides by: the GPU's tensor-core peak in ``precision`` (``bf16`` or
+    ``fp8``) and its memory bandwidth, each times the calibration's share."""
     cal = Calibration() if calibration is None else calibration
-    return gpu.bf16_tflops * 1e12 * cal.flops_efficiency, gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency
+    return (gpu.peak_tflops(precision) * 1e12 * cal.flops_efficiency,
+            gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency)
 
 
 def gemm_work(picks: np.ndarray | float, touched: np.ndarray | float, hidden_size: np.ndarray | float,
               ffn_size: np.ndarray | float, *, weight_bytes: int = 2,
-              activation_bytes: int = 2) -> tuple[np.ndarray, np.ndarray]:
+              activation_bytes: float = 2) -> tuple[np.ndarray, np.ndarray]:
     """``(FLOPs, bytes)`` of a grouped GEMM over ``picks`` picks touching ``touched`` experts of ``H x F``: each pick
     runs ``6 H F`` FLOPs, each expert touched is read once (``3 H F w`` bytes) and each pick's input and output move
     (``2 H a``); arrays broadcast (the calibration fits runs of many shapes)."""
@@ -77,12 +82,13 @@ def gemm_work(picks: np.ndarray | float, touched: np.ndarray | float, hidden_siz
 
 
 def roofline_terms(model: ModelSpec, gpu: GpuSpec, calibration: Calibration | None = None, *,
-                   weight_bytes: int = 2, activation_bytes: int = 2) -> tuple[float, float, float, float]:
+                   weight_bytes: int = 2, activation_bytes: float = 2,
+                   precision: str = "bf16") -> tuple[float, float, float, float]:
     """``(alpha, beta, gamma, launch)`` seconds: the grouped GEMM of ``n`` picks touching ``u`` experts takes
     ``launch + max(alpha n, beta u + gamma n)``, the roofline of :func:`gemm_seconds` as compiled kernels that
     search over picks take it (the ``metro`` router)."""
     cal = Calibration() if calibration is None else calibration
-    flops_rate, bytes_rate = peak_rates(gpu, cal)
+    flops_rate, bytes_rate = peak_rates(gpu, cal, precision)
     H, F = model.hidden_size, model.moe_intermediate_size
     pick_flops, pick_bytes = gemm_work(1.0, 0.0, H, F, weight_bytes=weight_bytes, activation_bytes=activation_bytes)
     _, expert_bytes = gemm_work(0.0, 1.0, H, F, weight_bytes=weight_bytes, activation_bytes=activation_bytes)
@@ -91,8 +97,8 @@ def roofline_terms(model: ModelSpec, gpu: GpuSpec, calibration: Calibration | No
 
 
 def gemm_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: ModelSpec, gpu: GpuSpec,
-                 calibration: Calibration | None = None, *, weight_bytes: int = 2,
-                 activation_bytes: int = 2) -> np.ndarray:
+                 calibration: Calibration | None = None, *, weight_bytes: int = 2, activation_bytes: float = 2,
+                 precision: str = "bf16") -> np.ndarray:
     """Seconds of one GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast;
     ``touched`` may be an expectation, as the step model's is): the roofline of the module docstring. Callers with
     each GPU's picks of each expert call :func:`expert_seconds`, which reduces them to these two numbers.
@@ -106,12 +112,12 @@ def gemm_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: 
         raise InputError("picks and experts touched must be >= 0")
     flops, traffic = gemm_work(n, touched, model.hidden_size, model.moe_intermediate_size, weight_bytes=weight_bytes,
                                activation_bytes=activation_bytes)
-    flops_rate, bytes_rate = peak_rates(gpu, cal)
+    flops_rate, bytes_rate = peak_rates(gpu, cal, precision)
     return np.where(n > 0, np.maximum(flops / flops_rate, traffic / bytes_rate) + cal.launch_us * 1e-6, 0.0)
 
 
 def expert_seconds(picks: np.ndarray, model: ModelSpec, gpu: GpuSpec, calibration: Calibration | None = None, *,
-                   weight_bytes: int = 2, activation_bytes: int = 2) -> np.ndarray:
+                   weight_bytes: int = 2, activation_bytes: float = 2, precision: str = "bf16") -> np.ndarray:
     """``float64 [..., G]``: each GPU's grouped-GEMM seconds in one MoE layer, from ``picks [..., G, E]``, the
     tokens GPU ``g`` serves for expert ``e`` (whole numbers >= 0; leading axes broadcast). A GPU's picks are
     ``n_g = sum_e picks[g, e]``, the experts they touch ``u_g = #{e : picks[g, e] > 0}``, and its time the
@@ -135,12 +141,12 @@ def expert_seconds(picks: np.ndarray, model: ModelSpec, gpu: GpuSpec, calibratio
     if a.size and a.min() < 0:
         raise InputError(f"picks must be >= 0, got {a.min()}")
     return gemm_seconds(a.sum(axis=-1, dtype=np.float64), (a > 0).sum(axis=-1), model, gpu, calibration,
-                        weight_bytes=weight_bytes, activation_bytes=activation_bytes)
+                        weight_bytes=weight_bytes, activation_bytes=activation_bytes, precision=precision)
 
 
 def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine: EngineMemory, gpus_per_node: int, *,
                  kv_tokens_per_rank: float = 0.0, logits_per_rank: float | None = None,
-                 calibration: Calibration | None = None) -> float:
+                 calibration: Calibration | None = None, precision: str = "bf16") -> float:
     """Seconds of everything but the routed experts in one step, on one GPU of a data-parallel rank that processes
     ``tokens_per_rank`` tokens, computes ``logits_per_rank`` next-token logits (default: every token, as in decode;
     a prefill needs one per prompt) and reads ``kv_tokens_per_rank`` tokens of KV cache (decode: requests x context;
@@ -162,7 +168,7 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
     attention_tp = engine.attention_group(gpus_per_node)
     kv_bytes = kv_tokens_per_rank * model.kv_bytes_per_token(engine.kv_bytes) / model.kv_shards(attention_tp)
     traffic = (params - table) * engine.weight_bytes + kv_bytes
-    flops_rate, bytes_rate = peak_rates(gpu, cal)
+    flops_rate, bytes_rate = peak_rates(gpu, cal, precision)
     return max(flops / flops_rate, traffic / bytes_rate)
 
 

@@ -11,7 +11,9 @@ full FFN); ``num_shared_experts`` ``n_shared_experts`` (none in Qwen3, Mixtral, 
 (1 where routing is not group-limited); ``num_mtp_layers`` ``num_nextn_predict_layers`` (0 where the config has
 no such field); the attention's ``num_attention_heads``, ``num_key_value_heads``, ``head_dim``, ``q_lora_rank``,
 ``kv_lora_rank``, ``qk_*_head_dim``, ``v_head_dim``; ``vocab_size``, ``intermediate_size`` (a dense layer's MLP)
-and ``tie_word_embeddings``. ``total_params`` is the model card's total (DeepSeek-V3/R1: 671B main model, the
+and ``tie_word_embeddings``. ``served_precision`` is ``fp8`` where ``config.json`` has a ``quantization_config`` of
+``quant_method`` ``fp8`` (DeepSeek-V3/R1 and Kimi-K2: ``e4m3`` weights in 128 x 128 blocks), else ``bf16``
+(``torch_dtype`` ``bfloat16``; FP8 variants published as separate repositories are not the default). ``total_params`` is the model card's total (DeepSeek-V3/R1: 671B main model, the
 multi-token-prediction module excluded; Kimi-K2: 1.04T, "1T total"; Qwen3: 235B and 30.5B; GLM-4.5: 355B;
 Mixtral: 46.7B; OLMoE: 6.9B; DeepSeek-V2-Lite: 15.7B).
 """
@@ -49,12 +51,12 @@ _PRESETS = (
     ModelSpec(name="deepseek-v3", display_name="DeepSeek-V3", num_layers=58, num_dense_layers=3, num_experts=256,
               top_k=8, hidden_size=7168, moe_intermediate_size=2048, num_shared_experts=1, num_groups=8,
               num_mtp_layers=1, attention=_mla(128, 1536), vocab_size=129280, dense_intermediate_size=18432,
-              total_params=671e9, source=_config("deepseek-ai/DeepSeek-V3")),
+              total_params=671e9, served_precision="fp8", source=_config("deepseek-ai/DeepSeek-V3")),
     # num_hidden_layers 61 = 1 dense + 60 MoE; num_nextn_predict_layers 0 (no MTP module released).
     ModelSpec(name="kimi-k2", display_name="Kimi-K2", num_layers=60, num_dense_layers=1, num_experts=384, top_k=8,
               hidden_size=7168, moe_intermediate_size=2048, num_shared_experts=1, num_groups=1,
               attention=_mla(64, 1536), vocab_size=163840, dense_intermediate_size=18432, total_params=1.04e12,
-              source=_config("moonshotai/Kimi-K2-Instruct")),
+              served_precision="fp8", source=_config("moonshotai/Kimi-K2-Instruct")),
     # num_hidden_layers 94, decoder_sparse_step 1, mlp_only_layers []: every layer is MoE.
     ModelSpec(name="qwen3-235b-a22b", display_name="Qwen3-235B-A22B", num_layers=94, num_dense_layers=0,
               num_experts=128, top_k=8, hidden_size=4096, moe_intermediate_size=1536, num_shared_experts=0,

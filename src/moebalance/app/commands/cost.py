@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> None:
         result = {**cost.as_dict(), "batches": f"{start}:{stop}"}
         title = (f"{spec.display_name}: {plan.policy} plan on {c.num_nodes} x {c.gpus_per_node} "
                  f"{gpu.display_name}, batches {start}:{stop}")
-    result.update({"model": spec.name, "gpu": gpu.name, "calibration": calibration.source})
+    result.update({"model": spec.name, "gpu": gpu.name, "calibration": calibration.source, "precision": dep.precision})
     if args.json:
         sys.stdout.write(dumps(result))
         return

@@ -42,7 +42,8 @@ __all__ = ["add_parser", "default_predictor", "phase_load", "prefetch", "pricing
 
 #: The deployment's flags a step of online uses only with ``--phase`` (the memory and the requests size its steps).
 _PHASE_ONLY = (("--memory-fraction", "memory_fraction"), ("--reserve-gib", "reserve_gib"),
-                ("--output-tokens", "output_tokens"), ("--prefill-chunk", "prefill_chunk"))
+               ("--output-tokens", "output_tokens"), ("--prefill-chunk", "prefill_chunk"),
+               ("--max-running-requests", "max_running_requests"), ("--kv-cache-dtype", "kv_cache_dtype"))
 #: The re-plan pricing options, which need --gpu and --replan-every.
 _REARRANGE = (("--rearrange", "rearrange"), ("--rearrange-overhead-ms", "rearrange_overhead_ms"),
               ("--layers-per-step", "layers_per_step"))
