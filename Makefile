@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) bench/decode_report.py
 	$(PY) bench/advise_report.py
 	$(PY) bench/bench_exact.py
+	$(PY) bench/fidelity_report.py
 
 # Refresh constraints.txt on purpose: the newest releases within pyproject's ranges, in a scratch venv; the lint
 # and the tests must pass with them before the file is replaced (then `make test` reinstalls .venv from it).
