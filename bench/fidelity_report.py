@@ -120,8 +120,6 @@ def main() -> None:
               "low-latency kernels pay a latency per EP size the model does not have.",
               "- **Overlap.** SGLang's two-batch overlap hides the all-to-all under the experts' compute; the model "
               "adds them.",
-              "- **Attention.** The rest of a step is a roofline of the non-expert weights and, in decode, the KV "
-              "cache read: no attention FLOPs, so prompt length does not move prefill.",
               "- **Kernels.** The grouped GEMM is a roofline of picks and experts touched at the published peaks; "
               "measured on an H200 (docs/results/gpu.md) a calibrated fit is within 0.05-0.12 mean absolute log "
               "error, the peaks are not, and kernels run experts in tiles.",

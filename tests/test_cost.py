@@ -643,3 +643,32 @@ def test_cap_and_kv_dtype_flags_reach_the_deployment(capsys: pytest.CaptureFixtu
     rc, out2, err = run_cli(base, capsys)
     assert json.loads(out)["max_concurrency"] > json.loads(out2)["max_concurrency"]
     assert_user_error([*base, "--max-running-requests", 0], capsys, "--max-running-requests", "0 must be >= 1")
+
+
+def test_attention_flops_by_hand() -> None:
+    """Each (query, key) pair costs 2 n_h (score + value) FLOPs per decoder layer, split over the rank's GPUs by
+    head: GQA's head_dim twice; MLA's 192 + 128 as prefill runs it, its 576 + 512 latent widths absorbed in decode.
+    Checked on a rank whose FLOPs bind (no KV cache read, tiny weights against the pairs)."""
+    from moebalance.cost.time import rest_seconds
+
+    qwen, v3, h100 = get_model("qwen3-30b-a3b"), get_model("deepseek-v3"), GPUS["h100-80gb"]
+    assert qwen.architecture().widths(False) == (128, 128) == qwen.architecture().widths(True)
+    assert v3.architecture().widths(False) == (192, 128) and v3.architecture().widths(True) == (576, 512)
+    engine = EngineMemory(attention_tp=1)
+    pairs = 1e12  # far more than the weights' FLOPs
+    for spec, absorbed in ((qwen, False), (v3, False), (v3, True)):
+        att = spec.architecture()
+        score, value = att.widths(absorbed)
+        without = rest_seconds(1.0, spec, h100, engine, 8)
+        with_pairs = rest_seconds(1.0, spec, h100, engine, 8, attended_per_rank=pairs, absorbed=absorbed)
+        want = 2 * att.num_heads * (score + value) * pairs * spec.num_decoder_layers / 989e12
+        assert with_pairs == pytest.approx(want, rel=2e-2)  # the weights' FLOPs for one token are far below
+        assert with_pairs > without
+    # split by head over a rank of 8 GPUs
+    split = rest_seconds(1.0, v3, h100, EngineMemory(attention_tp=8), 8, attended_per_rank=pairs, absorbed=True)
+    whole = rest_seconds(1.0, v3, h100, engine, 8, attended_per_rank=pairs, absorbed=True)
+    assert split == pytest.approx(whole / 8, rel=2e-2)
+    # a prefill step's pairs: a prompt of P tokens attends P (P + 1) / 2 pairs, so longer prompts cost more
+    d_short = Deployment(model=v3, gpu=h100, workload=Workload(prompt_tokens=1000))
+    d_long = Deployment(model=v3, gpu=h100, workload=Workload(prompt_tokens=4000))
+    assert d_long.rest_seconds(16384, 8, "prefill") > d_short.rest_seconds(16384, 8, "prefill")

@@ -16,8 +16,9 @@ all-to-all (:func:`moebalance.cost.a2a.a2a_seconds`: busiest link, dispatch and 
     layer = max_g t_g + a2a
 
 **The rest of a step** (attention, dense layers, shared experts, embeddings, router) runs on every GPU for its
-data-parallel rank's tokens: a roofline of its non-expert weights' FLOPs (``2`` per weight and token) against
-reading those weights once and, in decode, every request's KV cache.
+data-parallel rank's tokens: a roofline of its non-expert weights' FLOPs (``2`` per weight and token) and the
+attention's (``2 n_h (score + value)`` per query-key pair and layer: a prompt's causal pairs, a decode token's whole
+context) against reading those weights once and, in decode, every request's KV cache.
 
 ``flops_eff``, ``bandwidth_eff`` and ``launch`` default to peak (1, 1, 0): a calibration measured on a GPU
 (``bench/bench_gemm.py``, fitted by ``moebalance calibrate``) replaces them.
@@ -146,19 +147,24 @@ def expert_seconds(picks: np.ndarray, model: ModelSpec, gpu: GpuSpec, calibratio
 
 def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine: EngineMemory, gpus_per_node: int, *,
                  kv_tokens_per_rank: float = 0.0, logits_per_rank: float | None = None,
-                 calibration: Calibration | None = None, precision: str = "bf16") -> float:
+                 calibration: Calibration | None = None, precision: str = "bf16", attended_per_rank: float = 0.0,
+                 absorbed: bool = False) -> float:
     """Seconds of everything but the routed experts in one step, on one GPU of a data-parallel rank that processes
     ``tokens_per_rank`` tokens, computes ``logits_per_rank`` next-token logits (default: every token, as in decode;
-    a prefill needs one per prompt) and reads ``kv_tokens_per_rank`` tokens of KV cache (decode: requests x context;
-    split over the GPUs that hold a GQA cache's heads).
+    a prefill needs one per prompt), reads ``kv_tokens_per_rank`` tokens of KV cache (decode: requests x context;
+    split over the GPUs that hold a GQA cache's heads) and attends ``attended_per_rank`` (query, key) pairs in each
+    decoder layer (a prompt of ``P`` tokens: ``P (P + 1) / 2``, causal; a decode token: its context).
 
     The input embedding is a lookup (its rows, not the table, are read); the LM head is a matrix product over the
-    logits; every other non-expert weight multiplies every token and is read once per step.
+    logits; every other non-expert weight multiplies every token and is read once per step, in ``precision``.
+    Attention multiplies each pair's score and value widths (:meth:`moebalance.models.Attention.widths`; MLA
+    ``absorbed`` in decode) by every head, ``2 n_h (score + value)`` FLOPs per pair and layer, split over the rank's
+    GPUs by head, in bf16.
     """
     cal = Calibration() if calibration is None else calibration
     logits = tokens_per_rank if logits_per_rank is None else logits_per_rank
-    if tokens_per_rank < 0 or kv_tokens_per_rank < 0 or logits < 0:
-        raise InputError("tokens, logits and KV tokens per rank must be >= 0")
+    if tokens_per_rank < 0 or kv_tokens_per_rank < 0 or logits < 0 or attended_per_rank < 0:
+        raise InputError("tokens, logits, KV tokens and attended pairs per rank must be >= 0")
     if tokens_per_rank == 0:
         return 0.0
     head = model.vocab_size * model.hidden_size / engine.dense_tp  # LM head parameters on this GPU
@@ -169,7 +175,13 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
     kv_bytes = kv_tokens_per_rank * model.kv_bytes_per_token(engine.kv_bytes) / model.kv_shards(attention_tp)
     traffic = (params - table) * engine.weight_bytes + kv_bytes
     flops_rate, bytes_rate = peak_rates(gpu, cal, precision)
-    return max(flops / flops_rate, traffic / bytes_rate)
+    compute = flops / flops_rate
+    if attended_per_rank > 0:
+        att = model.architecture()
+        score, value = att.widths(absorbed)
+        attention = 2.0 * att.num_heads * (score + value) * attended_per_rank * model.num_decoder_layers / attention_tp
+        compute += attention / peak_rates(gpu, cal, "bf16")[0]
+    return max(compute, traffic / bytes_rate)
 
 
 def prefetch_seconds(copies: np.ndarray | float, model: ModelSpec, bandwidth: float, *,

@@ -75,6 +75,17 @@ class Attention:
             raise InputError(f"Attention.num_heads ({self.num_heads}) must be divisible by num_kv_heads "
                              f"({self.num_kv_heads})")
 
+    def widths(self, absorbed: bool) -> tuple[int, int]:
+        """``(score, value)``: the numbers a query head multiplies per key it attends to (``q . k``) and per value it
+        sums. GQA: ``head_dim`` both. MLA as its up-projections are applied (prefill): ``qk_nope + qk_rope`` and
+        ``v_head_dim``; absorbed into the query and the output (decode, as engines run it): the latent vector,
+        ``kv_lora + qk_rope`` and ``kv_lora``."""
+        if self.kind == "gqa":
+            return self.head_dim, self.head_dim
+        if absorbed:
+            return self.kv_lora_rank + self.qk_rope_head_dim, self.kv_lora_rank
+        return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+
     def params(self, hidden_size: int) -> int:
         """One decoder layer's attention projections (query, key/value, output)."""
         H, n = hidden_size, self.num_heads
