@@ -672,3 +672,22 @@ def test_attention_flops_by_hand() -> None:
     d_short = Deployment(model=v3, gpu=h100, workload=Workload(prompt_tokens=1000))
     d_long = Deployment(model=v3, gpu=h100, workload=Workload(prompt_tokens=4000))
     assert d_long.rest_seconds(16384, 8, "prefill") > d_short.rest_seconds(16384, 8, "prefill")
+
+
+def test_two_batch_overlap_hides_the_lesser_half() -> None:
+    """By hand: a layer of 3 ms of experts (slowest GPU) and 2 ms of all-to-all costs 5 ms one after the other and
+    3 + 2 / 2 = 4 ms with two-batch overlap; equal parts, 1.5x one of them; the price of a plan follows."""
+    v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
+    none = Deployment(model=v3, gpu=h100)
+    tbo = Deployment(model=v3, gpu=h100, overlap="tbo")
+    expert = np.array([[1e-3, 3e-3], [2e-3, 2e-3]])  # [2 layers, 2 GPUs]
+    a2a = np.array([2e-3, 2e-3])
+    np.testing.assert_allclose(none.layer_seconds(expert, a2a), [5e-3, 4e-3])
+    np.testing.assert_allclose(tbo.layer_seconds(expert, a2a), [4e-3, 3e-3])
+    with pytest.raises(InputError, match="overlap 'dbo' is unknown; choose one of: none, tbo"):
+        Deployment(model=v3, gpu=h100, overlap="dbo")
+    load = read_bundled("deepseek-v3-8x8").select_batches(0, 2)
+    plan = make_plan("eplb", load, Cluster(num_nodes=8, gpus_per_node=8), Budget(slots_per_gpu=5))[0]
+    slow, fast = price_plan(plan, load, none), price_plan(plan, load, tbo)
+    assert fast.modelled_layer_ms < slow.modelled_layer_ms and fast.modelled_goodput > slow.modelled_goodput
+    assert fast.modelled_a2a_ms == slow.modelled_a2a_ms  # the all-to-all itself is the same, it hides

@@ -13,7 +13,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.cost.calibrate import read_calibration
-from moebalance.cost.deployment import DISPATCH, PHASES, PRECISIONS, Deployment, Workload
+from moebalance.cost.deployment import DISPATCH, OVERLAPS, PHASES, PRECISIONS, Deployment, Workload
 from moebalance.cost.hardware import GPUS, get_gpu
 from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import PRECISION_BYTES, Calibration
@@ -51,7 +51,7 @@ REQUEST_FLAGS = (("--prompt-tokens", "prompt_tokens"), ("--output-tokens", "outp
 #: Every flag of the deployment besides ``--gpu``: given or not (default None), so that a command can refuse them where
 #: nothing is priced.
 FLAGS = (*ENGINE_FLAGS, *REQUEST_FLAGS, ("--calibration", "calibration"), ("--dispatch", "dispatch"),
-         ("--precision", "precision"), ("--kv-cache-dtype", "kv_cache_dtype"))
+         ("--precision", "precision"), ("--kv-cache-dtype", "kv_cache_dtype"), ("--overlap", "overlap"))
 
 #: ``(plan, held-out load, router) -> PlanPrice``.
 PriceFn = Callable[[Placement, LoadMatrix, "str | Router"], PlanPrice]
@@ -81,6 +81,9 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
                    help="the weights' and GEMMs' precision: bf16 (the default), fp8 (half the weight bytes, the GPU's FP8 "
                         "peak, FP8 dispatch with per-128 scales; combine stays bf16), or served: the model's own "
                         "checkpoint's (fp8 for DeepSeek-V3/R1 and Kimi-K2, else bf16)")
+    p.add_argument("--overlap", choices=OVERLAPS,
+                   help="a layer's experts and all-to-all one after the other (none, the default) or in two "
+                        "micro-batches that hide each other (tbo, SGLang's --enable-two-batch-overlap)")
     p.add_argument("--dispatch", choices=DISPATCH,
                    help="all-to-all of token-level loads: a copy per destination GPU (gpu, the default), or one per "
                         "destination node forwarded inside it, as DeepEP and GRACE do (node)")
@@ -133,7 +136,8 @@ def build(args: argparse.Namespace, load: LoadMatrix | None = None, *,
                       engine=EngineMemory(**{k: v for k, v in engine.items() if v is not None}),
                       workload=Workload(**{k: v for k, v in work.items() if v is not None}),
                       dispatch=getattr(args, "dispatch", None) or "gpu",
-                      precision=getattr(args, "precision", None) or "bf16")
+                      precision=getattr(args, "precision", None) or "bf16",
+                      overlap=getattr(args, "overlap", None) or "none")
 
 
 def bind_routers(chosen: Sequence[Router], deployment: Deployment | None, load: LoadMatrix | None = None) -> list[Router]:

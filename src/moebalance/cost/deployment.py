@@ -36,13 +36,16 @@ from moebalance.cost.time import (
 from moebalance.models import ModelSpec
 from moebalance.models.fields import check_fields
 
-__all__ = ["DISPATCH", "PHASES", "PRECISIONS", "Deployment", "Workload"]
+__all__ = ["DISPATCH", "OVERLAPS", "PHASES", "PRECISIONS", "Deployment", "Workload"]
 
 #: How a token-level load's all-to-all crosses nodes: a copy per destination GPU, or one per destination node
 #: forwarded inside it (DeepEP's normal kernels, GRACE's dispatch).
 DISPATCH = ("gpu", "node")
 #: The precisions a deployment names: the weights' and GEMMs' (``served``: the model's own).
 PRECISIONS = ("bf16", "fp8", "served")
+#: How a layer's experts and all-to-all share time: one after the other, or two-batch overlap (SGLang's
+#: ``--enable-two-batch-overlap``).
+OVERLAPS = ("none", "tbo")
 #: The phases a step can be priced in.
 PHASES = ("decode", "prefill")
 
@@ -83,6 +86,8 @@ class Deployment:
     #: The weights' and the GEMMs' precision, ``bf16`` or ``fp8`` (:data:`PRECISIONS`; ``served``: the model's own,
     #: :attr:`~moebalance.models.ModelSpec.served_precision`). It sets ``engine.weight_bytes``.
     precision: str = "bf16"
+    #: ``none`` or ``tbo``, two-batch overlap (:data:`OVERLAPS`; :meth:`layer_seconds`).
+    overlap: str = "none"
 
     def __post_init__(self) -> None:
         for name, kind in (("model", ModelSpec), ("gpu", GpuSpec), ("calibration", Calibration),
@@ -91,6 +96,8 @@ class Deployment:
                 raise InputError(f"Deployment.{name} ({getattr(self, name)!r}) must be a {kind.__name__}")
         if self.dispatch not in DISPATCH:
             raise InputError(f"dispatch {self.dispatch!r} is unknown; choose one of: {', '.join(DISPATCH)}")
+        if self.overlap not in OVERLAPS:
+            raise InputError(f"overlap {self.overlap!r} is unknown; choose one of: {', '.join(OVERLAPS)}")
         if self.precision == "served":
             object.__setattr__(self, "precision", self.model.served_precision)
         if self.precision not in PRECISION_BYTES:
@@ -152,8 +159,16 @@ class Deployment:
 
     def layer_seconds(self, expert_gpu: np.ndarray, a2a: np.ndarray | float) -> np.ndarray:
         """``float64 [...]``: an MoE layer from each GPU's grouped GEMM ``expert_gpu [..., G]`` and the all-to-all
-        ``a2a [...]``: the layer waits for its slowest GPU, then for the all-to-all (no overlap)."""
-        return np.asarray(expert_gpu, dtype=np.float64).max(axis=-1) + np.asarray(a2a, dtype=np.float64)
+        ``a2a [...]``. Without overlap the layer waits for its slowest GPU, then for the all-to-all: ``E + A``. With
+        two-batch overlap (``overlap="tbo"``: the step in two micro-batches, one computing while the other's tokens
+        move) each resource works on both halves while the other works too, and only half of the lesser one cannot
+        hide: ``max(E, A) + min(E, A) / 2`` (the grouped GEMM's weights counted once, though each micro-batch reads
+        those it touches)."""
+        expert = np.asarray(expert_gpu, dtype=np.float64).max(axis=-1)
+        comm = np.asarray(a2a, dtype=np.float64)
+        if self.overlap == "tbo":
+            return np.maximum(expert, comm) + np.minimum(expert, comm) / 2
+        return expert + comm
 
     def a2a_estimate(self, gpu_load: np.ndarray, cluster: Cluster) -> np.ndarray:
         """All-to-all seconds of per-GPU picks ``[..., G]`` without sources (:func:`moebalance.cost.a2a.a2a_estimate`)."""

@@ -84,6 +84,8 @@ class StepTime:
     expert: np.ndarray
     #: ``float64 [L]``: the all-to-all per layer (dispatch and combine).
     a2a: np.ndarray
+    #: ``float64 [L]``: each layer, the two with the deployment's overlap (:meth:`moebalance.cost.Deployment.layer_seconds`).
+    layer: np.ndarray
     #: Everything but the routed experts.
     rest: float
     #: The step without what balancing exposes (:meth:`moebalance.cost.Deployment.step_seconds`).
@@ -95,7 +97,7 @@ class StepTime:
     def moe_layer_seconds(self) -> float:
         """The mean MoE layer over the layers with load (0 without any)."""
         busy = self.expert > 0
-        return float((self.expert + self.a2a)[busy].mean()) if busy.any() else 0.0
+        return float(self.layer[busy].mean()) if busy.any() else 0.0
 
 
 def step_time(plan: Placement, priced: LayerPrice, tokens: float, pricing: StepPricing, *, lost: int = 0) -> StepTime:
@@ -105,7 +107,7 @@ def step_time(plan: Placement, priced: LayerPrice, tokens: float, pricing: StepP
     d = pricing.deployment
     cluster = plan.cluster
     per_rank = tokens / d.ranks(cluster, lost)
-    return StepTime(expert=priced.expert[0].max(axis=1), a2a=priced.a2a[0],
+    return StepTime(expert=priced.expert[0].max(axis=1), a2a=priced.a2a[0], layer=priced.seconds[0],
                     rest=d.rest_seconds(per_rank, cluster.gpus_per_node, pricing.phase),
                     seconds=d.step_seconds(priced.seconds[0], per_rank, cluster.gpus_per_node, pricing.phase),
                     expert_gpu=priced.expert[0])
