@@ -691,3 +691,11 @@ def test_two_batch_overlap_hides_the_lesser_half() -> None:
     slow, fast = price_plan(plan, load, none), price_plan(plan, load, tbo)
     assert fast.modelled_layer_ms < slow.modelled_layer_ms and fast.modelled_goodput > slow.modelled_goodput
     assert fast.modelled_a2a_ms == slow.modelled_a2a_ms  # the all-to-all itself is the same, it hides
+
+
+def test_a_deployment_says_what_its_prices_assume() -> None:
+    v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
+    assert Deployment(model=v3, gpu=h100).describe() == "published peaks, bf16, no overlap, a copy per destination GPU"
+    d = Deployment(model=v3, gpu=h100, precision="served", overlap="tbo", dispatch="node",
+                   engine=EngineMemory(kv_bytes=1), calibration=Calibration(launch_us=5.0, source="h100 fit"))
+    assert d.describe() == "h100 fit, fp8, fp8 KV cache, two-batch overlap, a copy per destination node"

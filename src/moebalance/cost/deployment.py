@@ -136,6 +136,13 @@ class Deployment:
         """One routed expert's weights: ``3 H F w``."""
         return self.model.expert_params() * self.engine.weight_bytes
 
+    def describe(self) -> str:
+        """What the prices assume, in words: ``"published peaks, bf16, no overlap, a copy per destination GPU"``."""
+        dispatch = "a copy per destination GPU" if self.dispatch == "gpu" else "a copy per destination node"
+        overlap = "no overlap" if self.overlap == "none" else "two-batch overlap"
+        kv = "" if self.engine.kv_bytes == PRECISION_BYTES["bf16"] else ", fp8 KV cache"
+        return f"{self.calibration.source}, {self.precision}{kv}, {overlap}, {dispatch}"
+
     def ranks(self, cluster: Cluster, lost: int = 0) -> int:
         """Data-parallel ranks on ``cluster`` with ``lost`` GPUs gone (at least 1)."""
         return max((cluster.num_gpus - lost) // self.engine.attention_group(cluster.gpus_per_node), 1)

@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> None:
     cluster = setup.cluster
     title = (f"{', '.join(args.load)} on {engine}: {name}, {cluster.num_nodes} x {cluster.gpus_per_node} "
              f"{setup.phase.deployment.gpu.display_name}, {setup.phase.phase} steps"
-             + ("" if args.phase else " (the default phase)"))
+             + ("" if args.phase else " (the default phase)") + f"; priced with {setup.phase.deployment.describe()}")
     files: list[Path] = []
     if out_dir is not None:
         files = write_engine_files(advice, setup, out_dir, name)

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> None:
     title = comparison_title(load, Path(args.load).name, cluster, budget, args.train_frac,
                              "per row" if several else routers[0].label)
     if dep is not None:
-        title += f"; modelled on {args.gpu} ({dep.calibration.source})"
+        title += f"; modelled on {args.gpu} ({dep.describe()})"
     if phase is not None:
         title += f"; scored on {phase.phase} steps"
     emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)
