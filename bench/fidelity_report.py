@@ -12,7 +12,8 @@ SGLang's published DeepSeek-V3 statistics (tests/data/sglang-deepseek-v3/README.
 statistics are of 1,024-token inputs, the decode ones of 1,000 in / 1,000 out): data-parallel attention on every GPU
 (``--attention-tp 1``), each model's served precision (``--precision served``: FP8), two-batch overlap
 (``--overlap tbo``, as the deployment ran), SGLang's EPLB with 32 redundant experts and its static dispatch, and, for the decode, SGLang's request cap of 256 per GPU
-(``--max-running-requests``) over requests whose mean context is 2,000 tokens (1,000 in, 2,000 out). "Perfect
+(``--max-running-requests``) over requests of 2,000 tokens of KV cache (1,999 in, 1 out); where the modelled KV cache
+holds fewer, the report says how many. "Perfect
 balance" prices the same candidate on a load where every expert of every MoE layer is picked equally. The report
 says, for each gap over 1.2x, what the model leaves out.
 
@@ -42,8 +43,11 @@ COMMON = ["--gpu", "h100-80gb", "--engine", "sglang", "--attention-tp", "1", "--
           "tbo"]
 PREFILL = ["--nodes", "4", "--gpus-per-node", "8", "--phase", "prefill", "--prefill-chunk", "16384",
            "--prompt-tokens", "4096", *COMMON]
-DECODE = ["--nodes", "9", "--gpus-per-node", "8", "--phase", "decode", "--prompt-tokens", "1000", "--output-tokens",
-          "2000", "--max-running-requests", str(256 * 72), *COMMON]
+DECODE = ["--nodes", "9", "--gpus-per-node", "8", "--phase", "decode", "--prompt-tokens", "1999", "--output-tokens",
+          "1", "--max-running-requests", str(256 * 72), *COMMON]
+#: GPUs of each run, and the requests per GPU LMSYS's decode ran.
+GPUS = {"prefill": 32, "prefill, perfect balance": 32, "decode": 72}
+PUBLISHED_PER_GPU = 256
 #: Published figures: (what, tokens/s per node).
 PUBLISHED = {"prefill": 50_302.0, "prefill, perfect balance": 59_337.0, "decode": 22_282.0}
 
@@ -111,7 +115,12 @@ def main() -> None:
         c = details[what]
         lines.append(f"| {what} | {value:,.0f} | {predicted[what]:,.0f} | {predicted[what] / value:.2f}x | "
                      f"{c['label']} | {c['step_tokens']:,} | {c['step_ms_mean']:.1f} | {c['balancedness']:.3f} |")
+    per_gpu = details["decode"]["step_tokens"] / GPUS["decode"]
     lines += ["", f"Perfect balance over their EPLB: published {ratio_pub:.3f}, predicted {ratio_model:.3f}.", "",
+              f"Decode batch: {per_gpu:.0f} requests per GPU in the model (what its KV cache holds: "
+              f"{details['decode']['kv_cache_gib']:.1f} GiB per GPU) against LMSYS's {PUBLISHED_PER_GPU}; the model "
+              "keeps every non-expert weight in FP8 too, where DeepSeek-V3's checkpoint keeps its embeddings and head "
+              "in bf16.", "",
               "Commands:", ""]
     lines += [f"- {what}: `{commands[what]}`" for what in runs]
     lines += ["", "### What the model leaves out where a gap is over 1.2x", "",

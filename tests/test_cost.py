@@ -699,3 +699,43 @@ def test_a_deployment_says_what_its_prices_assume() -> None:
     d = Deployment(model=v3, gpu=h100, precision="served", overlap="tbo", dispatch="node",
                    engine=EngineMemory(kv_bytes=1), calibration=Calibration(launch_us=5.0, source="h100 fit"))
     assert d.describe() == "h100 fit, fp8, fp8 KV cache, two-batch overlap, a copy per destination node"
+
+
+def test_rest_of_a_step_by_hand_in_both_phases() -> None:
+    """Pinned by hand: DeepSeek-V3 in FP8 on an H100, one GPU per data-parallel rank. Prefill of 16,384 tokens of
+    4,096-token prompts: 16,384 x 4,097 / 2 causal pairs x 81,920 FLOPs x 61 layers at 989 TFLOP/s (bf16) beside the
+    weights' 2 FLOPs per parameter and token at 1,979; decode of 162 tokens at a context of 2,000 reads the KV cache."""
+    v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
+    engine = EngineMemory(attention_tp=1)
+    d = Deployment(model=v3, gpu=h100, engine=engine, precision="fp8", workload=Workload(prompt_tokens=4096))
+    pairs = 16384 * 4097 / 2
+    attention = pairs * 2 * 128 * (192 + 128) * 61 / 989e12
+    no_attention = rest_seconds(16384, v3, h100, d.engine, 8, logits_per_rank=16384 / 4096, precision="fp8")
+    assert d.rest_seconds(16384, 8, "prefill") == pytest.approx(no_attention + attention, rel=1e-9)
+    decode = Deployment(model=v3, gpu=h100, engine=engine, precision="fp8",
+                        workload=Workload(prompt_tokens=1000, output_tokens=2000))
+    kv = 162 * 2000 * v3.kv_bytes_per_token(2)
+    weights_read = rest_seconds(1, v3, h100, decode.engine, 8, logits_per_rank=0.0, precision="fp8")  # bytes-bound
+    assert decode.rest_seconds(162, 8, "decode") == pytest.approx(weights_read + kv / 3.35e12, rel=1e-3)
+
+
+def test_precision_and_cap_mistakes_are_one_line() -> None:
+    v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
+    with pytest.raises(InputError, match=r"engine's weights of 1 bytes disagree with precision 'bf16'"):
+        Deployment(model=v3, gpu=h100, engine=EngineMemory(weight_bytes=1))
+    assert Deployment(model=v3, gpu=h100, engine=EngineMemory(weight_bytes=1), precision="fp8").engine.weight_bytes == 1
+    with pytest.raises(InputError, match="precision \\['x'\\] is unknown"):
+        Deployment(model=v3, gpu=h100, precision=["x"])  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="--max-running-requests 7 leaves no request to each of the 8 data-parallel"):
+        memory_per_gpu(v3, h100, num_gpus=64, gpus_per_node=8, engine=EngineMemory(max_running_requests=7))
+
+
+def test_flags_nothing_reads_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    memory = ["cost", "--model", "deepseek-v3", "--gpu", "h100-80gb", "--nodes", 8, "--gpus-per-node", 8]
+    for flag, value in (("--overlap", "tbo"), ("--dispatch", "node"), ("--prefill-chunk", 512)):
+        assert_user_error([*memory, flag, value], capsys, f"{flag} is used by cost with --plan and --load")
+    sglang = str(Path(__file__).parent / "data" / "sglang-deepseek-v3" / "prefill_in1024.json")
+    for flag, value in (("--output-tokens", 10), ("--kv-cache-dtype", "fp8"), ("--max-running-requests", 64)):
+        assert_user_error(["advise", "--load", sglang, "--nodes", 4, "--gpus-per-node", 8, "--gpu", "h100-80gb",
+                           "--phase", "prefill", flag, value], capsys,
+                          f"{flag} is used by decode steps, not by --phase prefill")

@@ -23,9 +23,11 @@ from moebalance.routing import Router
 from moebalance.routing.metro import check_ready, with_deployment
 
 __all__ = [
+    "DECODE_FLAGS",
     "ENGINE_FLAGS",
     "FLAGS",
     "REQUEST_FLAGS",
+    "TIME_FLAGS",
     "PriceFn",
     "add",
     "add_phase",
@@ -102,11 +104,19 @@ def given(args: argparse.Namespace) -> list[str]:
     return [flag for flag, dest in FLAGS if getattr(args, dest, None) is not None]
 
 
-def refuse(args: argparse.Namespace, why: str) -> None:
-    """Refuse the deployment's flags given where nothing is priced; ``why`` says what they need."""
-    flags = given(args)
-    if flags:
-        raise InputError(f"{flags[0]} is used {why}; drop it")
+def refuse(args: argparse.Namespace, why: str, flags: Sequence[tuple[str, str]] = FLAGS) -> None:
+    """Refuse the deployment's ``flags`` given where nothing reads them; ``why`` says what they need."""
+    for flag, dest in flags:
+        if getattr(args, dest, None) is not None:
+            raise InputError(f"{flag} is used {why}; drop it")
+
+
+#: What only a decode step reads: its requests' length, the KV cache's bytes and how many run at once.
+DECODE_FLAGS = (("--output-tokens", "output_tokens"), ("--kv-cache-dtype", "kv_cache_dtype"),
+                ("--max-running-requests", "max_running_requests"))
+#: What only a time reads, not memory: ``cost`` without a plan prices memory alone (it still reads and names a
+#: ``--calibration``, so that a file can be checked).
+TIME_FLAGS = (("--dispatch", "dispatch"), ("--overlap", "overlap"), ("--prefill-chunk", "prefill_chunk"))
 
 
 def calibration(args: argparse.Namespace) -> tuple[Calibration, float | None]:

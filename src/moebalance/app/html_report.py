@@ -255,13 +255,16 @@ def _comparison_cells(row: ComparisonRow) -> tuple[list[str], list[str]]:
 
 
 def _cost_bars(rows: Sequence[ComparisonRow]) -> tuple[dict[str, dict[str, float]], str] | None:
-    """Each row's modelled MoE layer split into expert and all-to-all time, and its unit, where the rows have it."""
+    """Each row's modelled MoE layer split into the slowest GPU's experts and what the all-to-all adds after them (all
+    of it without overlap, what the experts do not hide with it), and its unit, where the rows have it."""
     if rows and all(r.price is not None for r in rows):
-        return {r.policy: {"expert (slowest GPU)": max(r.price.modelled_layer_ms - r.price.modelled_a2a_ms, 0.0),
-                           "all-to-all": r.price.modelled_a2a_ms} for r in rows if r.price is not None}, "ms per MoE layer"
+        return {r.policy: {"expert (slowest GPU)": r.price.modelled_expert_ms,
+                           "all-to-all (exposed)": max(r.price.modelled_layer_ms - r.price.modelled_expert_ms, 0.0)}
+                for r in rows if r.price is not None}, "ms per MoE layer"
     timed = [r for r in rows if isinstance(r, PhaseRow) and r.phase is not None]
     if rows and len(timed) == len(rows):
-        return {r.policy: {"expert (slowest GPU)": 1e3 * r.phase.expert_ms, "all-to-all": 1e3 * r.phase.a2a_ms}
+        return {r.policy: {"expert (slowest GPU)": 1e3 * r.phase.expert_ms,
+                           "all-to-all (exposed)": 1e3 * max(r.phase.moe_layer_ms - r.phase.expert_ms, 0.0)}
                 for r in timed if r.phase is not None}, "us per MoE layer"
     return None
 

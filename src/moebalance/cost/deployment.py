@@ -98,12 +98,15 @@ class Deployment:
             raise InputError(f"dispatch {self.dispatch!r} is unknown; choose one of: {', '.join(DISPATCH)}")
         if self.overlap not in OVERLAPS:
             raise InputError(f"overlap {self.overlap!r} is unknown; choose one of: {', '.join(OVERLAPS)}")
+        if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
+            raise InputError(f"precision {self.precision!r} is unknown; choose one of: {', '.join(PRECISIONS)}")
         if self.precision == "served":
             object.__setattr__(self, "precision", self.model.served_precision)
-        if self.precision not in PRECISION_BYTES:
-            raise InputError(f"precision {self.precision!r} is unknown; choose one of: {', '.join(PRECISIONS)}")
         self.gpu.peak_tflops(self.precision)  # FP8 on a GPU without FP8 tensor cores: one line
         weight_bytes = PRECISION_BYTES[self.precision]
+        if self.engine.weight_bytes not in (weight_bytes, EngineMemory().weight_bytes):
+            raise InputError(f"the engine's weights of {self.engine.weight_bytes} bytes disagree with precision "
+                             f"{self.precision!r} ({weight_bytes} bytes); give the precision alone, it sets them")
         if self.engine.weight_bytes != weight_bytes:
             object.__setattr__(self, "engine", dataclasses.replace(self.engine, weight_bytes=weight_bytes))
 
@@ -140,7 +143,9 @@ class Deployment:
         """What the prices assume, in words: ``"published peaks, bf16, no overlap, a copy per destination GPU"``."""
         dispatch = "a copy per destination GPU" if self.dispatch == "gpu" else "a copy per destination node"
         overlap = "no overlap" if self.overlap == "none" else "two-batch overlap"
-        kv = "" if self.engine.kv_bytes == PRECISION_BYTES["bf16"] else ", fp8 KV cache"
+        kv_names = {b: name for name, b in PRECISION_BYTES.items()}
+        kv = "" if self.engine.kv_bytes == PRECISION_BYTES["bf16"] else \
+            f", {kv_names.get(self.engine.kv_bytes, f'{self.engine.kv_bytes}-byte')} KV cache"
         return f"{self.calibration.source}, {self.precision}{kv}, {overlap}, {dispatch}"
 
     def ranks(self, cluster: Cluster, lost: int = 0) -> int:

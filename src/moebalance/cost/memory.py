@@ -152,6 +152,10 @@ def memory_per_gpu(model: ModelSpec, gpu: GpuSpec, *, num_gpus: int, gpus_per_no
     per_rank = math.floor(max(0.0, kv) * model.kv_shards(attention_tp) / per_request)
     ranks = num_gpus // attention_tp
     if engine.max_running_requests is not None:  # each rank runs its share of the cap (SGLang divides it)
+        if engine.max_running_requests < ranks:
+            raise InputError(f"--max-running-requests {engine.max_running_requests} leaves no request to each of the "
+                             f"{ranks} data-parallel ranks (each runs the cap divided by {ranks}); give at least "
+                             f"{ranks}")
         per_rank = min(per_rank, engine.max_running_requests // ranks)
     return MemoryReport(
         weights_gb_per_gpu=fixed + hosted * expert_gib,

@@ -13,7 +13,7 @@ reads the weights of every expert it touches once, and its picks' inputs and out
 touched; many (prefill) by FLOPs. The layer waits for its slowest GPU (the straggler model), then for the
 all-to-all (:func:`moebalance.cost.a2a.a2a_seconds`: busiest link, dispatch and combine)::
 
-    layer = max_g t_g + a2a
+    layer = max_g t_g + a2a        (two-batch overlap: moebalance.cost.Deployment.layer_seconds)
 
 **The rest of a step** (attention, dense layers, shared experts, embeddings, router) runs on every GPU for its
 data-parallel rank's tokens: a roofline of its non-expert weights' FLOPs (``2`` per weight and token) and the

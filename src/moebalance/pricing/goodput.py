@@ -51,18 +51,21 @@ class PlanPrice:
     memory: MemoryReport
     #: Mean over held-out (batch, layer) with load of the straggler's expert time plus the all-to-all, ms.
     modelled_layer_ms: float
-    #: Of which the all-to-all, ms.
+    #: The all-to-all of those (batch, layer), ms (with overlap, part of it hides under the experts).
     modelled_a2a_ms: float
     #: Output tokens per second of the whole deployment at saturation.
     modelled_goodput: float
     #: A decode step of ``max_concurrency`` tokens and a prefill step of ``chunk * ranks`` tokens, ms.
     decode_step_ms: float
     prefill_step_ms: float
+    #: The slowest GPU's grouped GEMM of those (batch, layer), ms.
+    modelled_expert_ms: float = 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         out: dict[str, float | int] = dict(self.memory.as_dict())
         out.update({"modelled_layer_ms": round(self.modelled_layer_ms, 6),
                     "modelled_a2a_ms": round(self.modelled_a2a_ms, 6),
+                    "modelled_expert_ms": round(self.modelled_expert_ms, 6),
                     "modelled_goodput": round(self.modelled_goodput, 3),
                     "decode_step_ms": round(self.decode_step_ms, 6),
                     "prefill_step_ms": round(self.prefill_step_ms, 6)})
@@ -129,4 +132,5 @@ def price_plan(plan: Placement, load: LoadMatrix, deployment: Deployment, *, rou
     goodput = C * work.output_tokens / round_seconds
     return PlanPrice(memory=memory, modelled_layer_ms=float(priced.seconds[active].mean() * 1e3),
                     modelled_a2a_ms=float(a2a[active].mean() * 1e3), modelled_goodput=goodput,
+                    modelled_expert_ms=float(priced.expert.max(axis=2)[active].mean() * 1e3),
                     decode_step_ms=decode * 1e3, prefill_step_ms=prefill * 1e3)

@@ -40,7 +40,7 @@ class LayerPrice:
     expert: np.ndarray
     #: ``float64 [B, L]``: the all-to-all (dispatch and combine), seconds.
     a2a: np.ndarray
-    #: ``float64 [B, L]``: the layer, seconds (the slowest GPU, then the all-to-all).
+    #: ``float64 [B, L]``: the layer, seconds (the slowest GPU and the all-to-all, with the deployment's overlap).
     seconds: np.ndarray
 
     @property

@@ -52,7 +52,8 @@ class PhaseTime:
     phase: str
     step_tokens: int
     steps: int
-    #: Means over the ``(step, layer)`` with load: the slowest GPU's grouped GEMM, the all-to-all, their sum.
+    #: Means over the ``(step, layer)`` with load: the slowest GPU's grouped GEMM, the all-to-all, the layer (their
+    #: sum without overlap).
     expert_ms: float
     a2a_ms: float
     moe_layer_ms: float

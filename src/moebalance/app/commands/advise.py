@@ -100,6 +100,8 @@ def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
     dep = deployment.build(args, workloads.load, calibrated=calibrated)
     name = dep.model.name
     phase = args.phase or "decode"
+    if phase == "prefill":
+        deployment.refuse(args, "by decode steps, not by --phase prefill", deployment.DECODE_FLAGS)
     cluster = options.cluster(args)
     pricing = StepPricing(deployment=dep, router_ms=args.router_ms, phase=phase)
     trains, tests, notes = [], [], []

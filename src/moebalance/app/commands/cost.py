@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> None:
     dep = deployment.build(args)
     spec, gpu, calibration = dep.model, dep.gpu, dep.calibration
     if args.plan is None:
+        deployment.refuse(args, "by cost with --plan and --load (a time); without them cost prices memory alone",
+                          deployment.TIME_FLAGS)
         if args.nodes is None or args.gpus_per_node is None:
             raise InputError("give --nodes and --gpus-per-node (a deployment), or --plan and --load (a plan on a load)")
         if args.load is not None:

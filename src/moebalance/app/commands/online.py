@@ -125,14 +125,16 @@ def default_predictor(args: argparse.Namespace, load: LoadMatrix, hidden: np.nda
     return "path", f"the trace records no hidden states (engines do not), so the path table built on {source}"
 
 
-def prefetch(result: OnlineResult, model_name: str, load: LoadMatrix, cluster: Cluster,
-             intra: float) -> dict[str, float]:
-    """The modelled cost of the copies each served batch loads: GiB per batch (all GPUs), and ms per layer for a GPU
-    loading the mean share over the intra-node link of ``intra`` GB/s."""
+def prefetch(result: OnlineResult, model_name: str, load: LoadMatrix, cluster: Cluster, intra: float,
+             weight_bytes: int = 2) -> dict[str, float]:
+    """The modelled cost of the copies each served batch loads, in weights of ``weight_bytes`` (the deployment's
+    precision; bf16 without ``--gpu``): GiB per batch (all GPUs), and ms per layer for a GPU loading the mean share
+    over the intra-node link of ``intra`` GB/s."""
     spec = get_model(model_name)
     per_gpu_layer = result.experts_moved / (load.num_layers * cluster.num_gpus)
-    return {"gb_per_batch": round(result.experts_moved * spec.expert_params() * 2 / (1 << 30), 6),
-            "mean_ms_per_gpu_and_layer": round(float(prefetch_seconds(per_gpu_layer, spec, intra)) * 1e3, 6)}
+    seconds = prefetch_seconds(per_gpu_layer, spec, intra, weight_bytes=weight_bytes)
+    return {"gb_per_batch": round(result.experts_moved * spec.expert_params() * weight_bytes / (1 << 30), 6),
+            "mean_ms_per_gpu_and_layer": round(float(seconds) * 1e3, 6)}
 
 
 def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | None:
@@ -150,6 +152,8 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
         if getattr(args, dest) is not None and args.phase is None:
             raise InputError(f"{flag} is not used by online without --phase (a step's time needs no memory or request "
                              "mix); drop it or give --phase")
+    if args.phase == "prefill":
+        deployment.refuse(args, "by decode steps, not by --phase prefill", deployment.DECODE_FLAGS)
     if rearrange and args.replan_every is None:
         raise InputError(f"{rearrange[0]} prices periodic re-plans; give --replan-every K or drop it")
     return StepPricing(deployment=deployment.build(args, load), phase=args.phase or "prefill", router_ms=args.router_ms)
@@ -272,7 +276,8 @@ def run(args: argparse.Namespace) -> None:
     costs: list[dict[str, float] | None] = [None] * len(results)
     if args.model is not None:  # the cost of the copies each batch loads (Libra's prefetch, a replan's moves)
         intra = cluster.intra_node_bandwidth  # --intra-link, else the default link
-        costs = [prefetch(r, args.model, load, cluster, intra) for r in results]
+        weight_bytes = 2 if pricing is None else pricing.deployment.engine.weight_bytes
+        costs = [prefetch(r, args.model, load, cluster, intra, weight_bytes) for r in results]
         for d, c in zip(docs, costs, strict=True):
             d["modelled_prefetch"] = c
     if out_dir is not None:
