@@ -36,7 +36,6 @@ __all__ = [
     "build",
     "calibration",
     "from_args",
-    "given",
     "price_fn",
     "refuse",
 ]
@@ -97,11 +96,6 @@ def add_phase(p: argparse.ArgumentParser) -> None:
                    help="with --gpu: draw each batch again as a step of the phase (decode: one token per running "
                         "request, the KV cache's concurrency; prefill: --prefill-chunk tokens per data-parallel rank) "
                         "and score those steps")
-
-
-def given(args: argparse.Namespace) -> list[str]:
-    """The deployment's flags (besides ``--gpu``) given on the command line."""
-    return [flag for flag, dest in FLAGS if getattr(args, dest, None) is not None]
 
 
 def refuse(args: argparse.Namespace, why: str, flags: Sequence[tuple[str, str]] = FLAGS) -> None:

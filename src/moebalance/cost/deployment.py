@@ -28,7 +28,6 @@ from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import (
     PRECISION_BYTES,
     Calibration,
-    expert_seconds,
     gemm_seconds,
     rest_seconds,
     roofline_terms,
@@ -157,11 +156,6 @@ class Deployment:
         load.check_model(self.model, what=what, fix=fix)
 
     # ----- the layer's price --------------------------------------------------------------------------------------
-
-    def expert_seconds(self, picks: np.ndarray) -> np.ndarray:
-        """``float64 [..., G]`` from ``picks [..., G, E]``: :func:`moebalance.cost.time.expert_seconds` here."""
-        return expert_seconds(picks, self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes,
-                              activation_bytes=self.activation_bytes, precision=self.precision)
 
     def gemm_seconds(self, picks: np.ndarray | float, touched: np.ndarray | float) -> np.ndarray:
         """A GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast)."""
