@@ -164,7 +164,7 @@ def grace_section(engine: EngineMemory) -> list[str]:
                "HG+DR+TAR": ("grace", {"replication": "dynamic"}, "locality")}
     work = Workload(prompt_tokens=64, output_tokens=16, prefill_chunk=4096)
     per_gpu = Deployment(model=arch, gpu=gpu, engine=engine, workload=work)  # a copy per destination GPU
-    per_node = Deployment(model=arch, gpu=gpu, engine=engine, workload=work, dispatch="node")
+    per_node = Deployment(model=arch, gpu=gpu, engine=engine, workload=work, a2a="normal")
     w = ["## 3. GRACE-MoE end to end (Section 5.3 setting)", "",
          "The bundled OLMoE-like token trace folded onto 4 ranks, 2 nodes x 2 RTX 4090 (published peaks), PCIe 4.0 "
          "(32 GB/s) inside a node and one 25 GbE link per node shared by its 2 GPUs, each GPU running its own "

@@ -11,11 +11,27 @@ Each figure is predicted with ``moebalance advise --json`` and only options a us
 SGLang's published DeepSeek-V3 statistics (tests/data/sglang-deepseek-v3/README.md gives the source; the prefill
 statistics are of 1,024-token inputs, the decode ones of 1,000 in / 1,000 out): data-parallel attention on every GPU
 (``--attention-tp 1``), each model's served precision (``--precision served``: FP8), two-batch overlap
-(``--overlap tbo``, as the deployment ran), SGLang's EPLB with 32 redundant experts and its static dispatch, and, for the decode, SGLang's request cap of 256 per GPU
+(``--overlap tbo``, as the deployment ran), DeepEP's kernels as SGLang's ``--deepep-mode auto`` picks them
+(``--a2a auto``: normal in prefill, low-latency in decode), SGLang's EPLB with 32 redundant experts and its static dispatch, and, for the decode, SGLang's request cap of 256 per GPU
 (``--max-running-requests``) over requests of 2,000 tokens of KV cache (1,999 in, 1 out); where the modelled KV cache
 holds fewer, the report says how many. "Perfect
 balance" prices the same candidate on a load where every expert of every MoE layer is picked equally. The report
 says, for each gap over 1.2x, what the model leaves out.
+
+DeepEP's published kernel tables (https://github.com/deepseek-ai/DeepEP, README; H800 with NVLink at about 160 GB/s
+and one 400 Gb/s CX7 NIC per GPU, FP8 dispatch, bf16 combine, hidden 7,168, top-8):
+
+- normal kernels, 4,096 tokens per rank, experts grouped by node and each token limited to ``min(nodes, 4)`` nodes (as
+  DeepEP's test draws them): "bottleneck bandwidth" dispatch / combine EP8 153 / 158 GB/s (NVLink), EP16 43 / 43,
+  EP32 58 / 57, EP64 51 / 50 (RDMA). DeepEP's test reports a logical bandwidth: its RDMA column divides the
+  (token, node) pairs a rank sends, its own node included, times the bytes per token by the kernel's time; its NVLink
+  column the tokens a rank receives.
+- low-latency kernels, 128 tokens per rank, top-8 of 288 experts drawn uniformly: dispatch 77 / 118 / 155 / 173 / 192
+  / 194 us and combine 114 / 195 / 273 / 314 / 369 / 360 us at EP 8 / 16 / 32 / 64 / 128 / 256.
+
+Each row is predicted by the library's own all-to-all (:func:`moebalance.routing.copies.traffic` with the kernel, on
+tokens drawn as DeepEP's test draws them, and the kernel's fixed cost ``moebalance.cost.a2a.LATENCY_US``); that fixed
+cost is the one figure taken from these tables, from the EP8 low-latency dispatch (the report derives it).
 
 Run: .venv/bin/python bench/fidelity_report.py (about a minute).
 """
@@ -32,6 +48,12 @@ from pathlib import Path
 import numpy as np
 from _common import ROOT, machine
 
+from moebalance.core.cluster import LINK_PRESETS, Cluster
+from moebalance.core.plan import Placement
+from moebalance.core.trace import RoutingTrace
+from moebalance.cost.a2a import LATENCY_US
+from moebalance.routing.copies import traffic
+
 SGLANG = ROOT / "tests" / "data" / "sglang-deepseek-v3"
 OUT = ROOT / "docs" / "results" / "fidelity.md"
 #: The candidate that stands for "their EPLB": SGLang's EPLB with 32 redundant experts and its default dispatch,
@@ -40,7 +62,7 @@ OUT = ROOT / "docs" / "results" / "fidelity.md"
 THEIR_EPLB = {4: "EPLB hierarchical, 32 redundant, static plan, static dispatch",
               9: "EPLB global, 32 redundant, static plan, static dispatch"}
 COMMON = ["--gpu", "h100-80gb", "--engine", "sglang", "--attention-tp", "1", "--precision", "served", "--overlap",
-          "tbo"]
+          "tbo", "--a2a", "auto"]
 PREFILL = ["--nodes", "4", "--gpus-per-node", "8", "--phase", "prefill", "--prefill-chunk", "16384",
            "--prompt-tokens", "4096", *COMMON]
 DECODE = ["--nodes", "9", "--gpus-per-node", "8", "--phase", "decode", "--prompt-tokens", "1999", "--output-tokens",
@@ -50,6 +72,115 @@ GPUS = {"prefill": 32, "prefill, perfect balance": 32, "decode": 72}
 PUBLISHED_PER_GPU = 256
 #: Published figures: (what, tokens/s per node).
 PUBLISHED = {"prefill": 50_302.0, "prefill, perfect balance": 59_337.0, "decode": 22_282.0}
+
+
+#: DeepEP's tables: normal kernels' logical GB/s (dispatch, combine) by EP; low-latency kernels' us by EP.
+DEEPEP_NORMAL = {8: (153.0, 158.0), 16: (43.0, 43.0), 32: (58.0, 57.0), 64: (51.0, 50.0)}
+DEEPEP_LOW_LATENCY = {8: (77.0, 114.0), 16: (118.0, 195.0), 32: (155.0, 273.0), 64: (173.0, 314.0),
+                      128: (192.0, 369.0), 256: (194.0, 360.0)}
+#: DeepEP's test setting: hidden size, picks per token, experts (normal; low-latency: 288, rounded down to the ranks).
+HIDDEN, TOP_K, EXPERTS, LL_EXPERTS = 7168, 8, 256, 288
+#: Bytes per token copy: FP8 dispatch (a float32 scale per 128 values), bf16 combine.
+DISPATCH_BYTES, COMBINE_BYTES = HIDDEN + 4 * -(-HIDDEN // 128), 2 * HIDDEN
+
+
+def deepep_tokens(ranks: int, per_rank: int, experts: int, node_limit: bool,
+                  rng: np.random.Generator) -> tuple[Placement, RoutingTrace]:
+    """Experts in contiguous blocks over ``ranks`` GPUs (8 per node) and ``per_rank`` tokens on each, their ``TOP_K``
+    experts drawn as DeepEP's tests draw them from random scores: uniformly, or (``node_limit``) among the experts
+    of ``min(nodes, 4)`` nodes drawn uniformly."""
+    nodes = max(ranks // 8, 1)
+    cluster = Cluster(num_nodes=nodes, gpus_per_node=min(ranks, 8), intra_node_bandwidth=LINK_PRESETS["nvlink-h800"],
+                      inter_node_bandwidth=LINK_PRESETS["ib-ndr400"])
+    per_gpu = experts // ranks
+    plan = Placement([[list(range(g * per_gpu, (g + 1) * per_gpu)) for g in range(ranks)]], experts, cluster)
+    T = ranks * per_rank
+    if node_limit:
+        k, per_node = min(nodes, 4), experts // nodes
+        chosen = np.argsort(rng.random((T, nodes)), axis=1)[:, :k]  # [T, k] nodes
+        among = np.argsort(rng.random((T, k * per_node)), axis=1)[:, :TOP_K]  # [T, K] of the k nodes' experts
+        topk = chosen[np.arange(T)[:, None], among // per_node] * per_node + among % per_node
+    else:
+        topk = np.argsort(rng.random((T, experts)), axis=1)[:, :TOP_K]
+    trace = RoutingTrace(topk[:, None, :], np.repeat(np.arange(ranks), per_rank), np.zeros(T, dtype=np.int64),
+                         num_experts=experts)
+    return plan, trace
+
+
+def phase_us(plan: Placement, trace: RoutingTrace, kernel: str, bytes_per_copy: int, fixed: bool = True) -> float:
+    """One phase (dispatch or combine) of the all-to-all, us: the model's bytes over the busiest link and, with
+    ``fixed``, the kernel's fixed cost."""
+    dest = trace.topk_ids.astype(np.int64) // (plan.num_experts // plan.num_gpus)
+    moved = traffic(plan, trace, dest, bytes_per_copy, kernel=kernel, seconds_only=True).a2a_seconds
+    if moved is None:
+        raise SystemExit("traffic gave no time")
+    return float(moved[0, 0]) / 2 * 1e6 + (LATENCY_US[kernel] if fixed else 0.0)
+
+
+def logical_bytes(plan: Placement, trace: RoutingTrace, bytes_per_copy: int) -> float:
+    """What DeepEP's normal-kernel test divides by the time, per rank: within a node the tokens a rank receives (its
+    own included), across nodes the (token, node) pairs it sends (its own node included)."""
+    G, gpn = plan.num_gpus, plan.cluster.gpus_per_node
+    dest = np.sort(trace.topk_ids[:, 0, :].astype(np.int64) // (plan.num_experts // G), axis=1)
+    if plan.cluster.num_nodes == 1:
+        distinct = 1 + np.count_nonzero(dest[:, 1:] != dest[:, :-1], axis=1)
+    else:
+        nodes = dest // gpn
+        distinct = 1 + np.count_nonzero(nodes[:, 1:] != nodes[:, :-1], axis=1)
+    return float(distinct.sum()) / G * bytes_per_copy
+
+
+def deepep_section() -> list[str]:
+    """DeepEP's two tables, predicted row by row (module docstring)."""
+    rng = np.random.default_rng(0)
+    rows, ratios = [], []
+    for ep, published in DEEPEP_NORMAL.items():
+        plan, trace = deepep_tokens(ep, 4096, EXPERTS, True, rng)
+        cells = []
+        for b, pub in zip((DISPATCH_BYTES, COMBINE_BYTES), published, strict=True):
+            us = phase_us(plan, trace, "normal", b)
+            gbs = logical_bytes(plan, trace, b) / (us * 1e-6) / 1e9
+            ratios.append(gbs / pub)
+            cells += [f"{pub:.0f}", f"{gbs:.1f}", f"{gbs / pub:.2f}x", f"{us:,.0f}"]
+        link = "NVLink" if ep == 8 else "RDMA"
+        rows.append(f"| {ep} ({link}) | " + " | ".join(cells) + " |")
+    ll_rows = []
+    anchor = None
+    for ep, published in DEEPEP_LOW_LATENCY.items():
+        plan, trace = deepep_tokens(ep, 128, max(LL_EXPERTS // ep, 1) * ep, False, rng)
+        cells = []
+        for b, pub in zip((DISPATCH_BYTES, COMBINE_BYTES), published, strict=True):
+            us = phase_us(plan, trace, "low-latency", b)
+            if anchor is None:
+                anchor = pub - phase_us(plan, trace, "low-latency", b, fixed=False)
+            ratios.append(us / pub)
+            cells += [f"{pub:.0f}", f"{us:.0f}", f"{us / pub:.2f}x"]
+        ll_rows.append(f"| {ep} | " + " | ".join(cells) + " |")
+    worst = max(max(r, 1 / r) for r in ratios)
+    return ["## DeepEP's kernel tables (H800)", "",
+            "Published: DeepEP's README (H800, NVLink about 160 GB/s, one 400 Gb/s CX7 NIC per GPU, FP8 dispatch, "
+            "bf16 combine, hidden 7,168, top-8). Predicted: the library's all-to-all (`moebalance.routing.copies."
+            "traffic` with the kernel) on tokens drawn as DeepEP's tests draw them, on links of "
+            f"{LINK_PRESETS['nvlink-h800']:.0f} GB/s (NVLink, preset `nvlink-h800`) and "
+            f"{LINK_PRESETS['ib-ndr400']:.0f} GB/s (NIC, `ib-ndr400`), with the kernels' fixed cost of "
+            f"{LATENCY_US['low-latency']:.0f} us per phase (`moebalance.cost.a2a.LATENCY_US`). That fixed cost is the "
+            f"one figure taken from the tables: the EP8 low-latency dispatch, 77 us, less its bytes over NVLink in the "
+            f"model, is {anchor:.1f} us. Every other row is a prediction. Worst ratio either way: {worst:.2f}x.", "",
+            "**Normal kernels**, 4,096 tokens per rank, each token on at most `min(nodes, 4)` nodes. DeepEP reports a "
+            "logical bandwidth (its test divides the tokens a rank receives, within a node, or the (token, node) "
+            "pairs it sends, its own node included, across nodes, by the kernel's time); the predicted column divides "
+            "the same bytes by the modelled time.", "",
+            "| EP | dispatch GB/s published | predicted | ratio | modelled us | combine GB/s published | predicted | "
+            "ratio | modelled us |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, "",
+            "**Low-latency kernels**, 128 tokens per rank, top-8 of 288 experts (rounded down to a multiple of the "
+            "ranks, at least one per rank), one message per pick.", "",
+            "| EP | dispatch us published | predicted | ratio | combine us published | predicted | ratio |",
+            "|---|---:|---:|---:|---:|---:|---:|", *ll_rows, "",
+            "What the model leaves out here: the normal kernels forward over NVLink with a fixed number of SMs and "
+            "a chunked pipeline, so they reach less than the links' bandwidth (the model is faster by up to the "
+            "worst ratio above, most at EP16, where the NVLink fan-out is the busiest link); the low-latency "
+            "kernels' fixed cost grows a little with the ranks (EP128's combine), which one constant does not follow.",
+            ""]
 
 
 def advise(args: list[str]) -> dict:
@@ -84,6 +215,7 @@ def shown(args: list[str]) -> str:
 
 def main() -> None:
     t0 = time.perf_counter()
+    deepep = deepep_section()
     with tempfile.TemporaryDirectory() as tmp:
         runs = {
             "prefill": (["--load", str(SGLANG / "prefill_in1024.json"), *PREFILL], 4),
@@ -102,7 +234,7 @@ def main() -> None:
     lines = ["# Fidelity: the cost model against published deployments", "",
              "<!-- Generated by bench/fidelity_report.py; do not edit by hand. -->", "",
              f"Machine: {machine()}. Whole report: {seconds:.0f} s. Reproduce: `.venv/bin/python "
-             "bench/fidelity_report.py`.", "",
+             "bench/fidelity_report.py`.", "", *deepep,
              "## LMSYS's DeepSeek-V3 deployment on H100 (SGLang, DeepEP, DeepGEMM, FP8)", "",
              "Published: LMSYS, \"Deploying DeepSeek with PD Disaggregation and Large-scale Expert Parallelism on 96 "
              "H100 GPUs\", 2025-05-05. Predicted: `moebalance advise`'s candidate for SGLang's EPLB with 32 "

@@ -201,6 +201,45 @@ def test_a2a_estimate_by_hand() -> None:
     assert a2a_estimate(np.array([3.0, 1.0]), two, 1000) == pytest.approx(2 * 1000 * 1.5 / 1.0 / 1e9)
 
 
+def test_a2a_estimate_merges_a_tokens_picks_by_hand() -> None:
+    """Top-2, 2 tokens: on one node of 2 GPUs with picks [2, 2] a token reaches each GPU with probability
+    1 - (1/2)^2 = 3/4, so each GPU receives 2 x 3/4 x 1/2 = 0.75 copies from the other where one message per pick
+    (low-latency) is 1. On 2 nodes x 2 GPUs with picks [1, 1, 1, 1] a token reaches a node with probability 3/4:
+    DeepEP's normal kernels send each GPU's token to the other node 3/4 times, and each GPU receives 2 x 3/4 / 4."""
+    one = Cluster(num_nodes=1, gpus_per_node=2, intra_node_bandwidth=1.0)
+    assert a2a_estimate(np.array([2.0, 2.0]), one, 1000, top_k=2) == pytest.approx(2 * 1000 * 0.75 / 1e9)
+    assert a2a_estimate(np.array([2.0, 2.0]), one, 1000, top_k=2, kernel="low-latency") == \
+        pytest.approx(2 * 1000 * 1.0 / 1e9)
+    assert a2a_estimate(np.array([2.0, 2.0]), one, 1000, top_k=2, kernel="normal") == \
+        pytest.approx(2 * 1000 * 0.75 / 1e9)  # one node: nothing to forward
+    two = Cluster(num_nodes=2, gpus_per_node=2, intra_node_bandwidth=100.0, inter_node_bandwidth=1.0)
+    assert a2a_estimate(np.ones(4), two, 1000, top_k=2, kernel="normal") == pytest.approx(2 * 1000 * 0.375 / 1e9)
+    # a copy per GPU: each GPU reached by 2 x (1 - (3/4)^2) = 0.875 tokens, half of them from the other node
+    assert a2a_estimate(np.ones(4), two, 1000, top_k=2) == pytest.approx(2 * 1000 * 0.4375 / 1e9)
+    with pytest.raises(InputError, match="not auto"):
+        a2a_estimate(np.ones(4), two, 1000, kernel="auto")
+
+
+@pytest.mark.parametrize("kernel", ["per-gpu", "normal", "low-latency"])
+def test_a2a_estimate_matches_sampled_tokens(kernel: str) -> None:
+    """The closed form for counts against tokens drawn as it assumes (each token's picks independent of where it
+    lives, drawn from skewed expert shares) and counted token by token by the replay's own traffic: within 5%."""
+    from moebalance.core.trace import RoutingTrace
+    from moebalance.routing.copies import traffic
+
+    rng = np.random.default_rng(7)
+    cluster = Cluster(num_nodes=2, gpus_per_node=4, intra_node_bandwidth=150.0, inter_node_bandwidth=50.0)
+    G, E, K, T = 8, 256, 8, 20_000
+    plan = Placement([[list(range(g * 32, (g + 1) * 32)) for g in range(G)]], E, cluster)
+    share = rng.dirichlet(np.full(E, 2.0))
+    keys = np.log(share)[None, :] + rng.gumbel(size=(T, E))  # Gumbel top-K: K distinct experts by share
+    topk = np.argpartition(-keys, K, axis=1)[:, :K][:, None, :]
+    trace = RoutingTrace(topk, rng.integers(0, G, T), np.zeros(T, dtype=np.int64), num_experts=E)
+    counted = traffic(plan, trace, topk // 32, bytes_per_copy=7000, kernel=kernel).a2a_seconds[0, 0]
+    picks = np.bincount((topk // 32).ravel(), minlength=G).astype(np.float64)
+    assert a2a_estimate(picks, cluster, 7000, top_k=K, kernel=kernel) == pytest.approx(counted, rel=0.05)
+
+
 def _tiny_plan_and_load() -> tuple[Placement, LoadMatrix]:
     arch = get_model("olmoe-1b-7b")
     rng = np.random.default_rng(0)
@@ -218,7 +257,7 @@ def test_price_plan_layer_time_is_the_straggler_plus_all_to_all() -> None:
 
     loads = gpu_loads(plan, load.counts)  # uniform router
     touched = np.einsum("ble,leg->blg", (load.counts > 0).astype(float), (plan.copies > 0).astype(float))
-    expect = gemm_seconds(loads, touched, arch, gpu).max(axis=2) + a2a_estimate(loads, plan.cluster, 2048 * 2)
+    expect = gemm_seconds(loads, touched, arch, gpu).max(axis=2) + a2a_estimate(loads, plan.cluster, 2048 * 2, top_k=arch.top_k)
     assert cost.modelled_layer_ms == pytest.approx(1e3 * expect.mean())
     assert cost.modelled_goodput > 0 and cost.decode_step_ms > 0 and cost.prefill_step_ms > cost.decode_step_ms / 100
     assert set(cost.as_dict()) >= {"weights_gb_per_gpu", "replica_gb_per_gpu", "kv_cache_gb_per_gpu",
@@ -454,7 +493,7 @@ def test_gqa_kv_is_split_over_its_heads_only() -> None:
     assert one.max_concurrency == 8 * math.floor(one.kv_cache_gb_per_gpu / per_request)
 
 
-def test_step_model_skips_idle_batches_and_node_dispatch_needs_tokens() -> None:
+def test_step_model_skips_idle_batches_and_an_unknown_kernel_is_one_line() -> None:
     plan, load = _tiny_plan_and_load()
     arch, gpu = get_model("olmoe-1b-7b"), get_gpu("rtx4090")
     engine = EngineMemory(attention_tp=1, reserve_gib=0.0)
@@ -464,8 +503,8 @@ def test_step_model_skips_idle_batches_and_node_dispatch_needs_tokens() -> None:
     idle = price_plan(plan, LoadMatrix(counts), Deployment(model=arch, gpu=gpu, engine=engine))
     assert idle.decode_step_ms == pytest.approx(busy.decode_step_ms)
     assert idle.modelled_goodput == pytest.approx(busy.modelled_goodput)
-    with pytest.raises(InputError, match="--dispatch node needs a token-level load"):
-        price_plan(plan, load, Deployment(model=arch, gpu=gpu, engine=engine, dispatch="node"))
+    with pytest.raises(InputError, match="all-to-all kernel 'node' is unknown; choose one of: per-gpu, normal"):
+        Deployment(model=arch, gpu=gpu, engine=engine, a2a="node")
     with pytest.raises(InputError, match="--dense-tp 9"):
         memory_per_gpu(arch, gpu, num_gpus=4, gpus_per_node=2, engine=EngineMemory(dense_tp=9))
 
@@ -696,9 +735,9 @@ def test_two_batch_overlap_hides_the_lesser_half() -> None:
 def test_a_deployment_says_what_its_prices_assume() -> None:
     v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
     assert Deployment(model=v3, gpu=h100).describe() == "published peaks, bf16, no overlap, a copy per destination GPU"
-    d = Deployment(model=v3, gpu=h100, precision="served", overlap="tbo", dispatch="node",
+    d = Deployment(model=v3, gpu=h100, precision="served", overlap="tbo", a2a="normal",
                    engine=EngineMemory(kv_bytes=1), calibration=Calibration(launch_us=5.0, source="h100 fit"))
-    assert d.describe() == "h100 fit, fp8, fp8 KV cache, two-batch overlap, a copy per destination node"
+    assert d.describe() == "h100 fit, fp8, fp8 KV cache, two-batch overlap, DeepEP normal kernels"
 
 
 def test_rest_of_a_step_by_hand_in_both_phases() -> None:
@@ -732,7 +771,7 @@ def test_precision_and_cap_mistakes_are_one_line() -> None:
 
 def test_flags_nothing_reads_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     memory = ["cost", "--model", "deepseek-v3", "--gpu", "h100-80gb", "--nodes", 8, "--gpus-per-node", 8]
-    for flag, value in (("--overlap", "tbo"), ("--dispatch", "node"), ("--prefill-chunk", 512)):
+    for flag, value in (("--overlap", "tbo"), ("--a2a", "normal"), ("--prefill-chunk", 512)):
         assert_user_error([*memory, flag, value], capsys, f"{flag} is used by cost with --plan and --load")
     sglang = str(Path(__file__).parent / "data" / "sglang-deepseek-v3" / "prefill_in1024.json")
     for flag, value in (("--output-tokens", 10), ("--kv-cache-dtype", "fp8"), ("--max-running-requests", 64)):

@@ -182,14 +182,33 @@ def test_node_forwarding_sends_a_token_once_per_node() -> None:
     trace = RoutingTrace(np.array([[[2, 3]]]), [0], [0], num_experts=4)
     dest = np.array([[[2, 3]]])
     per_gpu = traffic(plan, trace, dest, bytes_per_copy=1000)
-    by_node = traffic(plan, trace, dest, bytes_per_copy=1000, node_forwarding=True)
+    by_node = traffic(plan, trace, dest, bytes_per_copy=1000, kernel="normal")
     assert (per_gpu.inter_node, per_gpu.inter_node_dedup) == (by_node.inter_node, by_node.inter_node_dedup) == (2, 1)
     assert per_gpu.a2a_seconds[0, 0] == pytest.approx(2 * 1000 * 2 / 1.0 / 1e9)  # 2 copies over GPU 0's NIC, twice
     assert by_node.a2a_seconds[0, 0] == pytest.approx(2 * 1000 * 1 / 1.0 / 1e9)  # 1 copy; the forward is fast
 
 
-@pytest.mark.parametrize("forwarding", [False, True])
-def test_traffic_seconds_only_times_as_the_full_count(forwarding: bool) -> None:
+def test_low_latency_sends_a_message_per_pick() -> None:
+    """2 nodes x 2 GPUs, 2 experts per GPU; a token on GPU 0 picks experts 4 and 5 (both on GPU 2) and expert 1 (its
+    own GPU). A copy per GPU crosses GPU 0's NIC once; DeepEP's low-latency kernels send one message per pick: twice,
+    and nothing for the pick on the token's own GPU."""
+    from moebalance.core.trace import RoutingTrace
+    from moebalance.routing.copies import traffic
+
+    cluster = Cluster(num_nodes=2, gpus_per_node=2, intra_node_bandwidth=100.0, inter_node_bandwidth=1.0)
+    plan = Placement([[[0, 1], [2, 3], [4, 5], [6, 7]]], 8, cluster)
+    trace = RoutingTrace(np.array([[[4, 5, 1]]]), [0], [0], num_experts=8)
+    dest = np.array([[[2, 2, 0]]])
+    per_gpu = traffic(plan, trace, dest, bytes_per_copy=1000)
+    per_pick = traffic(plan, trace, dest, bytes_per_copy=1000, kernel="low-latency")
+    assert per_gpu.a2a_seconds[0, 0] == pytest.approx(2 * 1000 * 1 / 1.0 / 1e9)
+    assert per_pick.a2a_seconds[0, 0] == pytest.approx(2 * 1000 * 2 / 1.0 / 1e9)
+    with pytest.raises(InputError, match="not auto"):
+        traffic(plan, trace, dest, bytes_per_copy=1000, kernel="auto")
+
+
+@pytest.mark.parametrize("forwarding", ["per-gpu", "normal", "low-latency"])
+def test_traffic_seconds_only_times_as_the_full_count(forwarding: str) -> None:
     """The priced replay's shortcut: the same all-to-all seconds per (batch, layer), copy counts left at zero."""
     from moebalance.routing.copies import traffic
 
@@ -204,8 +223,8 @@ def test_traffic_seconds_only_times_as_the_full_count(forwarding: bool) -> None:
         batch[-1] = batches - 1
         trace = RoutingTrace(topk, rng.integers(0, 8, T), batch, num_experts=16)
         dest = ROUTERS["random"].assign_tokens(plan, trace, rng)
-        full = traffic(plan, trace, dest, bytes_per_copy=4096, node_forwarding=forwarding)
-        fast = traffic(plan, trace, dest, bytes_per_copy=4096, node_forwarding=forwarding, seconds_only=True)
+        full = traffic(plan, trace, dest, bytes_per_copy=4096, kernel=forwarding)
+        fast = traffic(plan, trace, dest, bytes_per_copy=4096, kernel=forwarding, seconds_only=True)
         assert full.a2a_seconds is not None and fast.a2a_seconds is not None
         assert np.array_equal(full.a2a_seconds, fast.a2a_seconds)
         assert full.inter_node > 0 and fast.inter_node == 0

@@ -98,7 +98,7 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
                    seed: int = 0, bytes_per_copy: int | None = None,
                    on_done: Callable[[str], None] | None = None,
                    price: Callable[[Placement, LoadMatrix, str | Router], PlanPrice] | None = None,
-                   node_forwarding: bool = False,
+                   kernel: str = "per-gpu",
                    phase: PhaseModel | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """Plan and score every scenario; rows by scenario key (in order) and plans by plan name.
 
@@ -125,7 +125,7 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
             plan, seconds = made[key]
         scored, tokens = (test, 0) if phase is None else phase.plan_steps(plan, test)
         score = evaluate(plan, scored, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True,
-                         node_forwarding=node_forwarding)
+                         kernel=kernel)
         modelled = None if price is None else price(plan, scored, sc.router)
         note = plan.params.get("budget_note")
         timed = None if phase is None else phase.time(plan, scored, sc.router, tokens)
@@ -140,14 +140,14 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
 
 def run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenario], train_frac: float, seed: int,
                   price: Callable[[Placement, LoadMatrix, str | Router], PlanPrice] | None = None,
-                  node_forwarding: bool = False,
+                  kernel: str = "per-gpu",
                   phase: PhaseModel | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """:func:`run_comparison` with a progress bar, copies of the load model's hidden size."""
     with progress() as bar:
         task = bar.add_task("plan + score", total=len(scenarios))
         return run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
                               bytes_per_copy=bytes_per_copy(load, None, 2), on_done=lambda _: bar.advance(task),
-                              price=price, node_forwarding=node_forwarding, phase=phase)
+                              price=price, kernel=kernel, phase=phase)
 
 
 def comparison_title(load: LoadMatrix, source: str, cluster: Cluster, budget: Budget, train_frac: float,

@@ -1,4 +1,4 @@
-"""The deployment's flags and what they build: ``--gpu`` with the engine, request, calibration and dispatch flags
+"""The deployment's flags and what they build: ``--gpu`` with the engine, request, calibration and all-to-all flags
 turned into one :class:`~moebalance.cost.Deployment` (docs/design.md, "Cost model"), which every command that prices
 passes on (``cost``, ``compare``, ``sweep``, ``plan --auto-by goodput``, ``online --gpu``, ``advise``), the routers
 bound to it (``metro``), and the checks that refuse these flags where nothing is priced."""
@@ -13,7 +13,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
 from moebalance.cost.calibrate import read_calibration
-from moebalance.cost.deployment import DISPATCH, OVERLAPS, PHASES, PRECISIONS, Deployment, Workload
+from moebalance.cost.deployment import KERNELS, OVERLAPS, PHASES, PRECISIONS, Deployment, Workload
 from moebalance.cost.hardware import GPUS, get_gpu
 from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import PRECISION_BYTES, Calibration
@@ -51,7 +51,7 @@ REQUEST_FLAGS = (("--prompt-tokens", "prompt_tokens"), ("--output-tokens", "outp
                  ("--prefill-chunk", "prefill_chunk"))
 #: Every flag of the deployment besides ``--gpu``: given or not (default None), so that a command can refuse them where
 #: nothing is priced.
-FLAGS = (*ENGINE_FLAGS, *REQUEST_FLAGS, ("--calibration", "calibration"), ("--dispatch", "dispatch"),
+FLAGS = (*ENGINE_FLAGS, *REQUEST_FLAGS, ("--calibration", "calibration"), ("--a2a", "a2a"),
          ("--precision", "precision"), ("--kv-cache-dtype", "kv_cache_dtype"), ("--overlap", "overlap"))
 
 #: ``(plan, held-out load, router) -> PlanPrice``.
@@ -59,7 +59,7 @@ PriceFn = Callable[[Placement, LoadMatrix, "str | Router"], PlanPrice]
 
 
 def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
-    """``--gpu`` and the engine, request, calibration and dispatch flags."""
+    """``--gpu`` and the engine, request, calibration and all-to-all flags."""
     p.add_argument("--gpu", required=gpu_required, choices=sorted(GPUS), help="GPU model of every GPU")
     p.add_argument("--memory-fraction", type=fraction,
                    help=f"share of GPU memory for weights and KV cache, in (0, 1] (SGLang mem_fraction_static; default "
@@ -85,9 +85,11 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
     p.add_argument("--overlap", choices=OVERLAPS,
                    help="a layer's experts and all-to-all one after the other (none, the default) or in two "
                         "micro-batches that hide each other (tbo, SGLang's --enable-two-batch-overlap)")
-    p.add_argument("--dispatch", choices=DISPATCH,
-                   help="all-to-all of token-level loads: a copy per destination GPU (gpu, the default), or one per "
-                        "destination node forwarded inside it, as DeepEP and GRACE do (node)")
+    p.add_argument("--a2a", choices=KERNELS,
+                   help="how the all-to-all moves tokens: per-gpu (the default: a copy straight to each destination "
+                        "GPU, no fixed cost), normal (DeepEP's normal kernels: once per remote node, then NVLink), "
+                        "low-latency (DeepEP's: a message per pick), auto (normal in prefill, low-latency in decode, "
+                        "as SGLang's --deepep-mode auto)")
 
 
 def add_phase(p: argparse.ArgumentParser) -> None:
@@ -110,7 +112,7 @@ DECODE_FLAGS = (("--output-tokens", "output_tokens"), ("--kv-cache-dtype", "kv_c
                 ("--max-running-requests", "max_running_requests"))
 #: What only a time reads, not memory: ``cost`` without a plan prices memory alone (it still reads and names a
 #: ``--calibration``, so that a file can be checked).
-TIME_FLAGS = (("--dispatch", "dispatch"), ("--overlap", "overlap"), ("--prefill-chunk", "prefill_chunk"))
+TIME_FLAGS = (("--a2a", "a2a"), ("--overlap", "overlap"), ("--prefill-chunk", "prefill_chunk"))
 
 
 def calibration(args: argparse.Namespace) -> tuple[Calibration, float | None]:
@@ -139,7 +141,7 @@ def build(args: argparse.Namespace, load: LoadMatrix | None = None, *,
                       calibration=calibration(args)[0] if calibrated is None else calibrated,
                       engine=EngineMemory(**{k: v for k, v in engine.items() if v is not None}),
                       workload=Workload(**{k: v for k, v in work.items() if v is not None}),
-                      dispatch=getattr(args, "dispatch", None) or "gpu",
+                      a2a=getattr(args, "a2a", None) or "per-gpu",
                       precision=getattr(args, "precision", None) or "bf16",
                       overlap=getattr(args, "overlap", None) or "none")
 

@@ -20,6 +20,9 @@ LINK_PRESETS: dict[str, float] = {
     # NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU -> 450 GB/s each way.
     # NVIDIA H100 datasheet, https://www.nvidia.com/en-us/data-center/h100/
     "nvlink4": 450.0,
+    # NVLink on the H800 (its export variant of NVLink 4): about 160 GB/s achievable per direction, as DeepEP's README
+    # states for the H800s its kernel tables were measured on (https://github.com/deepseek-ai/DeepEP).
+    "nvlink-h800": 160.0,
     # NVLink 3 (A100 SXM): 600 GB/s bidirectional -> 300 GB/s each way.
     # NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/
     "nvlink3": 300.0,

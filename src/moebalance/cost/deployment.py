@@ -22,7 +22,7 @@ import numpy as np
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
-from moebalance.cost.a2a import a2a_estimate, a2a_per_pick
+from moebalance.cost.a2a import KERNELS, LATENCY_US, a2a_estimate, a2a_per_pick, check_kernel, kernel_for
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import (
@@ -35,11 +35,8 @@ from moebalance.cost.time import (
 from moebalance.models import ModelSpec
 from moebalance.models.fields import check_fields
 
-__all__ = ["DISPATCH", "OVERLAPS", "PHASES", "PRECISIONS", "Deployment", "Workload"]
+__all__ = ["KERNELS", "OVERLAPS", "PHASES", "PRECISIONS", "Deployment", "Workload"]
 
-#: How a token-level load's all-to-all crosses nodes: a copy per destination GPU, or one per destination node
-#: forwarded inside it (DeepEP's normal kernels, GRACE's dispatch).
-DISPATCH = ("gpu", "node")
 #: The precisions a deployment names: the weights' and GEMMs' (``served``: the model's own).
 PRECISIONS = ("bf16", "fp8", "served")
 #: How a layer's experts and all-to-all share time: one after the other, or two-batch overlap (SGLang's
@@ -72,7 +69,7 @@ class Deployment:
     """The model on a GPU under an engine, with its requests (module docstring).
 
     Example: ``Deployment(model=MODELS["deepseek-v3"], gpu=GPUS["h200"])`` -- published peaks, SGLang's memory
-    layout, requests of 1,000 + 1,000 tokens, one all-to-all copy per destination GPU.
+    layout, requests of 1,000 + 1,000 tokens, one all-to-all copy per destination GPU (``a2a="per-gpu"``).
     """
 
     model: ModelSpec
@@ -80,8 +77,9 @@ class Deployment:
     calibration: Calibration = field(default_factory=Calibration)
     engine: EngineMemory = field(default_factory=EngineMemory)
     workload: Workload = field(default_factory=Workload)
-    #: ``gpu`` or ``node`` (:data:`DISPATCH`).
-    dispatch: str = "gpu"
+    #: The all-to-all's kernel (:data:`moebalance.cost.a2a.KERNELS`): ``per-gpu``, DeepEP's ``normal`` or
+    #: ``low-latency``, or ``auto`` (normal in prefill, low-latency in decode).
+    a2a: str = "per-gpu"
     #: The weights' and the GEMMs' precision, ``bf16`` or ``fp8`` (:data:`PRECISIONS`; ``served``: the model's own,
     #: :attr:`~moebalance.models.ModelSpec.served_precision`). It sets ``engine.weight_bytes``.
     precision: str = "bf16"
@@ -93,8 +91,7 @@ class Deployment:
                            ("engine", EngineMemory), ("workload", Workload)):
             if not isinstance(getattr(self, name), kind):
                 raise InputError(f"Deployment.{name} ({getattr(self, name)!r}) must be a {kind.__name__}")
-        if self.dispatch not in DISPATCH:
-            raise InputError(f"dispatch {self.dispatch!r} is unknown; choose one of: {', '.join(DISPATCH)}")
+        check_kernel(self.a2a)
         if self.overlap not in OVERLAPS:
             raise InputError(f"overlap {self.overlap!r} is unknown; choose one of: {', '.join(OVERLAPS)}")
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
@@ -109,10 +106,15 @@ class Deployment:
         if self.engine.weight_bytes != weight_bytes:
             object.__setattr__(self, "engine", dataclasses.replace(self.engine, weight_bytes=weight_bytes))
 
-    @property
-    def node_forwarding(self) -> bool:
-        """Whether a token crosses the network once per destination node (``dispatch="node"``)."""
-        return self.dispatch == "node"
+    def a2a_kernel(self, phase: str | None = None) -> str:
+        """The kernel that moves ``phase``'s tokens (:func:`moebalance.cost.a2a.kernel_for`: ``auto`` is ``normal``
+        in prefill, ``low-latency`` in decode and for a load's own batches, ``phase`` None)."""
+        return kernel_for(self.a2a, phase)
+
+    def a2a_fixed_seconds(self, phase: str | None = None) -> float:
+        """Seconds an MoE layer's all-to-all costs besides its bytes: the kernel's fixed cost
+        (:data:`moebalance.cost.a2a.LATENCY_US`) for dispatch and for combine."""
+        return 2e-6 * LATENCY_US[self.a2a_kernel(phase)]
 
     @property
     def activation_bytes(self) -> float:
@@ -140,7 +142,9 @@ class Deployment:
 
     def describe(self) -> str:
         """What the prices assume, in words: ``"published peaks, bf16, no overlap, a copy per destination GPU"``."""
-        dispatch = "a copy per destination GPU" if self.dispatch == "gpu" else "a copy per destination node"
+        dispatch = {"per-gpu": "a copy per destination GPU", "normal": "DeepEP normal kernels",
+                    "low-latency": "DeepEP low-latency kernels",
+                    "auto": "DeepEP normal kernels in prefill, low-latency in decode"}[self.a2a]
         overlap = "no overlap" if self.overlap == "none" else "two-batch overlap"
         kv_names = {b: name for name, b in PRECISION_BYTES.items()}
         kv = "" if self.engine.kv_bytes == PRECISION_BYTES["bf16"] else \
@@ -176,9 +180,13 @@ class Deployment:
             return np.maximum(expert, comm) + np.minimum(expert, comm) / 2
         return expert + comm
 
-    def a2a_estimate(self, gpu_load: np.ndarray, cluster: Cluster) -> np.ndarray:
-        """All-to-all seconds of per-GPU picks ``[..., G]`` without sources (:func:`moebalance.cost.a2a.a2a_estimate`)."""
-        return a2a_estimate(gpu_load, cluster, self.bytes_per_copy)
+    def a2a_estimate(self, gpu_load: np.ndarray, cluster: Cluster, phase: str | None = None) -> np.ndarray:
+        """All-to-all seconds (bytes and fixed cost) of per-GPU picks ``[..., G]`` of counts, which carry no tokens
+        (:func:`moebalance.cost.a2a.a2a_estimate` with ``phase``'s kernel); none where there are no picks."""
+        load = np.asarray(gpu_load, dtype=np.float64)
+        moved = a2a_estimate(load, cluster, self.bytes_per_copy, kernel=self.a2a_kernel(phase),
+                             top_k=self.model.top_k)
+        return moved + np.where(load.sum(axis=-1) > 0, self.a2a_fixed_seconds(phase), 0.0)
 
     def cost_vector(self, cluster: Cluster) -> np.ndarray:
         """``float64 [5]``: ``[alpha, beta, gamma, launch, kappa]`` seconds on ``cluster``, the roofline's terms

@@ -192,7 +192,7 @@ def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: 
     dep = pricing.deployment
     decides = router.assign_kept is not None  # a load-dependent router decides on the host after the gate
     timer = RouterTimer(router) if decides and pricing.router_ms is None else None
-    priced = price_layers(plan, load, router if timer is None else timer.router, dep, rng)
+    priced = price_layers(plan, load, router if timer is None else timer.router, dep, rng, pricing.phase)
     loads = priced.loads
     m = layer_metrics(loads[:, :, alive] if lost else loads, load.counts, plan.replica_counts())
     trace = load.trace

@@ -135,7 +135,7 @@ def _first_picks(drawn: np.ndarray, picks: int, rng: np.random.Generator) -> np.
 def phase_time(plan: Placement, steps: LoadMatrix, router: str | Router, deployment: Deployment, *, phase: str,
                step_tokens: int, seed: int = 0) -> PhaseTime:
     """``router``'s modelled MoE layer time on ``steps`` (of ``step_tokens`` tokens each) through ``plan``."""
-    priced = price_layers(plan, steps, get_router(router), deployment, np.random.default_rng(seed))
+    priced = price_layers(plan, steps, get_router(router), deployment, np.random.default_rng(seed), phase)
     active = priced.active
     if not active.any():
         raise InputError("the steps carry no load in any layer; there is nothing to time")

@@ -4,7 +4,8 @@ Legend: ``B`` batches, ``L`` layers, ``G`` GPUs, ``T`` tokens, ``K`` top-k.
 
 A token picked by top-k is sent once to each distinct GPU serving at least one of its picks (GRACE, DeepEP); to its
 own GPU it is local, to another GPU of its node intra-node, else inter-node. Timed by
-:func:`moebalance.cost.a2a.a2a_seconds`: the busiest link, dispatch and combine.
+:func:`moebalance.cost.a2a.a2a_seconds` for one of the kernels of :mod:`moebalance.cost.a2a` (how the copies travel):
+the busiest link, dispatch and combine.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from moebalance.core.errors import InputError
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
-from moebalance.cost.a2a import a2a_seconds
+from moebalance.cost.a2a import a2a_seconds, check_kernel
 
 __all__ = ["Traffic", "traffic"]
 
@@ -65,17 +67,22 @@ class Traffic:
         return out
 
 
-def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_copy: int | None = None, *,
-            node_forwarding: bool = False, seconds_only: bool = False) -> Traffic:
+def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_copy: float | None = None, *,
+            kernel: str = "per-gpu", seconds_only: bool = False) -> Traffic:
     """Count dispatch copies for ``dest [T, L, K]``, the GPU serving each (token, pick); with
     ``bytes_per_copy``, also the all-to-all time of every ``(b, l)``. ``seconds_only`` (with ``bytes_per_copy``)
     computes the times alone and leaves the copy counts and the matrix at zero (a step's price needs no more).
 
-    ``node_forwarding`` times the all-to-all as DeepEP's normal kernels and GRACE's dispatch move tokens: a token
-    crosses the network once per destination node, to the GPU of that node with its own local index (the same
-    rail), which forwards it to the node's other destination GPUs over the intra-node link. The copy counts
-    (``local``, ``intra_node``, ``inter_node``, ``inter_node_dedup``) are the same either way.
+    ``kernel`` (:data:`moebalance.cost.a2a.KERNELS`, not ``auto``) says how the copies travel when timed:
+    ``per-gpu`` straight to each destination GPU; ``normal`` as DeepEP's normal kernels and GRACE's dispatch move
+    tokens: a token crosses the network once per destination node, to the GPU of that node with its own local index
+    (the same rail), which forwards it to the node's other destination GPUs over the intra-node link;
+    ``low-latency`` as DeepEP's low-latency kernels: one message per pick (two picks on one GPU are two messages).
+    The copy counts (``local``, ``intra_node``, ``inter_node``, ``inter_node_dedup``) are the same for all.
     """
+    if check_kernel(kernel) == "auto":
+        raise InputError("traffic needs the phase's kernel, not auto (moebalance.cost.a2a.kernel_for resolves it)")
+    node_forwarding = kernel == "normal"
     cluster = plan.cluster
     G, gpn = cluster.num_gpus, cluster.gpus_per_node
     B, L = trace.num_batches, dest.shape[1]
@@ -103,7 +110,9 @@ def traffic(plan: Placement, trace: RoutingTrace, dest: np.ndarray, bytes_per_co
             matrix += np.bincount(pairs, minlength=G * G)
         if seconds is not None and bytes_per_copy:
             b = trace.batch[:, None]
-            if node_forwarding:
+            if kernel == "low-latency":  # every pick a message, the token's own GPU free
+                per_batch = ((b * G + src[:, None]) * G + d)[d != src[:, None]]
+            elif node_forwarding:
                 src_node, lane = (src // gpn)[:, None], (src % gpn)[:, None]
                 rail = (d // gpn) * gpn + lane  # the destination node's GPU on the token's rail
                 to_node = first_node & (nodes != src_node)

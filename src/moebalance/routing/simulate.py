@@ -138,7 +138,7 @@ class Score:
     num_batches: int
     router: str
     traffic: Traffic | None = None
-    bytes_per_copy: int | None = None
+    bytes_per_copy: float | None = None
     #: ``mean_max_load / (minmax's mean max load) - 1`` on the same plan and batches, at the granularity of
     #: this router's loads (whole tokens when they come from assigned picks, else fractions); ``None`` if not
     #: computed.
@@ -189,8 +189,8 @@ class Replay:
 
 
 def replay_picks(plan: Placement, load: LoadMatrix, router: Router, rng: np.random.Generator, *,
-                 with_touched: bool = False, with_traffic: bool = False, bytes_per_copy: int | None = None,
-                 node_forwarding: bool = False, on_batches: Callable[[int], None] | None = None,
+                 with_touched: bool = False, with_traffic: bool = False, bytes_per_copy: float | None = None,
+                 kernel: str = "per-gpu", on_batches: Callable[[int], None] | None = None,
                  seconds_only: bool = False) -> Replay:
     """``load`` replayed through ``plan``: each GPU's picks, with ``with_touched`` the experts they touch.
 
@@ -228,7 +228,7 @@ def replay_picks(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
             if touched is not None and reached is not None:
                 touched[start:stop] = reached
         if with_traffic:
-            parts.append(traffic(plan, sub, dest, bytes_per_copy, node_forwarding=node_forwarding,
+            parts.append(traffic(plan, sub, dest, bytes_per_copy, kernel=kernel,
                                  seconds_only=seconds_only))
         if on_batches is not None:
             on_batches(stop - start)
@@ -239,17 +239,17 @@ def replay_picks(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
 
 
 def replay_loads(plan: Placement, load: LoadMatrix, router: Router, rng: np.random.Generator, *,
-                 with_traffic: bool = False, bytes_per_copy: int | None = None, node_forwarding: bool = False,
+                 with_traffic: bool = False, bytes_per_copy: float | None = None, kernel: str = "per-gpu",
                  on_batches: Callable[[int], None] | None = None,
                  seconds_only: bool = False) -> tuple[np.ndarray, Traffic | None, bool]:
     """``(gpu_load [B, L, G], traffic or None, whole_tokens)``: :func:`replay_picks` without experts touched."""
     r = replay_picks(plan, load, router, rng, with_traffic=with_traffic, bytes_per_copy=bytes_per_copy,
-                     node_forwarding=node_forwarding, on_batches=on_batches, seconds_only=seconds_only)
+                     kernel=kernel, on_batches=on_batches, seconds_only=seconds_only)
     return r.loads, r.traffic, r.whole_tokens
 
 
 def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform", *, seed: int = 0,
-             bytes_per_copy: int | None = None, routing_gap: bool = False, node_forwarding: bool = False,
+             bytes_per_copy: float | None = None, routing_gap: bool = False, kernel: str = "per-gpu",
              on_batches: Callable[[int], None] | None = None) -> Score:
     """Replay ``load`` through ``plan`` with ``router`` and score it.
 
@@ -257,13 +257,13 @@ def evaluate(plan: Placement, load: LoadMatrix, router: str | Router = "uniform"
     picks); ``uniform`` keeps its exact fractional split for loads and uses its round-robin token
     realisation for traffic. ``routing_gap=True`` also measures the router against the ``minmax`` bound: one
     small flow problem per batch and layer, a cost of the order of the replay itself
-    (``bench/bench_replay.py`` times both). ``node_forwarding`` times the all-to-all with one network copy per
-    destination node (:func:`traffic`).
+    (``bench/bench_replay.py`` times both). ``kernel`` says how the all-to-all's copies travel when timed
+    (:func:`traffic`).
     """
     check_compatible(plan, load)
     r = get_router(router)
     loads, moved, whole_tokens = replay_loads(plan, load, r, np.random.default_rng(seed), with_traffic=True,
-                                              bytes_per_copy=bytes_per_copy, node_forwarding=node_forwarding,
+                                              bytes_per_copy=bytes_per_copy, kernel=kernel,
                                               on_batches=on_batches)
     m = layer_metrics(loads, load.counts, plan.replica_counts())
     if not np.any(np.isfinite(m.balancedness)):

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
     price = deployment.price_fn(dep, args.seed)
     phase = PhaseModel(args.phase, dep, seed=args.seed) if args.phase is not None and dep is not None else None
     rows, plans = run_scenarios(load, cluster, scenarios, args.train_frac, args.seed, price,
-                                node_forwarding=args.dispatch == "node", phase=phase)
+                                kernel="per-gpu" if dep is None else dep.a2a_kernel(args.phase), phase=phase)
     title = comparison_title(load, Path(args.load).name, cluster, budget, args.train_frac,
                              "per row" if several else routers[0].label)
     if dep is not None:
