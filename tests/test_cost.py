@@ -778,3 +778,83 @@ def test_flags_nothing_reads_are_refused(capsys: pytest.CaptureFixture[str]) -> 
         assert_user_error(["advise", "--load", sglang, "--nodes", 4, "--gpus-per-node", 8, "--gpu", "h100-80gb",
                            "--phase", "prefill", flag, value], capsys,
                           f"{flag} is used by decode steps, not by --phase prefill")
+
+
+# ----- tiles, profiles, FP8 calibration -----------------------------------------------------------------------------
+
+def test_tiles_count_each_experts_rows_in_whole_tiles_by_hand() -> None:
+    """Tiles of 128 rows: experts of 3 and 130 rows compute 128 + 256 = 384 rows. A compute-bound GPU (prefill
+    sizes) pays for its padded rows: 1 expert of 129 rows costs as much FLOP time as 256 rows would, and 128 rows
+    no more than one."""
+    from moebalance.cost.time import padded_rows
+
+    assert padded_rows(np.array([[3, 130, 0]]), 128).tolist() == [384.0]
+    assert padded_rows(np.array([[3, 130, 0]]), 0).tolist() == [133.0]
+    v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
+    tiled = Calibration(tile_rows=128)
+    flop = 6 * 7168 * 2048 / 989e12  # seconds per row at the peak
+    # 4,096 rows: FLOP-bound; 4,097 rows: one more tile of 128 rows
+    one, more = expert_seconds(np.array([[4096], [4097]]), v3, h100, tiled)
+    assert one == pytest.approx(4096 * flop) and more == pytest.approx(4224 * flop)
+    plain = expert_seconds(np.array([[4097]]), v3, h100)
+    assert plain[0] == pytest.approx(4097 * flop)
+    with pytest.raises(InputError, match="tile_rows"):
+        Calibration(tile_rows=-1)
+
+
+def test_fit_finds_the_tile_where_runs_cross_its_boundaries(tmp_path: Path) -> None:
+    """Times made by a tiled roofline (128 rows) at rows around the tile boundaries: the fit recovers the tile and
+    the efficiencies; the same model without tiles fits worse."""
+    from moebalance.cost.calibrate import fit, read_measurements
+
+    arch, gpu = get_model("deepseek-v3"), get_gpu("h100-80gb")
+    truth = Calibration(flops_efficiency=0.5, bandwidth_efficiency=0.8, launch_us=20.0, tile_rows=128)
+    lines = ["experts,tokens_per_expert,hidden_size,ffn_size,seconds"]
+    for experts in (1, 8, 32):
+        for tokens in (1, 16, 127, 128, 129, 255, 256, 257, 383, 385, 1024, 1025, 4096):
+            t = float(expert_seconds(np.full((1, experts), tokens), arch, gpu, truth)[0])
+            lines.append(f"{experts},{tokens},7168,2048,{t!r}")
+    (tmp_path / "m.csv").write_text("\n".join(lines) + "\n")
+    got, error, _ = fit(read_measurements(tmp_path / "m.csv"), gpu)
+    assert got.tile_rows == 128 and error < 0.02
+    assert got.flops_efficiency == pytest.approx(0.5, rel=0.05)
+
+
+def test_fp8_calibration_takes_shares_of_the_fp8_peak(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """FP8 runs at 60% of the H100's FP8 peak (1,979 TFLOP/s, above its bf16 peak of 989): a bf16 fit cannot reach
+    it (it stops at 100% of bf16), an FP8 fit finds 0.6 and records its precision."""
+    from moebalance.cost.calibrate import fit, read_measurements
+
+    arch, gpu = get_model("deepseek-v3"), get_gpu("h100-80gb")
+    truth = Calibration(flops_efficiency=0.6, bandwidth_efficiency=0.7)
+    lines = ["experts,tokens_per_expert,hidden_size,ffn_size,seconds"]
+    for experts in (1, 8):
+        for tokens in (1, 16, 256, 1024, 4096, 8192):
+            t = float(expert_seconds(np.full((1, experts), tokens), arch, gpu, truth, weight_bytes=1,
+                                     activation_bytes=1.5, precision="fp8")[0])
+            lines.append(f"{experts},{tokens},7168,2048,{t!r}")
+    (tmp_path / "m.csv").write_text("\n".join(lines) + "\n")
+    got, error, _ = fit(read_measurements(tmp_path / "m.csv"), gpu, precision="fp8")
+    assert got.precision == "fp8" and got.flops_efficiency == pytest.approx(0.6, rel=0.05) and error < 0.02
+    as_bf16, bf16_error, _ = fit(read_measurements(tmp_path / "m.csv"), gpu)
+    assert as_bf16.flops_efficiency == 1.0 and bf16_error > error
+    rc, printed, err = run_cli(["calibrate", "--measurements", tmp_path / "m.csv", "--gpu", "h100-80gb",
+                                "--precision", "fp8", "--out", tmp_path / "cal.json"], capsys)
+    assert rc == 0, err
+    assert "of H100-SXM5-80GB's FP8 peak" in printed
+    assert json.loads((tmp_path / "cal.json").read_text())["precision"] == "fp8"
+
+
+def test_shipped_profiles_read_by_name() -> None:
+    """Every shipped profile reads back by name with its fit error; an unknown name lists them; a path still reads."""
+    from moebalance.cost.calibrate import PROFILES, profile_names, read_calibration
+
+    names = profile_names()
+    assert {"h200-torch-bf16", "h800-deepgemm-fp8"} <= set(names)
+    for name in names:
+        cal, error = read_calibration(name)
+        assert cal.source == f"profile {name}" and error is not None and 0 <= error < 0.2
+        assert cal.precision in ("bf16", "fp8")
+    assert read_calibration(str(PROFILES / "h800-deepgemm-fp8.json"))[0].precision == "fp8"
+    with pytest.raises(InputError, match=r"no calibration file or shipped profile 'h100-magic'.*h200-torch-bf16"):
+        read_calibration("h100-magic")

@@ -12,7 +12,7 @@ from moebalance.app.options import MAX_GPUS, count, fraction, non_negative_float
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
-from moebalance.cost.calibrate import read_calibration
+from moebalance.cost.calibrate import profile_names, read_calibration
 from moebalance.cost.deployment import KERNELS, OVERLAPS, PHASES, PRECISIONS, Deployment, Workload
 from moebalance.cost.hardware import GPUS, get_gpu
 from moebalance.cost.memory import EngineMemory
@@ -77,7 +77,9 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
     p.add_argument("--output-tokens", type=positive, help=f"default {_WORK.output_tokens}")
     p.add_argument("--prefill-chunk", type=positive,
                    help=f"prompt tokens a data-parallel rank prefills per step (default {_WORK.prefill_chunk})")
-    p.add_argument("--calibration", help="JSON from 'moebalance calibrate' (default: published peaks)")
+    p.add_argument("--calibration",
+                   help="JSON from 'moebalance calibrate', or a shipped profile by name (docs/results/profiles.md: "
+                        f"{', '.join(profile_names())}; default: published peaks)")
     p.add_argument("--precision", choices=PRECISIONS,
                    help="the weights' and GEMMs' precision: bf16 (the default), fp8 (half the weight bytes, the GPU's FP8 "
                         "peak, FP8 dispatch with per-128 scales; combine stays bf16), or served: the model's own "

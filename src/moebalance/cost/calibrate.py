@@ -4,8 +4,10 @@ A measurement file (CSV, written by ``bench/bench_gemm.py``) has one row per run
 ``experts,tokens_per_expert,hidden_size,ffn_size,seconds``: ``experts`` gated FFNs of size ``hidden_size x ffn_size``
 each ran on ``tokens_per_expert`` tokens, and the whole grouped GEMM took ``seconds`` (a median of repeats).
 :func:`fit` chooses the :class:`~moebalance.cost.time.Calibration` whose roofline (:func:`expert_seconds`) best
-matches the times in relative terms: a grid over the two efficiencies, and for each the launch cost that centres
-the residuals; the error is the mean absolute log ratio of modelled to measured time. An efficiency that no
+matches the times in relative terms: a grid over the two efficiencies and the kernel's M-tile (:data:`TILE_ROWS`:
+none, or 64, 128 or 256 rows, each expert's FLOPs counted on its rows in whole tiles), and for each the launch cost
+that centres the residuals; the error is the mean absolute log ratio of modelled to measured time. A tile is kept
+only where it fits better than none, which needs runs whose rows are not already whole tiles. An efficiency that no
 measurement depends on (all runs bound by the other resource) is not determined: among equal errors the fit keeps
 the largest value, and :func:`fit` says which regimes the runs covered.
 """
@@ -23,10 +25,14 @@ import numpy as np
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_write_text, dumps, read_json
 from moebalance.cost.hardware import GpuSpec
-from moebalance.cost.time import Calibration, gemm_work, peak_rates
+from moebalance.cost.time import PRECISION_BYTES, Calibration, gemm_work, peak_rates
 
-__all__ = ["COLUMNS", "FIT_ERROR_KEY", "FORMAT", "LIMITS", "Measurements", "check_measurement", "fit",
-           "read_calibration", "read_measurements", "write_calibration"]
+__all__ = ["COLUMNS", "FIT_ERROR_KEY", "FORMAT", "LIMITS", "PROFILES", "Measurements", "check_measurement", "fit",
+           "profile_names", "read_calibration", "read_measurements", "write_calibration"]
+
+#: The shipped profiles: calibration files ``bench/profiles.py`` fits from committed measurements and published kernel
+#: tables, which ``--calibration NAME`` reads by name (docs/results/profiles.md lists them).
+PROFILES = Path(__file__).parent / "profiles"
 
 #: The ``format`` of a calibration file.
 FORMAT = "moebalance.calibration"
@@ -35,6 +41,8 @@ FIT_ERROR_KEY = "mean_abs_log_error"
 
 COLUMNS = ("experts", "tokens_per_expert", "hidden_size", "ffn_size", "seconds")
 _GRID = np.geomspace(0.01, 1.0, 121)  # efficiencies tried, 1% to 100% of peak
+#: M-tile sizes tried (0: no tiles); grouped-GEMM kernels tile rows in powers of two of this order.
+TILE_ROWS = (0, 64, 128, 256)
 #: The range of each column: sizes are whole numbers far beyond any real grouped GEMM at the top (so no product
 #: of them overflows float64), and a time is at least 100 ns (below a kernel launch) and at most an hour.
 LIMITS: dict[str, tuple[float, float]] = {"experts": (1, 2**20), "tokens_per_expert": (1, 2**32),
@@ -102,29 +110,40 @@ def read_measurements(path: str | Path) -> Measurements:
     return Measurements(**{c: np.asarray(v) for c, v in cols.items()})
 
 
-def fit(m: Measurements, gpu: GpuSpec, *, weight_bytes: int = 2,
+def fit(m: Measurements, gpu: GpuSpec, *, precision: str = "bf16",
         source: str = "measurements") -> tuple[Calibration, float, tuple[int, int]]:
     """The calibration that best matches ``m`` on ``gpu``, its mean absolute log error, and how many runs the fitted
-    roofline has bound by FLOPs and by memory (module docstring)."""
+    roofline has bound by FLOPs and by memory (module docstring). ``precision`` is the measured GEMMs' (``bf16``, or
+    ``fp8``: one byte per weight, the mean of FP8 and bf16 per activation, the GPU's FP8 peak), which the calibration
+    records."""
+    if precision not in PRECISION_BYTES:
+        raise InputError(f"precision {precision!r} is unknown; choose one of: {', '.join(PRECISION_BYTES)}")
     n = m.experts * m.tokens_per_expert
-    flops, traffic = gemm_work(n, m.experts, m.hidden_size, m.ffn_size, weight_bytes=weight_bytes,
-                               activation_bytes=weight_bytes)
-    peak_flops, peak_bytes = peak_rates(gpu)
-    compute = flops[None, :] / (peak_flops * _GRID[:, None])  # [grid, N]
-    memory = traffic[None, :] / (peak_bytes * _GRID[:, None])
-    best: tuple[float, float, float, float] = (math.inf, 1.0, 1.0, 0.0)
+    w = PRECISION_BYTES[precision]
+    peak_flops, peak_bytes = peak_rates(gpu, precision=precision)
     log_measured = np.log(m.seconds)
-    for i in range(_GRID.size - 1, -1, -1):  # from the largest efficiency down: among equal errors, the largest
-        roof = np.maximum(compute[i][None, :], memory)  # [grid (bandwidth), N]
-        launch = np.maximum(0.0, np.median(m.seconds[None, :] - roof, axis=1))  # [grid]
-        err = np.abs(np.log(roof + launch[:, None]) - log_measured[None, :]).mean(axis=1)
-        j = _GRID.size - 1 - int(np.argmin(err[::-1]))  # the largest bandwidth efficiency among equal errors
-        if err[j] < best[0] - 1e-12:
-            best = (float(err[j]), float(_GRID[i]), float(_GRID[j]), float(launch[j]))
-    error, flops_eff, bandwidth_eff, launch_s = best
+    best: tuple[float, float, float, float, int] = (math.inf, 1.0, 1.0, 0.0, 0)
+    for tile in TILE_ROWS:
+        padded = m.experts * (tile * np.ceil(m.tokens_per_expert / tile) if tile else m.tokens_per_expert)
+        flops, traffic = gemm_work(n, m.experts, m.hidden_size, m.ffn_size, weight_bytes=w,
+                                   activation_bytes=(w + PRECISION_BYTES["bf16"]) / 2, padded=padded)
+        compute = flops[None, :] / (peak_flops * _GRID[:, None])  # [grid, N]
+        memory = traffic[None, :] / (peak_bytes * _GRID[:, None])
+        for i in range(_GRID.size - 1, -1, -1):  # from the largest efficiency down: among equal errors, the largest
+            roof = np.maximum(compute[i][None, :], memory)  # [grid (bandwidth), N]
+            launch = np.maximum(0.0, np.median(m.seconds[None, :] - roof, axis=1))  # [grid]
+            err = np.abs(np.log(roof + launch[:, None]) - log_measured[None, :]).mean(axis=1)
+            j = _GRID.size - 1 - int(np.argmin(err[::-1]))  # the largest bandwidth efficiency among equal errors
+            if err[j] < best[0] - 1e-9:  # a tile only where it fits better than none
+                best = (float(err[j]), float(_GRID[i]), float(_GRID[j]), float(launch[j]), tile)
+    error, flops_eff, bandwidth_eff, launch_s, tile = best
+    padded = m.experts * (tile * np.ceil(m.tokens_per_expert / tile) if tile else m.tokens_per_expert)
+    flops, traffic = gemm_work(n, m.experts, m.hidden_size, m.ffn_size, weight_bytes=w,
+                               activation_bytes=(w + PRECISION_BYTES["bf16"]) / 2, padded=padded)
     bound_by_flops = int(np.count_nonzero(flops / (peak_flops * flops_eff) >= traffic / (peak_bytes * bandwidth_eff)))
     return (Calibration(flops_efficiency=flops_eff, bandwidth_efficiency=bandwidth_eff, launch_us=launch_s * 1e6,
-                        source=source), error, (bound_by_flops, n.size - bound_by_flops))
+                        tile_rows=tile, source=source, precision=precision), error,
+            (bound_by_flops, n.size - bound_by_flops))
 
 
 def write_calibration(path: str | Path, calibration: Calibration, error: float) -> None:
@@ -134,9 +153,20 @@ def write_calibration(path: str | Path, calibration: Calibration, error: float) 
     atomic_write_text(Path(path), dumps(doc))
 
 
+def profile_names() -> list[str]:
+    """The shipped profiles' names (:data:`PROFILES`), sorted."""
+    return sorted(p.stem for p in PROFILES.glob("*.json"))
+
+
 def read_calibration(path: str | Path) -> tuple[Calibration, float | None]:
-    """A calibration file's constants and its fit error (``None`` where the file records none); anything else is a
-    one-line :class:`InputError` naming the file."""
+    """A calibration file's constants and its fit error (``None`` where the file records none), or a shipped
+    profile's by name (:func:`profile_names`); anything else is a one-line :class:`InputError` naming the file."""
+    shipped = PROFILES / f"{path}.json"
+    if isinstance(path, str) and "/" not in path and not path.endswith(".json"):
+        if not shipped.is_file():
+            raise InputError(f"no calibration file or shipped profile {path!r}; give a JSON file from 'moebalance "
+                             f"calibrate' or a profile: {', '.join(profile_names())}")
+        path = shipped
     doc = read_json(Path(path), "calibration")
     fields = {f.name for f in dataclasses.fields(Calibration)}
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not set(doc) - {"format", FIT_ERROR_KEY} <= fields:

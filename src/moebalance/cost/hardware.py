@@ -59,6 +59,11 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec(name="h100-80gb", display_name="H100-SXM5-80GB", bf16_tflops=989.0, memory_gib=80.0,
             memory_bandwidth=3350.0, fp8_tflops=1979.0,
             source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)"),
+    # H800 SXM 80GB (the H100's export variant: the same tensor cores and HBM3, a narrower NVLink): BF16 989 dense,
+    # FP8 1,979 dense, 80 GB, 3.35 TB/s. Its NVLink is the link preset nvlink-h800.
+    GpuSpec(name="h800", display_name="H800-SXM5-80GB", bf16_tflops=989.0, memory_gib=80.0,
+            memory_bandwidth=3350.0, fp8_tflops=1979.0,
+            source="NVIDIA H800 Tensor Core GPU datasheet (H800 SXM column)"),
     # H200 SXM: BF16 tensor 1,979 TFLOPS with sparsity -> 989 dense, FP8 3,958 -> 1,979 dense, HBM3e 141 GB,
     # 4.8 TB/s.
     GpuSpec(name="h200", display_name="H200-SXM-141GB", bf16_tflops=989.0, memory_gib=141.0,

@@ -40,8 +40,8 @@ from moebalance.models.fields import check_fields
 #: 16,384 weights).
 PRECISION_BYTES = {"bf16": 2, "fp8": 1}
 
-__all__ = ["PRECISION_BYTES", "Calibration", "expert_seconds", "gemm_seconds", "gemm_work", "peak_rates", "prefetch_seconds", "rest_seconds",
-           "roofline_terms"]
+__all__ = ["PRECISION_BYTES", "Calibration", "expert_seconds", "gemm_seconds", "gemm_work", "padded_rows", "peak_rates",
+           "prefetch_seconds", "rest_seconds", "roofline_terms"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -53,10 +53,22 @@ class Calibration:
     launch_us: float = 0.0
     #: Where the numbers come from ("published peaks", or the measurement file they were fitted on).
     source: str = "published peaks"
+    #: Rows of one M-tile of the grouped-GEMM kernel (0: none): a kernel runs each expert's rows in whole tiles, so
+    #: its FLOPs are those of ``tile_rows * ceil(rows / tile_rows)`` rows per expert (:func:`padded_rows`).
+    tile_rows: int = 0
+    #: The precision of the GEMMs it was fitted on (``bf16`` or ``fp8``; empty: the peaks, any precision). Its shares
+    #: of the peaks are taken for the deployment's precision too, whose peak may differ.
+    precision: str = ""
 
     def __post_init__(self) -> None:
         check_fields(self, positive_reals=("flops_efficiency", "bandwidth_efficiency"),
                      non_negative_reals=("launch_us",), text=("source",), label="")
+        if isinstance(self.tile_rows, bool) or not isinstance(self.tile_rows, int | np.integer) or \
+                not 0 <= self.tile_rows <= 4096:
+            raise InputError(f"tile_rows ({self.tile_rows!r}) must be a whole number of rows in [0, 4096] (0: no tiles)")
+        if self.precision not in ("", *PRECISION_BYTES):
+            raise InputError(f"calibration precision {self.precision!r} is unknown; choose one of: "
+                             f"{', '.join(PRECISION_BYTES)}")
         for name in ("flops_efficiency", "bandwidth_efficiency"):
             if getattr(self, name) > 1.0:
                 raise InputError(f"{name} ({getattr(self, name)}) must be in (0, 1]: a share of the GPU's peak")
@@ -71,15 +83,28 @@ def peak_rates(gpu: GpuSpec, calibration: Calibration | None = None, precision: 
 
 
 def gemm_work(picks: np.ndarray | float, touched: np.ndarray | float, hidden_size: np.ndarray | float,
-              ffn_size: np.ndarray | float, *, weight_bytes: int = 2,
-              activation_bytes: float = 2) -> tuple[np.ndarray, np.ndarray]:
+              ffn_size: np.ndarray | float, *, weight_bytes: int = 2, activation_bytes: float = 2,
+              padded: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(FLOPs, bytes)`` of a grouped GEMM over ``picks`` picks touching ``touched`` experts of ``H x F``: each pick
     runs ``6 H F`` FLOPs, each expert touched is read once (``3 H F w`` bytes) and each pick's input and output move
-    (``2 H a``); arrays broadcast (the calibration fits runs of many shapes)."""
+    (``2 H a``); arrays broadcast (the calibration fits runs of many shapes). With ``padded`` (rows in whole tiles,
+    :func:`padded_rows`) the FLOPs are those rows'."""
     n = np.asarray(picks, dtype=np.float64)
     u = np.asarray(touched, dtype=np.float64)
     H, F = np.asarray(hidden_size, dtype=np.float64), np.asarray(ffn_size, dtype=np.float64)
-    return 6.0 * H * F * n, u * 3.0 * H * F * weight_bytes + 2.0 * n * H * activation_bytes
+    rows = n if padded is None else np.asarray(padded, dtype=np.float64)
+    return 6.0 * H * F * rows, u * 3.0 * H * F * weight_bytes + 2.0 * n * H * activation_bytes
+
+
+def padded_rows(picks: np.ndarray, tile_rows: int) -> np.ndarray:
+    """``float64 [..., G]``: the rows a grouped GEMM computes for ``picks [..., G, E]`` when it runs each expert's
+    rows in tiles of ``tile_rows`` (``tile_rows * ceil(rows / tile_rows)`` each; ``0``: the rows themselves).
+
+    Example: tiles of 128 rows, experts of 3 and 130 rows: 128 + 256 = 384 rows."""
+    a = np.asarray(picks, dtype=np.float64)
+    if tile_rows <= 0:
+        return a.sum(axis=-1)
+    return (np.ceil(a / tile_rows) * tile_rows).sum(axis=-1)
 
 
 def roofline_terms(model: ModelSpec, gpu: GpuSpec, calibration: Calibration | None = None, *,
@@ -99,10 +124,13 @@ def roofline_terms(model: ModelSpec, gpu: GpuSpec, calibration: Calibration | No
 
 def gemm_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: ModelSpec, gpu: GpuSpec,
                  calibration: Calibration | None = None, *, weight_bytes: int = 2, activation_bytes: float = 2,
-                 precision: str = "bf16") -> np.ndarray:
+                 precision: str = "bf16", padded: np.ndarray | float | None = None) -> np.ndarray:
     """Seconds of one GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast;
     ``touched`` may be an expectation, as the step model's is): the roofline of the module docstring. Callers with
-    each GPU's picks of each expert call :func:`expert_seconds`, which reduces them to these two numbers.
+    each GPU's picks of each expert call :func:`expert_seconds`, which reduces them to these two numbers and, with a
+    calibration's tiles, the rows in whole tiles (``padded``, :func:`padded_rows`). Where only the totals are known
+    and the calibration has tiles of ``m`` rows, ``padded`` is estimated as ``max(u m, n + u m / 2)``: one tile per
+    expert while experts have fewer rows than a tile (decode), else half a tile wasted per expert on average.
 
     Example (by hand): H100, H = 7168, F = 2048, one pick on one expert: 88 MB of weights at 3.35 TB/s is 26.3 us,
     the 88 MFLOPs take 0.09 us, so the pick costs the weight read.
@@ -111,8 +139,11 @@ def gemm_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: 
     n = np.asarray(picks, dtype=np.float64)
     if np.any(n < 0) or np.any(np.asarray(touched) < 0):
         raise InputError("picks and experts touched must be >= 0")
+    if padded is None and cal.tile_rows:
+        u = np.asarray(touched, dtype=np.float64)
+        padded = np.maximum(u * cal.tile_rows, n + u * cal.tile_rows / 2)
     flops, traffic = gemm_work(n, touched, model.hidden_size, model.moe_intermediate_size, weight_bytes=weight_bytes,
-                               activation_bytes=activation_bytes)
+                               activation_bytes=activation_bytes, padded=padded)
     flops_rate, bytes_rate = peak_rates(gpu, cal, precision)
     return np.where(n > 0, np.maximum(flops / flops_rate, traffic / bytes_rate) + cal.launch_us * 1e-6, 0.0)
 
@@ -122,7 +153,8 @@ def expert_seconds(picks: np.ndarray, model: ModelSpec, gpu: GpuSpec, calibratio
     """``float64 [..., G]``: each GPU's grouped-GEMM seconds in one MoE layer, from ``picks [..., G, E]``, the
     tokens GPU ``g`` serves for expert ``e`` (whole numbers >= 0; leading axes broadcast). A GPU's picks are
     ``n_g = sum_e picks[g, e]``, the experts they touch ``u_g = #{e : picks[g, e] > 0}``, and its time the
-    roofline of the module docstring (:func:`gemm_seconds`); a GPU with no picks takes 0.
+    roofline of the module docstring (:func:`gemm_seconds`), its FLOPs on each expert's rows in whole tiles where
+    the calibration has tiles (``Calibration.tile_rows``); a GPU with no picks takes 0.
 
     Example (by hand) -- DeepSeek-V3 (H = 7168, F = 2048) on an H100 at its peaks, two GPUs: GPU 0 serves 3 tokens
     of expert 0 and 1 of expert 1, GPU 1 serves 4 tokens of expert 2. GPU 0 reads two experts' weights (2 x 88.1 MB
@@ -141,8 +173,10 @@ def expert_seconds(picks: np.ndarray, model: ModelSpec, gpu: GpuSpec, calibratio
         raise InputError(f"picks must be whole numbers of tokens, got dtype {a.dtype}")
     if a.size and a.min() < 0:
         raise InputError(f"picks must be >= 0, got {a.min()}")
+    tiles = 0 if calibration is None else calibration.tile_rows
     return gemm_seconds(a.sum(axis=-1, dtype=np.float64), (a > 0).sum(axis=-1), model, gpu, calibration,
-                        weight_bytes=weight_bytes, activation_bytes=activation_bytes, precision=precision)
+                        weight_bytes=weight_bytes, activation_bytes=activation_bytes, precision=precision,
+                        padded=padded_rows(a, tiles) if tiles else None)
 
 
 def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine: EngineMemory, gpus_per_node: int, *,
