@@ -53,7 +53,7 @@ class Traffic:
             matrix=np.sum([p.matrix for p in parts], axis=0),
             a2a_seconds=np.concatenate(seconds, axis=0) if len(seconds) == len(parts) else None)
 
-    def as_dict(self, bytes_per_copy: int | None = None) -> dict[str, Any]:
+    def as_dict(self, bytes_per_copy: float | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"local": self.local, "intra_node": self.intra_node, "inter_node": self.inter_node,
                                "inter_node_dedup": self.inter_node_dedup}
         if bytes_per_copy:
