@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) bench/decode_report.py
 	$(PY) bench/advise_report.py
 	$(PY) bench/bench_exact.py
+	$(PY) bench/profiles.py  # the shipped profiles (src/moebalance/cost/profiles/), before the reports that use them
 	$(PY) bench/fidelity_report.py
 
 # Refresh constraints.txt on purpose: the newest releases within pyproject's ranges, in a scratch venv; the lint

@@ -188,8 +188,9 @@ class Setup:
     def make(cuda: bool, quick: bool = False) -> Setup:
         """The sizes for a GPU, for the CPU (every path, small), or ``quick`` (the CPU, smallest: the tests)."""
         if cuda:
+            # rows per expert on both sides of the 128-row tile boundaries, where a kernel's time steps
             return Setup(True, ("deepseek-v3", "qwen3-30b-a3b", "deepseek-v2-lite"), (1, 8, 32, 64),
-                         (1, 4, 16, 64, 256, 1024, 4096), 5, None, 16384, 512, 2, 2, 8, 2, 64, 256, 8192, 20)
+                         (1, 4, 16, 64, 127, 128, 129, 255, 256, 257, 511, 512, 513, 1024, 4096), 5, None, 16384, 512, 2, 2, 8, 2, 64, 256, 8192, 20)
         if quick:
             return Setup(False, ("128x64",), (1, 4), (1, 8), 1, (64, 32), 256, 64, 2, 1, 1, 2, 8, 64, 64, 2,
                          runtime_quick=True)
@@ -393,15 +394,47 @@ def _plans(wl: Workload, ctx: Ctx) -> tuple[dict[str, Any], Any]:
     return plans, plans["contiguous"]
 
 
+def straggler_jobs(wl: Workload, ctx: Ctx) -> tuple[list[tuple[str, int, int, str, str, np.ndarray]], dict[str, Any],
+                                                    list[int], list[int]]:
+    """The straggler section's points of one workload, all computed on the CPU from seeded generators (so that
+    ``bench/straggler_points.py`` rebuilds the committed run's): ``(jobs, plans, measured batches, layers)``, a job
+    being ``(regime, batch, layer, plan name, router, picks int64 [G, E])`` for every regime, measured batch, plan
+    (and Libra's batch plan with ``rebalance``) and chosen layer."""
+    from moebalance.policies.libra import LibraConfig, batch_plan
+    from moebalance.prediction.predictors import make_predictor
+    from moebalance.routing import get_router
+
+    s = ctx.setup
+    trace = wl.load.trace
+    E, G, L = wl.load.num_experts, wl.cluster.num_gpus, wl.load.num_layers
+    libra = LibraConfig(predictor="oracle", n=s.libra_n)
+    oracle = make_predictor("oracle")
+    plans, base = _plans(wl, ctx)
+    measured_batches = list(range(wl.plan_batches, wl.load.num_batches))[:s.measure_batches]
+    layers = sorted({int(x) for x in np.linspace(0, L - 1, s.layers_per_point).round()})
+    jobs = []
+    for regime, keep in wl.regimes:
+        for b in measured_batches:
+            sub = _points(trace, b, keep)
+            variants = [(name, p, "uniform") for name, p in plans.items()]
+            demand = oracle.predict(sub, 0, G).demand
+            variants.append(("libra", batch_plan(base, demand, libra)[0], "rebalance"))
+            for name, plan, router in variants:
+                dest = get_router(router).assign_tokens(plan, sub, np.random.default_rng((0, b)))
+                for layer in layers:
+                    flat = dest[:, layer, :].astype(np.int64).ravel() * E + sub.topk_ids[:, layer, :].ravel()
+                    picks = np.bincount(flat, minlength=G * E).reshape(G, E)
+                    jobs.append((regime, b, layer, name, router, picks))
+    return jobs, plans, measured_batches, layers
+
+
 def section_straggler(ctx: Ctx) -> dict[str, Any]:
     import bench_gemm as bg
     import torch
 
     from moebalance.cost.hardware import get_gpu
     from moebalance.cost.time import Calibration, expert_seconds
-    from moebalance.policies.libra import LibraConfig, batch_plan
-    from moebalance.prediction.predictors import make_predictor
-    from moebalance.routing import get_router
+    from moebalance.policies.libra import LibraConfig
 
     s = ctx.setup
     usable, why = bg.usable_kernels(ctx.device, ctx.dtype)
@@ -419,31 +452,13 @@ def section_straggler(ctx: Ctx) -> dict[str, Any]:
     result: dict[str, Any] = {"kernel": kernel, "gpu_spec": spec, "calibration": None if cal is None else
                               dataclasses.asdict(cal), "workloads": {}}
     ctx.log(f"kernel {kernel}; calibration: {'none (section gemm wrote none)' if cal is None else cal}")
-    libra = LibraConfig(predictor="oracle", n=s.libra_n)
-    oracle = make_predictor("oracle")
     rows: list[dict[str, Any]] = []
     gpu_rows: list[dict[str, Any]] = []
     truncated = False
+    libra = LibraConfig(predictor="oracle", n=s.libra_n)  # as straggler_jobs plans Libra, for the record
     for wl in _workloads(ctx):
-        trace = wl.load.trace
-        E, G, L = wl.load.num_experts, wl.cluster.num_gpus, wl.load.num_layers
-        plans, base = _plans(wl, ctx)
-        measured_batches = list(range(wl.plan_batches, wl.load.num_batches))[:s.measure_batches]
-        layers = sorted({int(x) for x in np.linspace(0, L - 1, s.layers_per_point).round()})
-        # every (regime, batch, plan): the picks per GPU and expert of the chosen layers, before any timing
-        jobs = []
-        for regime, keep in wl.regimes:
-            for b in measured_batches:
-                sub = _points(trace, b, keep)
-                variants = [(name, p, "uniform") for name, p in plans.items()]
-                demand = oracle.predict(sub, 0, G).demand
-                variants.append(("libra", batch_plan(base, demand, libra)[0], "rebalance"))
-                for name, plan, router in variants:
-                    dest = get_router(router).assign_tokens(plan, sub, np.random.default_rng((0, b)))
-                    for layer in layers:
-                        flat = dest[:, layer, :].astype(np.int64).ravel() * E + sub.topk_ids[:, layer, :].ravel()
-                        picks = np.bincount(flat, minlength=G * E).reshape(G, E)
-                        jobs.append((regime, b, layer, name, router, picks))
+        E, G = wl.load.num_experts, wl.cluster.num_gpus
+        jobs, plans, measured_batches, layers = straggler_jobs(wl, ctx)
         max_u = max(int((j[5] > 0).sum(axis=1).max()) for j in jobs)
         max_n = max(int(j[5].sum(axis=1).max()) for j in jobs)
         H, F = wl.model.hidden_size, wl.model.moe_intermediate_size

@@ -28,6 +28,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.limits import check_count
 from moebalance.core.load import LoadMatrix, check_same_model, concatenate_loads, parse_batch_range
 from moebalance.core.plan import Placement
+from moebalance.cost.calibrate import read_calibration
 from moebalance.engines import LOAD_FORMATS, open_load, read_any_plan
 from moebalance.engines.detect import detect_load
 from moebalance.models import get_model
@@ -243,8 +244,16 @@ def budget(args: argparse.Namespace) -> Budget:
 
 
 def links(args: argparse.Namespace) -> dict[str, Any]:
-    """The link bandwidths given on the command line, as :class:`Cluster` keywords."""
+    """The link bandwidths given on the command line, as :class:`Cluster` keywords; where a flag is not given and
+    a deployment is priced (``--gpu``), the link ``--calibration``'s profile measured (``calibrate --measure``), if
+    any."""
     out: dict[str, Any] = {}
+    if getattr(args, "calibration", None) is not None and getattr(args, "gpu", None) is not None:
+        profile = read_calibration(args.calibration)[0]
+        if profile.intra_node_gbs:
+            out["intra_node_bandwidth"] = profile.intra_node_gbs
+        if profile.inter_node_gbs:
+            out["inter_node_bandwidth"] = profile.inter_node_gbs
     if getattr(args, "intra_link", None) is not None:
         out["intra_node_bandwidth"] = args.intra_link
     if getattr(args, "inter_link", None) is not None:

@@ -146,10 +146,12 @@ def fit(m: Measurements, gpu: GpuSpec, *, precision: str = "bf16",
             (bound_by_flops, n.size - bound_by_flops))
 
 
-def write_calibration(path: str | Path, calibration: Calibration, error: float) -> None:
-    """Write ``calibration`` with its fit ``error`` as the JSON :func:`read_calibration` reads (atomically)."""
-    doc = {"format": FORMAT, **{f.name: getattr(calibration, f.name) for f in dataclasses.fields(calibration)},
-           FIT_ERROR_KEY: round(float(error), 6)}
+def write_calibration(path: str | Path, calibration: Calibration, error: float | None) -> None:
+    """Write ``calibration`` with its fit ``error`` (``None``: nothing fitted, none recorded) as the JSON
+    :func:`read_calibration` reads (atomically)."""
+    doc = {"format": FORMAT, **{f.name: getattr(calibration, f.name) for f in dataclasses.fields(calibration)}}
+    if error is not None:
+        doc[FIT_ERROR_KEY] = round(float(error), 6)
     atomic_write_text(Path(path), dumps(doc))
 
 

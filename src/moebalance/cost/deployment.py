@@ -112,9 +112,11 @@ class Deployment:
         return kernel_for(self.a2a, phase)
 
     def a2a_fixed_seconds(self, phase: str | None = None) -> float:
-        """Seconds an MoE layer's all-to-all costs besides its bytes: the kernel's fixed cost
-        (:data:`moebalance.cost.a2a.LATENCY_US`) for dispatch and for combine."""
-        return 2e-6 * LATENCY_US[self.a2a_kernel(phase)]
+        """Seconds an MoE layer's all-to-all costs besides its bytes, for dispatch and for combine: the calibration's
+        measured fixed cost where it has one (``calibrate --measure``), else the kernel's
+        (:data:`moebalance.cost.a2a.LATENCY_US`)."""
+        measured = self.calibration.a2a_latency_us
+        return 2e-6 * (LATENCY_US[self.a2a_kernel(phase)] if measured is None else measured)
 
     @property
     def activation_bytes(self) -> float:

@@ -56,13 +56,23 @@ class Calibration:
     #: Rows of one M-tile of the grouped-GEMM kernel (0: none): a kernel runs each expert's rows in whole tiles, so
     #: its FLOPs are those of ``tile_rows * ceil(rows / tile_rows)`` rows per expert (:func:`padded_rows`).
     tile_rows: int = 0
+    #: Links measured between ranks (``calibrate --measure`` under torchrun), GB/s per rank and direction inside a node
+    #: and across nodes (0: not measured; the cluster's links stand), and the fixed cost of one all-to-all phase in
+    #: microseconds (None: not measured; the kernel's, :data:`moebalance.cost.a2a.LATENCY_US`).
+    intra_node_gbs: float = 0.0
+    inter_node_gbs: float = 0.0
+    a2a_latency_us: float | None = None
     #: The precision of the GEMMs it was fitted on (``bf16`` or ``fp8``; empty: the peaks, any precision). Its shares
     #: of the peaks are taken for the deployment's precision too, whose peak may differ.
     precision: str = ""
 
     def __post_init__(self) -> None:
         check_fields(self, positive_reals=("flops_efficiency", "bandwidth_efficiency"),
-                     non_negative_reals=("launch_us",), text=("source",), label="")
+                     non_negative_reals=("launch_us", "intra_node_gbs", "inter_node_gbs"), text=("source",), label="")
+        latency = self.a2a_latency_us
+        if latency is not None and (isinstance(latency, bool) or not isinstance(latency, int | float) or
+                                    not np.isfinite(latency) or latency < 0):
+            raise InputError(f"a2a_latency_us ({latency!r}) must be a number of microseconds >= 0, or null")
         if isinstance(self.tile_rows, bool) or not isinstance(self.tile_rows, int | np.integer) or \
                 not 0 <= self.tile_rows <= 4096:
             raise InputError(f"tile_rows ({self.tile_rows!r}) must be a whole number of rows in [0, 4096] (0: no tiles)")
