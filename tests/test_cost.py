@@ -858,3 +858,20 @@ def test_shipped_profiles_read_by_name() -> None:
     assert read_calibration(str(PROFILES / "h800-deepgemm-fp8.json"))[0].precision == "fp8"
     with pytest.raises(InputError, match=r"no calibration file or shipped profile 'h100-magic'.*h200-torch-bf16"):
         read_calibration("h100-magic")
+
+
+def test_calibration_auto_is_the_profile_for_the_gpus_silicon() -> None:
+    """``--calibration auto`` (the default): the profile fitted on the GPU (H200), or on one of the same silicon (the
+    H800's for the H100: equal bf16 and FP8 peaks and memory bandwidth), else the peaks, named; ``peaks`` asks for
+    the peaks."""
+    from moebalance.cost.calibrate import read_calibration, resolve_calibration
+
+    h200, h200_error = resolve_calibration(None, "h200")
+    assert h200.source == "profile h200-torch-bf16 (auto for h200)" and h200_error is not None
+    assert h200.launch_us == read_calibration("h200-torch-bf16")[0].launch_us
+    h100, _ = resolve_calibration("auto", "h100-80gb")
+    assert h100.source == "profile h800-deepgemm-fp8 (auto for h100-80gb)" and h100.gpu == "h800"
+    a100, a100_error = resolve_calibration(None, "a100-80gb")
+    assert a100.source == "published peaks (no profile for a100-80gb)" and a100_error is None
+    assert a100.flops_efficiency == 1.0 and a100.launch_us == 0.0
+    assert resolve_calibration("peaks", "h200") == (Calibration(), None)

@@ -18,6 +18,7 @@ from moebalance.core.load import LoadMatrix, read_load
 from moebalance.core.plan import Placement, write_plan
 from moebalance.core.trace import RoutingTrace
 from moebalance.cost.a2a import a2a_estimate
+from moebalance.cost.calibrate import resolve_calibration
 from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
 from moebalance.cost.time import gemm_seconds
@@ -259,8 +260,11 @@ def test_compare_phase_reports_moe_layer_time_per_router(capsys: pytest.CaptureF
     assert rc == 0, err
     rows = json.loads(out)["rows"]
     assert [r["router"] for r in rows] == ["uniform", "metro"]
-    assert rows[1]["router_params"] == {"gpu": "h100-80gb", "model": "deepseek-v3", "flops_efficiency": None,
-                                        "bandwidth_efficiency": None, "launch_us": None}
+    profile = resolve_calibration(None, "h100-80gb")[0]  # the default: the profile shipped for the H100's silicon
+    assert rows[1]["router_params"] == {"gpu": "h100-80gb", "model": "deepseek-v3",
+                                        "flops_efficiency": profile.flops_efficiency,
+                                        "bandwidth_efficiency": profile.bandwidth_efficiency,
+                                        "launch_us": profile.launch_us}
     for r in rows:
         assert r["phase"]["phase"] == "decode" and r["phase"]["step_tokens"] == 1232  # the KV cache's concurrency
     assert rows[1]["phase"]["moe_layer_ms"] <= rows[0]["phase"]["moe_layer_ms"]
@@ -275,7 +279,9 @@ def test_online_phase_draws_steps(capsys: pytest.CaptureFixture[str]) -> None:
                             "--memory-fraction", 0.8, "--json"], capsys)
     assert rc == 0, err
     doc = json.loads(out)
-    assert doc["router"] == "metro(gpu=h100-80gb, model=mixtral-8x7b)"
+    # the calibration it prices with: the profile shipped for the H100's silicon (--calibration auto)
+    assert doc["router"] == "metro(gpu=h100-80gb, model=mixtral-8x7b, flops_efficiency=0.631, " \
+                            "bandwidth_efficiency=0.7079, launch_us=18.41)"
     assert doc["phase"]["phase"] == "decode" and doc["phase"]["step_tokens"] > 0 and "time" in doc
 
 

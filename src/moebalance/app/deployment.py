@@ -12,7 +12,7 @@ from moebalance.app.options import MAX_GPUS, count, fraction, non_negative_float
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
-from moebalance.cost.calibrate import profile_names, read_calibration
+from moebalance.cost.calibrate import AUTO, profile_names, resolve_calibration
 from moebalance.cost.deployment import KERNELS, OVERLAPS, PHASES, PRECISIONS, Deployment, Workload
 from moebalance.cost.hardware import GPUS, get_gpu
 from moebalance.cost.memory import EngineMemory
@@ -78,8 +78,9 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
     p.add_argument("--prefill-chunk", type=positive,
                    help=f"prompt tokens a data-parallel rank prefills per step (default {_WORK.prefill_chunk})")
     p.add_argument("--calibration",
-                   help="JSON from 'moebalance calibrate', or a shipped profile by name (docs/results/profiles.md: "
-                        f"{', '.join(profile_names())}; default: published peaks)")
+                   help="JSON from 'moebalance calibrate', a shipped profile by name (docs/results/profiles.md: "
+                        f"{', '.join(profile_names())}), 'peaks' (the published peaks), or {AUTO} (the default: the "
+                        "profile shipped for --gpu, else the published peaks)")
     p.add_argument("--precision", choices=PRECISIONS,
                    help="the weights' and GEMMs' precision: bf16 (the default), fp8 (half the weight bytes, the GPU's FP8 "
                         "peak, FP8 dispatch with per-128 scales; combine stays bf16), or served: the model's own "
@@ -118,10 +119,9 @@ TIME_FLAGS = (("--a2a", "a2a"), ("--overlap", "overlap"), ("--prefill-chunk", "p
 
 
 def calibration(args: argparse.Namespace) -> tuple[Calibration, float | None]:
-    """``--calibration FILE`` and its fit error (written by ``moebalance calibrate``), else the published peaks."""
-    if getattr(args, "calibration", None) is None:
-        return Calibration(), None
-    return read_calibration(args.calibration)
+    """``--calibration FILE|NAME|auto`` for ``--gpu`` and its fit error (:func:`moebalance.cost.calibrate.
+    resolve_calibration`; not given: ``auto``, the profile shipped for the GPU, else the published peaks)."""
+    return resolve_calibration(getattr(args, "calibration", None), args.gpu)
 
 
 def build(args: argparse.Namespace, load: LoadMatrix | None = None, *,

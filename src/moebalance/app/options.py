@@ -28,7 +28,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.limits import check_count
 from moebalance.core.load import LoadMatrix, check_same_model, concatenate_loads, parse_batch_range
 from moebalance.core.plan import Placement
-from moebalance.cost.calibrate import read_calibration
+from moebalance.cost.calibrate import resolve_calibration
 from moebalance.engines import LOAD_FORMATS, open_load, read_any_plan
 from moebalance.engines.detect import detect_load
 from moebalance.models import get_model
@@ -248,8 +248,8 @@ def links(args: argparse.Namespace) -> dict[str, Any]:
     a deployment is priced (``--gpu``), the link ``--calibration``'s profile measured (``calibrate --measure``), if
     any."""
     out: dict[str, Any] = {}
-    if getattr(args, "calibration", None) is not None and getattr(args, "gpu", None) is not None:
-        profile = read_calibration(args.calibration)[0]
+    if getattr(args, "gpu", None) is not None:
+        profile = resolve_calibration(getattr(args, "calibration", None), args.gpu)[0]
         if profile.intra_node_gbs:
             out["intra_node_bandwidth"] = profile.intra_node_gbs
         if profile.inter_node_gbs:

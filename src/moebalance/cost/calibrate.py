@@ -24,11 +24,31 @@ import numpy as np
 
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_write_text, dumps, read_json
-from moebalance.cost.hardware import GpuSpec
+from moebalance.cost.hardware import GPUS, GpuSpec, get_gpu
 from moebalance.cost.time import PRECISION_BYTES, Calibration, gemm_work, peak_rates
 
-__all__ = ["COLUMNS", "FIT_ERROR_KEY", "FORMAT", "LIMITS", "PROFILES", "Measurements", "check_measurement", "fit",
-           "profile_names", "read_calibration", "read_measurements", "write_calibration"]
+__all__ = [
+    "AUTO",
+    "COLUMNS",
+    "FIT_ERROR_KEY",
+    "FORMAT",
+    "LIMITS",
+    "PEAKS",
+    "PROFILES",
+    "Measurements",
+    "auto_profile",
+    "check_measurement",
+    "fit",
+    "profile_names",
+    "read_calibration",
+    "read_measurements",
+    "resolve_calibration",
+    "write_calibration",
+]
+
+#: ``--calibration auto`` (the default): the shipped profile fitted on the deployment's GPU, else the published peaks;
+#: ``--calibration peaks``: the published peaks.
+AUTO, PEAKS = "auto", "peaks"
 
 #: The shipped profiles: calibration files ``bench/profiles.py`` fits from committed measurements and published kernel
 #: tables, which ``--calibration NAME`` reads by name (docs/results/profiles.md lists them).
@@ -142,7 +162,7 @@ def fit(m: Measurements, gpu: GpuSpec, *, precision: str = "bf16",
                                activation_bytes=(w + PRECISION_BYTES["bf16"]) / 2, padded=padded)
     bound_by_flops = int(np.count_nonzero(flops / (peak_flops * flops_eff) >= traffic / (peak_bytes * bandwidth_eff)))
     return (Calibration(flops_efficiency=flops_eff, bandwidth_efficiency=bandwidth_eff, launch_us=launch_s * 1e6,
-                        tile_rows=tile, source=source, precision=precision), error,
+                        tile_rows=tile, source=source, gpu=gpu.name, precision=precision), error,
             (bound_by_flops, n.size - bound_by_flops))
 
 
@@ -158,6 +178,36 @@ def write_calibration(path: str | Path, calibration: Calibration, error: float |
 def profile_names() -> list[str]:
     """The shipped profiles' names (:data:`PROFILES`), sorted."""
     return sorted(p.stem for p in PROFILES.glob("*.json"))
+
+
+def auto_profile(gpu: str) -> str | None:
+    """The shipped profile for GPU ``gpu``: fitted on it, or on a GPU of the same silicon (the same bf16 and FP8
+    peaks and memory bandwidth: the H800 is the H100's), the first by name where several are; else ``None``."""
+    spec = get_gpu(gpu)
+
+    def same(other: str) -> bool:
+        o = GPUS.get(other)
+        return o is not None and (o.bf16_tflops, o.fp8_tflops, o.memory_bandwidth) == \
+            (spec.bf16_tflops, spec.fp8_tflops, spec.memory_bandwidth)
+
+    fitted = {name: read_calibration(name)[0].gpu for name in profile_names()}
+    return next((n for n, g in fitted.items() if g == gpu), None) or \
+        next((n for n, g in fitted.items() if same(g)), None)
+
+
+def resolve_calibration(name: str | Path | None, gpu: str) -> tuple[Calibration, float | None]:
+    """What ``--calibration`` names for a deployment on ``gpu``: a file or a shipped profile (:func:`read_calibration`),
+    ``peaks`` the published peaks, or ``auto`` (and ``None``) the shipped profile fitted on that GPU, else the
+    published peaks, saying so."""
+    if str(name) == PEAKS:
+        return Calibration(), None
+    if name is not None and str(name) != AUTO:
+        return read_calibration(name)
+    profile = auto_profile(gpu)
+    if profile is None:
+        return Calibration(source=f"published peaks (no profile for {gpu})"), None
+    cal, error = read_calibration(profile)
+    return dataclasses.replace(cal, source=f"{cal.source} (auto for {gpu})"), error
 
 
 def read_calibration(path: str | Path) -> tuple[Calibration, float | None]:

@@ -53,6 +53,8 @@ class Calibration:
     launch_us: float = 0.0
     #: Where the numbers come from ("published peaks", or the measurement file they were fitted on).
     source: str = "published peaks"
+    #: The GPU (a :data:`~moebalance.cost.hardware.GPUS` name) it was fitted on; empty: the peaks, any GPU.
+    gpu: str = ""
     #: Rows of one M-tile of the grouped-GEMM kernel (0: none): a kernel runs each expert's rows in whole tiles, so
     #: its FLOPs are those of ``tile_rows * ceil(rows / tile_rows)`` rows per expert (:func:`padded_rows`).
     tile_rows: int = 0

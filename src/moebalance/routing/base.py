@@ -71,11 +71,13 @@ class Router:
 
     @property
     def label(self) -> str:
-        """``name``, with the options that differ from the defaults: ``rebalance(eps=0.02)``."""
+        """``name``, with the options that differ from the defaults (reals to 4 significant digits):
+        ``rebalance(eps=0.02)``."""
         if self.config is None:
             return self.name
         default = type(self.config)().as_params()
-        changed = [f"{k}={v}" for k, v in self.config.as_params().items() if default.get(k) != v]
+        changed = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                   for k, v in self.config.as_params().items() if default.get(k) != v]
         return f"{self.name}({', '.join(changed)})" if changed else self.name
 
 
