@@ -464,7 +464,7 @@ def main() -> None:
          f"Machine: {machine()}. Whole report: {seconds:.0f} s.", "",
          "## Method", "",
          "Every served batch is priced as a forward step (`moebalance online --gpu h100-80gb --model "
-         "deepseek-v2-lite`; docs/design.md, \"Priced in time\"): per MoE layer the slowest GPU's grouped GEMM "
+         "deepseek-v2-lite --calibration peaks`; docs/design.md, \"Priced in time\"): per MoE layer the slowest GPU's grouped GEMM "
          "(roofline on its picks and the experts it touches) plus the all-to-all, plus the rest of the model read as "
          "a prefill, plus what balancing exposes: a synchronous re-plan's transfer (rounds in which each GPU sends "
          f"and receives at most one expert) plus {DEFAULT_OVERHEAD_MS:g} ms of host overhead; an asynchronous "
@@ -473,7 +473,7 @@ def main() -> None:
          "fits, and exposed in full with the batch's true routing (the copy cannot start before the gate); the "
          "`rebalance` router's CPU time, measured on this machine per batch and layer, exposed where it outlasts "
          "each GPU's local phase (Libra's two-stage execution; column \"of which router\"). 1 node x 8 H100-SXM5-80GB, NVLink 4 (450 GB/s per GPU and "
-         "direction), bf16 weights, all default engine and calibration settings.", "",
+         "direction), bf16 weights, the published peaks, all default engine settings.", "",
          f"Workloads (details in `bench/online_time.py`'s docstring): the first 40% of each task's sequences are the "
          f"build split (warm-up and the path predictor's table), the rest are served. Domain-pure: one task per batch, "
          f"batches of both tasks in a seeded random order. Mixed: both tasks' sequences shuffled together before they "

@@ -76,7 +76,8 @@ def advise(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[dict[str, An
 def check_contract(doc: dict[str, Any], margin: float = DEFAULT_MARGIN) -> None:
     """The JSON keys exactly; "off" listed; the recommendation the fastest, or off when nothing beats it by more than
     the margin."""
-    assert set(doc) == {"recommendation", "candidates", "engine_files"}
+    assert set(doc) == {"recommendation", "candidates", "engine_files", "priced_with", "margin"}
+    assert isinstance(doc["priced_with"], str) and doc["margin"] >= margin
     rec, cands = doc["recommendation"], doc["candidates"]
     assert set(rec) == RECOMMENDATION_KEYS
     assert all(CANDIDATE_KEYS <= set(c) for c in cands)
@@ -128,6 +129,10 @@ def test_sglang_statistics_files_load_back_and_obey_the_engine(capsys: pytest.Ca
     out = tmp_path / "advice"
     doc, err = advise(capsys, "--load", DECODE, *V3, "--out-dir", out)
     check_contract(doc)
+    # what it priced with: the profile shipped for the H100's silicon (the default), precision, overlap, all-to-all
+    assert doc["priced_with"] == "profile h800-deepgemm-fp8 (auto for h100-80gb), bf16, no overlap, a copy per " \
+                                 "destination GPU"
+    assert json.loads((out / "advise.json").read_text())["priced_with"] == doc["priced_with"]
     assert "one batch (statistics)" in err
     rec = doc["recommendation"]
     assert rec["engine"] == "sglang" and rec["policy"] != "contiguous"  # EPLB pays on DeepSeek-V3's decode
@@ -259,6 +264,7 @@ def test_a_calibration_fit_error_widens_the_margin(capsys: pytest.CaptureFixture
     # the recorded error (exp(0.4) - 1 = 49%) outweighs the default 5%: EPLB's modelled gain no longer clears it
     doc, _ = advise(capsys, "--load", DECODE, *V3, "--calibration", path)
     check_contract(doc, margin=math.expm1(0.4))
+    assert doc["margin"] == pytest.approx(math.expm1(0.4)) and doc["priced_with"].startswith("test, bf16")
     off = next(c for c in doc["candidates"] if "off" in c["label"])
     assert doc["candidates"][0]["tokens_per_s"] > 1.2 * off["tokens_per_s"]
     assert doc["recommendation"]["label"] == off["label"]

@@ -124,7 +124,8 @@ def roofline_terms(model: ModelSpec, gpu: GpuSpec, calibration: Calibration | No
                    precision: str = "bf16") -> tuple[float, float, float, float]:
     """``(alpha, beta, gamma, launch)`` seconds: the grouped GEMM of ``n`` picks touching ``u`` experts takes
     ``launch + max(alpha n, beta u + gamma n)``, the roofline of :func:`gemm_seconds` as compiled kernels that
-    search over picks take it (the ``metro`` router)."""
+    search over picks take it (the ``metro`` router); a calibration's tiles are left out of these terms (a search over
+    one GPU's picks prices its FLOPs on the picks themselves)."""
     cal = Calibration() if calibration is None else calibration
     flops_rate, bytes_rate = peak_rates(gpu, cal, precision)
     H, F = model.hidden_size, model.moe_intermediate_size

@@ -148,14 +148,17 @@ def run(args: argparse.Namespace) -> None:
     if out_dir is not None:
         files = write_engine_files(advice, setup, out_dir, name)
         doc = advice.as_dict(files)
-        atomic_write_text(out_dir / "advise.json", dumps({"title": title, **doc, "notes": notes}))
+        atomic_write_text(out_dir / "advise.json", dumps({"title": title, **doc, "notes": notes,
+                                                          "priced_with": setup.phase.deployment.describe(),
+                                                          "margin": margin}))
         shown = {f.name: f.read_text() for f in files if f.suffix != ".json" or f.stat().st_size < 20_000}
         shown["files written"] = "\n".join(str(f) for f in files)
         advise_report(advice, setup, title, shown, notes).write(out_dir / "report.html")
     for text in notes:
         note(text)
-    if args.json:
-        sys.stdout.write(dumps(advice.as_dict(files)))
+    if args.json:  # what it priced with: the profile, precision, KV cache, overlap and all-to-all
+        sys.stdout.write(dumps({**advice.as_dict(files), "priced_with": setup.phase.deployment.describe(),
+                                "margin": margin}))
         return
     out.print(advise_table(advice, title))
     out.print(advice_text(advice))

@@ -266,13 +266,16 @@ def run(args: argparse.Namespace) -> None:
                                   failures=failures, pricing=pricing, progress=advance))
     title = (f"{args.load}: batches {served[0]}:{served[1]} served one at a time after warm-up {warm[0]}:{warm[1]}, "
              f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}"
-             + ("" if step_tokens is None else f", {args.phase} steps of {step_tokens:,} tokens"))
+             + ("" if step_tokens is None else f", {args.phase} steps of {step_tokens:,} tokens")
+             + ("" if pricing is None else f"; priced with {pricing.deployment.describe()}"))
     docs = [r.as_dict() for r in results]
     for r, d in zip(results, docs, strict=True):
         if r.policy in notes:
             d["predictor_note"] = notes[r.policy]
         if step_tokens is not None:
             d["phase"] = {"phase": args.phase, "step_tokens": step_tokens}
+        if pricing is not None:
+            d["priced_with"] = pricing.deployment.describe()
     costs: list[dict[str, float] | None] = [None] * len(results)
     if args.model is not None:  # the cost of the copies each batch loads (Libra's prefetch, a replan's moves)
         intra = cluster.intra_node_bandwidth  # --intra-link, else the default link
