@@ -75,7 +75,7 @@ def kv_section(reserve: float) -> list[str]:
 
 
 def _plan_row(label: str, plan, test: LoadMatrix, model: str, engine: EngineMemory) -> dict:  # type: ignore[no-untyped-def]
-    cost = price_plan(plan, test, Deployment(model=get_model(model), gpu=A100, engine=engine))
+    cost = price_plan(plan, test, Deployment(model=get_model(model), gpu=A100, engine=engine, precision="bf16"))
     return {"label": label, "extra": plan.extra_replicas / plan.num_gpus, "balancedness": evaluate(plan, test).balancedness,
             "kv": cost.memory.kv_cache_gb_per_gpu, "reduction": cost.memory.kv_cache_reduction,
             "concurrency": cost.memory.max_concurrency, "layer_ms": cost.modelled_layer_ms,

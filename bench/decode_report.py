@@ -44,13 +44,14 @@ from moebalance.models import get_model
 from moebalance.policies import Budget, make_plan
 from moebalance.pricing.phase import phase_steps, phase_time
 from moebalance.routing import get_router
+from moebalance.routing.metro import with_deployment
 from moebalance.routing.simulate import replay_picks
 from moebalance.workloads.synth import synthesize
 
 SGLANG = ROOT / "tests" / "data" / "sglang-deepseek-v3" / "decode_in1000out1000.json"
 MODEL, GPU = get_model("deepseek-v3"), get_gpu("h100-80gb")
-#: What prices a step: DeepSeek-V3 on H100s, published peaks, SGLang's memory layout.
-PRICED = Priced(model=MODEL, gpu=GPU)
+#: What prices a step: DeepSeek-V3 on H100s in bf16, published peaks, SGLang's memory layout.
+PRICED = Priced(model=MODEL, gpu=GPU, precision="bf16")
 ROUTERS = ["uniform", "random", "rebalance", "minmax", "metro"]
 TOKENS_PER_GPU = (64, 256, 1024)
 PLAN_BATCHES, SCORED = 8, 16
@@ -76,7 +77,7 @@ DEPLOYMENTS = [Deployment("8 x 8, EPLB, 64 redundant", 8, 5), Deployment("4 x 8,
 
 
 def _router(name: str):  # type: ignore[no-untyped-def]
-    return get_router(name, {"gpu": GPU.name, "model": MODEL.name} if name == "metro" else None)
+    return with_deployment(get_router(name), PRICED)  # metro prices on PRICED; the others are as they are
 
 
 def _case(plan: Placement, scored: LoadMatrix, tokens: int) -> dict[str, dict[str, float]]:

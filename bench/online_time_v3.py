@@ -80,7 +80,7 @@ FAILING = ("static EPLB", f"periodic EPLB async, aligned (every {K} on {W})", "L
 def run(load: LoadMatrix, *, fail: bool = False) -> list[tuple[str, OnlineResult]]:
     """Every policy of :func:`specs` on ``load`` (with ``fail``: those in ``FAILING``, GPU 5 lost)."""
     cluster = Cluster(num_nodes=NODES, gpus_per_node=PER_NODE)
-    pricing = StepPricing(deployment=Deployment(model=get_model(MODEL), gpu=get_gpu("h100-80gb")))
+    pricing = StepPricing(deployment=Deployment(model=get_model(MODEL), gpu=get_gpu("h100-80gb"), precision="bf16"))
     out = []
     for label, spec in specs():
         if fail and label not in FAILING:

@@ -130,8 +130,8 @@ def test_sglang_statistics_files_load_back_and_obey_the_engine(capsys: pytest.Ca
     doc, err = advise(capsys, "--load", DECODE, *V3, "--out-dir", out)
     check_contract(doc)
     # what it priced with: the profile shipped for the H100's silicon (the default), precision, overlap, all-to-all
-    assert doc["priced_with"] == "profile h800-deepgemm-fp8 (auto for h100-80gb), bf16, no overlap, a copy per " \
-                                 "destination GPU"
+    assert doc["priced_with"] == "profile h800-deepgemm-fp8 (auto for h100-80gb), fp8, no overlap, a copy per " \
+                                 "destination GPU"  # DeepSeek-V3 in its served precision, FP8
     assert json.loads((out / "advise.json").read_text())["priced_with"] == doc["priced_with"]
     assert "one batch (statistics)" in err
     rec = doc["recommendation"]
@@ -181,7 +181,8 @@ def test_trtllm_yaml_loads_back_with_slots_divisible_by_the_ep_size(capsys: pyte
 
 def test_several_loads_add_worst_of_plans_and_memory_limits_the_replicas(capsys: pytest.CaptureFixture[str]) -> None:
     # a memory share that leaves about 2 GiB of KV cache with 64 redundant experts and none with 128
-    doc, err = advise(capsys, "--load", DECODE, "--load", PREFILL, *V3, "--memory-fraction", 0.56)
+    doc, err = advise(capsys, "--load", DECODE, "--load", PREFILL, *V3, "--memory-fraction", 0.56, "--precision",
+                      "bf16")
     check_contract(doc)
     labels = [c["label"] for c in doc["candidates"]]
     assert any("worst of 2 workloads, 64 redundant" in x for x in labels)
@@ -264,7 +265,7 @@ def test_a_calibration_fit_error_widens_the_margin(capsys: pytest.CaptureFixture
     # the recorded error (exp(0.4) - 1 = 49%) outweighs the default 5%: EPLB's modelled gain no longer clears it
     doc, _ = advise(capsys, "--load", DECODE, *V3, "--calibration", path)
     check_contract(doc, margin=math.expm1(0.4))
-    assert doc["margin"] == pytest.approx(math.expm1(0.4)) and doc["priced_with"].startswith("test, bf16")
+    assert doc["margin"] == pytest.approx(math.expm1(0.4)) and doc["priced_with"].startswith("test, fp8")
     off = next(c for c in doc["candidates"] if "off" in c["label"])
     assert doc["candidates"][0]["tokens_per_s"] > 1.2 * off["tokens_per_s"]
     assert doc["recommendation"]["label"] == off["label"]
@@ -305,8 +306,9 @@ def test_user_mistakes_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     assert_user_error(["advise", *ESFT], capsys, "names no one engine", "--engine")
     assert_user_error(["advise", "--load", "bundled:esft-law", "--model", "deepseek-v3", "--nodes", 1,
                        "--gpus-per-node", 8, "--gpu", "h100-80gb", "--engine", "vllm"], capsys, "deepseek-v3")
-    assert_user_error(["advise", "--load", DECODE, *V3, "--memory-fraction", 0.4], capsys, "does not fit")
-    assert_user_error(["advise", "--load", DECODE, *V3, "--memory-fraction", 0.478], capsys,
+    assert_user_error(["advise", "--load", DECODE, *V3, "--memory-fraction", 0.4, "--precision", "bf16"], capsys,
+                      "does not fit")
+    assert_user_error(["advise", "--load", DECODE, *V3, "--memory-fraction", 0.478, "--precision", "bf16"], capsys,
                       "no configuration fits")
     assert_user_error(["advise", "--load", DECODE, "--load", "bundled:esft-law", *V3], capsys, "names no one engine")
     assert_user_error(["advise", "--load", DECODE, "--load", "bundled:esft-law", *V3, "--engine", "sglang"], capsys,

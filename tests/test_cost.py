@@ -613,7 +613,7 @@ def test_fp8_halves_the_weights_and_doubles_the_flops_peak() -> None:
     FLOP-bound GEMM runs at the FP8 peak (1,979 against 989 TFLOP/s on an H100); a dispatch copy is H bytes plus a
     float32 scale per 128 values, the combine stays bf16."""
     v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
-    bf16 = Deployment(model=v3, gpu=h100)
+    bf16 = Deployment(model=v3, gpu=h100, precision="bf16")
     fp8 = Deployment(model=v3, gpu=h100, precision="fp8")
     H, F = v3.hidden_size, v3.moe_intermediate_size
     assert (bf16.engine.weight_bytes, fp8.engine.weight_bytes) == (2, 1)
@@ -634,13 +634,16 @@ def test_fp8_halves_the_weights_and_doubles_the_flops_peak() -> None:
 def test_fp8_leaves_more_kv_cache_and_is_refused_where_the_gpu_has_none(
         capsys: pytest.CaptureFixture[str]) -> None:
     base = ["cost", "--model", "deepseek-v3", "--nodes", 8, "--gpus-per-node", 8, "--json"]
-    rc, out, err = run_cli([*base, "--gpu", "h100-80gb"], capsys)
+    rc, out, err = run_cli([*base, "--gpu", "h100-80gb", "--precision", "bf16"], capsys)
     assert rc == 0, err
     bf16 = json.loads(out)
-    rc, out, err = run_cli([*base, "--gpu", "h100-80gb", "--precision", "served"], capsys)
+    rc, out, err = run_cli([*base, "--gpu", "h100-80gb"], capsys)  # the default: served, FP8 for DeepSeek-V3
     assert rc == 0, err
     fp8 = json.loads(out)
     assert (bf16["precision"], fp8["precision"]) == ("bf16", "fp8")
+    rc, out, err = run_cli([*base, "--gpu", "a100-80gb"], capsys)  # served on a GPU without FP8: bf16
+    assert rc == 0, err
+    assert json.loads(out)["precision"] == "bf16"
     assert fp8["weights_gb_per_gpu"] == pytest.approx(bf16["weights_gb_per_gpu"] / 2, rel=1e-3)
     assert fp8["kv_cache_gb_per_gpu"] > bf16["kv_cache_gb_per_gpu"] and fp8["max_concurrency"] > bf16["max_concurrency"]
     assert_user_error([*base, "--gpu", "a100-80gb", "--precision", "fp8"], capsys,
@@ -734,7 +737,8 @@ def test_two_batch_overlap_hides_the_lesser_half() -> None:
 
 def test_a_deployment_says_what_its_prices_assume() -> None:
     v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
-    assert Deployment(model=v3, gpu=h100).describe() == "published peaks, bf16, no overlap, a copy per destination GPU"
+    assert Deployment(model=v3, gpu=h100).describe() == "published peaks, fp8, no overlap, a copy per destination GPU"
+    assert Deployment(model=v3, gpu=GPUS["a100-80gb"]).describe().startswith("published peaks, bf16,")  # no FP8 cores
     d = Deployment(model=v3, gpu=h100, precision="served", overlap="tbo", a2a="normal",
                    engine=EngineMemory(kv_bytes=1), calibration=Calibration(launch_us=5.0, source="h100 fit"))
     assert d.describe() == "h100 fit, fp8, fp8 KV cache, two-batch overlap, DeepEP normal kernels"
@@ -761,7 +765,7 @@ def test_rest_of_a_step_by_hand_in_both_phases() -> None:
 def test_precision_and_cap_mistakes_are_one_line() -> None:
     v3, h100 = get_model("deepseek-v3"), GPUS["h100-80gb"]
     with pytest.raises(InputError, match=r"engine's weights of 1 bytes disagree with precision 'bf16'"):
-        Deployment(model=v3, gpu=h100, engine=EngineMemory(weight_bytes=1))
+        Deployment(model=v3, gpu=h100, engine=EngineMemory(weight_bytes=1), precision="bf16")
     assert Deployment(model=v3, gpu=h100, engine=EngineMemory(weight_bytes=1), precision="fp8").engine.weight_bytes == 1
     with pytest.raises(InputError, match="precision \\['x'\\] is unknown"):
         Deployment(model=v3, gpu=h100, precision=["x"])  # type: ignore[arg-type]

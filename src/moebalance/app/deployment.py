@@ -82,9 +82,9 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
                         f"{', '.join(profile_names())}), 'peaks' (the published peaks), or {AUTO} (the default: the "
                         "profile shipped for --gpu, else the published peaks)")
     p.add_argument("--precision", choices=PRECISIONS,
-                   help="the weights' and GEMMs' precision: bf16 (the default), fp8 (half the weight bytes, the GPU's FP8 "
-                        "peak, FP8 dispatch with per-128 scales; combine stays bf16), or served: the model's own "
-                        "checkpoint's (fp8 for DeepSeek-V3/R1 and Kimi-K2, else bf16)")
+                   help="the weights' and GEMMs' precision: served (the default: the model's own checkpoint's, fp8 for "
+                        "DeepSeek-V3/R1 and Kimi-K2 where the GPU has FP8 tensor cores, else bf16), bf16, or fp8 (half "
+                        "the weight bytes, the GPU's FP8 peak, FP8 dispatch with per-128 scales; combine stays bf16)")
     p.add_argument("--overlap", choices=OVERLAPS,
                    help="a layer's experts and all-to-all one after the other (none, the default) or in two "
                         "micro-batches that hide each other (tbo, SGLang's --enable-two-batch-overlap)")
@@ -144,7 +144,7 @@ def build(args: argparse.Namespace, load: LoadMatrix | None = None, *,
                       engine=EngineMemory(**{k: v for k, v in engine.items() if v is not None}),
                       workload=Workload(**{k: v for k, v in work.items() if v is not None}),
                       a2a=getattr(args, "a2a", None) or "per-gpu",
-                      precision=getattr(args, "precision", None) or "bf16",
+                      precision=getattr(args, "precision", None) or "served",
                       overlap=getattr(args, "overlap", None) or "none")
 
 

@@ -80,9 +80,10 @@ class Deployment:
     #: The all-to-all's kernel (:data:`moebalance.cost.a2a.KERNELS`): ``per-gpu``, DeepEP's ``normal`` or
     #: ``low-latency``, or ``auto`` (normal in prefill, low-latency in decode).
     a2a: str = "per-gpu"
-    #: The weights' and the GEMMs' precision, ``bf16`` or ``fp8`` (:data:`PRECISIONS`; ``served``: the model's own,
-    #: :attr:`~moebalance.models.ModelSpec.served_precision`). It sets ``engine.weight_bytes``.
-    precision: str = "bf16"
+    #: The weights' and the GEMMs' precision, ``bf16`` or ``fp8`` (:data:`PRECISIONS`); ``served``, the default: the
+    #: model's own (:attr:`~moebalance.models.ModelSpec.served_precision`), bf16 on a GPU without FP8 tensor cores
+    #: (weight-only FP8 kernels are not modelled). It sets ``engine.weight_bytes``.
+    precision: str = "served"
     #: ``none`` or ``tbo``, two-batch overlap (:data:`OVERLAPS`; :meth:`layer_seconds`).
     overlap: str = "none"
 
@@ -97,7 +98,8 @@ class Deployment:
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
             raise InputError(f"precision {self.precision!r} is unknown; choose one of: {', '.join(PRECISIONS)}")
         if self.precision == "served":
-            object.__setattr__(self, "precision", self.model.served_precision)
+            fp8 = self.model.served_precision == "fp8" and self.gpu.fp8_tflops is not None
+            object.__setattr__(self, "precision", "fp8" if fp8 else "bf16")
         self.gpu.peak_tflops(self.precision)  # FP8 on a GPU without FP8 tensor cores: one line
         weight_bytes = PRECISION_BYTES[self.precision]
         if self.engine.weight_bytes not in (weight_bytes, EngineMemory().weight_bytes):
