@@ -19,6 +19,7 @@ import yaml
 from conftest import assert_user_error, run_cli
 
 from moebalance.app.advise import (
+    DEFAULT_MARGIN,
     Advice,
     Candidate,
     Priced,
@@ -29,7 +30,6 @@ from moebalance.app.advise import (
     redundant_values,
 )
 from moebalance.app.advise_engines import launch_lines
-from moebalance.app.commands.advise import DEFAULT_MARGIN
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError

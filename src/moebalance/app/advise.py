@@ -47,7 +47,7 @@ from moebalance.policies import make_plan
 from moebalance.pricing.phase import PhaseModel, phase_steps
 from moebalance.pricing.step import StepPricing
 
-__all__ = [
+__all__ = ["DEFAULT_MARGIN",
     "ENGINES",
     "ENGINE_RULES",
     "STATISTICS_STEPS",
@@ -62,6 +62,10 @@ __all__ = [
     "recommend",
     "redundant_values",
 ]
+
+#: The share of tokens/s a configuration must gain over EPLB off (advise) or a re-plan over keeping the placement
+#: (watch) to be chosen: the model's uncertainty where no calibration says more.
+DEFAULT_MARGIN = 0.05
 
 ENGINES = ("vllm", "sglang", "trtllm")
 #: Steps drawn from a load of one batch (statistics), so that one draw does not decide.

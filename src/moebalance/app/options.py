@@ -62,6 +62,7 @@ __all__ = [
     "parse_set",
     "policy_keys",
     "positive",
+    "positive_float",
     "read_load",
     "read_plan",
     "read_workloads",
@@ -122,6 +123,14 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not (value >= 0.0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"{text.strip()} must be a finite number >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number ``> 0``."""
+    value = non_negative_float(text)
+    if value == 0.0:
+        raise argparse.ArgumentTypeError(f"{text.strip()} must be a finite number > 0")
     return value
 
 

@@ -145,6 +145,16 @@ class Rearranger:
         self._move: _Move | None = None
         self._pending = 0.0
 
+    @property
+    def moving(self) -> bool:
+        """Whether a re-plan's moves are still landing."""
+        return self._move is not None
+
+    @property
+    def transfer_seconds(self) -> float:
+        """Seconds the re-plan in flight takes to move, all its chunks (0 when none moves)."""
+        return float(sum(self._move.seconds)) if self._move is not None else 0.0
+
     def recover(self, new: Placement, seconds: float = 0.0, moved_bytes: int = 0) -> None:
         """GPUs were lost: ``new`` serves the next step, which waits ``seconds`` (the moves and reloads,
         :func:`moebalance.online.failure.recovery_cost`) and the host's overhead; a re-plan in flight is abandoned."""

@@ -72,7 +72,7 @@ from moebalance.pricing.step import (
 from moebalance.routing import Router, get_router
 from moebalance.routing.simulate import check_compatible, layer_metrics, replay_loads
 
-__all__ = ["OnlineResult", "moved_copies", "replay"]
+__all__ = ["OnlineResult", "moved_copies", "replay", "score_batch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +175,7 @@ class _Clock:
         return time_summary(self.step, self.exposed, self.tokens, moved_bytes, rearrangements, self.router, self.moe)
 
 
-def _score(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int,
+def score_batch(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int,
            pricing: StepPricing | None = None, lost: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, Any]:
     """``(imbalance [L], balancedness [L], step or None)`` of one batch ``load`` (a single-batch load); with
     ``pricing`` also its :class:`~moebalance.pricing.step.StepTime` (the same routed picks). ``lost`` GPUs serve
@@ -342,7 +342,8 @@ def _replay_static(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget:
         moved[i] = moved_copies(plan, serving)
         plan = serving
         extra = max(extra, plan.extra_replicas)
-        imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
+        imb[i], bal[i], priced = score_batch(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing,
+                                             lost)
         if priced is not None:
             st, clock.tokens[i], clock.router[i] = priced
             clock.moe[i] = st.moe_layer_seconds
@@ -419,7 +420,8 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
         plan, extras = batch_plan(base, demand, config) if not lost else _survivors_batch_plan(base, demand, config,
                                                                                                    lost)
         moved[i] = int((extras >= 0).sum())
-        imb[i], bal[i], priced = _score(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing, lost)
+        imb[i], bal[i], priced = score_batch(plan, load.select_batches(bt, bt + 1), router, seed, bt, clock.pricing,
+                                             lost)
         if priced is not None and clock.pricing is not None:
             st, clock.tokens[i], clock.router[i] = priced
             clock.moe[i] = st.moe_layer_seconds

@@ -22,9 +22,10 @@ from moebalance.app.commands import (
     stats,
     sweep,
     synth,
+    watch,
 )
 
 __all__ = ["COMMANDS"]
 
 COMMANDS = (synth, plan, evaluate, compare, sweep, stats, demo, import_, export, cost, calibrate, predict, online,
-            advise, capture, run)
+            advise, watch, capture, run)

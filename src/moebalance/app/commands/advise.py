@@ -11,6 +11,7 @@ from typing import Any
 
 from moebalance.app import deployment, options
 from moebalance.app.advise import (
+    DEFAULT_MARGIN,
     ENGINES,
     STATISTICS_STEPS,
     Setup,
@@ -34,10 +35,9 @@ from moebalance.engines.detect import detect_load
 from moebalance.pricing.phase import PHASES, PhaseModel
 from moebalance.pricing.step import StepPricing
 
-__all__ = ["DEFAULT_MARGIN", "add_parser", "run"]
+__all__ = ["add_parser", "run"]
 
 #: The margin a modelled gain over EPLB off must clear, as a fraction.
-DEFAULT_MARGIN = 0.05
 #: Periodic re-planning tried: ``(step_interval, window)`` in steps, the largest that re-plan within the steps priced.
 _INTERVALS = (2, 4, 8, 16, 32)
 

@@ -1,0 +1,332 @@
+"""``moebalance watch``: follow a folder of an engine's routing records, export balance metrics, and re-plan when
+the move pays (docs/design.md, "Watching a running engine"; the decisions: :mod:`moebalance.online.watch`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moebalance.app import deployment, options
+from moebalance.app.advise import DEFAULT_MARGIN
+from moebalance.app.console import err, out
+from moebalance.core.errors import InputError, MoebalanceError
+from moebalance.core.plan import Placement, write_plan
+from moebalance.engines import open_load
+from moebalance.engines.sglang import write_placement
+from moebalance.engines.trtllm import write_config
+from moebalance.online.rearrange import DEFAULT_OVERHEAD_MS, REARRANGE_MODES, Replanning
+from moebalance.online.watch import Observation, WatchConfig, Watcher
+from moebalance.pricing.step import StepPricing
+
+__all__ = ["add_parser", "run"]
+
+#: File names a record may have (SGLang's stat dumps, moebalance loads).
+RECORD_SUFFIXES = (".pt", ".npz", ".json")
+#: Polls a record that fails to read is retried before it is skipped for good (it may be half-written).
+RETRIES = 3
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("watch", help="follow an engine's routing records: balance metrics, and re-plans when the "
+                                     "move pays")
+    p.add_argument("records", help="folder the engine writes its records to (SGLang stat dumps, moebalance loads)")
+    options.add_cluster(p)
+    options.add_budget(p)
+    p.add_argument("--policy", default="eplb", help="the policy a re-plan runs (default eplb)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="policy option")
+    p.add_argument("--model", help="the model the records are of (default: from their shape)")
+    p.add_argument("--placement", help="the placement the engine serves (its file); default: the plan watch last "
+                                       "wrote (--write-plan), else contiguous blocks")
+    p.add_argument("--window", type=options.positive, default=8, help="records in the rolling window (default 8)")
+    p.add_argument("--horizon", type=options.positive_float, default=600.0,
+                   help="seconds of serving a re-plan must pay back within (default 600)")
+    p.add_argument("--margin", type=options.non_negative_float, default=DEFAULT_MARGIN,
+                   help=f"a re-plan must serve this share more tokens over the horizon (default {DEFAULT_MARGIN}, "
+                        "advise's)")
+    p.add_argument("--migration", choices=("fresh", "aligned", "bounded"), default="aligned",
+                   help="how a re-plan is laid onto the placement in service (default aligned)")
+    p.add_argument("--max-moves", type=options.positive, help="copies one GPU may receive per re-plan (bounded)")
+    p.add_argument("--rearrange", choices=REARRANGE_MODES, default="async",
+                   help="sync: serving stops while experts move; async (the default): it goes on with the old plan")
+    p.add_argument("--rearrange-overhead-ms", type=options.non_negative_float, default=DEFAULT_OVERHEAD_MS,
+                   help=f"host time a synchronous re-plan exposes besides its transfer (default {DEFAULT_OVERHEAD_MS:g})")
+    deployment.add(p, gpu_required=False)
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                   help="the steps a record's routing is priced as (default decode)")
+    p.add_argument("--write-plan", help="write the engine's file for each re-plan here (atomically)")
+    p.add_argument("--engine", choices=("sglang", "trtllm", "vllm"), default="sglang",
+                   help="the engine whose file --write-plan writes (default sglang)")
+    p.add_argument("--on-replan", help="a command run after each re-plan is written (its path in $MOEBALANCE_PLAN)")
+    p.add_argument("--dry-run", action="store_true", help="decide and log, write nothing")
+    p.add_argument("--log", help="JSON lines of every record and decision; watch resumes from it when restarted")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument("--host", default="127.0.0.1", help="address the metrics port binds to (default localhost)")
+    p.add_argument("--interval", type=options.positive_float, default=5.0,
+                   help="seconds between looks at the folder (default 5)")
+    p.add_argument("--once", action="store_true", help="process the records there now, then stop")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+@dataclass
+class _Seen:
+    """Records done (by name), and those failing to read with their (size, mtime) and tries."""
+
+    done: set[str] = field(default_factory=set)
+    failing: dict[str, tuple[tuple[int, float], int]] = field(default_factory=dict)
+    last_mtime: float = -math.inf
+
+
+def _records(folder: Path, seen: _Seen) -> Iterator[Path]:
+    """The folder's records not yet done, oldest first (by modification time, then name)."""
+    try:
+        entries = [p for p in folder.iterdir() if p.suffix in RECORD_SUFFIXES and p.is_file()
+                   and not p.name.startswith(".")]
+    except OSError as exc:
+        raise InputError(f"cannot list {str(folder)!r}: {exc.strerror}") from None
+    stamped = []
+    for p in entries:
+        try:
+            stamped.append((p.stat().st_mtime, p.name, p))
+        except OSError:  # removed meanwhile
+            continue
+    for _, name, p in sorted(stamped):
+        if name not in seen.done:
+            yield p
+
+
+def _read(path: Path, model: str | None) -> np.ndarray:
+    """A record's counts ``[L, E]``: its passes summed."""
+    load = open_load(path, model=model).load
+    return load.counts.sum(axis=0)
+
+
+class _Metrics:
+    """The Prometheus gauges and counters (README, "Watching a running engine", lists them with their units)."""
+
+    def __init__(self, port: int, host: str, engine: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        self.registry = CollectorRegistry()
+        self.engine = engine
+        r, lab = self.registry, ["engine"]
+        self.balancedness = Gauge("moebalance_layer_balancedness_ratio", "mean over max of GPU load, per MoE layer",
+                                  ["engine", "layer"], registry=r)
+        self.balancedness_mean = Gauge("moebalance_balancedness_ratio", "balancedness averaged over the MoE layers",
+                                       lab, registry=r)
+        self.drift = Gauge("moebalance_drift_ratio", "total variation between the window's expert shares and the "
+                           "placement's planning shares", lab, registry=r)
+        self.tokens = Gauge("moebalance_tokens_per_second", "modelled tokens per second", ["engine", "plan"],
+                            registry=r)
+        self.moved = Gauge("moebalance_replan_moved_bytes", "bytes the best re-plan would move", lab, registry=r)
+        self.exposed = Gauge("moebalance_replan_exposed_seconds", "seconds the best re-plan would stall serving", lab,
+                             registry=r)
+        self.records = Counter("moebalance_records", "records processed", lab, registry=r)
+        self.skipped = Counter("moebalance_records_skipped", "records that could not be read", lab, registry=r)
+        self.replans = Counter("moebalance_replans", "re-plans decided", lab, registry=r)
+        self.restarts = Counter("moebalance_engine_restarts", "engine restarts detected", lab, registry=r)
+        try:
+            self.server, self.thread = start_http_server(port, addr=host, registry=r)
+        except OSError as exc:
+            raise InputError(f"--metrics-port {port} on {host}: {exc.strerror}; give a free port") from None
+
+    def record(self, o: Observation) -> None:
+        e = self.engine
+        self.records.labels(e).inc()
+        for layer, b in enumerate(o.balancedness):
+            if np.isfinite(b):
+                self.balancedness.labels(e, str(layer)).set(float(b))
+        finite = o.balancedness[np.isfinite(o.balancedness)]
+        if finite.size:
+            self.balancedness_mean.labels(e).set(float(finite.mean()))
+        self.drift.labels(e).set(o.drift)
+        if o.tokens_per_s_now is not None and o.tokens_per_s_replan is not None:
+            self.tokens.labels(e, "current").set(o.tokens_per_s_now)
+            self.tokens.labels(e, "replan").set(o.tokens_per_s_replan)
+            self.moved.labels(e).set((o.moved_gib or 0.0) * 2**30)
+            self.exposed.labels(e).set(o.exposed_s or 0.0)
+        if o.decision == "replan":
+            self.replans.labels(e).inc()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _append(log: Path | None, doc: dict[str, Any]) -> None:
+    """One JSON line, flushed to disk before the next record: a crash leaves at most a partial last line, which
+    :func:`_resume` ignores."""
+    if log is None:
+        return
+    with open(log, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(doc, separators=(",", ":")) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _resume(log: Path | None) -> list[dict[str, Any]]:
+    """The log's complete lines (a partial last line, from a crash, is dropped)."""
+    if log is None or not log.exists():
+        return []
+    lines = []
+    for text in log.read_text(encoding="utf-8").splitlines():
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc, dict):
+            lines.append(doc)
+    return lines
+
+
+def _write(args: argparse.Namespace, plan: Placement, record: str) -> Path | None:
+    """The engine's file for ``plan`` at ``--write-plan`` (atomically), and ``--on-replan``."""
+    if args.write_plan is None or args.dry_run:
+        return None
+    dest = Path(args.write_plan)
+    if args.engine == "sglang":  # each writer writes atomically (a temporary file, then a rename)
+        write_placement(dest, plan, model=args.model)
+    elif args.engine == "trtllm":
+        write_config(dest, plan, None, 0, model=args.model)
+    else:  # vLLM reads no placement file: the plan, which the plug-in's variants take
+        write_plan(dest, plan)
+    if args.on_replan:
+        env = {**os.environ, "MOEBALANCE_PLAN": str(dest), "MOEBALANCE_RECORD": record}
+        done = subprocess.run(shlex.split(args.on_replan), env=env, check=False)
+        if done.returncode != 0:
+            err.print(f"warning: --on-replan exited with {done.returncode}")
+    return dest
+
+
+def run(args: argparse.Namespace) -> None:
+    folder = Path(args.records)
+    if not folder.is_dir():
+        raise InputError(f"records folder {args.records!r} does not exist or is not a folder")
+    if args.migration == "bounded" and args.max_moves is None:
+        raise InputError("--migration bounded needs --max-moves M, the copies one GPU may receive per re-plan")
+    if args.max_moves is not None and args.migration != "bounded":
+        raise InputError("--max-moves is used only by --migration bounded; drop it or add --migration bounded")
+    cluster = options.cluster(args)
+    budget = options.budget(args)
+    params = options.resolve_set(args.set, [args.policy])[args.policy]
+    log = Path(args.log) if args.log else None
+    seen = _Seen()
+    history = _resume(log)
+    seen.done = {d["record"] for d in history if "record" in d}
+    watcher: Watcher | None = None
+    metrics = _Metrics(args.metrics_port, args.host, args.engine) if args.metrics_port is not None else None
+    try:
+        while True:
+            for path in _records(folder, seen):
+                watcher = _one(args, path, seen, watcher, cluster, budget, params, log, metrics, history)
+            if args.once:
+                break
+            time.sleep(args.interval)
+    except KeyboardInterrupt:  # SIGTERM or Ctrl-C: the record in hand is either logged whole or not at all
+        err.print("watch stopped")
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | None, cluster: Any, budget: Any,
+         params: dict[str, Any], log: Path | None, metrics: _Metrics | None,
+         history: list[dict[str, Any]]) -> Watcher | None:
+    """Read, observe, decide and log one record; a record that fails to read is retried, then skipped."""
+    try:
+        stat = path.stat()
+    except OSError:  # removed meanwhile
+        return watcher
+    try:
+        counts = _read(path, args.model)
+    except (MoebalanceError, OSError) as exc:  # half-written while the engine writes it, or not a record
+        key = (int(stat.st_size), float(stat.st_mtime))
+        previous = seen.failing.get(path.name)
+        tries = 1 if previous is None or previous[0] != key else previous[1] + 1
+        seen.failing[path.name] = (key, tries)
+        if tries >= RETRIES:
+            seen.done.add(path.name)
+            _append(log, {"record": path.name, "skipped": str(exc)})
+            if metrics is not None:
+                metrics.skipped.labels(args.engine).inc()
+        err.print(f"warning: {path.name}: {exc}" + (" (skipped)" if tries >= RETRIES else " (retrying)"))
+        return watcher
+    if watcher is None:
+        watcher = _watcher(args, counts, cluster, budget, params, folder=path.parent, history=history)
+    if stat.st_mtime < seen.last_mtime:  # an older file after newer ones: the engine started over
+        watcher.reset()
+        _append(log, {"record": path.name, "restart": True})
+        if metrics is not None:
+            metrics.restarts.labels(args.engine).inc()
+    seen.last_mtime = max(seen.last_mtime, stat.st_mtime)
+    o = watcher.observe(counts, path.name)
+    written = None
+    if o.decision == "replan" and o.plan is not None:
+        written = _write(args, o.plan, path.name)
+        watcher.adopt(o.plan)
+    doc = {**o.as_dict(), "written": None if written is None else str(written), "time": time.time()}
+    _append(log, doc)
+    seen.done.add(path.name)
+    if metrics is not None:
+        metrics.record(o)
+    out.print(_line(o), markup=False)
+    return watcher
+
+
+def _watcher(args: argparse.Namespace, counts: np.ndarray, cluster: Any, budget: Any, params: dict[str, Any], *,
+             folder: Path, history: list[dict[str, Any]]) -> Watcher:
+    """The watcher for the records' shape: its pricing (with ``--gpu``), the placement in service, and, when resumed,
+    the window of the records the log names last."""
+    from moebalance.core.load import LoadMatrix
+
+    probe = LoadMatrix(counts[None], preset=args.model)
+    pricing = None
+    if args.gpu is not None:
+        if args.model is None:
+            raise InputError("watch prices with --gpu for a model: give --model (e.g. --model deepseek-v3)")
+        pricing = StepPricing(deployment=deployment.build(args, probe), phase=args.phase)
+    else:
+        deployment.refuse(args, "with --gpu (re-plans are priced)")
+    how = Replanning(migration=args.migration, max_moves=args.max_moves, rearrange=args.rearrange,
+                     overhead_ms=args.rearrange_overhead_ms)
+    config = WatchConfig(cluster=cluster, budget=budget, policy=args.policy, params=params, window=args.window,
+                         horizon_s=args.horizon, margin=args.margin, replanning=how, pricing=pricing, seed=args.seed)
+    plan = None
+    if args.placement is not None:
+        plan = options.read_plan(argparse.Namespace(plan=args.placement, nodes=args.nodes,
+                                                    gpus_per_node=args.gpus_per_node), probe)
+    elif args.write_plan is not None and Path(args.write_plan).exists() and not args.dry_run:
+        plan = options.read_plan(argparse.Namespace(plan=args.write_plan, nodes=args.nodes,
+                                                    gpus_per_node=args.gpus_per_node), probe)
+    watcher = Watcher(config, plan)
+    for doc in [d for d in history if "balancedness" in d][-args.window:]:  # resumed: the window as it was
+        p = folder / doc["record"]
+        if p.exists():
+            try:
+                watcher.window.append(_read(p, args.model).astype(np.int64))
+            except MoebalanceError:
+                continue
+    return watcher
+
+
+def _line(o: Observation) -> str:
+    bal = o.balancedness[np.isfinite(o.balancedness)]
+    head = f"{o.record}: balancedness {bal.mean():.3f} (min {bal.min():.3f}), drift {o.drift:.3f}" if bal.size else \
+        f"{o.record}: no load"
+    if o.tokens_per_s_now is None:
+        return head
+    return (f"{head}; {o.tokens_per_s_now:,.0f} tokens/s now, {o.tokens_per_s_replan:,.0f} after a re-plan moving "
+            f"{o.moved_gib:.1f} GiB: {o.decision} ({o.reason})")
+
+
