@@ -161,6 +161,9 @@ class Watcher:
         self.planned_on = planned_on
         self.router = get_router(config.router) if isinstance(config.router, str) else config.router
         self.window: deque[np.ndarray] = deque(maxlen=config.window)
+        self.names: deque[str] = deque(maxlen=config.window)
+        #: The records the placement's planning shares come from (logged, so that a restart finds them again).
+        self.planned_records: list[str] = []
         self.seen = 0
         self.replans = 0
         self._shape: tuple[int, int] | None = None
@@ -172,6 +175,7 @@ class Watcher:
         """The engine restarted (its counters back to zero): the window starts again; the placement stays (an
         engine restarts with the placement it was given)."""
         self.window.clear()
+        self.names.clear()
 
     def observe(self, counts: np.ndarray, record: str) -> Observation:
         """Take one record's counts ``[L, E]`` (whole numbers >= 0) and measure, price and decide."""
@@ -188,13 +192,13 @@ class Watcher:
         elif tuple(c.shape) != self._shape:
             raise InputError(f"record {record!r} has shape {tuple(c.shape)}, the earlier ones {self._shape}: the "
                              "engine now serves another model; restart watch for it")
-        self.window.append(c.astype(np.int64))
+        self.push(c, record)
         self.seen += 1
         window = self._window_load()
         if self.plan is None:
             self.plan = make_plan("contiguous", window, self.config.cluster, Budget(replicas_per_gpu=0))[0]
         if self.planned_on is None:
-            self.planned_on = window.counts[0].copy()
+            self.planned_on, self.planned_records = window.counts[0].copy(), list(self.names)
         bal = self._balancedness(self.plan, window)
         obs = Observation(record=record, index=self.seen - 1, balancedness=bal, hottest=_hottest(window.counts[0]),
                           drift=drift(window.counts[0], self.planned_on), decision="measure",
@@ -203,10 +207,15 @@ class Watcher:
             return obs
         return self._priced(obs, window)
 
+    def push(self, counts: np.ndarray, record: str) -> None:
+        """Add a record to the window without measuring it (a restarted watcher refilling its window)."""
+        self.window.append(np.asarray(counts, dtype=np.int64))
+        self.names.append(record)
+
     def adopt(self, plan: Placement) -> None:
         """The engine now serves ``plan`` (a re-plan written and taken up): it was made on the current window."""
         self.plan = plan
-        self.planned_on = self._window_load().counts[0].copy()
+        self.planned_on, self.planned_records = self._window_load().counts[0].copy(), list(self.names)
         self.replans += 1
 
     # ----- pricing -----------------------------------------------------------------------------------------------

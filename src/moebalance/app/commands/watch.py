@@ -224,6 +224,8 @@ def run(args: argparse.Namespace) -> None:
     seen = _Seen()
     history = _resume(log)
     seen.done = {d["record"] for d in history if "record" in d}
+    seen.last_mtime = max((float(d["mtime"]) for d in history if isinstance(d.get("mtime"), int | float)),
+                          default=-math.inf)
     watcher: Watcher | None = None
     metrics = _Metrics(args.metrics_port, args.host, args.engine) if args.metrics_port is not None else None
     try:
@@ -255,12 +257,13 @@ def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | N
         previous = seen.failing.get(path.name)
         tries = 1 if previous is None or previous[0] != key else previous[1] + 1
         seen.failing[path.name] = (key, tries)
-        if tries >= RETRIES:
+        limit = 1 if args.once else RETRIES  # --once: nothing is being written any more
+        if tries >= limit:
             seen.done.add(path.name)
             _append(log, {"record": path.name, "skipped": str(exc)})
             if metrics is not None:
                 metrics.skipped.labels(args.engine).inc()
-        err.print(f"warning: {path.name}: {exc}" + (" (skipped)" if tries >= RETRIES else " (retrying)"))
+        err.print(f"warning: {path.name}: {exc}" + (" (skipped)" if tries >= limit else " (retrying)"))
         return watcher
     if watcher is None:
         watcher = _watcher(args, counts, cluster, budget, params, folder=path.parent, history=history)
@@ -275,7 +278,8 @@ def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | N
     if o.decision == "replan" and o.plan is not None:
         written = _write(args, o.plan, path.name)
         watcher.adopt(o.plan)
-    doc = {**o.as_dict(), "written": None if written is None else str(written), "time": time.time()}
+    doc = {**o.as_dict(), "planned_on": watcher.planned_records, "written": None if written is None else str(written),
+           "mtime": stat.st_mtime, "time": time.time()}
     _append(log, doc)
     seen.done.add(path.name)
     if metrics is not None:
@@ -310,14 +314,27 @@ def _watcher(args: argparse.Namespace, counts: np.ndarray, cluster: Any, budget:
         plan = options.read_plan(argparse.Namespace(plan=args.write_plan, nodes=args.nodes,
                                                     gpus_per_node=args.gpus_per_node), probe)
     watcher = Watcher(config, plan)
-    for doc in [d for d in history if "balancedness" in d][-args.window:]:  # resumed: the window as it was
-        p = folder / doc["record"]
-        if p.exists():
-            try:
-                watcher.window.append(_read(p, args.model).astype(np.int64))
-            except MoebalanceError:
-                continue
+    measured = [d for d in history if "balancedness" in d]
+    if measured:  # resumed: the window as it was, and the records its placement was planned on
+        watcher.seen = len(measured)
+        for doc in measured[-args.window:]:
+            counts = _reread(folder / doc["record"], args.model)
+            if counts is not None:
+                watcher.push(counts, doc["record"])
+        planned = [c for c in (_reread(folder / n, args.model) for n in measured[-1].get("planned_on") or [])
+                   if c is not None]
+        if planned:
+            watcher.planned_on = np.sum(np.stack(planned), axis=0)
+            watcher.planned_records = list(measured[-1]["planned_on"])
     return watcher
+
+
+def _reread(path: Path, model: str | None) -> np.ndarray | None:
+    """A record read again on resume; ``None`` where it is gone or unreadable (the window is then shorter)."""
+    try:
+        return _read(path, model)
+    except (MoebalanceError, OSError):
+        return None
 
 
 def _line(o: Observation) -> str:

@@ -1,0 +1,317 @@
+"""``moebalance watch`` (docs/design.md, "Watching a running engine"): the drift by hand; decisions that re-plan when
+the move pays and not before (sync stalls against a short horizon, the margin, a placement that already fits);
+prices equal to what ``online`` prices for the same step; and the command on real folders and real processes:
+resuming from its log, unreadable records, an engine restart, the plan written for the engine, SIGTERM, Prometheus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_user_error, run_cli
+
+from moebalance.core.budget import Budget
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix
+from moebalance.core.plan import Placement
+from moebalance.cost.deployment import Deployment
+from moebalance.cost.hardware import get_gpu
+from moebalance.models import get_model
+from moebalance.online.rearrange import Replanning
+from moebalance.online.replay import replay
+from moebalance.online.watch import WatchConfig, Watcher, drift
+from moebalance.policies import make_plan
+from moebalance.pricing.step import StepPricing
+
+MODEL = get_model("olmoe-1b-7b")  # 16 MoE layers x 64 experts, top-8
+L, E = MODEL.num_layers, MODEL.num_experts
+CLUSTER = Cluster(num_nodes=2, gpus_per_node=4)
+PRICING = StepPricing(deployment=Deployment(model=MODEL, gpu=get_gpu("h100-80gb")), phase="prefill")
+
+
+def hot(first: int, picks: int = 40_000, share: float = 0.6, seed: int = 0) -> np.ndarray:
+    """Counts ``[L, E]``: ``share`` of every layer's picks on experts ``first .. first + 7`` (one GPU's block under
+    contiguous placement), the rest spread."""
+    rng = np.random.default_rng(seed)
+    p = np.full(E, (1 - share) / (E - 8))
+    p[first:first + 8] = share / 8
+    return rng.multinomial(picks, p, size=L).astype(np.int64)
+
+
+def config(**kw: object) -> WatchConfig:
+    base: dict[str, object] = dict(cluster=CLUSTER, budget=Budget(slots_per_gpu=10), policy="eplb", window=2,
+                                   horizon_s=600.0, replanning=Replanning(migration="aligned", rearrange="async"),
+                                   pricing=PRICING, margin=0.0)
+    base.update(kw)
+    return WatchConfig(**base)  # type: ignore[arg-type]
+
+
+def test_drift_by_hand() -> None:
+    a = np.array([[1, 1, 0, 0], [3, 0, 0, 0]])
+    assert drift(a, a) == 0.0
+    assert drift(a, np.array([[0, 0, 1, 1], [0, 3, 0, 0]])) == 1.0  # no expert in common in either layer
+    assert drift(np.array([[2, 0]]), np.array([[1, 1]])) == pytest.approx(0.5)
+    assert drift(np.zeros((2, 3)), a[:, :3]) == 0.0  # no load: nothing to compare
+
+
+def test_a_hot_spot_pays_for_its_move_and_the_plan_in_service_then_stays() -> None:
+    """Contiguous blocks under a hot spot on one GPU: EPLB's re-plan serves more tokens, async lands it for free:
+    re-plan. Once adopted, the same routing leaves nothing to gain: keep."""
+    w = Watcher(config())
+    first = w.observe(hot(0), "r0")
+    assert first.decision == "replan" and first.gain_tokens is not None and first.gain_tokens > 0
+    assert first.tokens_per_s_replan is not None and first.tokens_per_s_now is not None
+    assert first.tokens_per_s_replan > 1.1 * first.tokens_per_s_now
+    assert first.moved_copies and first.moved_gib and first.exposed_s == 0.0  # async: nothing stalls
+    assert first.plan is not None
+    w.adopt(first.plan)
+    again = w.observe(hot(0, seed=1), "r1")
+    assert again.decision == "keep" and np.nanmean(again.balancedness) > np.nanmean(first.balancedness)
+
+
+def test_a_sync_move_is_not_worth_a_short_horizon() -> None:
+    """The same hot spot, re-planned synchronously (1 s of host overhead and the transfer stall serving): over a
+    horizon of 0.5 s it cannot pay, over an hour it does."""
+    sync = Replanning(migration="aligned", rearrange="sync")
+    short = Watcher(config(replanning=sync, horizon_s=0.5)).observe(hot(0), "r0")
+    assert short.decision == "keep" and short.gain_tokens is not None and short.gain_tokens < 0
+    assert short.exposed_s is not None and short.exposed_s >= 1.0 and "fewer tokens" in short.reason
+    long = Watcher(config(replanning=sync, horizon_s=3600.0)).observe(hot(0), "r0")
+    assert long.decision == "replan" and long.exposed_s == pytest.approx(short.exposed_s)
+
+
+def test_a_gain_inside_the_margin_is_kept() -> None:
+    loose = Watcher(config(margin=10.0)).observe(hot(0), "r0")  # no re-plan serves 11x the tokens
+    assert loose.decision == "keep" and "margin" in loose.reason
+
+
+def test_without_pricing_balance_is_measured_and_nothing_decided() -> None:
+    o = Watcher(config(pricing=None)).observe(hot(0), "r0")
+    assert o.decision == "measure" and o.tokens_per_s_now is None and o.plan is None
+    # contiguous blocks, the hot spot on GPU 0: the mean GPU carries under half of its load
+    assert np.nanmax(o.balancedness) < 0.5
+    assert o.hottest[0][1] in range(8) and len(o.hottest) == 5
+
+
+def test_the_window_is_bounded_and_records_must_keep_their_shape() -> None:
+    w = Watcher(config(pricing=None, window=3))
+    for i in range(10):
+        w.observe(hot(i % 4), f"r{i}")
+    assert len(w.window) == 3 and w.seen == 10
+    with pytest.raises(Exception, match="shape"):
+        w.observe(np.zeros((L, E + 1), dtype=np.int64), "bad")
+    with pytest.raises(Exception, match="whole numbers"):
+        w.observe(np.full((L, E), 0.5), "half")
+
+
+def test_prices_are_what_online_prices_for_the_same_step() -> None:
+    """The step watch prices (drawn from the window) served by ``online``'s replay with the same fixed plan and
+    pricing: the same tokens per second (the same ``score_batch``)."""
+    w = Watcher(config())
+    plan = make_plan("contiguous", LoadMatrix(hot(0)[None]), CLUSTER, Budget(replicas_per_gpu=0))[0]
+    w = Watcher(config(), plan)
+    o = w.observe(hot(0), "r0")
+    step = w._step(w._window_load())
+    served = LoadMatrix(np.concatenate([step.counts, step.counts]), preset=MODEL.name)
+    result = replay(served, CLUSTER, Budget(slots_per_gpu=8), plan, warmup=(0, 1), batches=(1, 2), router="uniform",
+                    pricing=PRICING)
+    assert result.time is not None and o.tokens_per_s_now is not None
+    assert o.tokens_per_s_now == pytest.approx(result.time["tokens_per_s"], rel=1e-6)
+
+
+# ----- the command ----------------------------------------------------------------------------------------------
+
+BASE = ["--nodes", 2, "--gpus-per-node", 4, "--slots-per-gpu", 10, "--model", "olmoe-1b-7b"]
+
+
+def records(folder: Path, firsts: list[int], start: int = 0, mtime: float = 1_000.0) -> list[Path]:
+    """One moebalance load per record (``.npz``), modification times one second apart."""
+    folder.mkdir(exist_ok=True)
+    out = []
+    for i, first in enumerate(firsts, start=start):
+        p = folder / f"r{i:03d}.npz"
+        np.savez(p, counts=hot(first, seed=i)[None], preset=np.array("olmoe-1b-7b"))
+        os.utime(p, (mtime + i, mtime + i))
+        out.append(p)
+    return out
+
+
+def log_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_watch_once_logs_every_record_and_resumes_from_its_log(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    folder, log = tmp_path / "records", tmp_path / "watch.jsonl"
+    records(folder, [0, 0, 0])
+    rc, out, err = run_cli(["watch", folder, *BASE, "--once", "--log", log], capsys)
+    assert rc == 0, err
+    first = log_lines(log)
+    assert [d["record"] for d in first] == ["r000.npz", "r001.npz", "r002.npz"]
+    assert all(d["decision"] == "measure" and len(d["balancedness"]) == L for d in first)  # no --gpu
+    assert out.count("balancedness") == 3
+    records(folder, [8, 8], start=3)  # two more: a restarted watch reads only those
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log], capsys)
+    assert rc == 0, err
+    resumed = log_lines(log)
+    assert [d["record"] for d in resumed] == [f"r{i:03d}.npz" for i in range(5)]
+    # the window and the planning shares restored from the log: the same figures as one run over all five
+    whole = tmp_path / "whole.jsonl"
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", whole], capsys)
+    assert rc == 0, err
+    for a, b in zip(resumed, log_lines(whole), strict=True):
+        assert (a["record"], a["index"], a["balancedness"], a["drift"]) == (b["record"], b["index"],
+                                                                             b["balancedness"], b["drift"])
+    assert resumed[-1]["drift"] > 0.15  # the hot block moved from experts 0-7 to 8-15
+
+
+def test_unreadable_and_restarted_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder, log = tmp_path / "records", tmp_path / "watch.jsonl"
+    records(folder, [0, 0])
+    bad = folder / "r002.npz"
+    bad.write_bytes(b"PK\x03\x04 half written")
+    os.utime(bad, (1_010, 1_010))
+    newer = records(folder, [4], start=3)[0]
+    os.utime(newer, (2_000, 2_000))
+    last = folder / "a000.npz"  # read by time, not by name: the newest file comes last
+    np.savez(last, counts=hot(0)[None], preset=np.array("olmoe-1b-7b"))
+    os.utime(last, (3_000, 3_000))
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log], capsys)
+    assert rc == 0, err
+    assert "r002.npz" in err and "skipped" in err and "Traceback" not in err
+    docs = log_lines(log)
+    assert {"record": "r002.npz"} == {k: v for k, v in docs[2].items() if k == "record"} and "skipped" in docs[2]
+    assert [d["record"] for d in docs if "balancedness" in d] == ["r000.npz", "r001.npz", "r003.npz", "a000.npz"]
+    # a second run with a record older than the last seen: a restart, its window started again
+    late = folder / "r004.npz"
+    np.savez(late, counts=hot(0)[None], preset=np.array("olmoe-1b-7b"))
+    os.utime(late, (100, 100))
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log], capsys)
+    assert rc == 0, err
+    assert any(d.get("restart") for d in log_lines(log))
+
+
+def test_a_replan_writes_the_engines_file_and_runs_the_hook(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    folder, log, plan = tmp_path / "records", tmp_path / "watch.jsonl", tmp_path / "init-expert-location.json"
+    records(folder, [0, 0])
+    marker = tmp_path / "hook.txt"
+    hook = f"{sys.executable} -c \"import os; open({str(marker)!r}, 'w').write(os.environ['MOEBALANCE_PLAN'])\""
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log, "--gpu", "h100-80gb", "--phase",
+                          "prefill", "--margin", 0, "--write-plan", plan, "--engine", "sglang", "--on-replan", hook],
+                           capsys)
+    assert rc == 0, err
+    docs = log_lines(log)
+    assert docs[0]["decision"] == "replan" and docs[0]["written"] == str(plan)
+    doc = json.loads(plan.read_text())
+    assert np.asarray(doc["physical_to_logical_map"]).shape == (L, 8 * 10)
+    assert marker.read_text() == str(plan)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # nothing half-written left
+    # --dry-run: decides, writes nothing
+    plan.unlink()
+    log.unlink()
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log, "--gpu", "h100-80gb", "--phase", "prefill",
+                          "--margin", 0, "--write-plan", plan, "--dry-run"], capsys)
+    assert rc == 0, err
+    assert log_lines(log)[0]["decision"] == "replan" and not plan.exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_sigterm_stops_cleanly_and_prometheus_scrapes(tmp_path: Path) -> None:
+    """A real process following a folder: its metrics served on localhost, a SIGTERM while it polls ends it with
+    exit 0 and a log of whole lines."""
+    folder, log = tmp_path / "records", tmp_path / "watch.jsonl"
+    records(folder, [0, 0])
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moebalance", "watch", str(folder), *map(str, BASE), "--log",
+                             str(log), "--interval", "0.2", "--metrics-port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):
+            time.sleep(0.2)
+        assert log.exists() and len(log_lines(log)) == 2, proc.stderr.read() if proc.poll() is not None else ""
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'moebalance_balancedness_ratio{engine="sglang"}' in body
+        assert 'moebalance_records_total{engine="sglang"} 2.0' in body
+        assert 'moebalance_layer_balancedness_ratio{engine="sglang",layer="0"}' in body
+        records(folder, [8], start=2, mtime=2_000.0)  # a new record while it runs
+        while time.monotonic() < deadline and len(log.read_text().splitlines()) < 3:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert "watch stopped" in err and "Traceback" not in err
+    assert [d["record"] for d in log_lines(log)] == ["r000.npz", "r001.npz", "r002.npz"]
+
+
+def test_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["watch", tmp_path / "missing", *BASE, "--once"], capsys, "does not exist")
+    folder = tmp_path / "records"
+    records(folder, [0])
+    assert_user_error(["watch", folder, *BASE, "--once", "--migration", "bounded"], capsys, "--max-moves")
+    assert_user_error(["watch", folder, "--nodes", 2, "--gpus-per-node", 4, "--slots-per-gpu", 10, "--once",
+                       "--gpu", "h100-80gb"], capsys, "--model")
+    assert_user_error(["watch", folder, *BASE, "--once", "--horizon", 0], capsys, "--horizon")
+    port = _free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        assert_user_error(["watch", folder, *BASE, "--once", "--metrics-port", port], capsys, f"--metrics-port {port}")
+
+
+def test_a_watched_plan_shape(tmp_path: Path) -> None:
+    """The plan a re-plan writes is the policy's, on the window: every GPU holds its slots, every expert a copy."""
+    w = Watcher(config())
+    o = w.observe(hot(0), "r0")
+    assert isinstance(o.plan, Placement) and o.plan.max_slots_per_gpu == 10
+    assert (o.plan.replica_counts() >= 1).all()
+
+
+def test_sglang_stat_dumps_as_sglang_writes_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two ``stat`` dumps (``torch.save`` of ``{"rank", "logical_count" int32 [B, L, E], ...}``, DeepSeek-V3's 61
+    decoder layers with the 3 dense ones all zero, the ring buffer's unused passes zero): watched, measured on the 58
+    MoE layers; a third dump truncated mid-write is skipped with one warning."""
+    import torch
+
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        rows = np.zeros((4, 61, 256), dtype=np.int32)
+        rows[:3, 3:] = rng.integers(0, 50, size=(3, 58, 256))
+        path = folder / f"expert_distribution_recorder_{1_700_000_000 + i}.pt"
+        torch.save({"rank": 0, "logical_count": torch.from_numpy(rows), "average_utilization_rate_over_window": None},
+                   path)
+        os.utime(path, (1_000 + i, 1_000 + i))
+    whole = (folder / "expert_distribution_recorder_1700000001.pt").read_bytes()
+    cut = folder / "expert_distribution_recorder_1700000002.pt"
+    cut.write_bytes(whole[: len(whole) // 2])
+    os.utime(cut, (1_002, 1_002))
+    log = tmp_path / "watch.jsonl"
+    rc, _, err = run_cli(["watch", folder, "--nodes", 8, "--gpus-per-node", 8, "--slots-per-gpu", 5, "--once",
+                          "--log", log], capsys)
+    assert rc == 0, err
+    docs = log_lines(log)
+    measured = [d for d in docs if "balancedness" in d]
+    assert len(measured) == 2 and all(len(d["balancedness"]) == 61 for d in measured)
+    assert all(d["balancedness"][:3] == [None, None, None] for d in measured)  # the dense layers carry no load
+    assert "skipped" in docs[-1] and err.count("warning") == 1
