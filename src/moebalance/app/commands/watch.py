@@ -318,9 +318,9 @@ def _watcher(args: argparse.Namespace, counts: np.ndarray, cluster: Any, budget:
     if measured:  # resumed: the window as it was, and the records its placement was planned on
         watcher.seen = len(measured)
         for doc in measured[-args.window:]:
-            counts = _reread(folder / doc["record"], args.model)
-            if counts is not None:
-                watcher.push(counts, doc["record"])
+            again = _reread(folder / doc["record"], args.model)
+            if again is not None:
+                watcher.push(again, doc["record"])
         planned = [c for c in (_reread(folder / n, args.model) for n in measured[-1].get("planned_on") or [])
                    if c is not None]
         if planned:
