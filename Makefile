@@ -54,6 +54,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_exact.py
 	$(PY) bench/profiles.py  # the shipped profiles (src/moebalance/cost/profiles/), before the reports that use them
 	$(PY) bench/fidelity_report.py
+	$(PY) bench/bench_watch.py
+	$(PY) bench/dashboard_screenshot.py  # needs Chromium
 
 # Refresh constraints.txt on purpose: the newest releases within pyproject's ranges, in a scratch venv; the lint
 # and the tests must pass with them before the file is replaced (then `make test` reinstalls .venv from it).

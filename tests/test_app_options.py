@@ -197,7 +197,7 @@ def test_every_command_is_a_module_with_add_parser_and_run() -> None:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert list(sub.choices) == ["synth", "plan", "evaluate", "compare", "sweep", "stats", "demo", "import", "export",
-                                 "cost", "calibrate", "predict", "online", "advise", "capture", "run"]
+                                 "cost", "calibrate", "predict", "online", "advise", "watch", "capture", "run"]
     for command in COMMANDS:
         assert callable(command.add_parser) and callable(command.run)
     for name, p in sub.choices.items():

@@ -199,3 +199,54 @@ def test_console_errors_are_caught(chromium: str, tmp_path: Path) -> None:
                     encoding="utf-8")
     done = run_browser(chromium, page, tmp_path / "profile", "--dump-dom")
     assert any("undefinedFunction" in line for line in console_messages(done.stderr))
+
+
+def test_watch_dashboard_in_browser(chromium: str, tmp_path: Path) -> None:
+    """``watch --dashboard``: a real process follows a folder of records (a hot spot under contiguous blocks, so the
+    first record decides a re-plan); its page, fetched over HTTP, loads in the browser without console errors, says
+    the decision, and draws the balance heatmap and the two line charts."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    folder = tmp_path / "records"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        p = np.full(64, 0.4 / 56)
+        p[:8] = 0.6 / 8
+        np.savez(folder / f"r{i}.npz", counts=rng.multinomial(40_000, p, size=(1, 16)).astype(np.int64),
+                 preset=np.array("olmoe-1b-7b"))
+        os.utime(folder / f"r{i}.npz", (1_000 + i, 1_000 + i))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    log = tmp_path / "watch.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "moebalance", "watch", str(folder), "--nodes", "2",
+                             "--gpus-per-node", "4", "--slots-per-gpu", "10", "--model", "olmoe-1b-7b", "--gpu",
+                             "h100-80gb", "--phase", "prefill", "--margin", "0", "--log", str(log), "--interval", "1",
+                             "--dashboard", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+            time.sleep(0.3)
+        assert log.exists() and len(log.read_text().splitlines()) == 3
+        html = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10).read().decode()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert '<meta http-equiv="refresh" content="1">' in html
+    page = tmp_path / "dashboard.html"
+    page.write_text(html)
+    regions = check_page(chromium, page, tmp_path, "r2.npz: ")
+    assert "replan" in html and "Hottest experts" in html
+    assert len(regions["heatmap"]) == 1 and len(regions["lines"]) == 2
+    (heat,) = regions["heatmap"]
+    scale = sequential(np.linspace(0.0, 1.0, 256), 0.0, 1.0)
+    assert near(heat, scale, tol=2) > 0.3 * heat.shape[0] * heat.shape[1]  # 16 layers x 3 records of cells
+    assert drawn_series(regions["lines"][0]) == 2  # tokens/s now and after the re-plan

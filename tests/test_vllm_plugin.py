@@ -12,11 +12,13 @@ build a module of that shape under ``vllm.distributed.eplb.policy``.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import sys
 import types
 from collections.abc import Iterator
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -418,3 +420,32 @@ def test_move_aware_replaces_a_scaled_up_map_keeping_what_it_holds() -> None:
     got = make_policy("move-aware").rebalance_experts(torch.from_numpy(w), 4, 1, 1, 2, torch.tensor([[0, 1, 2, -1]]))
     assert got.tolist() == [[0, 3, 2, 1]]
     assert move_aware(np.array([[0, 1, 2, -1]]), np.array([[1, 2, 0, 3]]), w, 2, 0.02).tolist() == [[0, 3, 2, 1]]
+
+
+def test_each_call_is_recorded_for_watch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """With ``MOEBALANCE_RECORD_DIR`` set, a call writes the window, both maps and the copies received as a record;
+    ``moebalance watch`` reads it, taking its new map as the placement in service."""
+    from conftest import run_cli
+
+    from moebalance.core.load import read_load
+
+    w = _weight(3)
+    old = make_policy("eplb").rebalance_experts(_weight(4), P, 1, 1, R).numpy()
+    monkeypatch.setenv(vllm_plugin.RECORD_ENV, str(tmp_path))
+    new = make_policy("move-aware").rebalance_experts(w, P, 1, 1, R, torch.from_numpy(old)).numpy()
+    (path,) = sorted(tmp_path.glob("vllm-eplb-*.npz"))
+    with np.load(path, allow_pickle=False) as doc:
+        assert np.array_equal(doc["new_map"], new) and np.array_equal(doc["old_map"], old)
+        received = sum(len(set(new[layer, r * 6:(r + 1) * 6]) - set(old[layer, r * 6:(r + 1) * 6]))
+                       for layer in range(L) for r in range(R))
+        assert int(doc["moved"]) == received and int(doc["num_ranks"]) == R and str(doc["variant"]) == "move-aware"
+    assert np.array_equal(read_load(path).counts, w.numpy().astype(np.int64)[None])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+    log = tmp_path / "watch.jsonl"
+    rc, _, err = run_cli(["watch", tmp_path, "--nodes", 1, "--gpus-per-node", R, "--slots-per-gpu", P // R, "--once",
+                          "--log", log], capsys)
+    assert rc == 0, err
+    (doc,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert doc["record"] == path.name and doc["drift"] == 0.0  # planned on this very window
+    assert doc["balancedness_mean"] == pytest.approx(float(balancedness(new, w.numpy(), R).mean()), rel=1e-6)

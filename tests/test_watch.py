@@ -315,3 +315,25 @@ def test_sglang_stat_dumps_as_sglang_writes_them(tmp_path: Path, capsys: pytest.
     assert len(measured) == 2 and all(len(d["balancedness"]) == 61 for d in measured)
     assert all(d["balancedness"][:3] == [None, None, None] for d in measured)  # the dense layers carry no load
     assert "skipped" in docs[-1] and err.count("warning") == 1
+
+
+def test_memory_stays_flat_over_ten_thousand_records() -> None:
+    """A soak at small sizes (2 layers x 8 experts on 4 GPUs, a window of 4): the traced memory after 10,000
+    records is what it was after 1,000 (the window is bounded; nothing else is kept per record)."""
+    import tracemalloc
+
+    w = Watcher(WatchConfig(cluster=Cluster(num_nodes=1, gpus_per_node=4), budget=Budget(slots_per_gpu=2),
+                            window=4))
+    rng = np.random.default_rng(0)
+    records = [rng.integers(0, 100, size=(2, 8)) for _ in range(16)]
+    tracemalloc.start()
+    try:
+        for i in range(10_000):
+            w.observe(records[i % 16], "r")
+            if i == 999:
+                early = tracemalloc.get_traced_memory()[0]
+        late = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert late - early < 64 * 1024, (early, late)
+    assert len(w.window) == 4 and w.seen == 10_000

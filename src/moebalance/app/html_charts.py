@@ -136,9 +136,9 @@ def _xy(v: float) -> str:
 
 
 def heatmap_svg(matrix: np.ndarray, vmin: float, vmax: float, *, caption: str, gpus_per_node: int | None = None,
-                width: int = 540, height: int = 460) -> str:
-    """``matrix [L, G]`` as a grid of ``L * G`` cells (class ``cell``; layers down, GPUs across), coloured on
-    ``[vmin, vmax]`` (:func:`sequential`); node boundaries drawn every ``gpus_per_node`` GPUs."""
+                width: int = 540, height: int = 460, xlabel: str = "GPU") -> str:
+    """``matrix [L, G]`` as a grid of ``L * G`` cells (class ``cell``; layers down, GPUs across, or what ``xlabel``
+    names), coloured on ``[vmin, vmax]`` (:func:`sequential`); node boundaries drawn every ``gpus_per_node`` GPUs."""
     m = np.asarray(matrix, dtype=np.float64)
     L, G = m.shape
     left, top, bottom = 44, 22, 34
@@ -166,7 +166,7 @@ def heatmap_svg(matrix: np.ndarray, vmin: float, vmax: float, *, caption: str, g
     for layer in _index_ticks(L):
         parts.append(f'<text x="{left - 4}" y="{top + layer * ch + ch / 2 + 4:.1f}" {_FONT} '
                      f'text-anchor="end">{layer}</text>')
-    parts.append(f'<text x="{left + cw * G / 2:.1f}" y="{h - 4}" {_FONT} text-anchor="middle">GPU</text>')
+    parts.append(f'<text x="{left + cw * G / 2:.1f}" y="{h - 4}" {_FONT} text-anchor="middle">{_esc(xlabel)}</text>')
     parts.append(f'<text x="12" y="{top + ch * L / 2:.1f}" {_FONT} text-anchor="middle" '
                  f'transform="rotate(-90 12 {top + ch * L / 2:.1f})">MoE layer</text>')
     parts.append("</svg>")

@@ -89,9 +89,11 @@ class Report:
     Every method returns the report, so calls chain: ``Report("t").note("n").write(path)``.
     """
 
-    def __init__(self, title: str, subtitle: str | None = None) -> None:
+    def __init__(self, title: str, subtitle: str | None = None, *, refresh_s: int | None = None) -> None:
         self.title = str(title)
         self.subtitle = subtitle
+        #: Seconds after which the page loads itself again (a live dashboard); ``None``: a static page.
+        self.refresh_s = refresh_s
         self._sections: list[tuple[str, str, str]] = []  # (kind, heading, body)
 
     def _add(self, kind: str, heading: str, body: str) -> Report:
@@ -114,7 +116,7 @@ class Report:
 
     def heatmap(self, name: str, before: np.ndarray, after: np.ndarray | None = None, *,
                 labels: tuple[str, str] = ("before", "after"), scale_label: str = "value",
-                gpus_per_node: int | None = None, caption: str | None = None) -> Report:
+                gpus_per_node: int | None = None, caption: str | None = None, xlabel: str = "GPU") -> Report:
         """Per-layer x per-GPU heatmaps ``[L, G]``, ``before`` and ``after`` side by side on one colour scale (from
         the smaller of 0 and their minimum to their maximum), with its legend; nan cells are grey."""
         mats = [np.asarray(before, dtype=np.float64)] + ([] if after is None else [np.asarray(after, dtype=np.float64)])
@@ -128,7 +130,7 @@ class Report:
         vmin = min(0.0, float(finite.min())) if finite.size else 0.0
         vmax = float(finite.max()) if finite.size else 1.0
         vmax = vmax if vmax > vmin else vmin + 1.0
-        maps = "".join(heatmap_svg(m, vmin, vmax, caption=label, gpus_per_node=gpus_per_node)
+        maps = "".join(heatmap_svg(m, vmin, vmax, caption=label, gpus_per_node=gpus_per_node, xlabel=xlabel)
                        for m, label in zip(mats, labels, strict=False))
         cap = "" if caption is None else f'<p class="caption">{_esc(caption)}</p>'
         return self._add("heatmap", name, f'<div class="pair">{maps}</div>{colorbar_svg(vmin, vmax, scale_label)}{cap}')
@@ -176,6 +178,7 @@ class Report:
         """The page."""
         out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
                '<meta name="viewport" content="width=device-width, initial-scale=1">',
+               *([] if self.refresh_s is None else [f'<meta http-equiv="refresh" content="{int(self.refresh_s)}">']),
                f"<title>{_esc(self.title)}</title>", f"<style>{_CSS}</style>", "</head>", "<body>", "<main>",
                f"<h1>{_esc(self.title)}</h1>"]
         if self.subtitle:

@@ -32,6 +32,12 @@ registers another policy, so :func:`register` replaces the ``"default"`` entry, 
   is then judged with them filled (:func:`fill_empty`: experts without a copy first, then the most load per copy),
   and kept only if it holds every expert; no variant ever returns ``-1``.
 
+**Records for** ``moebalance watch``: with ``MOEBALANCE_RECORD_DIR`` set, every call (on the process of rank 0, or
+the only one) also writes a record there (:func:`record`): ``vllm-eplb-{ns}-{pid}.npz`` with the load window
+``counts [1, L, E]`` vLLM passed (rounded to whole picks), the maps before (``old_map [L, P]``, absent when vLLM
+passed none) and after (``new_map [L, P]``), the copies received (``moved``), ``num_ranks`` and the ``variant``,
+written atomically (a temporary file, then a rename); ``watch`` reads its counts like any moebalance load.
+
 :func:`register` logs (logger ``"moebalance"``, level INFO) which variant replaced vLLM's policy. A vLLM that
 ``VLLM_PLUGINS`` tells to skip the plug-in runs none of its code; :func:`skipped` says so from the environment.
 
@@ -43,21 +49,25 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from moebalance.core.errors import InputError
 
-__all__ = ["ENTRY_POINT", "ENV", "TOLERANCE_ENV", "VARIANTS", "balancedness", "fill_empty", "keep_slots",
-           "make_policy", "move_aware", "plan_slots", "register", "returns_tuple", "skipped"]
+__all__ = ["ENTRY_POINT", "ENV", "RECORD_ENV", "TOLERANCE_ENV", "VARIANTS", "balancedness", "fill_empty", "keep_slots",
+           "make_policy", "move_aware", "plan_slots", "record", "register", "returns_tuple", "skipped"]
 
 #: The environment variable that chooses the variant; unset, the plug-in does nothing.
 ENV = "MOEBALANCE_VLLM_EPLB"
 #: The plug-in's entry-point name in the ``vllm.general_plugins`` group (what ``VLLM_PLUGINS`` must list).
 ENTRY_POINT = "moebalance_eplb"
 TOLERANCE_ENV = "MOEBALANCE_VLLM_EPLB_TOLERANCE"
+#: The folder each call's record is written to (module docstring); unset, nothing is recorded.
+RECORD_ENV = "MOEBALANCE_RECORD_DIR"
 VARIANTS = ("eplb", "eplb-no-duplicates", "move-aware")
 
 logger = logging.getLogger("moebalance")
@@ -187,12 +197,52 @@ def make_policy(variant: str, base: type | None = None) -> type:
                 fresh = move_aware(old_np, fresh, w, num_ranks, tolerance, num_nodes if hierarchical else 1)
             elif old_np.shape == fresh.shape and fresh.shape[1] % num_ranks == 0:
                 fresh = keep_slots(old_np, fresh, num_ranks)  # as vLLM's default: experts staying keep their slot
+        folder = os.environ.get(RECORD_ENV)
+        if folder and _rank_zero():
+            record(folder, w, None if old_global_expert_indices is None else old_np, fresh, num_ranks, variant)
         return torch.from_numpy(np.ascontiguousarray(fresh))
 
     rebalance_experts.__doc__ = (f"moebalance {variant}: ``phy2log [L, num_replicas]`` for ``weight [L, E]`` "
                                  "(vLLM's EPLB policy interface)")
     return type(f"Moebalance{variant.title().replace('-', '')}Policy", (base,) if base is not None else (),
                 {"rebalance_experts": classmethod(rebalance_experts), "variant": variant})
+
+
+def _rank_zero() -> bool:
+    """Whether this process is rank 0 of the default process group, or in none."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def record(folder: str | os.PathLike[str], weight: np.ndarray, old: np.ndarray | None, new: np.ndarray,
+           num_ranks: int, variant: str) -> Path:
+    """Write one call's record into ``folder`` (module docstring), atomically; returns its path."""
+    from moebalance.core.io import atomic_path
+
+    w = np.asarray(weight, dtype=np.float64)
+    if w.ndim != 2 or not np.all(np.isfinite(w)) or (w.size and w.min() < 0):
+        raise InputError(f"the load window vLLM passed has shape {w.shape} or values no count has; expected [L, E] "
+                         ">= 0")
+    new = np.asarray(new, dtype=np.int64)
+    arrays: dict[str, np.ndarray] = {"counts": np.rint(w).astype(np.int64)[None], "new_map": new,
+                                     "num_ranks": np.array(num_ranks), "variant": np.array(variant)}
+    moved = 0
+    if old is not None:
+        old = np.asarray(old, dtype=np.int64)
+        arrays["old_map"] = old
+        if old.shape == new.shape and new.shape[1] % num_ranks == 0:
+            per = new.shape[1] // num_ranks
+            for layer in range(new.shape[0]):
+                for r in range(num_ranks):
+                    had = set(old[layer, r * per:(r + 1) * per].tolist())
+                    moved += sum(1 for e in set(new[layer, r * per:(r + 1) * per].tolist()) if e not in had)
+    arrays["moved"] = np.array(moved)
+    target = Path(folder) / f"vllm-eplb-{time.time_ns()}-{os.getpid()}.npz"
+    with atomic_path(target) as tmp:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)  # type: ignore[arg-type]
+    return target
 
 
 def _tuple_returning(policy: type) -> type:

@@ -23,7 +23,7 @@ from moebalance.app.console import err, out
 from moebalance.core.errors import InputError, MoebalanceError
 from moebalance.core.plan import Placement, write_plan
 from moebalance.engines import open_load
-from moebalance.engines.sglang import write_placement
+from moebalance.engines.sglang import plan_from_map, write_placement
 from moebalance.engines.trtllm import write_config
 from moebalance.online.rearrange import DEFAULT_OVERHEAD_MS, REARRANGE_MODES, Replanning
 from moebalance.online.watch import Observation, WatchConfig, Watcher
@@ -71,7 +71,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="decide and log, write nothing")
     p.add_argument("--log", help="JSON lines of every record and decision; watch resumes from it when restarted")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
-    p.add_argument("--host", default="127.0.0.1", help="address the metrics port binds to (default localhost)")
+    p.add_argument("--dashboard", type=int, metavar="PORT",
+                   help="serve a page that refreshes itself: balance per layer over the records, tokens/s now and "
+                        "after a re-plan, the decisions, the hottest experts")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the metrics and dashboard ports bind to (default localhost)")
     p.add_argument("--interval", type=options.positive_float, default=5.0,
                    help="seconds between looks at the folder (default 5)")
     p.add_argument("--once", action="store_true", help="process the records there now, then stop")
@@ -110,6 +114,17 @@ def _read(path: Path, model: str | None) -> np.ndarray:
     """A record's counts ``[L, E]``: its passes summed."""
     load = open_load(path, model=model).load
     return load.counts.sum(axis=0)
+
+
+def _engine_map(path: Path) -> np.ndarray | None:
+    """The placement a vLLM plug-in record says the engine serves after the call (``new_map [L, P]``), else None."""
+    if path.suffix != ".npz":
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return np.asarray(data["new_map"]) if "new_map" in data.files else None
+    except (OSError, ValueError):
+        return None
 
 
 class _Metrics:
@@ -228,10 +243,18 @@ def run(args: argparse.Namespace) -> None:
                           default=-math.inf)
     watcher: Watcher | None = None
     metrics = _Metrics(args.metrics_port, args.host, args.engine) if args.metrics_port is not None else None
+    board = None
+    if args.dashboard is not None:
+        from moebalance.app.dashboard import Dashboard
+
+        board = Dashboard(args.dashboard, args.host, f"moebalance watch: {folder.name}",
+                          f"{cluster.num_nodes} x {cluster.gpus_per_node} GPUs, {args.policy} re-plans on the last "
+                          f"{args.window} records, over {args.horizon:g} s of serving",
+                          max(1, round(args.interval)))
     try:
         while True:
             for path in _records(folder, seen):
-                watcher = _one(args, path, seen, watcher, cluster, budget, params, log, metrics, history)
+                watcher = _one(args, path, seen, watcher, cluster, budget, params, log, metrics, history, board)
             if args.once:
                 break
             time.sleep(args.interval)
@@ -240,11 +263,13 @@ def run(args: argparse.Namespace) -> None:
     finally:
         if metrics is not None:
             metrics.close()
+        if board is not None:
+            board.close()
 
 
 def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | None, cluster: Any, budget: Any,
          params: dict[str, Any], log: Path | None, metrics: _Metrics | None,
-         history: list[dict[str, Any]]) -> Watcher | None:
+         history: list[dict[str, Any]], board: Any = None) -> Watcher | None:
     """Read, observe, decide and log one record; a record that fails to read is retried, then skipped."""
     try:
         stat = path.stat()
@@ -273,6 +298,10 @@ def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | N
         if metrics is not None:
             metrics.restarts.labels(args.engine).inc()
     seen.last_mtime = max(seen.last_mtime, stat.st_mtime)
+    engine_map = _engine_map(path)
+    if engine_map is not None:  # vLLM re-planned on this window itself: its map is the placement in service
+        watcher.plan = plan_from_map(engine_map, cluster, counts.shape[1], source=path.name, policy="vllm")
+        watcher.planned_on, watcher.planned_records = counts.astype(np.int64), [path.name]
     o = watcher.observe(counts, path.name)
     written = None
     if o.decision == "replan" and o.plan is not None:
@@ -284,6 +313,8 @@ def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | N
     seen.done.add(path.name)
     if metrics is not None:
         metrics.record(o)
+    if board is not None:
+        board.add(o)
     out.print(_line(o), markup=False)
     return watcher
 
