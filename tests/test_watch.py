@@ -337,3 +337,42 @@ def test_memory_stays_flat_over_ten_thousand_records() -> None:
         tracemalloc.stop()
     assert late - early < 64 * 1024, (early, late)
     assert len(w.window) == 4 and w.seen == 10_000
+
+
+def test_a_drifting_sequence_replans_when_the_move_pays_and_not_before() -> None:
+    """Records whose hot spot (60% of every layer's picks on two experts) stays put, then moves by steps from experts
+    0-1 to 32-33. The placement in service is
+    EPLB's plan on the steady routing: while the routing stays, nothing pays (keep); once the drift has moved
+    enough load, a re-plan pays and is taken, once, and the prices behind every decision are the ones ``online``
+    prices for the same step and plans (checked at each record)."""
+    rng = np.random.default_rng(5)
+
+    def mixed(weight: float) -> np.ndarray:
+        p = np.full(E, 0.4 / (E - 4))
+        p[0:2], p[32:34] = 0.6 * (1 - weight) / 2, 0.6 * weight / 2
+        return rng.multinomial(40_000, p / p.sum(), size=L).astype(np.int64)
+
+    steady = [mixed(0.0) for _ in range(6)]
+    moving = [mixed(w) for w in (0.1, 0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.0)]
+    cfg = config(margin=0.05, window=2, replanning=Replanning(migration="aligned", rearrange="sync"),
+                 horizon_s=120.0)
+    base = make_plan("eplb", LoadMatrix(np.sum(steady, axis=0)[None], preset=MODEL.name), CLUSTER,
+                     Budget(slots_per_gpu=10))[0]
+    w = Watcher(cfg, base, planned_on=np.sum(steady, axis=0))
+    decisions, drifts = [], []
+    for i, c in enumerate([*steady, *moving]):
+        o = w.observe(c, f"r{i}")
+        decisions.append(o.decision)
+        drifts.append(o.drift)
+        step = w.step(w.window_load())  # the step it priced
+        served = LoadMatrix(np.concatenate([step.counts, step.counts]), preset=MODEL.name)
+        for plan, tps in ((w.plan, o.tokens_per_s_now), (o.plan, o.tokens_per_s_replan)):
+            online = replay(served, CLUSTER, Budget(slots_per_gpu=10), plan, warmup=(0, 1), batches=(1, 2),
+                            router="uniform", pricing=PRICING)
+            assert online.time is not None and tps == pytest.approx(online.time["tokens_per_s"], rel=1e-6)
+        if o.decision == "replan" and o.plan is not None:
+            w.adopt(o.plan)
+    assert decisions[:6] == ["keep"] * 6  # the steady part: the plan in service fits
+    first = decisions.index("replan")
+    assert first >= 6 and drifts[first] > max(drifts[:6])  # not before the drift
+    assert decisions.count("replan") <= 3  # re-plans follow the moving hot spot, not every record

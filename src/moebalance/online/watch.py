@@ -194,7 +194,7 @@ class Watcher:
                              "engine now serves another model; restart watch for it")
         self.push(c, record)
         self.seen += 1
-        window = self._window_load()
+        window = self.window_load()
         if self.plan is None:
             self.plan = make_plan("contiguous", window, self.config.cluster, Budget(replicas_per_gpu=0))[0]
         if self.planned_on is None:
@@ -215,19 +215,20 @@ class Watcher:
     def adopt(self, plan: Placement) -> None:
         """The engine now serves ``plan`` (a re-plan written and taken up): it was made on the current window."""
         self.plan = plan
-        self.planned_on, self.planned_records = self._window_load().counts[0].copy(), list(self.names)
+        self.planned_on, self.planned_records = self.window_load().counts[0].copy(), list(self.names)
         self.replans += 1
 
     # ----- pricing -----------------------------------------------------------------------------------------------
 
-    def _window_load(self) -> LoadMatrix:
+    def window_load(self) -> LoadMatrix:
+        """The window's records summed: one batch of counts ``[1, L, E]``."""
         total = np.sum(np.stack(self.window), axis=0)
         return LoadMatrix(total[None], preset=self._model.name if self._model is not None else None)
 
     def _balancedness(self, plan: Placement, window: LoadMatrix) -> np.ndarray:
         return score_batch(plan, window, self.router, self.config.seed, 0)[1]
 
-    def _step(self, window: LoadMatrix) -> LoadMatrix:
+    def step(self, window: LoadMatrix) -> LoadMatrix:
         """One step of the phase drawn from the window's shares (as ``online --phase`` draws a batch's step)."""
         pricing = self.config.pricing
         if pricing is None:  # unreachable: called only with pricing
@@ -243,7 +244,7 @@ class Watcher:
         cfg, pricing = self.config, self.config.pricing
         if pricing is None or self.plan is None:  # unreachable: observe prices only with both
             return obs
-        step = self._step(window)
+        step = self.step(window)
         fresh = make_plan(cfg.policy, window, cfg.cluster, cfg.budget, **cfg.params)[0]
         how = cfg.replanning
         new = fresh if how.migration == "fresh" else lay_onto(self.plan, fresh, how.migration,
