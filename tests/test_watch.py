@@ -121,7 +121,7 @@ def test_prices_are_what_online_prices_for_the_same_step() -> None:
     plan = make_plan("contiguous", LoadMatrix(hot(0)[None]), CLUSTER, Budget(replicas_per_gpu=0))[0]
     w = Watcher(config(), plan)
     o = w.observe(hot(0), "r0")
-    step = w._step(w._window_load())
+    step = w.step(w.window_load())  # the step it priced
     served = LoadMatrix(np.concatenate([step.counts, step.counts]), preset=MODEL.name)
     result = replay(served, CLUSTER, Budget(slots_per_gpu=8), plan, warmup=(0, 1), batches=(1, 2), router="uniform",
                     pricing=PRICING)
