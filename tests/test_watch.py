@@ -376,3 +376,43 @@ def test_a_drifting_sequence_replans_when_the_move_pays_and_not_before() -> None
     first = decisions.index("replan")
     assert first >= 6 and drifts[first] > max(drifts[:6])  # not before the drift
     assert decisions.count("replan") <= 3  # re-plans follow the moving hot spot, not every record
+
+
+def test_tensorrt_llm_statistics_folders(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One ``EXPERT_STATISTIC_PATH`` folder per collection, as TensorRT-LLM writes it (rank 0's ``meta_info.json``,
+    each rank's ``rank{r}.safetensors`` keyed ``"{iter}_{layer}"``), is one record, its iterations and ranks summed;
+    a folder whose ``meta_info.json`` is still being written is skipped with a warning (``--once``: nothing more
+    will come)."""
+    from safetensors.numpy import save_file
+
+    folder = tmp_path / "stats"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    totals = []
+    for n in range(2):
+        d = folder / f"collection{n}"
+        d.mkdir()
+        (d / "meta_info.json").write_text(json.dumps({"num_experts": E, "num_experts_per_token": 8}))
+        total = np.zeros((L, E), dtype=np.int64)
+        for r in range(2):
+            per = rng.integers(0, 50, size=(3, L, E))
+            total += per.sum(axis=0)
+            save_file({f"{it}_{layer}": per[i, layer].astype(np.int64) for i, it in enumerate((10, 11, 12))
+                       for layer in range(L)}, str(d / f"rank{r}.safetensors"))
+        for f in d.iterdir():
+            os.utime(f, (1_000 + n, 1_000 + n))
+        totals.append(total)
+    half = folder / "collection2"
+    half.mkdir()
+    (half / "meta_info.json").write_text('{"num_experts": 64')  # rank 0 is still writing
+    os.utime(half / "meta_info.json", (1_002, 1_002))
+    log = tmp_path / "watch.jsonl"
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log], capsys)
+    assert rc == 0, err
+    docs = log_lines(log)
+    assert [d["record"] for d in docs] == ["collection0", "collection1", "collection2"]
+    assert "skipped" in docs[2] and "collection2" in err
+    w = Watcher(config(pricing=None, window=8))
+    for total in totals:
+        expect = w.observe(total, "x")
+    assert docs[1]["balancedness"] == expect.as_dict()["balancedness"]  # the two collections' counts, summed

@@ -40,7 +40,8 @@ RETRIES = 3
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("watch", help="follow an engine's routing records: balance metrics, and re-plans when the "
                                      "move pays")
-    p.add_argument("records", help="folder the engine writes its records to (SGLang stat dumps, moebalance loads)")
+    p.add_argument("records", help="folder the engine writes its records to: SGLang stat dumps, TensorRT-LLM "
+                                   "statistics folders, the vLLM plug-in's records, moebalance loads")
     options.add_cluster(p)
     options.add_budget(p)
     p.add_argument("--policy", default="eplb", help="the policy a re-plan runs (default eplb)")
@@ -92,17 +93,26 @@ class _Seen:
     last_mtime: float = -math.inf
 
 
+def _stamp(path: Path) -> float:
+    """A record's modification time: a file's, or a TensorRT-LLM statistics folder's newest file's."""
+    if path.is_dir():
+        return max((f.stat().st_mtime for f in path.iterdir() if f.is_file()), default=path.stat().st_mtime)
+    return path.stat().st_mtime
+
+
 def _records(folder: Path, seen: _Seen) -> Iterator[Path]:
-    """The folder's records not yet done, oldest first (by modification time, then name)."""
+    """The folder's records not yet done, oldest first (by modification time, then name): record files, and
+    TensorRT-LLM statistics folders (``meta_info.json`` and the ranks' ``.safetensors``: one ``EXPERT_STATISTIC_PATH``
+    each)."""
     try:
-        entries = [p for p in folder.iterdir() if p.suffix in RECORD_SUFFIXES and p.is_file()
-                   and not p.name.startswith(".")]
+        entries = [p for p in folder.iterdir() if not p.name.startswith(".") and (
+            (p.suffix in RECORD_SUFFIXES and p.is_file()) or (p.is_dir() and (p / "meta_info.json").is_file()))]
     except OSError as exc:
         raise InputError(f"cannot list {str(folder)!r}: {exc.strerror}") from None
     stamped = []
     for p in entries:
         try:
-            stamped.append((p.stat().st_mtime, p.name, p))
+            stamped.append((_stamp(p), p.name, p))
         except OSError:  # removed meanwhile
             continue
     for _, name, p in sorted(stamped):
@@ -272,13 +282,14 @@ def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | N
          history: list[dict[str, Any]], board: Any = None) -> Watcher | None:
     """Read, observe, decide and log one record; a record that fails to read is retried, then skipped."""
     try:
-        stat = path.stat()
+        stamp = _stamp(path)
+        size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
     except OSError:  # removed meanwhile
         return watcher
     try:
         counts = _read(path, args.model)
     except (MoebalanceError, OSError) as exc:  # half-written while the engine writes it, or not a record
-        key = (int(stat.st_size), float(stat.st_mtime))
+        key = (int(size), float(stamp))
         previous = seen.failing.get(path.name)
         tries = 1 if previous is None or previous[0] != key else previous[1] + 1
         seen.failing[path.name] = (key, tries)
@@ -292,12 +303,12 @@ def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | N
         return watcher
     if watcher is None:
         watcher = _watcher(args, counts, cluster, budget, params, folder=path.parent, history=history)
-    if stat.st_mtime < seen.last_mtime:  # an older file after newer ones: the engine started over
+    if stamp < seen.last_mtime:  # an older file after newer ones: the engine started over
         watcher.reset()
         _append(log, {"record": path.name, "restart": True})
         if metrics is not None:
             metrics.restarts.labels(args.engine).inc()
-    seen.last_mtime = max(seen.last_mtime, stat.st_mtime)
+    seen.last_mtime = max(seen.last_mtime, stamp)
     engine_map = _engine_map(path)
     if engine_map is not None:  # vLLM re-planned on this window itself: its map is the placement in service
         watcher.plan = plan_from_map(engine_map, cluster, counts.shape[1], source=path.name, policy="vllm")
@@ -308,7 +319,7 @@ def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | N
         written = _write(args, o.plan, path.name)
         watcher.adopt(o.plan)
     doc = {**o.as_dict(), "planned_on": watcher.planned_records, "written": None if written is None else str(written),
-           "mtime": stat.st_mtime, "time": time.time()}
+           "mtime": stamp, "time": time.time()}
     _append(log, doc)
     seen.done.add(path.name)
     if metrics is not None:
