@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench lock clean engines
+.PHONY: install demo test lint bench lock clean engines live
 
 # constraints.txt pins every tested version (transitive ones included): installs are reproducible and a new
 # release of a dependency never turns CI red by surprise. The package itself declares ranges for users.
@@ -90,9 +90,16 @@ engines:
 	    idna==3.20 tqdm==4.70.1 httpx2==2.16.2 httpcore2==2.16.2 h11==0.16.0 truststore==0.10.5 anyio==4.16.0 \
 	    sniffio==1.3.1 starlette==1.10.0 ipython==9.18.1 traitlets==5.16.1 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 \
 	    aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 yarl==1.25.1 propcache==0.5.4 attrs==26.1.0 \
-	    openai==3.57.0 openai-harmony==0.0.8 triton==3.9.0 && \
+	    openai==3.57.0 openai-harmony==0.0.8 triton==3.9.0 einops==0.8.1 && \
 	  touch .venv-engines/.installed; }
 	.venv-engines/bin/python -W ignore tools/engines_check.py
+
+# watch with the real parts around it: SGLang's recorder writes the dumps, a Prometheus server scrapes watch, vLLM's
+# EPLB policy writes the plug-in's records (tools/live_check.py); needs Debian's prometheus package
+live: engines
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+	  echo "make live needs Prometheus: apt-get install prometheus"; exit 2; }
+	.venv-engines/bin/python -W ignore tools/live_check.py
 
 clean:
 	rm -rf $(VENV) $(LOCK_VENV) .venv-engines demo-out .pytest_cache .mypy_cache .ruff_cache
