@@ -94,7 +94,7 @@ def sglang_dumps(folder: Path) -> None:
     meta = ns(num_layers=H, num_physical_experts=G * S, num_logical_experts=E, physical_to_logical_map=phy2log,
               ep_size=G)
     rng = np.random.default_rng(0)
-    for dump in range(2):
+    for _ in range(2):
         acc = ed._StatAccumulator(meta, 0)
         hot = rng.choice(G * S, 16, replace=False)
         for p in range(8):
