@@ -416,3 +416,45 @@ def test_tensorrt_llm_statistics_folders(tmp_path: Path, capsys: pytest.CaptureF
     for total in totals:
         expect = w.observe(total, "x")
     assert docs[1]["balancedness"] == expect.as_dict()["balancedness"]  # the two collections' counts, summed
+
+
+def test_an_sglang_server_is_asked_to_record_and_dump(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sglang URL``: watch POSTs ``/start_expert_distribution_record`` once and ``/dump_expert_distribution_record``
+    before it looks at the folder. SGLang's server cannot run here: an HTTP server stands in for its two endpoints,
+    writing a ``stat`` dump into the folder as SGLang's recorder does; a server that does not answer is a warning."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    import torch
+
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    calls: list[str] = []
+
+    class SGLang(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            calls.append(self.path)
+            if self.path == "/dump_expert_distribution_record":
+                torch.save({"rank": 0, "logical_count": torch.from_numpy(hot(0)[None].astype(np.int32)),
+                            "average_utilization_rate_over_window": None},
+                           folder / f"expert_distribution_recorder_{time.time()}.pt")
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = HTTPServer(("127.0.0.1", 0), SGLang)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        log = tmp_path / "watch.jsonl"
+        rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log, "--sglang", url], capsys)
+    finally:
+        server.shutdown()
+    assert rc == 0, err
+    assert calls == ["/start_expert_distribution_record", "/dump_expert_distribution_record"]
+    assert len(log_lines(log)) == 1 and log_lines(log)[0]["record"].startswith("expert_distribution_recorder_")
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--sglang", url], capsys)  # the server is gone
+    assert rc == 0 and "warning" in err and "Traceback" not in err
+    assert_user_error(["watch", folder, *BASE, "--once", "--sglang", "localhost:30000"], capsys, "--sglang")

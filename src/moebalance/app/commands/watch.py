@@ -79,6 +79,9 @@ def add_parser(sub: Any) -> None:
                    help="address the metrics and dashboard ports bind to (default localhost)")
     p.add_argument("--interval", type=options.positive_float, default=5.0,
                    help="seconds between looks at the folder (default 5)")
+    p.add_argument("--sglang", metavar="URL",
+                   help="an SGLang server (http://host:port) whose recorder watch starts, then asks for a dump before "
+                        "each look; its SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR must be the records folder")
     p.add_argument("--once", action="store_true", help="process the records there now, then stop")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
@@ -189,6 +192,24 @@ class _Metrics:
         self.server.server_close()
 
 
+def _sglang(url: str, endpoint: str) -> bool:
+    """POST ``url/endpoint`` (SGLang's recorder endpoints); a server that does not answer is a warning, not an end:
+    watch goes on with what the folder holds."""
+    import urllib.error
+    import urllib.request
+
+    target = f"{url.rstrip('/')}/{endpoint}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(target, method="POST", data=b""), timeout=30) as reply:
+            ok = 200 <= reply.status < 300
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        err.print(f"warning: {target}: {getattr(exc, 'reason', exc)}")
+        return False
+    if not ok:
+        err.print(f"warning: {target} answered {reply.status}")
+    return ok
+
+
 def _append(log: Path | None, doc: dict[str, Any]) -> None:
     """One JSON line, flushed to disk before the next record: a crash leaves at most a partial last line, which
     :func:`_resume` ignores."""
@@ -242,6 +263,8 @@ def run(args: argparse.Namespace) -> None:
         raise InputError("--migration bounded needs --max-moves M, the copies one GPU may receive per re-plan")
     if args.max_moves is not None and args.migration != "bounded":
         raise InputError("--max-moves is used only by --migration bounded; drop it or add --migration bounded")
+    if args.sglang is not None and not args.sglang.startswith(("http://", "https://")):
+        raise InputError(f"--sglang {args.sglang!r} must be the server's URL, like http://127.0.0.1:30000")
     cluster = options.cluster(args)
     budget = options.budget(args)
     params = options.resolve_set(args.set, [args.policy])[args.policy]
@@ -261,8 +284,12 @@ def run(args: argparse.Namespace) -> None:
                           f"{cluster.num_nodes} x {cluster.gpus_per_node} GPUs, {args.policy} re-plans on the last "
                           f"{args.window} records, over {args.horizon:g} s of serving",
                           max(1, round(args.interval)))
+    if args.sglang is not None:
+        _sglang(args.sglang, "start_expert_distribution_record")
     try:
         while True:
+            if args.sglang is not None:
+                _sglang(args.sglang, "dump_expert_distribution_record")
             for path in _records(folder, seen):
                 watcher = _one(args, path, seen, watcher, cluster, budget, params, log, metrics, history, board)
             if args.once:
