@@ -4,11 +4,11 @@
   drifting), 64 GPUs (8 x 8 H100), EPLB with 5 slots per GPU and layer, a window of 8 records, priced as decode steps
   with the default profile: the median seconds of one record (measure, plan the re-plan on the window, price both,
   decide) over the records after the first, on one core. Target: under 1 s.
-- **Memory.** The same watcher fed ``--soak`` records (default 2,000; the records cycle through the synthesized
+- **Memory.** The same watcher fed ``--soak`` records (default 10,000; the records cycle through the synthesized
   ones) without pricing, the traced Python memory (``tracemalloc``) after the first 100 records and after the last:
   the window is a bounded deque, so it must not grow.
 
-Run: .venv/bin/python bench/bench_watch.py [--soak N] (about two minutes).
+Run: .venv/bin/python bench/bench_watch.py [--soak N] (about a minute).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ RECORDS, PER_GPU, SEED = 12, 64, 0
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--soak", type=int, default=2000)
+    ap.add_argument("--soak", type=int, default=10_000)
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.perf_counter()
