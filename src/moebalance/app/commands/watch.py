@@ -94,6 +94,8 @@ class _Seen:
     done: set[str] = field(default_factory=set)
     failing: dict[str, tuple[tuple[int, float], int]] = field(default_factory=dict)
     last_mtime: float = -math.inf
+    #: Records measured by earlier runs (the log's), so that a resumed run numbers its records on.
+    measured: int = 0
 
 
 def _stamp(path: Path) -> float:
@@ -118,6 +120,10 @@ def _records(folder: Path, seen: _Seen) -> Iterator[Path]:
             stamped.append((_stamp(p), p.name, p))
         except OSError:  # removed meanwhile
             continue
+    present = {name for _, name, _ in stamped}
+    seen.done.intersection_update(present)  # names of removed files need not be kept: memory stays flat
+    for gone in [n for n in seen.failing if n not in present]:
+        del seen.failing[gone]
     for _, name, p in sorted(stamped):
         if name not in seen.done:
             yield p
@@ -270,10 +276,14 @@ def run(args: argparse.Namespace) -> None:
     params = options.resolve_set(args.set, [args.policy])[args.policy]
     log = Path(args.log) if args.log else None
     seen = _Seen()
-    history = _resume(log)
-    seen.done = {d["record"] for d in history if "record" in d}
-    seen.last_mtime = max((float(d["mtime"]) for d in history if isinstance(d.get("mtime"), int | float)),
+    logged = _resume(log)
+    seen.done = {d["record"] for d in logged if "record" in d}
+    seen.last_mtime = max((float(d["mtime"]) for d in logged if isinstance(d.get("mtime"), int | float)),
                           default=-math.inf)
+    measured = [d for d in logged if "balancedness" in d]
+    seen.measured = len(measured)
+    history = measured[-args.window:]  # what a resumed watcher needs, no more
+    del logged, measured
     watcher: Watcher | None = None
     metrics = _Metrics(args.metrics_port, args.host, args.engine) if args.metrics_port is not None else None
     board = None
@@ -329,7 +339,8 @@ def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | N
         err.print(f"warning: {path.name}: {exc}" + (" (skipped)" if tries >= limit else " (retrying)"))
         return watcher
     if watcher is None:
-        watcher = _watcher(args, counts, cluster, budget, params, folder=path.parent, history=history)
+        watcher = _watcher(args, counts, cluster, budget, params, folder=path.parent, history=history,
+                           measured=seen.measured)
     if stamp < seen.last_mtime:  # an older file after newer ones: the engine started over
         watcher.reset()
         _append(log, {"record": path.name, "restart": True})
@@ -358,7 +369,7 @@ def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | N
 
 
 def _watcher(args: argparse.Namespace, counts: np.ndarray, cluster: Any, budget: Any, params: dict[str, Any], *,
-             folder: Path, history: list[dict[str, Any]]) -> Watcher:
+             folder: Path, history: list[dict[str, Any]], measured: int = 0) -> Watcher:
     """The watcher for the records' shape: its pricing (with ``--gpu``), the placement in service, and, when resumed,
     the window of the records the log names last."""
     from moebalance.core.load import LoadMatrix
@@ -383,18 +394,17 @@ def _watcher(args: argparse.Namespace, counts: np.ndarray, cluster: Any, budget:
         plan = options.read_plan(argparse.Namespace(plan=args.write_plan, nodes=args.nodes,
                                                     gpus_per_node=args.gpus_per_node), probe)
     watcher = Watcher(config, plan)
-    measured = [d for d in history if "balancedness" in d]
-    if measured:  # resumed: the window as it was, and the records its placement was planned on
-        watcher.seen = len(measured)
-        for doc in measured[-args.window:]:
+    if history:  # resumed: the window as it was, and the records its placement was planned on
+        watcher.seen = measured
+        for doc in history:
             again = _reread(folder / doc["record"], args.model)
             if again is not None:
                 watcher.push(again, doc["record"])
-        planned = [c for c in (_reread(folder / n, args.model) for n in measured[-1].get("planned_on") or [])
+        planned = [c for c in (_reread(folder / n, args.model) for n in history[-1].get("planned_on") or [])
                    if c is not None]
         if planned:
             watcher.planned_on = np.sum(np.stack(planned), axis=0)
-            watcher.planned_records = list(measured[-1]["planned_on"])
+            watcher.planned_records = list(history[-1]["planned_on"])
     return watcher
 
 
