@@ -458,3 +458,70 @@ def test_an_sglang_server_is_asked_to_record_and_dump(tmp_path: Path, capsys: py
     rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--sglang", url], capsys)  # the server is gone
     assert rc == 0 and "warning" in err and "Traceback" not in err
     assert_user_error(["watch", folder, *BASE, "--once", "--sglang", "localhost:30000"], capsys, "--sglang")
+
+
+def test_synth_deepseek_v3_drift_on_64_gpus() -> None:
+    """``synth``'s DeepSeek-V3 routing (58 MoE layers x 256 experts) with its popularity drifting fast, on 8 x 8 H100s
+    with EPLB's 5 slots per GPU, decode steps: the placement planned on the first records is kept while the routing
+    is close to it and re-planned once the drift pays; every decision's prices are online's for the same step."""
+    import dataclasses
+
+    from moebalance.workloads.profiles import routing_profile
+    from moebalance.workloads.synth import synthesize
+
+    v3 = get_model("deepseek-v3")
+    profile = dataclasses.replace(routing_profile(v3), drift_sigma=0.8, drift_timescale=3.0)
+    counts = synthesize("deepseek-v3", num_batches=10, tokens_per_batch=64 * 64, num_gpus=64, seed=2,
+                        profile=profile)["counts"]
+    cluster, budget = Cluster(num_nodes=8, gpus_per_node=8), Budget(slots_per_gpu=5)
+    pricing = StepPricing(deployment=Deployment(model=v3, gpu=get_gpu("h100-80gb")), phase="decode")
+    cfg = WatchConfig(cluster=cluster, budget=budget, policy="eplb", params={"num_groups": 8}, window=1,
+                      horizon_s=600.0, replanning=Replanning(migration="aligned", rearrange="async"), pricing=pricing)
+    base = make_plan("eplb", LoadMatrix(counts[:1], preset=v3.name), cluster, budget, num_groups=8)[0]
+    w = Watcher(cfg, base, planned_on=counts[0])
+    decisions, drifts = [], []
+    for i, c in enumerate(counts):
+        o = w.observe(c, f"r{i}")
+        decisions.append(o.decision)
+        drifts.append(o.drift)
+        if i % 3 == 0:  # every third record: the prices are online's
+            step = w.step(w.window_load())
+            served = LoadMatrix(np.concatenate([step.counts, step.counts]), preset=v3.name)
+            online = replay(served, cluster, budget, w.plan, warmup=(0, 1), batches=(1, 2), router="uniform",
+                            pricing=pricing)
+            assert online.time is not None and o.tokens_per_s_now == pytest.approx(online.time["tokens_per_s"],
+                                                                                   rel=1e-6)
+        if o.decision == "replan" and o.plan is not None:
+            w.adopt(o.plan)
+    assert decisions[0] == "keep"  # planned on this very record
+    assert "replan" in decisions
+    first = decisions.index("replan")
+    assert drifts[first] > drifts[0] + 0.05  # the routing had moved from the plan's
+
+
+def test_a_killed_watch_loses_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGKILL (no clean-up runs) while watch follows a folder, a torn last log line as a crash mid-write leaves:
+    the next run reads past the torn line, logs each record once, and no temporary file is left beside the plan."""
+    folder, log, plan = tmp_path / "records", tmp_path / "watch.jsonl", tmp_path / "plan.json"
+    records(folder, [0, 0])
+    proc = subprocess.Popen([sys.executable, "-m", "moebalance", "watch", str(folder), *map(str, BASE), "--log",
+                             str(log), "--interval", "0.2", "--gpu", "h100-80gb", "--phase", "prefill", "--margin", "0",
+                             "--write-plan", str(plan), "--engine", "vllm"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert len(log_lines(log)) == 2
+    with open(log, "a") as fh:
+        fh.write('{"record": "r002.npz", "bal')  # torn by the crash
+    records(folder, [8], start=2, mtime=2_000.0)
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log, "--gpu", "h100-80gb", "--phase", "prefill",
+                          "--margin", 0, "--write-plan", plan, "--engine", "vllm"], capsys)
+    assert rc == 0, err
+    assert "torn last line" in err
+    assert [d["record"] for d in log_lines(log)] == ["r000.npz", "r001.npz", "r002.npz"]  # every line whole
+    assert plan.exists() and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

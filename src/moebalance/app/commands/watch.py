@@ -21,6 +21,7 @@ from moebalance.app import deployment, options
 from moebalance.app.advise import DEFAULT_MARGIN
 from moebalance.app.console import err, out
 from moebalance.core.errors import InputError, MoebalanceError
+from moebalance.core.io import atomic_path
 from moebalance.core.plan import Placement, write_plan
 from moebalance.engines import open_load
 from moebalance.engines.sglang import plan_from_map, write_placement
@@ -228,11 +229,18 @@ def _append(log: Path | None, doc: dict[str, Any]) -> None:
 
 
 def _resume(log: Path | None) -> list[dict[str, Any]]:
-    """The log's complete lines (a partial last line, from a crash, is dropped)."""
+    """The log's complete lines. A torn last line (a crash mid-write) is cut off the file first, atomically, so that
+    the next line starts on a line of its own."""
     if log is None or not log.exists():
         return []
+    data = log.read_bytes()
+    if data and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+        with atomic_path(log) as tmp:
+            tmp.write_bytes(data)
+        err.print(f"warning: {log}: dropped a torn last line (a crash while it was written)")
     lines = []
-    for text in log.read_text(encoding="utf-8").splitlines():
+    for text in data.decode("utf-8", "replace").splitlines():
         try:
             doc = json.loads(text)
         except json.JSONDecodeError:
