@@ -525,3 +525,53 @@ def test_a_killed_watch_loses_nothing(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "torn last line" in err
     assert [d["record"] for d in log_lines(log)] == ["r000.npz", "r001.npz", "r002.npz"]  # every line whole
     assert plan.exists() and not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_sglang_per_pass_dumps_one_file_per_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``per_pass`` dumps as SGLang's recorder writes them: each rank its own
+    ``expert_distribution_recorder_{time}_{rank}.pt`` (``records`` of its passes' physical counts, the map), named by
+    its own clock. The ranks' files of one dump are one record, their passes and ranks summed through the map; a dump
+    whose second rank has not written yet is not a record yet."""
+    import torch
+
+    folder = tmp_path / "dumps"
+    folder.mkdir()
+    G2 = 2
+    phy2log = np.tile(np.arange(E), (L, 1)).astype(np.int64)  # 32 experts a rank, no replica
+    rng = np.random.default_rng(3)
+    totals = []
+    for dump, t in enumerate((1_700_000_000.1, 1_700_000_100.5, 1_700_000_200.2)):
+        total = np.zeros((L, E), dtype=np.int64)
+        for rank in range(G2 if dump < 2 else 1):  # the last dump: rank 1 still writing
+            records = []
+            for fid in range(3):
+                phys = rng.integers(0, 20, size=(L, E))
+                total += phys
+                records.append({"forward_pass_id": fid, "rank": rank, "gatherer_key": "primary",
+                                "global_physical_count": torch.from_numpy(phys.astype(np.int32))})
+            path = folder / f"expert_distribution_recorder_{t + 0.01 * rank}_{rank}.pt"
+            torch.save({"records": records, "last_physical_to_logical_map": torch.from_numpy(phy2log)}, path)
+            os.utime(path, (1_000 + dump, 1_000 + dump))
+        totals.append(total)
+    log = tmp_path / "watch.jsonl"
+    args = ["watch", folder, "--nodes", 1, "--gpus-per-node", G2, "--slots-per-gpu", E // G2, "--model",
+            "olmoe-1b-7b", "--once", "--log", log]
+    rc, _, err = run_cli(args, capsys)
+    assert rc == 0, err
+    docs = log_lines(log)
+    assert [d["record"] for d in docs] == ["expert_distribution_recorder_1700000000.1",
+                                           "expert_distribution_recorder_1700000100.5"]
+    w = Watcher(WatchConfig(cluster=Cluster(num_nodes=1, gpus_per_node=G2), budget=Budget(slots_per_gpu=E // G2),
+                            window=8))
+    for total in totals[:2]:
+        expect = w.observe(total, "x")
+    assert docs[1]["balancedness"] == expect.as_dict()["balancedness"]
+    # rank 1 of the last dump arrives: a record now, and a resumed run reads it alone
+    path = folder / "expert_distribution_recorder_1700000200.21_1.pt"
+    torch.save({"records": [{"forward_pass_id": fid, "rank": 1, "gatherer_key": "primary",
+                             "global_physical_count": torch.zeros((L, E), dtype=torch.int32)} for fid in range(3)],
+                "last_physical_to_logical_map": torch.from_numpy(phy2log)}, path)
+    rc, _, err = run_cli(args, capsys)
+    assert rc == 0, err
+    last = log_lines(log)[-1]
+    assert last["record"] == "expert_distribution_recorder_1700000200.2" and "balancedness" in last, last

@@ -41,6 +41,7 @@ import json
 import os
 import pickle
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,11 +139,13 @@ def read_stat(path: str | os.PathLike[str], *, model: str | None = None) -> Load
     return LoadMatrix(counts, preset=_model_of(counts, None, model))
 
 
-def read_dumps(folder: str | os.PathLike[str], *, model: str | None = None) -> LoadMatrix:
+def read_dumps(folder: str | os.PathLike[str], *, model: str | None = None,
+               files: Sequence[str | os.PathLike[str]] | None = None) -> LoadMatrix:
     """A folder of per-rank ``per_pass``/``per_token`` dumps as a load ``[passes, L, E]`` (module docstring), for
-    ``model`` (default: the one its shape fits)."""
+    ``model`` (default: the one its shape fits); ``files``: those of one dump only (its ranks' files), not the
+    folder's every ``.pt``."""
     d = Path(folder)
-    files = sorted(d.glob("*.pt"))
+    files = sorted(d.glob("*.pt")) if files is None else sorted(Path(f) for f in files)
     if not files:
         raise InputError(f"{str(d)!r} has no .pt files; SGLang's per_pass/per_token dumps are one "
                          "expert_distribution_recorder_*_{rank}.pt per rank")

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import time
@@ -24,7 +25,7 @@ from moebalance.core.errors import InputError, MoebalanceError
 from moebalance.core.io import atomic_path
 from moebalance.core.plan import Placement, write_plan
 from moebalance.engines import open_load
-from moebalance.engines.sglang import plan_from_map, write_placement
+from moebalance.engines.sglang import plan_from_map, read_dumps, write_placement
 from moebalance.engines.trtllm import write_config
 from moebalance.online.rearrange import DEFAULT_OVERHEAD_MS, REARRANGE_MODES, Replanning
 from moebalance.online.watch import Observation, WatchConfig, Watcher
@@ -99,41 +100,79 @@ class _Seen:
     measured: int = 0
 
 
-def _stamp(path: Path) -> float:
-    """A record's modification time: a file's, or a TensorRT-LLM statistics folder's newest file's."""
+#: An SGLang per_pass or per_token dump of one rank: ``expert_distribution_recorder_{time}_{rank}.pt``.
+PER_RANK = re.compile(r"^expert_distribution_recorder_(\d+(?:\.\d+)?)_(\d+)\.pt$")
+#: Seconds within which the ranks' files of one per_pass/per_token dump are written (each rank names its file by
+#: its own clock when the dump is asked for).
+RANK_SPAN_S = 60.0
+
+
+@dataclass(frozen=True)
+class Record:
+    """One record: a file, a TensorRT-LLM statistics folder, or the ranks' files of one SGLang per_pass/per_token
+    dump (named after the first, without its rank)."""
+
+    name: str
+    paths: tuple[Path, ...]
+    stamp: float
+    size: int
+
+
+def _stamp(path: Path) -> tuple[float, int]:
+    """``(modification time, bytes)`` of a file, or of a TensorRT-LLM statistics folder's newest file and all."""
     if path.is_dir():
-        return max((f.stat().st_mtime for f in path.iterdir() if f.is_file()), default=path.stat().st_mtime)
-    return path.stat().st_mtime
+        files = [f.stat() for f in path.iterdir() if f.is_file()]
+        return max((f.st_mtime for f in files), default=path.stat().st_mtime), sum(f.st_size for f in files)
+    st = path.stat()
+    return st.st_mtime, st.st_size
 
 
-def _records(folder: Path, seen: _Seen) -> Iterator[Path]:
-    """The folder's records not yet done, oldest first (by modification time, then name): record files, and
-    TensorRT-LLM statistics folders (``meta_info.json`` and the ranks' ``.safetensors``: one ``EXPERT_STATISTIC_PATH``
-    each)."""
+def _records(folder: Path, seen: _Seen, ranks: int) -> Iterator[Record]:
+    """The folder's records not yet done, oldest first (by modification time, then name): record files, TensorRT-LLM
+    statistics folders (``meta_info.json`` and the ranks' ``.safetensors``: one ``EXPERT_STATISTIC_PATH`` each), and
+    SGLang per_pass/per_token dumps, ``ranks`` files each (one per rank, named within :data:`RANK_SPAN_S`; a dump
+    whose ranks have not all written yet is not a record yet)."""
     try:
         entries = [p for p in folder.iterdir() if not p.name.startswith(".") and (
             (p.suffix in RECORD_SUFFIXES and p.is_file()) or (p.is_dir() and (p / "meta_info.json").is_file()))]
     except OSError as exc:
         raise InputError(f"cannot list {str(folder)!r}: {exc.strerror}") from None
-    stamped = []
+    found: list[Record] = []
+    per_rank: list[tuple[float, int, Path, float, int]] = []
     for p in entries:
         try:
-            stamped.append((_stamp(p), p.name, p))
+            stamp, size = _stamp(p)
         except OSError:  # removed meanwhile
             continue
-    present = {name for _, name, _ in stamped}
+        m = PER_RANK.match(p.name)
+        if m is not None:
+            per_rank.append((float(m.group(1)), int(m.group(2)), p, stamp, size))
+        else:
+            found.append(Record(p.name, (p,), stamp, size))
+    group: list[tuple[float, int, Path, float, int]] = []
+    for item in [*sorted(per_rank), (math.inf, -1, folder, 0.0, 0)]:  # a sentinel closes the last group
+        if group and (item[0] - group[0][0] > RANK_SPAN_S or item[1] in {g[1] for g in group} or item[1] < 0):
+            if len(group) >= ranks:
+                name = f"expert_distribution_recorder_{group[0][0]}"
+                found.append(Record(name, tuple(g[2] for g in group), max(g[3] for g in group),
+                                    sum(g[4] for g in group)))
+            group = []
+        if item[1] >= 0:
+            group.append(item)
+    present = {r.name for r in found}
     seen.done.intersection_update(present)  # names of removed files need not be kept: memory stays flat
     for gone in [n for n in seen.failing if n not in present]:
         del seen.failing[gone]
-    for _, name, p in sorted(stamped):
-        if name not in seen.done:
-            yield p
+    for r in sorted(found, key=lambda r: (r.stamp, r.name)):
+        if r.name not in seen.done:
+            yield r
 
 
-def _read(path: Path, model: str | None) -> np.ndarray:
+def _read(record: Record, model: str | None) -> np.ndarray:
     """A record's counts ``[L, E]``: its passes summed."""
-    load = open_load(path, model=model).load
-    return load.counts.sum(axis=0)
+    if len(record.paths) > 1 or PER_RANK.match(record.paths[0].name):
+        return read_dumps(record.paths[0].parent, model=model, files=list(record.paths)).counts.sum(axis=0)
+    return open_load(record.paths[0], model=model).load.counts.sum(axis=0)
 
 
 def _engine_map(path: Path) -> np.ndarray | None:
@@ -308,8 +347,8 @@ def run(args: argparse.Namespace) -> None:
         while True:
             if args.sglang is not None:
                 _sglang(args.sglang, "dump_expert_distribution_record")
-            for path in _records(folder, seen):
-                watcher = _one(args, path, seen, watcher, cluster, budget, params, log, metrics, history, board)
+            for record in _records(folder, seen, cluster.num_gpus):
+                watcher = _one(args, record, seen, watcher, cluster, budget, params, log, metrics, history, board)
             if args.once:
                 break
             time.sleep(args.interval)
@@ -322,52 +361,48 @@ def run(args: argparse.Namespace) -> None:
             board.close()
 
 
-def _one(args: argparse.Namespace, path: Path, seen: _Seen, watcher: Watcher | None, cluster: Any, budget: Any,
+def _one(args: argparse.Namespace, record: Record, seen: _Seen, watcher: Watcher | None, cluster: Any, budget: Any,
          params: dict[str, Any], log: Path | None, metrics: _Metrics | None,
          history: list[dict[str, Any]], board: Any = None) -> Watcher | None:
     """Read, observe, decide and log one record; a record that fails to read is retried, then skipped."""
+    name, stamp, size = record.name, record.stamp, record.size
     try:
-        stamp = _stamp(path)
-        size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
-    except OSError:  # removed meanwhile
-        return watcher
-    try:
-        counts = _read(path, args.model)
+        counts = _read(record, args.model)
     except (MoebalanceError, OSError) as exc:  # half-written while the engine writes it, or not a record
         key = (int(size), float(stamp))
-        previous = seen.failing.get(path.name)
+        previous = seen.failing.get(name)
         tries = 1 if previous is None or previous[0] != key else previous[1] + 1
-        seen.failing[path.name] = (key, tries)
+        seen.failing[name] = (key, tries)
         limit = 1 if args.once else RETRIES  # --once: nothing is being written any more
         if tries >= limit:
-            seen.done.add(path.name)
-            _append(log, {"record": path.name, "skipped": str(exc)})
+            seen.done.add(name)
+            _append(log, {"record": name, "skipped": str(exc)})
             if metrics is not None:
                 metrics.skipped.labels(args.engine).inc()
-        err.print(f"warning: {path.name}: {exc}" + (" (skipped)" if tries >= limit else " (retrying)"))
+        err.print(f"warning: {name}: {exc}" + (" (skipped)" if tries >= limit else " (retrying)"))
         return watcher
     if watcher is None:
-        watcher = _watcher(args, counts, cluster, budget, params, folder=path.parent, history=history,
+        watcher = _watcher(args, counts, cluster, budget, params, folder=record.paths[0].parent, history=history,
                            measured=seen.measured)
     if stamp < seen.last_mtime:  # an older file after newer ones: the engine started over
         watcher.reset()
-        _append(log, {"record": path.name, "restart": True})
+        _append(log, {"record": name, "restart": True})
         if metrics is not None:
             metrics.restarts.labels(args.engine).inc()
     seen.last_mtime = max(seen.last_mtime, stamp)
-    engine_map = _engine_map(path)
+    engine_map = _engine_map(record.paths[0]) if len(record.paths) == 1 else None
     if engine_map is not None:  # vLLM re-planned on this window itself: its map is the placement in service
-        watcher.plan = plan_from_map(engine_map, cluster, counts.shape[1], source=path.name, policy="vllm")
-        watcher.planned_on, watcher.planned_records = counts.astype(np.int64), [path.name]
-    o = watcher.observe(counts, path.name)
+        watcher.plan = plan_from_map(engine_map, cluster, counts.shape[1], source=name, policy="vllm")
+        watcher.planned_on, watcher.planned_records = counts.astype(np.int64), [name]
+    o = watcher.observe(counts, name)
     written = None
     if o.decision == "replan" and o.plan is not None:
-        written = _write(args, o.plan, path.name)
+        written = _write(args, o.plan, name)
         watcher.adopt(o.plan)
     doc = {**o.as_dict(), "planned_on": watcher.planned_records, "written": None if written is None else str(written),
            "mtime": stamp, "time": time.time()}
     _append(log, doc)
-    seen.done.add(path.name)
+    seen.done.add(name)
     if metrics is not None:
         metrics.record(o)
     if board is not None:
@@ -405,10 +440,10 @@ def _watcher(args: argparse.Namespace, counts: np.ndarray, cluster: Any, budget:
     if history:  # resumed: the window as it was, and the records its placement was planned on
         watcher.seen = measured
         for doc in history:
-            again = _reread(folder / doc["record"], args.model)
+            again = _reread(folder, doc["record"], args.model)
             if again is not None:
                 watcher.push(again, doc["record"])
-        planned = [c for c in (_reread(folder / n, args.model) for n in history[-1].get("planned_on") or [])
+        planned = [c for c in (_reread(folder, n, args.model) for n in history[-1].get("planned_on") or [])
                    if c is not None]
         if planned:
             watcher.planned_on = np.sum(np.stack(planned), axis=0)
@@ -416,10 +451,15 @@ def _watcher(args: argparse.Namespace, counts: np.ndarray, cluster: Any, budget:
     return watcher
 
 
-def _reread(path: Path, model: str | None) -> np.ndarray | None:
-    """A record read again on resume; ``None`` where it is gone or unreadable (the window is then shorter)."""
+def _reread(folder: Path, name: str, model: str | None) -> np.ndarray | None:
+    """A record read again on resume, by its logged name; ``None`` where it is gone or unreadable (the window is then
+    shorter)."""
+    path = folder / name
     try:
-        return _read(path, model)
+        if path.exists():
+            return _read(Record(name, (path,), 0.0, 0), model)
+        ranks = sorted(p for p in folder.glob(f"{name}_*.pt") if PER_RANK.match(p.name))  # a per-rank dump
+        return _read(Record(name, tuple(ranks), 0.0, 0), model) if ranks else None
     except (MoebalanceError, OSError):
         return None
 
