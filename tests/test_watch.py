@@ -575,3 +575,29 @@ def test_sglang_per_pass_dumps_one_file_per_rank(tmp_path: Path, capsys: pytest.
     assert rc == 0, err
     last = log_lines(log)[-1]
     assert last["record"] == "expert_distribution_recorder_1700000200.2" and "balancedness" in last, last
+
+
+def test_engine_restarts_are_told_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine that started over: the folder emptied and filled again, or the vLLM plug-in's records from another
+    process; each is logged as a restart with why, and the window starts again."""
+    folder, log = tmp_path / "records", tmp_path / "watch.jsonl"
+    old = records(folder, [0, 0])
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log], capsys)
+    assert rc == 0, err
+    for p in old:
+        p.unlink()
+    records(folder, [8, 8], start=5, mtime=5_000.0)
+    rc, _, err = run_cli(["watch", folder, *BASE, "--once", "--log", log], capsys)
+    assert rc == 0, err
+    restarts = [d for d in log_lines(log) if "restart" in d]
+    assert len(restarts) == 1 and "gone" in restarts[0]["restart"] and "restarted" in err
+    vllm, vlog = tmp_path / "vllm", tmp_path / "vllm.jsonl"
+    vllm.mkdir()
+    for i, pid in enumerate((100, 100, 200)):
+        p = vllm / f"vllm-eplb-{i + 1}-{pid}.npz"
+        np.savez(p, counts=hot(0, seed=i)[None], new_map=np.tile(np.arange(80) % E, (L, 1)))
+        os.utime(p, (1_000 + i, 1_000 + i))
+    rc, _, err = run_cli(["watch", vllm, *BASE, "--once", "--log", vlog], capsys)
+    assert rc == 0, err
+    restarts = [d for d in log_lines(vlog) if "restart" in d]
+    assert len(restarts) == 1 and restarts[0]["record"] == "vllm-eplb-3-200.npz" and "200" in restarts[0]["restart"]

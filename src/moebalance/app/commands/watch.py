@@ -98,10 +98,16 @@ class _Seen:
     last_mtime: float = -math.inf
     #: Records measured by earlier runs (the log's), so that a resumed run numbers its records on.
     measured: int = 0
+    #: Every record seen before is gone from the folder while new ones came: the engine started over.
+    wiped: bool = False
+    #: The process id the vLLM plug-in's records name (another one: vLLM was restarted).
+    pid: str | None = None
 
 
 #: An SGLang per_pass or per_token dump of one rank: ``expert_distribution_recorder_{time}_{rank}.pt``.
 PER_RANK = re.compile(r"^expert_distribution_recorder_(\d+(?:\.\d+)?)_(\d+)\.pt$")
+#: A record of the vLLM plug-in: ``vllm-eplb-{ns}-{pid}.npz`` (its process id tells a restart).
+VLLM_RECORD = re.compile(r"^vllm-eplb-\d+-(\d+)\.npz$")
 #: Seconds within which the ranks' files of one per_pass/per_token dump are written (each rank names its file by
 #: its own clock when the dump is asked for).
 RANK_SPAN_S = 60.0
@@ -160,6 +166,8 @@ def _records(folder: Path, seen: _Seen, ranks: int) -> Iterator[Record]:
         if item[1] >= 0:
             group.append(item)
     present = {r.name for r in found}
+    if seen.done and not seen.done & present and present:
+        seen.wiped = True  # the folder was emptied and filled again
     seen.done.intersection_update(present)  # names of removed files need not be kept: memory stays flat
     for gone in [n for n in seen.failing if n not in present]:
         del seen.failing[gone]
@@ -384,9 +392,17 @@ def _one(args: argparse.Namespace, record: Record, seen: _Seen, watcher: Watcher
     if watcher is None:
         watcher = _watcher(args, counts, cluster, budget, params, folder=record.paths[0].parent, history=history,
                            measured=seen.measured)
-    if stamp < seen.last_mtime:  # an older file after newer ones: the engine started over
+    pid = m.group(1) if (m := VLLM_RECORD.match(name)) else None
+    why = ("an older record after newer ones" if stamp < seen.last_mtime else
+           "every earlier record is gone from the folder" if seen.wiped else
+           f"the plug-in's records now come from process {pid}, not {seen.pid}"
+           if pid is not None and seen.pid is not None and pid != seen.pid else None)
+    seen.wiped = False
+    seen.pid = pid or seen.pid
+    if why is not None:  # the engine started over: its counters, and the window, start again
         watcher.reset()
-        _append(log, {"record": name, "restart": True})
+        _append(log, {"record": name, "restart": why})
+        err.print(f"note: {name}: the engine restarted ({why}); the window starts again")
         if metrics is not None:
             metrics.restarts.labels(args.engine).inc()
     seen.last_mtime = max(seen.last_mtime, stamp)
