@@ -268,8 +268,15 @@ def test_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
     folder = tmp_path / "records"
     records(folder, [0])
     assert_user_error(["watch", folder, *BASE, "--once", "--migration", "bounded"], capsys, "--max-moves")
-    assert_user_error(["watch", folder, "--nodes", 2, "--gpus-per-node", 4, "--slots-per-gpu", 10, "--once",
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    np.savez(odd / "r.npz", counts=np.ones((1, 3, 16), dtype=np.int64))  # a shape no model has, naming none
+    assert_user_error(["watch", odd, "--nodes", 2, "--gpus-per-node", 4, "--slots-per-gpu", 2, "--once",
                        "--gpu", "h100-80gb"], capsys, "--model")
+    # records that name their model need no --model to be priced
+    rc, _, err = run_cli(["watch", folder, "--nodes", 2, "--gpus-per-node", 4, "--slots-per-gpu", 10, "--once",
+                          "--gpu", "h100-80gb"], capsys)
+    assert rc == 0 and "Traceback" not in err
     assert_user_error(["watch", folder, *BASE, "--once", "--horizon", 0], capsys, "--horizon")
     port = _free_port()
     with socket.socket() as busy:

@@ -23,6 +23,7 @@ from moebalance.app.advise import DEFAULT_MARGIN
 from moebalance.app.console import err, out
 from moebalance.core.errors import InputError, MoebalanceError
 from moebalance.core.io import atomic_path
+from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement, write_plan
 from moebalance.engines import open_load
 from moebalance.engines.sglang import plan_from_map, read_dumps, write_placement
@@ -176,11 +177,16 @@ def _records(folder: Path, seen: _Seen, ranks: int) -> Iterator[Record]:
             yield r
 
 
+def _load(record: Record, model: str | None) -> LoadMatrix:
+    """A record as the engines' readers read it (the model named by ``model``, else by the shape where only one fits)."""
+    if len(record.paths) > 1 or PER_RANK.match(record.paths[0].name):
+        return read_dumps(record.paths[0].parent, model=model, files=list(record.paths))
+    return open_load(record.paths[0], model=model).load
+
+
 def _read(record: Record, model: str | None) -> np.ndarray:
     """A record's counts ``[L, E]``: its passes summed."""
-    if len(record.paths) > 1 or PER_RANK.match(record.paths[0].name):
-        return read_dumps(record.paths[0].parent, model=model, files=list(record.paths)).counts.sum(axis=0)
-    return open_load(record.paths[0], model=model).load.counts.sum(axis=0)
+    return _load(record, model).counts.sum(axis=0)
 
 
 def _engine_map(path: Path) -> np.ndarray | None:
@@ -390,8 +396,9 @@ def _one(args: argparse.Namespace, record: Record, seen: _Seen, watcher: Watcher
         err.print(f"warning: {name}: {exc}" + (" (skipped)" if tries >= limit else " (retrying)"))
         return watcher
     if watcher is None:
+        model = args.model or _load(record, None).preset  # the records' shape names it where only one model fits
         watcher = _watcher(args, counts, cluster, budget, params, folder=record.paths[0].parent, history=history,
-                           measured=seen.measured)
+                           measured=seen.measured, model=model)
     pid = m.group(1) if (m := VLLM_RECORD.match(name)) else None
     why = ("an older record after newer ones" if stamp < seen.last_mtime else
            "every earlier record is gone from the folder" if seen.wiped else
@@ -428,16 +435,15 @@ def _one(args: argparse.Namespace, record: Record, seen: _Seen, watcher: Watcher
 
 
 def _watcher(args: argparse.Namespace, counts: np.ndarray, cluster: Any, budget: Any, params: dict[str, Any], *,
-             folder: Path, history: list[dict[str, Any]], measured: int = 0) -> Watcher:
+             folder: Path, history: list[dict[str, Any]], measured: int = 0, model: str | None = None) -> Watcher:
     """The watcher for the records' shape: its pricing (with ``--gpu``), the placement in service, and, when resumed,
     the window of the records the log names last."""
-    from moebalance.core.load import LoadMatrix
-
-    probe = LoadMatrix(counts[None], preset=args.model)
+    probe = LoadMatrix(counts[None], preset=model)
     pricing = None
     if args.gpu is not None:
-        if args.model is None:
-            raise InputError("watch prices with --gpu for a model: give --model (e.g. --model deepseek-v3)")
+        if model is None:
+            raise InputError("watch prices with --gpu for a model, and the records' shape names none alone: give "
+                             "--model (e.g. --model deepseek-v3)")
         pricing = StepPricing(deployment=deployment.build(args, probe), phase=args.phase)
     else:
         deployment.refuse(args, "with --gpu (re-plans are priced)")
