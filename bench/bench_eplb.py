@@ -87,7 +87,7 @@ def main() -> None:
     print(table)
 
     machine_line = f"{machine()}, torch {torch.__version__} ({torch.get_num_threads()} threads)"
-    report = f"""# EPLB `rebalance_experts`: vectorised numpy vs a layer-at-a-time baseline
+    report = f"""# EPLB `rebalance_experts`: moebalance's against a layer-at-a-time baseline
 
 Load: {NUM_LAYERS} layers x {NUM_EXPERTS} experts, integer token counts (8,192 tokens x top-8 per layer,
 Zipf-like popularity with lognormal noise, seed 0). Cluster: {NUM_REPLICAS} physical slots on
@@ -100,8 +100,9 @@ before timing anything if they are not.
 The baseline is `bench/eplb_baseline.py`: the same algorithm written plainly for this project, one layer
 at a time (Python loops over layers, nodes, extra slots and items, numpy float32 scalars as pack loads).
 It is neither DeepSeek's code nor a copy of it, and DeepSeek's own code was not run here; the speedup is
-over this baseline only. The fast version is `moebalance.eplb`: numpy, vectorised over layers, with torch
-only for the item sort and the group sums.
+over this baseline only. The fast version is `moebalance.eplb`: the packing and replication loops compiled
+with numba (a min-heap of the open packs, a max-heap of the experts by load per replica), numpy around them,
+torch only for the item sort and the group sums. Targets: the global plan under 3 ms, the hierarchical under 2.
 
 {table}
 

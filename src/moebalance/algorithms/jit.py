@@ -1,6 +1,7 @@
 """Compiled kernels: a warm-up that compiles every numba kernel once, into numba's cache.
 
-The load-aware routers (``rebalance``, ``minmax``), Libra's prefetcher and the exact per-layer planner
+DeepSeek's EPLB (its packing and replication loops), the load-aware routers (``rebalance``, ``minmax``), Libra's
+prefetcher and the exact per-layer planner
 (``moebalance.algorithms.exact``), and the trace counters (``moebalance.core.tally``: every
 token-level load is checked and counted by them) run numba kernels (``@njit(cache=True)``). The first call
 of a kernel in a fresh install compiles it, which takes seconds; later processes load the compiled code from
@@ -19,7 +20,7 @@ import time
 
 import numpy as np
 
-from moebalance.algorithms import exact, metro, minmax, prefetch, rebalance, split
+from moebalance.algorithms import eplb, exact, metro, minmax, prefetch, rebalance, split
 from moebalance.core import tally
 
 __all__ = ["warm_up"]
@@ -46,6 +47,9 @@ def warm_up() -> float:
     exact.assign(layer, copies[0], ids, src, kept, 1)
     cost = np.array([1e-9, 1e-6, 1e-10, 0.0, 1e-10])  # metro's roofline terms (any positive values compile it)
     metro.split_counts(counts, has, cost)
+    weight = np.array([[4.0, 1.0, 2.0, 3.0]], dtype=np.float32)  # EPLB's packing and replication loops
+    eplb.rebalance_experts(weight, 6, 2, 2, 2)  # hierarchical
+    eplb.rebalance_experts(weight, 6, 1, 1, 2)  # global
     metro.route_tokens(ids, src, starts, np.ascontiguousarray(has[0]), 1, kept, cost)
     variants = []
     for dtype in (tally.id_dtype(3), tally.id_dtype(1 << 15)):  # int16 ids, then int32
