@@ -31,7 +31,7 @@ before it was added.
 How this stays bit-identical while being vectorised
 ---------------------------------------------------
 * The two sequential loops, packing (over items) and replication (over extra slots), are compiled with numba
-  (``_pack_rows``, ``_replicate_rows``), row by row, with the reference's float32 operations: numba keeps
+  (``eplb_loops.pack_rows``, ``replicate_rows``), row by row, with the reference's float32 operations: numba keeps
   ``float32 + float32`` and ``float32 / float32`` in float32, and its strict comparisons keep the lowest index
   on ties, as the reference's ``argmin`` / ``max`` do.
 * Item order comes from ``torch.sort(descending=True)`` itself, called once per packing on the same
@@ -55,8 +55,8 @@ from typing import overload
 import numpy as np
 import numpy.typing as npt
 import torch
-from numba import njit
 
+from moebalance.algorithms.eplb_loops import pack_rows, replicate_rows
 from moebalance.core.errors import BudgetError, InputError
 
 __all__ = ["EplbArgumentError", "EplbResult", "balanced_packing", "eplb_plan", "rebalance_experts",
@@ -109,112 +109,9 @@ def _inverse_permutation(perm: IntArray) -> IntArray:
     return out
 
 
-@njit(cache=True)
-def _lighter(load: FloatArray, a: int, b: int) -> bool:
-    """Pack ``a`` before pack ``b``: less float32 load, or the same load and a lower index."""
-    return load[a] < load[b] or (load[a] == load[b] and a < b)
-
-
-@njit(cache=True)
-def _sift_down(heap: IntArray, size: int, load: FloatArray) -> None:
-    """Restore the min-heap ``heap[:size]`` (packs by :func:`_lighter`) after its root grew."""
-    i = 0
-    while True:
-        child = 2 * i + 1
-        if child >= size:
-            return
-        if child + 1 < size and _lighter(load, heap[child + 1], heap[child]):
-            child += 1
-        if not _lighter(load, heap[child], heap[i]):
-            return
-        heap[i], heap[child] = heap[child], heap[i]
-        i = child
-
-
-@njit(cache=True)
-def _pack_rows(sorted_weight: FloatArray, num_packs: int, per_pack: int) -> tuple[IntArray, IntArray]:
-    """The packing loop, compiled: for each row its items heaviest first (``sorted_weight [X, n]``, float32), each to
-    the open pack with the least float32 load, the lowest index on equal loads (full packs closed), kept in a
-    min-heap of the open packs by (load, index); returns ``(pack, rank in pack)`` ``[X, n]``. Float32 sums as the
-    reference's (numba keeps float32 + float32 in float32)."""
-    num_rows, num_items = sorted_weight.shape
-    chosen = np.empty((num_rows, num_items), dtype=np.int64)
-    rank = np.empty((num_rows, num_items), dtype=np.int64)
-    load = np.zeros(num_packs, dtype=np.float32)
-    size = np.zeros(num_packs, dtype=np.int64)
-    heap = np.empty(num_packs, dtype=np.int64)
-    for r in range(num_rows):
-        load[:] = 0.0
-        size[:] = 0
-        for p in range(num_packs):  # equal loads in index order: already a heap
-            heap[p] = p
-        open_packs = num_packs
-        for k in range(num_items):
-            best = heap[0]
-            chosen[r, k] = best
-            rank[r, k] = size[best]
-            load[best] = load[best] + sorted_weight[r, k]
-            size[best] += 1
-            if size[best] == per_pack:  # full: out of the heap
-                open_packs -= 1
-                heap[0] = heap[open_packs]
-            _sift_down(heap, open_packs, load)
-    return chosen, rank
-
-
-@njit(cache=True)
-def _heavier(score: FloatArray, a: int, b: int) -> bool:
-    """Expert ``a`` before expert ``b``: more float32 load per replica, or the same and a lower index."""
-    return score[a] > score[b] or (score[a] == score[b] and a < b)
-
-
-@njit(cache=True)
-def _sift_max(heap: IntArray, size: int, i: int, score: FloatArray) -> None:
-    """Restore the max-heap ``heap[:size]`` (experts by :func:`_heavier`) below position ``i``."""
-    while True:
-        child = 2 * i + 1
-        if child >= size:
-            return
-        if child + 1 < size and _heavier(score, heap[child + 1], heap[child]):
-            child += 1
-        if not _heavier(score, heap[child], heap[i]):
-            return
-        heap[i], heap[child] = heap[child], heap[i]
-        i = child
-
-
-@njit(cache=True)
-def _replicate_rows(weight: FloatArray, num_phy: int) -> tuple[IntArray, IntArray, IntArray]:
-    """The replication loop, compiled: each extra slot to the expert with the largest float32 ``load / replicas``
-    (the lowest index on ties), kept in a max-heap of the experts by (score, index); returns
-    ``(phy2log, rank, logcnt)``."""
-    num_rows, num_log = weight.shape
-    phy2log = np.empty((num_rows, num_phy), dtype=np.int64)
-    rank = np.zeros((num_rows, num_phy), dtype=np.int64)
-    logcnt = np.ones((num_rows, num_log), dtype=np.int64)
-    score = np.empty(num_log, dtype=np.float32)
-    heap = np.empty(num_log, dtype=np.int64)
-    for r in range(num_rows):
-        for e in range(num_log):
-            phy2log[r, e] = e
-            score[e] = weight[r, e]
-            heap[e] = e
-        for start in range(num_log // 2 - 1, -1, -1):  # heapify
-            _sift_max(heap, num_log, start, score)
-        for slot in range(num_log, num_phy):
-            best = heap[0]
-            count = logcnt[r, best]
-            phy2log[r, slot] = best
-            rank[r, slot] = count
-            logcnt[r, best] = count + 1
-            score[best] = weight[r, best] / np.float32(count + 1)
-            _sift_max(heap, num_log, 0, score)  # its score fell: sift it down
-    return phy2log, rank, logcnt
-
-
 def _pack(weight: FloatArray, num_packs: int) -> tuple[IntArray, IntArray]:
     """Balanced packing of ``weight [X, n]``: ``(pack_index [X, n], rank_in_pack [X, n])``, the items in torch's
-    order, the packing loop compiled (:func:`_pack_rows`)."""
+    order, the packing loop compiled (:func:`moebalance.algorithms.eplb_loops.pack_rows`)."""
     num_rows, num_items = weight.shape
     per_pack = num_items // num_packs
     if per_pack == 1:
@@ -223,7 +120,7 @@ def _pack(weight: FloatArray, num_packs: int) -> tuple[IntArray, IntArray]:
 
     order = _descending_order(weight)
     sorted_weight = np.ascontiguousarray(np.take_along_axis(weight, order, axis=1))  # [X, n]: heaviest first
-    chosen, rank = _pack_rows(sorted_weight, num_packs, per_pack)  # [X, n], in the sorted order
+    chosen, rank = pack_rows(sorted_weight, num_packs, per_pack)  # [X, n], in the sorted order
     pack_index = np.empty((num_rows, num_items), dtype=np.int64)
     rank_in_pack = np.empty((num_rows, num_items), dtype=np.int64)
     row_ix = np.arange(num_rows)[:, None]
@@ -234,8 +131,8 @@ def _pack(weight: FloatArray, num_packs: int) -> tuple[IntArray, IntArray]:
 
 def _replicate(weight: FloatArray, num_phy: int) -> tuple[IntArray, IntArray, IntArray]:
     """Replication of ``weight [X, num_log]``: ``(phy2log [X, num_phy], rank [X, num_phy], logcnt [X, num_log])``,
-    compiled (:func:`_replicate_rows`)."""
-    return _replicate_rows(np.ascontiguousarray(weight, dtype=np.float32), num_phy)
+    compiled (:func:`moebalance.algorithms.eplb_loops.replicate_rows`)."""
+    return replicate_rows(np.ascontiguousarray(weight, dtype=np.float32), num_phy)
 
 
 def _hierarchical(
