@@ -17,22 +17,24 @@ FloatArray = npt.NDArray[np.float32]
 
 
 @njit(cache=True)
-def _lighter(load: FloatArray, a: int, b: int) -> bool:
-    """Pack ``a`` before pack ``b``: less float32 load, or the same load and a lower index."""
-    return load[a] < load[b] or (load[a] == load[b] and a < b)
+def _first(key: FloatArray, a: int, b: int, largest: bool) -> bool:
+    """Entry ``a`` before entry ``b``: a smaller float32 key (a larger one with ``largest``), or the same key and a
+    lower index: the order of the reference's first minimum (packing) and first maximum (replication)."""
+    if key[a] == key[b]:
+        return a < b
+    return key[a] > key[b] if largest else key[a] < key[b]
 
 
 @njit(cache=True)
-def _sift_down(heap: IntArray, size: int, load: FloatArray) -> None:
-    """Restore the min-heap ``heap[:size]`` (packs by :func:`_lighter`) after its root grew."""
-    i = 0
+def _sift_down(heap: IntArray, size: int, i: int, key: FloatArray, largest: bool) -> None:
+    """Restore the heap ``heap[:size]`` (ordered by :func:`_first`) below position ``i``."""
     while True:
         child = 2 * i + 1
         if child >= size:
             return
-        if child + 1 < size and _lighter(load, heap[child + 1], heap[child]):
+        if child + 1 < size and _first(key, heap[child + 1], heap[child], largest):
             child += 1
-        if not _lighter(load, heap[child], heap[i]):
+        if not _first(key, heap[child], heap[i], largest):
             return
         heap[i], heap[child] = heap[child], heap[i]
         i = child
@@ -65,29 +67,8 @@ def pack_rows(sorted_weight: FloatArray, num_packs: int, per_pack: int) -> tuple
             if size[best] == per_pack:  # full: out of the heap
                 open_packs -= 1
                 heap[0] = heap[open_packs]
-            _sift_down(heap, open_packs, load)
+            _sift_down(heap, open_packs, 0, load, False)
     return chosen, rank
-
-
-@njit(cache=True)
-def _heavier(score: FloatArray, a: int, b: int) -> bool:
-    """Expert ``a`` before expert ``b``: more float32 load per replica, or the same and a lower index."""
-    return score[a] > score[b] or (score[a] == score[b] and a < b)
-
-
-@njit(cache=True)
-def _sift_max(heap: IntArray, size: int, i: int, score: FloatArray) -> None:
-    """Restore the max-heap ``heap[:size]`` (experts by :func:`_heavier`) below position ``i``."""
-    while True:
-        child = 2 * i + 1
-        if child >= size:
-            return
-        if child + 1 < size and _heavier(score, heap[child + 1], heap[child]):
-            child += 1
-        if not _heavier(score, heap[child], heap[i]):
-            return
-        heap[i], heap[child] = heap[child], heap[i]
-        i = child
 
 
 @njit(cache=True)
@@ -107,7 +88,7 @@ def replicate_rows(weight: FloatArray, num_phy: int) -> tuple[IntArray, IntArray
             score[e] = weight[r, e]
             heap[e] = e
         for start in range(num_log // 2 - 1, -1, -1):  # heapify
-            _sift_max(heap, num_log, start, score)
+            _sift_down(heap, num_log, start, score, True)
         for slot in range(num_log, num_phy):
             best = heap[0]
             count = logcnt[r, best]
@@ -115,5 +96,5 @@ def replicate_rows(weight: FloatArray, num_phy: int) -> tuple[IntArray, IntArray
             rank[r, slot] = count
             logcnt[r, best] = count + 1
             score[best] = weight[r, best] / np.float32(count + 1)
-            _sift_max(heap, num_log, 0, score)  # its score fell: sift it down
+            _sift_down(heap, num_log, 0, score, True)  # its score fell: sift it down
     return phy2log, rank, logcnt
