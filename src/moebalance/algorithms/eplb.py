@@ -164,8 +164,10 @@ def _hierarchical(
         log2mlog = (group_slot[:, :, None] * group_size + np.arange(group_size)).reshape(weight.shape)
         mlog2log = _inverse_permutation(log2mlog)
 
-    # Step 2: replicate within each node (rows are (layer, node) pairs).
-    tokens_per_mlog = np.take_along_axis(weight, mlog2log, axis=1).reshape(-1, experts_per_node)
+    # Step 2: replicate within each node (rows are (layer, node) pairs). One group a node: middle ids are the ids.
+    identity = groups_per_node == 1
+    tokens_per_mlog = (weight if identity else np.take_along_axis(weight, mlog2log, axis=1)).reshape(
+        -1, experts_per_node)
     phy2mlog, phyrank, mlogcnt = _replicate(tokens_per_mlog, phy_per_node)
 
     # Step 3: slots to the node's GPUs, each slot carrying an equal share of its expert's load.
@@ -176,9 +178,12 @@ def _hierarchical(
 
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1).reshape(num_layers, num_nodes, phy_per_node)
     pphy2mlog = pphy2mlog + (np.arange(num_nodes, dtype=np.int64) * experts_per_node)[:, None]
-    phy2log = np.take_along_axis(mlog2log, pphy2mlog.reshape(num_layers, num_physical), axis=1)
+    pphy2mlog = pphy2mlog.reshape(num_layers, num_physical)
+    phy2log = pphy2mlog if identity else np.take_along_axis(mlog2log, pphy2mlog, axis=1)
     pphyrank = np.take_along_axis(phyrank, pphy2phy, axis=1).reshape(num_layers, num_physical)
-    logcnt = np.take_along_axis(mlogcnt.reshape(num_layers, num_logical), log2mlog, axis=1)
+    logcnt = mlogcnt.reshape(num_layers, num_logical)
+    if not identity:
+        logcnt = np.take_along_axis(logcnt, log2mlog, axis=1)
     return phy2log, pphyrank, logcnt
 
 
