@@ -117,7 +117,6 @@ def test_the_window_is_bounded_and_records_must_keep_their_shape() -> None:
 def test_prices_are_what_online_prices_for_the_same_step() -> None:
     """The step watch prices (drawn from the window) served by ``online``'s replay with the same fixed plan and
     pricing: the same tokens per second (the same ``score_batch``)."""
-    w = Watcher(config())
     plan = make_plan("contiguous", LoadMatrix(hot(0)[None]), CLUSTER, Budget(replicas_per_gpu=0))[0]
     w = Watcher(config(), plan)
     o = w.observe(hot(0), "r0")

@@ -151,10 +151,10 @@ def _hierarchical(
     phy_per_node = num_physical // num_nodes
     phy_per_gpu = num_physical // num_gpus
 
-    # Step 1: groups to nodes; log2mlog gives each expert its node-major "middle" id.
-    if groups_per_node == 1:
-        log2mlog = np.broadcast_to(np.arange(num_logical, dtype=np.int64), weight.shape).copy()
-        mlog2log = log2mlog
+    # Step 1: groups to nodes; log2mlog gives each expert its node-major "middle" id (one group a node: the ids).
+    identity = groups_per_node == 1
+    if identity:
+        tokens_per_mlog = weight.reshape(-1, experts_per_node)
     else:
         tokens_per_group = np.asarray(
             weight_t.unflatten(-1, (num_groups, group_size)).sum(-1).numpy(), dtype=np.float32
@@ -163,11 +163,9 @@ def _hierarchical(
         group_slot = group_pack * groups_per_node + group_rank
         log2mlog = (group_slot[:, :, None] * group_size + np.arange(group_size)).reshape(weight.shape)
         mlog2log = _inverse_permutation(log2mlog)
+        tokens_per_mlog = np.take_along_axis(weight, mlog2log, axis=1).reshape(-1, experts_per_node)
 
-    # Step 2: replicate within each node (rows are (layer, node) pairs). One group a node: middle ids are the ids.
-    identity = groups_per_node == 1
-    tokens_per_mlog = (weight if identity else np.take_along_axis(weight, mlog2log, axis=1)).reshape(
-        -1, experts_per_node)
+    # Step 2: replicate within each node (rows are (layer, node) pairs).
     phy2mlog, phyrank, mlogcnt = _replicate(tokens_per_mlog, phy_per_node)
 
     # Step 3: slots to the node's GPUs, each slot carrying an equal share of its expert's load.

@@ -249,14 +249,14 @@ class Watcher:
         how = cfg.replanning
         new = fresh if how.migration == "fresh" else lay_onto(self.plan, fresh, how.migration,
                                                               max_moves=how.max_moves, load=window)
-        prices: dict[int, tuple[float, float]] = {}
+        prices: dict[int, tuple[Placement, float, float]] = {}  # by id, the plan kept so that its id is its own
 
         def seconds(plan: Placement) -> tuple[float, float]:
             if id(plan) not in prices:
                 _, _, priced = score_batch(plan, step, self.router, cfg.seed, self.seen, pricing)
                 st, tokens, router_s = priced
-                prices[id(plan)] = (st.seconds + router_s, tokens)
-            return prices[id(plan)]
+                prices[id(plan)] = (plan, st.seconds + router_s, tokens)
+            return prices[id(plan)][1:]
 
         t_keep, tokens = seconds(self.plan)
         t_new, _ = seconds(new)

@@ -381,7 +381,7 @@ def _one(args: argparse.Namespace, record: Record, seen: _Seen, watcher: Watcher
     """Read, observe, decide and log one record; a record that fails to read is retried, then skipped."""
     name, stamp, size = record.name, record.stamp, record.size
     try:
-        counts = _read(record, args.model)
+        load = _load(record, args.model)
     except (MoebalanceError, OSError) as exc:  # half-written while the engine writes it, or not a record
         key = (int(size), float(stamp))
         previous = seen.failing.get(name)
@@ -395,10 +395,10 @@ def _one(args: argparse.Namespace, record: Record, seen: _Seen, watcher: Watcher
                 metrics.skipped.labels(args.engine).inc()
         err.print(f"warning: {name}: {exc}" + (" (skipped)" if tries >= limit else " (retrying)"))
         return watcher
-    if watcher is None:
-        model = args.model or _load(record, None).preset  # the records' shape names it where only one model fits
+    counts = load.counts.sum(axis=0)  # the record's passes summed
+    if watcher is None:  # the model: --model, else the one the records' shape names alone
         watcher = _watcher(args, counts, cluster, budget, params, folder=record.paths[0].parent, history=history,
-                           measured=seen.measured, model=model)
+                           measured=seen.measured, model=args.model or load.preset)
     pid = m.group(1) if (m := VLLM_RECORD.match(name)) else None
     why = ("an older record after newer ones" if stamp < seen.last_mtime else
            "every earlier record is gone from the folder" if seen.wiped else
