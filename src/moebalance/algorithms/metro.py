@@ -49,7 +49,7 @@ from numba import njit
 
 from moebalance.algorithms import minmax
 
-__all__ = ["expert_time", "gpu_time", "route_tokens", "split_counts", "split_layer"]
+__all__ = ["expert_time", "gpu_time", "layer_time", "route_tokens", "split_counts", "split_layer"]
 
 
 @njit(cache=True, nogil=True)
@@ -122,6 +122,15 @@ def _layer(n: np.ndarray, u: np.ndarray, cost: np.ndarray) -> float:
         slowest = max(slowest, expert_time(n[g], u[g], cost))
         most = max(most, n[g])
     return slowest + cost[4] * most
+
+
+@njit(cache=True, nogil=True)
+def layer_time(take: np.ndarray, hosts: np.ndarray, G: int, cost: np.ndarray) -> float:
+    """The layer's seconds (:func:`_layer`) of a split ``take [P]`` over the host entries ``hosts [P]``."""
+    n = np.zeros(G, np.int64)
+    u = np.zeros(G, np.int64)
+    _tally(take, hosts, n, u)
+    return _layer(n, u, cost)
 
 
 @njit(cache=True, nogil=True)
