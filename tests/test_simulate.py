@@ -15,6 +15,7 @@ from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.routing import ROUTERS
 from moebalance.routing.simulate import evaluate, gpu_loads, layer_metrics
+from moebalance.routing.touched import pick_tally
 
 #: Every registered router ready to run: metro models expert time, so it gets a GPU and a model.
 READY = {n: r.with_params(gpu="h100-80gb", model="deepseek-v3") if n == "metro" else r for n, r in ROUTERS.items()}
@@ -228,3 +229,22 @@ def test_traffic_seconds_only_times_as_the_full_count(forwarding: str) -> None:
         assert full.a2a_seconds is not None and fast.a2a_seconds is not None
         assert np.array_equal(full.a2a_seconds, fast.a2a_seconds)
         assert full.inter_node > 0 and fast.inter_node == 0
+
+
+@given(seed=st.integers(0, 10_000), T=st.integers(1, 30), B=st.integers(1, 4))
+def test_pick_tally_counts_distinct_experts_per_gpu(seed: int, T: int, B: int) -> None:
+    """Picks and distinct experts per (batch, layer, GPU) against sets built by hand; batches interleaved in token
+    order, dropped picks (-1) counted nowhere, int16 ids."""
+    rng = np.random.default_rng(seed)
+    L, K, E, G = 2, 3, 5, 4
+    ids = rng.integers(0, E, (T, L, K)).astype(np.int16)
+    dest = rng.integers(-1, G, (T, L, K))
+    batch = rng.integers(0, B, T)
+    picks, touched = pick_tally(dest, ids, batch, B, E, G)
+    assert touched is not None
+    for b in range(B):
+        for layer in range(L):
+            for g in range(G):
+                here = (dest[batch == b, layer] == g)
+                assert picks[b, layer, g] == here.sum()
+                assert touched[b, layer, g] == len(set(ids[batch == b, layer][here].tolist()))

@@ -63,6 +63,7 @@ def warm_up() -> float:
         tally.pair_counts(picks, 3)
         tally.transition_counts(picks, 3)
         tally.demand_counts(picks, src, 2, 3)
+        tally.distinct_served(np.zeros(picks.shape, dtype=np.int64), picks, np.zeros(4, dtype=np.int64), 1, 3, 2)
         split.round_robin_gpus(picks, np.zeros(4, dtype=np.int64), np.array([[[0, 1], [0, -1], [1, -1]]], dtype=np.int64),
                                np.array([[2, 1, 1]], dtype=np.int64))
     return time.perf_counter() - t0

@@ -22,20 +22,21 @@ spread over the GPUs. Prefill is bound by ``alpha * n``: the picks spread, as a 
 balancing each GPU's sum is the surrogate, and the router scores its answer by the cost model itself.)
 
 The split minimises the layer's time as the cost model adds it, ``max_g t_expert + kappa * max_g n_g``, heuristically
-(the problem holds makespan scheduling on restricted machines, NP-hard). Three starts:
+(the problem holds makespan scheduling on restricted machines, NP-hard). Two starts, both of whole experts
+taken in one order (fewest copies first, then the most loaded, then the lower id):
 
-1. whole experts, greedily: experts with fewest copies first, then the most loaded; each to the copy whose
-   GPU's time after taking it is least;
-2. whole experts with the least possible ``max_g u_g`` (the ``minmax`` router's integral min-max flow with one
-   unit per loaded expert, :func:`moebalance.algorithms.minmax.route_tokens`), which the greedy start may miss;
-3. every copy an equal share (the ``uniform`` router's whole-token deal).
+1. greedily, each expert to the copy whose GPU's time after taking it is least;
+2. with the least possible ``max_g u_g``: each expert to the copy whose GPU touches fewest experts, then
+   cost-reducing paths until none is left (:func:`_fewest_touched`), which the greedy start may miss.
 
 Each start is kept as it is and also improved twice, by local search on ``t`` and on the expert time alone
-(``kappa = 0``), each search followed by levelling the picks; the best of the nine is returned.
+(``kappa = 0``), each search followed by levelling the picks; the best of the six is returned. (Splitting an
+expert's picks evenly over its copies, the balance of tokens, is left to the router, which also prices
+``uniform``'s and ``rebalance``'s splits and keeps the fastest.)
 
 - Local search, repeated while it helps: on the slowest GPU ``s``, move all or part of one expert's picks to
   another copy's GPU, and, when no single move helps, a chain of two whole moves (``s`` gives an expert to
-  ``h``, ``h`` gives another to a third GPU). A move is taken when the GPUs it changes all end below ``t_s``;
+  ``h``, ``h`` gives another to a third GPU or back to ``s``). A move is taken when the GPUs it changes all end below ``t_s``;
   the best such move (least new maximum among them) is applied. Each move lowers the sorted vector of GPU times
   lexicographically, so the search ends.
 - Levelling: while it lowers the most picks on a GPU, move picks from that GPU to another copy's GPU without any
@@ -133,25 +134,61 @@ def layer_time(take: np.ndarray, hosts: np.ndarray, G: int, cost: np.ndarray) ->
     return _layer(n, u, cost)
 
 
+#: Loads, copies and experts below these fit one sort key (:func:`_order`).
+_KEY_LOAD, _KEY_COUNT = np.int64(1) << 31, np.int64(1) << 16
+
+
 @njit(cache=True, nogil=True)
-def _greedy(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, cost: np.ndarray, take: np.ndarray,
-            n: np.ndarray, u: np.ndarray) -> None:
-    """Start 1: whole experts, fewest copies first, then the most loaded, each to its least costly copy."""
+def _order(W: np.ndarray, hstart: np.ndarray, packed: bool) -> np.ndarray:
+    """``int64 [M]``: the loaded experts, fewest copies first, then the most loaded, then the lower id.
+
+    ``packed``: one sort of keys ``copies | (2**31 - 1 - load) | expert`` (distinct, so any sort orders them
+    alike); else two stable sorts (loads or counts too large for the key)."""
     E = W.shape[0]
+    M = 0
+    for e in range(E):
+        if W[e] > 0:
+            M += 1
+    loaded = np.empty(M, np.int64)
+    k = 0
+    for e in range(E):
+        if W[e] > 0:
+            loaded[k] = e
+            k += 1
+    if packed:
+        keys = np.empty(M, np.int64)
+        for i in range(M):
+            e = loaded[i]
+            keys[i] = ((hstart[e + 1] - hstart[e]) << 47) | ((_KEY_LOAD - 1 - W[e]) << 16) | e
+        keys.sort()
+        for i in range(M):
+            loaded[i] = keys[i] & (_KEY_COUNT - 1)
+        return loaded
+    by_load = loaded[np.argsort(-W[loaded], kind="mergesort")]
+    copies = np.empty(M, np.int64)
+    for i in range(M):
+        e = by_load[i]
+        copies[i] = hstart[e + 1] - hstart[e]
+    return by_load[np.argsort(copies, kind="mergesort")]
+
+
+@njit(cache=True, nogil=True)
+def _fits_key(W: np.ndarray, G: int) -> bool:
+    """Whether :func:`_order` can sort ``W``'s experts by one packed key."""
+    return bool(W.shape[0] < _KEY_COUNT and G < _KEY_COUNT and W.max() < _KEY_LOAD)
+
+
+@njit(cache=True, nogil=True)
+def _greedy(W: np.ndarray, order: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, cost: np.ndarray,
+            take: np.ndarray, n: np.ndarray, u: np.ndarray) -> None:
+    """Start 1: whole experts in ``order`` (:func:`_order`), each to the copy whose GPU's time after taking it
+    is least (then the GPU's time before it, then the first such copy)."""
     take[:] = 0
     n[:] = 0
     u[:] = 0
-    by_load = np.argsort(-W, kind="mergesort")
-    copies = np.empty(E, np.int64)
-    for i in range(E):
-        e = by_load[i]
-        copies[i] = hstart[e + 1] - hstart[e]
-    order = by_load[np.argsort(copies, kind="mergesort")]
-    for i in range(E):
+    for i in range(order.shape[0]):
         e = order[i]
         w = W[e]
-        if w == 0:
-            continue
         pick, best, now = -1, np.inf, np.inf
         for j in range(hstart[e], hstart[e + 1]):
             g = hosts[j]
@@ -165,43 +202,83 @@ def _greedy(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, cost: np.ndarr
 
 
 @njit(cache=True, nogil=True)
-def _fewest_touched(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, has: np.ndarray, take: np.ndarray,
-                    n: np.ndarray, u: np.ndarray) -> None:
-    """Start 2: whole experts with the least ``max_g u_g``: the min-max flow of one unit per loaded expert."""
-    E, G = has.shape
-    M = 0
-    for e in range(E):
-        if W[e] > 0:
-            M += 1
+def _fewest_touched(W: np.ndarray, order: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, expert: np.ndarray,
+                    gstart: np.ndarray, gent: np.ndarray, take: np.ndarray, n: np.ndarray, u: np.ndarray) -> None:
+    """Start 2: whole experts with the least possible ``max_g u_g``.
+
+    Each expert of ``order`` goes to the copy on the GPU touching fewest experts (then fewest picks); then,
+    while a path ``g_0 -e_1-> g_1 -e_2-> ... g_k`` exists from a GPU at the most experts ``U`` to one at ``U - 2``
+    or fewer, where ``e_i`` is served on ``g_{i-1}`` and has a copy on ``g_i``, every ``e_i`` moves one step along
+    it (``g_0`` loses one expert, ``g_k`` gains one). With no such path ``U`` is least: the GPUs the paths
+    reach keep every expert they serve among themselves and serve more than ``U - 1`` each on average.
+    (A semi-matching's cost-reducing path: Harvey, Ladner, Lovasz and Tamir, "Semi-matchings for bipartite
+    graphs and load balancing", J. Algorithms 2006.) One breadth-first search per moved path."""
+    G = n.shape[0]
     take[:] = 0
-    if M > 0:
-        ids = np.empty((M, 1), np.int64)
-        k = 0
-        for e in range(E):
-            if W[e] > 0:
-                ids[k, 0] = e
-                k += 1
-        starts = np.array([0, M], np.int64)
-        dest = minmax.route_tokens(ids, np.zeros(M, np.int64), starts, has, G, np.ones((M, 1), np.bool_))
-        for i in range(M):
-            e = ids[i, 0]
-            for j in range(hstart[e], hstart[e + 1]):
-                if hosts[j] == dest[i, 0]:
-                    take[j] = W[e]
+    n[:] = 0
+    u[:] = 0
+    for i in range(order.shape[0]):
+        e = order[i]
+        pick = -1
+        for j in range(hstart[e], hstart[e + 1]):
+            g = hosts[j]
+            if pick < 0 or u[g] < u[hosts[pick]] or (u[g] == u[hosts[pick]] and n[g] < n[hosts[pick]]):
+                pick = j
+        take[pick] = W[e]
+        n[hosts[pick]] += W[e]
+        u[hosts[pick]] += 1
+    via = np.empty(G, np.int64)  # the entry a search reached each GPU by (-1: not reached)
+    queue = np.empty(G, np.int64)
+    while True:
+        U = u.max()
+        if U < 2:
+            return
+        via[:] = -1
+        head, tail = 0, 0
+        for g in range(G):
+            if u[g] == U:
+                via[g] = -2  # a source
+                queue[tail] = g
+                tail += 1
+        end = -1
+        while head < tail and end < 0:
+            x = queue[head]
+            head += 1
+            for p in range(gstart[x], gstart[x + 1]):
+                j = gent[p]
+                if take[j] == 0:
+                    continue
+                e = expert[j]
+                for j2 in range(hstart[e], hstart[e + 1]):
+                    y = hosts[j2]
+                    if via[y] != -1:
+                        continue
+                    via[y] = j2
+                    if u[y] <= U - 2:
+                        end = y
+                        break
+                    queue[tail] = y
+                    tail += 1
+                if end >= 0:
                     break
-    _tally(take, hosts, n, u)
-
-
-@njit(cache=True, nogil=True)
-def _equal_shares(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, take: np.ndarray, n: np.ndarray,
-                  u: np.ndarray) -> None:
-    """Start 3: every copy an equal share of whole picks (entry ``i`` of ``r`` takes ``W // r``, one more if
-    ``i < W mod r``)."""
-    for e in range(W.shape[0]):
-        r = hstart[e + 1] - hstart[e]
-        for i in range(r):
-            take[hstart[e] + i] = W[e] // r + (1 if i < W[e] % r else 0)
-    _tally(take, hosts, n, u)
+        if end < 0:
+            return
+        y = end
+        while via[y] != -2:  # walk back: the expert served on the previous GPU moves to y
+            j2 = via[y]
+            e = expert[j2]
+            for j in range(hstart[e], hstart[e + 1]):
+                if take[j] > 0:
+                    break
+            x = hosts[j]
+            w = take[j]
+            take[j] = 0
+            take[j2] = w
+            n[x] -= w
+            n[y] += w
+            u[x] -= 1
+            u[y] += 1
+            y = x
 
 
 @njit(cache=True, nogil=True)
@@ -298,10 +375,13 @@ def _improve(take: np.ndarray, n: np.ndarray, u: np.ndarray, hstart: np.ndarray,
                     f = expert[j3]
                     for j4 in range(hstart[f], hstart[f + 1]):
                         k = hosts[j4]
-                        if k == h or k == s:
+                        if k == h:
                             continue
-                        tk = gpu_time(n[k] + y, u[k] + (1 if take[j4] == 0 else 0), cost)
-                        v = max(t1, max(th, tk))
+                        if k == s:  # a swap: s takes f back
+                            v = max(th, gpu_time(n[s] - x + y, u[s] - 1 + (1 if take[j4] == 0 else 0), cost))
+                        else:
+                            tk = gpu_time(n[k] + y, u[k] + (1 if take[j4] == 0 else 0), cost)
+                            v = max(t1, max(th, tk))
                         if v < best:
                             best, cj, cj2, cj3, cj4 = v, j, j2, j3, j4
         if cj < 0:
@@ -351,30 +431,27 @@ def _level_picks(take: np.ndarray, n: np.ndarray, u: np.ndarray, hstart: np.ndar
 
 
 @njit(cache=True, nogil=True)
-def split_layer(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, has: np.ndarray,
-                cost: np.ndarray) -> np.ndarray:
-    """``int64 [P]``: the split of one ``(batch, layer)``'s loads ``W int64 [E]`` over the host entries
-    (``has bool [E, G]``, its :func:`~moebalance.algorithms.minmax.host_lists` ``hstart, hosts``; ``cost
-    float64 [5]``): the best of the three improved starts of the module docstring."""
-    G = has.shape[1]
+def _search(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, expert: np.ndarray, gstart: np.ndarray,
+            gent: np.ndarray, cost: np.ndarray, best_take: np.ndarray) -> None:
+    """The best of the two starts, each as it is and improved twice (module docstring), into ``best_take [P]``;
+    ``expert, gstart, gent``: :func:`_entries` of the host lists."""
+    G = gstart.shape[0] - 1
     P = hosts.shape[0]
-    expert, gstart, gent = _entries(hstart, hosts, G)
     max_moves = 8 * (P + G)
-    best_take = np.zeros(P, np.int64)
     best = np.inf
     take = np.zeros(P, np.int64)
+    start_take = np.zeros(P, np.int64)
     n = np.zeros(G, np.int64)
     u = np.zeros(G, np.int64)
     no_a2a = cost.copy()
     no_a2a[4] = 0.0
-    for start in range(3):
+    order = _order(W, hstart, _fits_key(W, G))
+    for start in range(2):
         if start == 0:
-            _greedy(W, hstart, hosts, cost, take, n, u)
-        elif start == 1:
-            _fewest_touched(W, hstart, hosts, has, take, n, u)
+            _greedy(W, order, hstart, hosts, cost, take, n, u)
         else:
-            _equal_shares(W, hstart, hosts, take, n, u)
-        start_take = take.copy()
+            _fewest_touched(W, order, hstart, hosts, expert, gstart, gent, take, n, u)
+        start_take[:] = take
         for improve in range(3):  # as started; improved on the per-GPU sum; improved on expert time alone
             if improve > 0:
                 take[:] = start_take
@@ -386,7 +463,18 @@ def split_layer(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, has: np.nd
             if t < best:
                 best = t
                 best_take[:] = take
-    return best_take
+
+
+@njit(cache=True, nogil=True)
+def split_layer(W: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, G: int, cost: np.ndarray) -> np.ndarray:
+    """``int64 [P]``: the split of one ``(batch, layer)``'s loads ``W int64 [E]`` over the host entries
+    ``hstart, hosts`` (:func:`~moebalance.algorithms.minmax.host_lists` of the layer's ``has bool [E, G]``) with
+    ``cost float64 [5]``: the search of the module docstring."""
+    expert, gstart, gent = _entries(hstart, hosts, G)
+    take = np.zeros(hosts.shape[0], np.int64)
+    if W.sum() > 0:
+        _search(W, hstart, hosts, expert, gstart, gent, cost, take)
+    return take
 
 
 @njit(cache=True, nogil=True)
@@ -399,11 +487,12 @@ def split_counts(counts: np.ndarray, has: np.ndarray, cost: np.ndarray) -> tuple
     touched = np.zeros((B, L, G), np.float64)
     for layer in range(L):
         hstart, hosts = minmax.host_lists(has[layer])
-        one = np.ascontiguousarray(has[layer])
+        expert, gstart, gent = _entries(hstart, hosts, G)
+        take = np.zeros(hosts.shape[0], np.int64)
         for b in range(B):
             if counts[b, layer].sum() == 0:
                 continue
-            take = split_layer(counts[b, layer], hstart, hosts, one, cost)
+            _search(counts[b, layer], hstart, hosts, expert, gstart, gent, cost, take)
             for j in range(take.shape[0]):
                 if take[j] > 0:
                     picks[b, layer, hosts[j]] += take[j]
@@ -423,7 +512,10 @@ def route_tokens(ids: np.ndarray, src: np.ndarray, batch_start: np.ndarray, has:
     """
     T, K = ids.shape
     E = has.shape[0]
+    G = has.shape[1]
     hstart, hosts = minmax.host_lists(has)
+    expert, gstart, gent = _entries(hstart, hosts, G)
+    left = np.zeros(hosts.shape[0], np.int64)
     dest = np.full((T, K), -1, np.int64)
     W = np.zeros(E, np.int64)
     for b in range(batch_start.shape[0] - 1):
@@ -435,7 +527,7 @@ def route_tokens(ids: np.ndarray, src: np.ndarray, batch_start: np.ndarray, has:
                     W[ids[i, k]] += 1
         if W.sum() == 0:
             continue
-        left = split_layer(W, hstart, hosts, has, cost)
+        _search(W, hstart, hosts, expert, gstart, gent, cost, left)
         for pass_ in range(3):  # 0: the token's own GPU; 1: its node; 2: any copy with picks left
             for i in range(lo, hi):
                 own = src[i]

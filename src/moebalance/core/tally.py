@@ -21,7 +21,8 @@ from numba import njit
 
 from moebalance.core.errors import InputError
 
-__all__ = ["as_ids", "check_picks", "count_picks", "demand_counts", "id_dtype", "pair_counts", "transition_counts"]
+__all__ = ["as_ids", "check_picks", "count_picks", "demand_counts", "distinct_served", "id_dtype", "pair_counts",
+           "transition_counts"]
 
 
 def id_dtype(num_experts: int) -> np.dtype:
@@ -88,6 +89,34 @@ def count_picks(ids_TLK: np.ndarray, key_T: np.ndarray, num_keys: int,
         for layer in range(L):
             for k in range(K):
                 out[n, layer, ids_TLK[t, layer, k]] += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def distinct_served(dest_TLK: np.ndarray, ids_TLK: np.ndarray, batch_T: np.ndarray, num_batches: int,
+                    num_experts: int, num_gpus: int) -> np.ndarray:  # pragma: no cover - numba
+    """``float64 [B, L, G]``: the distinct experts each GPU serves picks of, per batch and layer: ``dest_TLK`` the
+    GPU of each pick (``-1``: dropped, counted nowhere), ``ids_TLK`` its expert, ``batch_T`` each token's batch.
+
+    Tokens are visited batch by batch (a stable sort of ``batch_T``); a stamp per (GPU, expert) holds the last
+    batch that counted it, so memory is ``G * E`` stamps besides the result."""
+    T, L, K = ids_TLK.shape
+    out = np.zeros((num_batches, L, num_gpus), np.float64)
+    order = np.argsort(batch_T, kind="mergesort")
+    stamp = np.empty(num_gpus * num_experts, np.int64)
+    for layer in range(L):
+        stamp[:] = -1
+        for i in range(T):
+            t = order[i]
+            b = batch_T[t]
+            for k in range(K):
+                g = dest_TLK[t, layer, k]
+                if g < 0:
+                    continue
+                key = g * num_experts + ids_TLK[t, layer, k]
+                if stamp[key] != b:
+                    stamp[key] = b
+                    out[b, layer, g] += 1.0
     return out
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moebalance.algorithms.split import apply_shares
+from moebalance.core.tally import distinct_served
 from moebalance.routing.base import Router
 
 if TYPE_CHECKING:
@@ -68,7 +69,4 @@ def pick_tally(dest: np.ndarray, ids: np.ndarray | None, batch: np.ndarray, num_
     picks = np.bincount(cells, minlength=B * L * G).reshape(B, L, G).astype(np.float64)
     if ids is None:
         return picks, None
-    experts = (ids.ravel() if whole else ids[served]).astype(np.int64)
-    pairs = np.unique(cells * E + experts)  # distinct (batch, layer, GPU, expert)
-    touched = np.bincount(pairs // E, minlength=B * L * G).reshape(B, L, G).astype(np.float64)
-    return picks, touched
+    return picks, distinct_served(dest, ids, np.asarray(batch, dtype=np.int64), B, E, G)
