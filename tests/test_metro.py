@@ -14,6 +14,7 @@ from conftest import assert_user_error, random_replica_layers, run_cli
 from hypothesis import given, settings
 
 from moebalance.algorithms import metro as kernel
+from moebalance.algorithms import metro_starts as starts
 from moebalance.algorithms import minmax
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
@@ -238,8 +239,8 @@ def test_fewest_touched_start_is_the_least_possible(data: st.DataObject, E: int,
     hstart, hosts = minmax.host_lists(has)
     expert, gstart, gent = kernel._entries(hstart, hosts, G)
     take, n, u = np.zeros(hosts.size, np.int64), np.zeros(G, np.int64), np.zeros(G, np.int64)
-    order = kernel._order(W, hstart, True)
-    kernel._fewest_touched(W, order, hstart, hosts, expert, gstart, gent, take, n, u)
+    order = starts.order(W, hstart, True)
+    starts.fewest_touched(W, order, hstart, hosts, expert, gstart, gent, take, n, u)
     assert np.array_equal(np.add.reduceat(take, hstart[:-1]), W)
     assert np.all((take == 0) | (take == np.repeat(W, np.diff(hstart))))  # whole experts
     assert (u.max() if W.any() else 0) == (_brute_fewest(W, has) if W.any() else 0)
@@ -252,13 +253,13 @@ def test_order_by_one_key_equals_two_stable_sorts(W: list[int], data: st.DataObj
     copies = np.array(data.draw(st.lists(st.integers(1, 4), min_size=len(W), max_size=len(W))), dtype=np.int64)
     hstart = np.concatenate([[0], np.cumsum(copies)]).astype(np.int64)
     w = np.array(W, dtype=np.int64)
-    packed, sorted_twice = kernel._order(w, hstart, True), kernel._order(w, hstart, False)
+    packed, sorted_twice = starts.order(w, hstart, True), starts.order(w, hstart, False)
     assert np.array_equal(packed, sorted_twice)
     want = sorted(np.flatnonzero(w).tolist(), key=lambda e: (copies[e], -w[e], e))
     assert packed.tolist() == want
     big = w * (1 << 31)
-    assert not kernel._fits_key(big, 4) or not big.any()
-    assert kernel._order(big, hstart, False).tolist() == want
+    assert not starts.fits_key(big, 4) or not big.any()
+    assert starts.order(big, hstart, False).tolist() == want
 
 
 def test_kept_picks_only_and_dropped_ones_nowhere() -> None:
