@@ -169,6 +169,84 @@ def test_wide_ids_beyond_the_compact_type_are_an_error_not_a_wrap(tmp_path, monk
         read_load(tmp_path / "huge.npz")
 
 
+def test_large_compressed_ids_are_spilled_to_a_mapped_file(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compressed (or wide) ids above the spill size go to an unlinked temporary file, read-only and mapped, equal
+    to the stored ids; statistics over them equal those of the arrays in memory."""
+    from moebalance.core import load as load_module
+
+    monkeypatch.setattr(load_module, "_CHUNK_BYTES", 200)
+    monkeypatch.setattr(load_module, "SPILL_BYTES", 100)
+    arrays = _trace_arrays()
+    for name, ids in (("deflated16.npz", arrays["topk_ids"].astype(np.int16)), ("deflated64.npz", arrays["topk_ids"])):
+        np.savez_compressed(tmp_path / name, **{**arrays, "topk_ids": ids})
+        got = read_load(tmp_path / name).trace
+        assert got is not None
+        assert tally._file_mapping(got.topk_ids) is not None and not got.topk_ids.flags.writeable
+        np.testing.assert_array_equal(got.topk_ids, arrays["topk_ids"])
+        np.testing.assert_array_equal(got.counts(), arrays["counts"])
+
+
+def test_a_truncated_member_is_named_not_a_reshape_error(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moebalance.core import load as load_module
+
+    monkeypatch.setattr(load_module, "_CHUNK_BYTES", 200)
+    arrays = _trace_arrays()
+    path = tmp_path / "cut.npz"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, value in arrays.items():
+            with zf.open(f"{name}.npy", "w") as fh:
+                np.lib.format.write_array(fh, value[:-1] if name == "topk_ids" else value)
+    with zipfile.ZipFile(path) as zf:  # the header of 39 tokens, patched to promise 40
+        members = {n: zf.read(n) for n in zf.namelist()}
+    members["topk_ids.npy"] = members["topk_ids.npy"].replace(b"(39, ", b"(40, ", 1)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    with pytest.raises(InputError, match=r"topk_ids ends after about 39 of its 40 tokens \(is the file damaged\?\)"):
+        read_load(path)
+
+
+def test_counts_walk_the_ids_in_chunks_and_hand_mapped_pages_back(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every count over many small chunks equals one pass; the pages of a mapped trace leave the process's
+    resident set after a walk (the file's mapping stays readable), and an array in memory is never touched."""
+    monkeypatch.setattr(tally, "CHUNK_PICKS", 7)
+    rng = np.random.default_rng(3)
+    tr = _random_trace(rng, 60, 4, 3, 9, 5, 4)
+    ids = tr.topk_ids
+    assert list(tally.token_chunks(ids, 7))[:2] == [(0, 1), (1, 2)]  # 12 picks a token: one token a chunk
+    want_counts = np.zeros((4, 4, 9), dtype=np.int64)
+    for t in range(60):
+        for layer in range(4):
+            for e in ids[t, layer]:
+                want_counts[tr.batch[t], layer, e] += 1
+    np.testing.assert_array_equal(tally.count_picks(ids, tr.batch, 4, 9), want_counts)
+    pairs = tally.pair_counts(ids, 9)
+    assert pairs.sum() == 60 * 4 * 3 * 3 and np.array_equal(np.einsum("lii->li", pairs), want_counts.sum(axis=0))
+    assert tally.transition_counts(ids, 9).sum() == 60 * 3 * 3 * 3
+    kept = ids.copy()
+    tally.release(kept)  # memory an array owns: untouched
+    np.testing.assert_array_equal(kept, ids)
+    big = np.tile(np.arange(8, dtype=np.int16).reshape(1, 1, 8), (300_000, 2, 1))  # 9.6 MB of ids
+    np.savez(tmp_path / "big.npz", topk_ids=big, src_gpu=np.zeros(300_000, dtype=np.int64),
+             batch=np.zeros(300_000, dtype=np.int64))
+    np.savez(tmp_path / "small.npz", topk_ids=big[:10], src_gpu=np.zeros(10, dtype=np.int64),
+             batch=np.zeros(10, dtype=np.int64))
+    monkeypatch.setattr(tally, "CHUNK_PICKS", 1 << 18)
+
+    def resident_kb() -> int:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("RssFile:"))
+
+    read_load(tmp_path / "small.npz").trace.counts()  # every code path warm
+    before = resident_kb()
+    mapped = read_load(tmp_path / "big.npz").trace  # checked and counted on reading: walks of all 9.6 MB
+    assert mapped is not None and tally._file_mapping(mapped.topk_ids) is not None
+    counts = mapped.counts()  # one more walk
+    assert counts[0, 0].tolist() == [300_000] * 8
+    assert resident_kb() - before < 4_000  # the chunks' pages went back: well under the 9.4 MB walked
+    assert int(mapped.topk_ids[-1, 1, 7]) == 7  # and the mapping still reads
+
+
 def test_written_traces_store_compact_ids(tmp_path) -> None:
     arrays = _trace_arrays()
     write_load(tmp_path / "t.npz", LoadMatrix.from_arrays(arrays))

@@ -9,6 +9,7 @@ token-level trace, ``topk_ids``, ``src_gpu`` and ``batch``. Nothing is ever unpi
 from __future__ import annotations
 
 import os
+import tempfile
 import zipfile
 import zlib
 from collections.abc import Iterator
@@ -326,15 +327,20 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 _CHUNK_BYTES = 1 << 26  # a wide id array is converted 64 MB of the file at a time
+#: Ids larger than this (in their compact type) that cannot be mapped from the file are spilled to a temporary file
+#: and mapped (:func:`_read_ids`).
+SPILL_BYTES = 1 << 28
 
 
 def _read_ids(path: Path, zf: zipfile.ZipFile, member: str, num_experts: int | None) -> np.ndarray:
     """The ``topk_ids`` member of an ``.npz`` without holding it in a wider type than the trace keeps.
 
     - stored uncompressed (``numpy.savez``) as ``int16``/``int32``: memory-mapped, read-only, no copy;
-    - stored as 64-bit integers: converted piece by piece into the compact type of ``num_experts``
-      (:func:`moebalance.core.tally.id_dtype`; without ``counts`` in the file, ``E`` is the largest id + 1,
-      found in a first pass), so a large ``int64`` trace never sits in memory at full width;
+    - compressed, or stored as 64-bit integers: decompressed and converted piece by piece into the compact type
+      of ``num_experts`` (:func:`moebalance.core.tally.id_dtype`; without ``counts`` in the file, ``E`` is the
+      largest id + 1, found in a first pass). Ids of more than :data:`SPILL_BYTES` in that type go to a
+      temporary file (unlinked at once: it vanishes with the process) that is then memory-mapped like a stored
+      member, so a trace never sits in memory whole; smaller ones are held in memory;
     - anything else: read as it is (``RoutingTrace`` then checks and converts it).
     """
     from moebalance.core.tally import id_dtype
@@ -350,13 +356,13 @@ def _read_ids(path: Path, zf: zipfile.ZipFile, member: str, num_experts: int | N
     if fortran or dtype.hasobject or dtype.kind not in "iu" or len(shape) != 3:
         return _plain(zf, member)
     native = dtype.newbyteorder("=") == dtype
-    if dtype.itemsize <= 4:
-        if info.compress_type == zipfile.ZIP_STORED and native and not info.flag_bits & 0x1:
-            with open(path, "rb") as raw:  # the member's data starts after its local header (fixed 30 bytes + names)
-                raw.seek(info.header_offset + 26)
-                name_len, extra_len = np.frombuffer(raw.read(4), dtype="<u2")
-            offset = info.header_offset + 30 + int(name_len) + int(extra_len) + header_len
-            return np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape))
+    if dtype.itemsize <= 4 and info.compress_type == zipfile.ZIP_STORED and native and not info.flag_bits & 0x1:
+        with open(path, "rb") as raw:  # the member's data starts after its local header (fixed 30 bytes + names)
+            raw.seek(info.header_offset + 26)
+            name_len, extra_len = np.frombuffer(raw.read(4), dtype="<u2")
+        offset = info.header_offset + 30 + int(name_len) + int(extra_len) + header_len
+        return np.asarray(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape))
+    if dtype.itemsize <= 4 and int(np.prod(shape)) * dtype.itemsize <= SPILL_BYTES:
         return _plain(zf, member)
     row_bytes = dtype.itemsize * int(np.prod(shape[1:]))  # one token's ids
     rows = max(1, _CHUNK_BYTES // max(1, row_bytes))
@@ -366,7 +372,11 @@ def _read_ids(path: Path, zf: zipfile.ZipFile, member: str, num_experts: int | N
             fh.seek(header_len)
             for lo in range(0, shape[0], rows):
                 n = min(rows, shape[0] - lo)
-                yield np.frombuffer(fh.read(n * row_bytes), dtype=dtype).reshape((n, *shape[1:]))
+                data = fh.read(n * row_bytes)
+                if len(data) < n * row_bytes:
+                    raise InputError(f"{str(path)!r}: topk_ids ends after about {lo + len(data) // row_bytes} of its "
+                                     f"{shape[0]} tokens (is the file damaged?)")
+                yield np.frombuffer(data, dtype=dtype).reshape((n, *shape[1:]))
 
     if num_experts is None:  # no counts to say E: the largest id says it
         hi = max((int(piece.max()) for piece in pieces() if piece.size), default=0)
@@ -376,16 +386,40 @@ def _read_ids(path: Path, zf: zipfile.ZipFile, member: str, num_experts: int | N
         num_experts = hi + 1
     target = id_dtype(max(1, num_experts))
     lo_ok, hi_ok = np.iinfo(target).min, np.iinfo(target).max
+    nbytes = int(np.prod(shape)) * target.itemsize
+
+    def checked() -> Iterator[np.ndarray]:
+        for piece in pieces():
+            if piece.size and (int(piece.min()) < lo_ok or int(piece.max()) > hi_ok):
+                bad = int(piece.min()) if int(piece.min()) < lo_ok else int(piece.max())
+                raise InputError(f"{str(path)!r}: topk_ids holds expert id {bad}; ids must lie in [0, {num_experts})")
+            yield piece
+
+    if nbytes > SPILL_BYTES:
+        return _spill(checked(), shape, target, f"{str(path)!r}: its {nbytes / 1e9:.1f} GB of expert ids")
     check_alloc(shape, target.itemsize, f"{str(path)!r}: topk_ids [T, L, K]", "is the file damaged?")
     out = np.empty(shape, dtype=target)
     row = 0
-    for piece in pieces():
-        if piece.size and (int(piece.min()) < lo_ok or int(piece.max()) > hi_ok):
-            bad = int(piece.min()) if int(piece.min()) < lo_ok else int(piece.max())
-            raise InputError(f"{str(path)!r}: topk_ids holds expert id {bad}; ids must lie in [0, {num_experts})")
+    for piece in checked():
         out[row:row + piece.shape[0]] = piece
         row += piece.shape[0]
     return out
+
+
+def _spill(pieces: Iterator[np.ndarray], shape: tuple[int, ...], dtype: np.dtype, what: str) -> np.ndarray:
+    """``pieces`` (consecutive rows) written to an unlinked temporary file as ``dtype``, then memory-mapped
+    read-only: an array the size of the file that this process does not hold."""
+    with tempfile.TemporaryFile(prefix="moebalance-ids-") as tmp:
+        try:
+            for piece in pieces:
+                tmp.write(np.ascontiguousarray(piece, dtype=dtype).tobytes())
+            tmp.flush()
+        except OSError as exc:
+            raise InputError(f"{what} do not fit in memory and could not be spilled to {tempfile.gettempdir()} "
+                             f"({exc.strerror}); free that much disk there or set TMPDIR to a larger disk") from None
+        if not shape[0]:
+            return np.empty(shape, dtype=dtype)
+        return np.asarray(np.memmap(tmp, dtype=dtype, mode="r", shape=shape))  # the mapping outlives the file
 
 
 def _plain(zf: zipfile.ZipFile, member: str) -> np.ndarray:

@@ -9,6 +9,11 @@ counts of co-activation and cross-layer transitions ``K`` times more. These kern
 into the result directly (numba, compiled once into numba's cache; they release the GIL), so memory is the
 result alone and time is a few nanoseconds per pick.
 
+A trace too large to hold (ten million DeepSeek-V3 tokens are 9.3 GB of ``int16`` ids) is memory-mapped from its
+file (:func:`moebalance.core.load.read_load`), and every count here walks it in chunks of tokens
+(:func:`token_chunks`), handing each chunk's pages back after use (:func:`release`): the file's pages stay in the
+operating system's cache, not in this process, so memory stays flat whatever the trace's length.
+
 Expert ids are stored compactly (:func:`id_dtype`: ``int16`` up to 32,767 experts, else ``int32``);
 :func:`as_ids` checks and converts other integer arrays once, so the kernels see ids in range, in one of those
 two types (numba compiles a variant per type and layout: read-only, memory-mapped ids get their own).
@@ -16,13 +21,59 @@ two types (numba compiles a variant per type and layout: read-only, memory-mappe
 
 from __future__ import annotations
 
+import mmap
+from collections.abc import Iterator
+
 import numpy as np
 from numba import njit
 
 from moebalance.core.errors import InputError
 
 __all__ = ["as_ids", "check_picks", "count_picks", "demand_counts", "distinct_served", "id_dtype", "pair_counts",
-           "transition_counts"]
+           "release", "token_chunks", "transition_counts"]
+
+#: Picks per chunk when a count walks a trace (64 MB of ``int16`` ids).
+CHUNK_PICKS = 1 << 25
+
+
+def _file_mapping(arr: np.ndarray) -> mmap.mmap | None:
+    """The read-only file mapping ``arr`` views (a ``numpy.memmap`` opened with ``mode="r"``), else None."""
+    base: object = arr
+    while base is not None:
+        mapping = getattr(base, "_mmap", None)
+        if isinstance(base, np.memmap) and base.mode == "r" and isinstance(mapping, mmap.mmap):
+            return mapping
+        base = getattr(base, "base", None)
+    return None
+
+
+def release(arr: np.ndarray) -> None:
+    """Hand the pages of ``arr`` back to the operating system where ``arr`` views a read-only file mapping (the
+    whole pages it covers; a later read faults them in again from the page cache); a no-op for any other array,
+    whose memory is never touched."""
+    mm = _file_mapping(arr)
+    if mm is None or arr.size == 0 or not arr.flags.c_contiguous:
+        return
+    start = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
+    lo = arr.__array_interface__["data"][0] - start
+    hi = lo + arr.nbytes
+    page = mmap.PAGESIZE
+    lo, hi = -(-lo // page) * page, (hi // page) * page  # whole pages inside the array only
+    if hi > lo:
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+def token_chunks(ids_TLK: np.ndarray, max_picks: int = CHUNK_PICKS) -> Iterator[tuple[int, int]]:
+    """Token ranges ``(lo, hi)`` covering ``ids_TLK [T, L, K]``, each of at most ``max_picks`` picks (one token at
+    least); each chunk is released (:func:`release`) once the loop moves past it."""
+    T = ids_TLK.shape[0]
+    per = max(1, int(np.prod(ids_TLK.shape[1:])))
+    rows = max(1, max_picks // per)
+    for lo in range(0, T, rows):
+        hi = min(T, lo + rows)
+        yield lo, hi
+        release(ids_TLK[lo:hi])
+
 
 
 def id_dtype(num_experts: int) -> np.dtype:
@@ -42,10 +93,13 @@ def as_ids(topk_ids: np.ndarray, num_experts: int, name: str = "topk_ids") -> np
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
         raise InputError(f"{name} has dtype {arr.dtype}; it must hold integer expert ids")
     target = id_dtype(num_experts)
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < 0 or hi >= num_experts:
-            raise InputError(f"{name} holds expert id {lo if lo < 0 else hi}; ids must lie in [0, {num_experts})")
+    chunks = token_chunks(arr) if arr.ndim == 3 else iter([(0, arr.shape[0] if arr.ndim else 1)])
+    for a, b in chunks:
+        part = arr[a:b] if arr.ndim else arr
+        if part.size:
+            lo, hi = int(part.min()), int(part.max())
+            if lo < 0 or hi >= num_experts:
+                raise InputError(f"{name} holds expert id {lo if lo < 0 else hi}; ids must lie in [0, {num_experts})")
     return np.ascontiguousarray(arr, dtype=target)
 
 
@@ -69,7 +123,12 @@ def _check_picks(ids: np.ndarray, num_experts: int) -> tuple[int, int, int, int]
 
 def check_picks(ids_TLK: np.ndarray, num_experts: int) -> None:
     """Raise :class:`InputError` naming the first pick out of ``[0, E)`` or repeated within a token's layer."""
-    code, t, layer, k = _check_picks(ids_TLK, num_experts)
+    code, t, layer, k = 0, 0, 0, 0
+    for lo, hi in token_chunks(ids_TLK):
+        code, t, layer, k = _check_picks(ids_TLK[lo:hi], num_experts)
+        t += lo
+        if code:
+            break
     if code == 1:
         raise InputError(f"topk_ids holds expert id {int(ids_TLK[t, layer, k])} (token {t}, layer {layer}); "
                          f"ids must lie in [0, {num_experts})")
@@ -77,19 +136,24 @@ def check_picks(ids_TLK: np.ndarray, num_experts: int) -> None:
         raise InputError(f"token {t} picks the same expert twice in layer {layer}; top-k picks are distinct")
 
 
-@njit(cache=True, nogil=True)
-def count_picks(ids_TLK: np.ndarray, key_T: np.ndarray, num_keys: int,
-                num_experts: int) -> np.ndarray:  # pragma: no cover - numba
+def count_picks(ids_TLK: np.ndarray, key_T: np.ndarray, num_keys: int, num_experts: int) -> np.ndarray:
     """``int64 [N, L, E]``: picks of expert ``e`` in layer ``l`` by the tokens whose key is ``n`` (``key_T`` in
-    ``[0, N)``): with the tokens' batches, the load ``counts [B, L, E]``."""
+    ``[0, N)``): with the tokens' batches, the load ``counts [B, L, E]``. Walks the ids in chunks."""
+    out = np.zeros((num_keys, ids_TLK.shape[1], num_experts), dtype=np.int64)
+    for lo, hi in token_chunks(ids_TLK):
+        _count_picks(ids_TLK[lo:hi], key_T[lo:hi], out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _count_picks(ids_TLK: np.ndarray, key_T: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - numba
+    """Add the picks of ``ids_TLK`` into ``out [N, L, E]`` by each token's key."""
     T, L, K = ids_TLK.shape
-    out = np.zeros((num_keys, L, num_experts), dtype=np.int64)
     for t in range(T):
         n = key_T[t]
         for layer in range(L):
             for k in range(K):
                 out[n, layer, ids_TLK[t, layer, k]] += 1
-    return out
 
 
 @njit(cache=True, nogil=True)
@@ -120,19 +184,25 @@ def distinct_served(dest_TLK: np.ndarray, ids_TLK: np.ndarray, batch_T: np.ndarr
     return out
 
 
+def _pair_walk(ids_TLK: np.ndarray, num_experts: int, offset: int) -> np.ndarray:
+    """``int64 [L - offset, E, E]``: :func:`_pairs` over the ids in chunks."""
+    out = np.zeros((max(ids_TLK.shape[1] - offset, 0), num_experts, num_experts), dtype=np.int64)
+    for lo, hi in token_chunks(ids_TLK):
+        _pairs(ids_TLK[lo:hi], offset, out)
+    return out
+
+
 @njit(cache=True, nogil=True)
-def _pairs(ids_TLK: np.ndarray, num_experts: int, offset: int) -> np.ndarray:  # pragma: no cover - numba
-    """``int64 [L - offset, E, E]``: ``[l, i, j]`` counts (token, pick, pick) with ``i`` in layer ``l`` and ``j`` in
-    layer ``l + offset``."""
+def _pairs(ids_TLK: np.ndarray, offset: int, out: np.ndarray) -> None:  # pragma: no cover - numba
+    """Add to ``out [L - offset, E, E]`` the (token, pick, pick) with ``i`` in layer ``l`` and ``j`` in layer
+    ``l + offset``."""
     T, L, K = ids_TLK.shape
-    out = np.zeros((max(L - offset, 0), num_experts, num_experts), dtype=np.int64)
     for layer in range(L - offset):  # layer outermost: one layer's [E, E] block stays in cache
         for t in range(T):
             for i in range(K):
                 a = ids_TLK[t, layer, i]
                 for j in range(K):
                     out[layer, a, ids_TLK[t, layer + offset, j]] += 1
-    return out
 
 
 def pair_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
@@ -140,12 +210,12 @@ def pair_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
 
     The diagonal is each expert's load; off the diagonal, tokens that picked both (each pair in both orders).
     """
-    return _pairs(ids_TLK, num_experts, 0)
+    return _pair_walk(ids_TLK, num_experts, 0)
 
 
 def transition_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
     """``int64 [L-1, E, E]``: (token, pick) pairs from expert ``i`` in layer ``l`` to ``j`` in layer ``l + 1``."""
-    return _pairs(ids_TLK, num_experts, 1)
+    return _pair_walk(ids_TLK, num_experts, 1)
 
 
 def demand_counts(ids_TLK: np.ndarray, src_T: np.ndarray, num_gpus: int, num_experts: int) -> np.ndarray:

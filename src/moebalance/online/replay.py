@@ -41,6 +41,7 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.core.tally import release
 from moebalance.online.failure import (
     Failures,
     check_capacity,
@@ -180,7 +181,16 @@ def score_batch(plan: Placement, load: LoadMatrix, router: Router, seed: int, ba
     """``(imbalance [L], balancedness [L], step or None)`` of one batch ``load`` (a single-batch load); with
     ``pricing`` also its :class:`~moebalance.pricing.step.StepTime` (the same routed picks). ``lost`` GPUs serve
     nothing: their tokens go to the survivors and balance is over the survivors
-    (:mod:`moebalance.online.failure`)."""
+    (:mod:`moebalance.online.failure`). A memory-mapped trace's pages of the batch go back once it is scored."""
+    try:
+        return _score_batch(plan, load, router, seed, batch, pricing, lost)
+    finally:
+        if load.trace is not None:
+            release(load.trace.topk_ids)
+
+
+def _score_batch(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int,
+                 pricing: StepPricing | None, lost: Sequence[int]) -> tuple[np.ndarray, np.ndarray, Any]:
     G = plan.num_gpus
     load = survivor_load(load, lost, G, renumber=False)
     rng = np.random.default_rng((seed, batch))
@@ -410,6 +420,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
                 demand = np.where(pred.layers[:, None, None], demand, prev.demand)
             lo, hi = (int(x) for x in np.searchsorted(trace.batch, [bt, bt + 1], side="left"))
             tally.add(pred, trace.topk_ids[lo:hi])
+            release(trace.topk_ids[lo:hi])
         elif config.exact:
             demand = np.repeat(load.counts[bt][:, None, :] / G, G, axis=1).astype(float)
         else:

@@ -25,6 +25,7 @@ import numpy as np
 from moebalance.core.budget import Budget, Capacity, resolve_budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
+from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix
 from moebalance.core.options import Options
 from moebalance.core.plan import Placement, with_dense_layers
@@ -182,6 +183,11 @@ def run_policy(policy: Policy[Any] | Callable[..., Placement], load: LoadMatrix,
 
 
 def _trace_layers(trace: RoutingTrace, layers: np.ndarray) -> RoutingTrace:
+    """The trace's MoE layers alone: a copy of their picks, which must fit in memory (a trace that records no dense
+    layers, or whose load names its layer ids, is planned on as it is, mapped from its file)."""
+    check_alloc((trace.num_tokens, layers.size, trace.top_k), trace.topk_ids.itemsize,
+                "the MoE layers' picks of this trace [T, L, K]", "plan on a trace of the MoE layers alone (record "
+                "the model's layer ids, or leave dense layers out of the trace)")
     return RoutingTrace(trace.topk_ids[:, layers], trace.src_gpu, trace.batch, trace.num_experts, trace.num_batches)
 
 

@@ -50,6 +50,7 @@ import numpy as np
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.core.tally import release
 from moebalance.routing import Router, get_router
 from moebalance.routing.base import check_routes
 from moebalance.routing.copies import Traffic, traffic
@@ -232,6 +233,7 @@ def replay_picks(plan: Placement, load: LoadMatrix, router: Router, rng: np.rand
                                  seconds_only=seconds_only))
         if on_batches is not None:
             on_batches(stop - start)
+        release(sub.topk_ids)  # a memory-mapped trace's pages go back once the chunk is counted
     if loads is None:  # uniform: its fractional split, which gives every copy of a loaded expert a share
         loads = router.split_counts(plan, load.counts, rng)
         touched = hosted_touched(plan, load.counts) if with_touched else None
