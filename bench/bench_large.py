@@ -4,7 +4,7 @@ The trace: ``moebalance synth --token-level`` draws a base of 4 batches x 16,384
 (58 MoE layers, 256 experts, top-8) on 64 ranks; the bench then writes traces of 1,048,576 and 10,485,760 tokens
 (64 and 640 batches) from it, each 4-batch tile with the expert ids of every layer renamed by its own random
 permutation (each tile as skewed as the base, its hot experts elsewhere), streamed into an uncompressed ``.npz``
-as ``numpy.savez`` would write it (the 10M trace is 9.3 GB of ``int16`` ids; it is never held in memory, never
+as ``numpy.savez`` would write it (the 10M trace is 9.7 GB of ``int16`` ids; it is never held in memory, never
 committed). ``synth`` itself draws a Gumbel race over all 256 experts per token and layer: 6 minutes per 1M
 tokens here, so it makes the base only.
 

@@ -175,3 +175,18 @@ def test_trtllm_digit_keys_too_long_for_int(tmp_path: Path) -> None:
     folder = _stats(tmp_path / "stats", {"0_3": counts, "0_" + "9" * 5000: counts})
     text = one_line(lambda: read_any_load(folder), InputError, "'{iteration}_{layer}'")
     assert len(text) < 400
+
+
+def test_an_engine_dump_larger_than_memory_is_refused_before_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine files are read whole: one larger than the machine's memory is refused in one line, naming its size and
+    what to do, before any of it is read."""
+    from moebalance.engines import detect
+
+    dump = Path(__file__).parent / "data" / "sglang-deepseek-v3" / "decode_in1000out1000.json"
+    monkeypatch.setattr(detect, "machine_memory_bytes", lambda: 1024)
+    with pytest.raises(InputError) as info:
+        read_any_load(str(dump), "sglang")
+    text = str(info.value)
+    assert "GiB of sglang dumps" in text and "this machine has 0.0 GiB" in text and "import the dumps in parts" in text
+    monkeypatch.setattr(detect, "machine_memory_bytes", lambda: 1 << 40)
+    assert read_any_load(str(dump), "sglang").num_experts == 256

@@ -20,6 +20,7 @@ import numpy as np
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.io import read_json
+from moebalance.core.limits import machine_memory_bytes
 from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load
 from moebalance.core.plan import Placement, read_plan, with_dense_layers
 from moebalance.engines.layers import choose_model, decoder_layers
@@ -93,6 +94,7 @@ def open_load(path: str | os.PathLike[str], fmt: str | None = None, *, model: st
             choose_model(load.num_layers, load.num_experts, ids, loaded, model)  # refuses a load of another shape
             load = dataclasses.replace(load, preset=model)
         return OpenedLoad(load, kind)
+    _check_fits(Path(path), kind)
     if kind == "sglang":
         load = read_dumps(path, model=model) if Path(path).is_dir() else read_stat(path, model=model)
     elif kind == "vllm":
@@ -103,6 +105,18 @@ def open_load(path: str | os.PathLike[str], fmt: str | None = None, *, model: st
                              "rank*.safetensors)")
         load = read_statistics(path, model=model)
     return OpenedLoad(load, kind, () if model is not None else _inferred(load))
+
+
+def _check_fits(path: Path, kind: str) -> None:
+    """Refuse, in one line and before reading, an engine dump larger than this machine's memory: the engines' files
+    are read whole (a moebalance trace is mapped and walked in chunks instead)."""
+    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    size = sum(p.stat().st_size for p in files)
+    limit = machine_memory_bytes()
+    if size > limit:
+        raise InputError(f"{str(path)!r} holds {size / 2**30:.1f} GiB of {kind} dumps, and reading them takes at least "
+                         f"that much memory; this machine has {limit / 2**30:.1f} GiB: import the dumps in parts "
+                         "(a folder of some of the files at a time)")
 
 
 def _inferred(load: LoadMatrix) -> tuple[str, ...]:
