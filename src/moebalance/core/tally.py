@@ -47,12 +47,12 @@ def _file_mapping(arr: np.ndarray) -> mmap.mmap | None:
     return None
 
 
-def release(arr: np.ndarray) -> None:
+def release(arr: np.ndarray | None) -> None:
     """Hand the pages of ``arr`` back to the operating system where ``arr`` views a read-only file mapping (the
-    whole pages it covers; a later read faults them in again from the page cache); a no-op for any other array,
-    whose memory is never touched."""
-    mm = _file_mapping(arr)
-    if mm is None or arr.size == 0 or not arr.flags.c_contiguous:
+    whole pages it covers; a later read faults them in again from the page cache); a no-op for any other array
+    (whose memory is never touched) and for None."""
+    mm = None if arr is None else _file_mapping(arr)
+    if mm is None or arr is None or arr.size == 0 or not arr.flags.c_contiguous:
         return
     start = np.frombuffer(mm, dtype=np.uint8).__array_interface__["data"][0]
     lo = arr.__array_interface__["data"][0] - start

@@ -121,8 +121,7 @@ class OnlineResult:
     def as_dict(self) -> dict[str, Any]:
         """The ``online --json`` object (docs/design.md, "Online replay and prediction")."""
         out: dict[str, Any] = {
-            "policy": self.policy,
-            "router": self.router,
+            "policy": self.policy, "router": self.router,
             "balancedness": round(self.balancedness, 6),
             "mean_imbalance_ratio": round(self.mean_imbalance_ratio, 6),
             "max_imbalance_ratio": round(float(np.max(self.per_batch_imbalance)), 6),
@@ -181,12 +180,11 @@ def score_batch(plan: Placement, load: LoadMatrix, router: Router, seed: int, ba
     """``(imbalance [L], balancedness [L], step or None)`` of one batch ``load`` (a single-batch load); with
     ``pricing`` also its :class:`~moebalance.pricing.step.StepTime` (the same routed picks). ``lost`` GPUs serve
     nothing: their tokens go to the survivors and balance is over the survivors
-    (:mod:`moebalance.online.failure`). A memory-mapped trace's pages of the batch go back once it is scored."""
+    (:mod:`moebalance.online.failure`)."""
     try:
         return _score_batch(plan, load, router, seed, batch, pricing, lost)
-    finally:
-        if load.trace is not None:
-            release(load.trace.topk_ids)
+    finally:  # a memory-mapped trace's pages of the batch go back once it is scored
+        release(None if load.trace is None else load.trace.topk_ids)
 
 
 def _score_batch(plan: Placement, load: LoadMatrix, router: Router, seed: int, batch: int,
@@ -420,7 +418,6 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
                 demand = np.where(pred.layers[:, None, None], demand, prev.demand)
             lo, hi = (int(x) for x in np.searchsorted(trace.batch, [bt, bt + 1], side="left"))
             tally.add(pred, trace.topk_ids[lo:hi])
-            release(trace.topk_ids[lo:hi])
         elif config.exact:
             demand = np.repeat(load.counts[bt][:, None, :] / G, G, axis=1).astype(float)
         else:

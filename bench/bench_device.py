@@ -1,0 +1,87 @@
+"""The device rebalancer's time per layer on a GPU, in and out of a CUDA graph, beside the CPU kernel.
+
+DeepSeek-V3-like counts (64 GPUs x 256 experts, EPLB with 64 and 256 redundant experts, 58 layers, one batch of
+8 and 256 tokens per GPU: decode and prefill), on the GPU: :func:`moebalance.algorithms.rebalance_device.split_counts`
+called directly (a kernel launch and its torch set-up per call), then the same call captured once in a CUDA graph
+and replayed; per layer = per call / 58. Beside it the compiled CPU kernel
+(:func:`moebalance.algorithms.rebalance.split_counts`) on the same counts. Every result is checked equal to the
+CPU's first. Goal: under 100 us per layer.
+
+Needs a CUDA GPU and Triton; elsewhere it says so and exits. Writes docs/results/bench_device.md.
+Run: .venv/bin/python bench/bench_device.py
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import torch
+from _common import ROOT, machine
+
+from moebalance.algorithms import rebalance as cpu
+from moebalance.core.cluster import Cluster
+from moebalance.core.load import LoadMatrix
+from moebalance.policies import Budget, make_plan
+from moebalance.workloads.synth import synthesize
+
+
+def _median_cuda(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    return float(np.median(times))
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_device.py needs a CUDA GPU: run it where one is (the device rebalancer's timing)")
+    from moebalance.algorithms import rebalance_device as device
+
+    rows = []
+    cluster = Cluster(num_nodes=8, gpus_per_node=8)
+    for per_gpu in (8, 256):
+        arrays = synthesize("deepseek-v3", num_batches=9, tokens_per_batch=per_gpu * 64, num_gpus=64, seed=0)
+        load = LoadMatrix(arrays["counts"], None, "deepseek-v3")
+        counts = np.ascontiguousarray(load.counts[8:9], dtype=np.int64)  # [1, 58, 256]
+        for slots in (5, 8):
+            plan = make_plan("eplb", load.select_batches(0, 8), cluster, Budget(slots_per_gpu=slots))[0]
+            copies = plan.copies.astype(np.int64)
+            want = cpu.split_counts(counts, copies, 0.0, False)
+            c_dev, cp_dev = torch.from_numpy(counts).cuda(), torch.from_numpy(copies).cuda()
+            got = device.split_counts(c_dev, cp_dev)
+            assert np.array_equal(got.cpu().numpy(), want), "the device loads differ from the CPU's"
+            direct = _median_cuda(functools.partial(device.split_counts, c_dev, cp_dev))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = device.split_counts(c_dev, cp_dev)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert np.array_equal(out.cpu().numpy(), want), "the captured graph's loads differ from the CPU's"
+            graphed = _median_cuda(graph.replay)
+            t0 = time.perf_counter()
+            for _ in range(5):
+                cpu.split_counts(counts, copies, 0.0, False)
+            host = (time.perf_counter() - t0) / 5
+            L = counts.shape[1]
+            rows.append(f"| {per_gpu} | {slots * 64 - 256} | {direct / L * 1e6:.1f} us | {graphed / L * 1e6:.1f} us | "
+                        f"{host / L * 1e6:.1f} us |")
+    lines = ["# The device rebalancer on a GPU", "", f"Machine: {machine()}; {torch.cuda.get_device_name()}.",
+             "Command: `.venv/bin/python bench/bench_device.py` (median of 50 calls, CUDA events). DeepSeek-V3-like",
+             "counts, 64 GPUs x 256 experts, one batch of 58 layers; per layer = per call / 58.", "",
+             "| tokens per GPU | redundant experts | direct call | in a CUDA graph | CPU kernel (numba) |",
+             "|---|---|---|---|---|", *rows, ""]
+    (ROOT / "docs" / "results" / "bench_device.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The device rebalancer (Triton, one program per (batch, layer)) against the compiled CPU path it must equal.
+
+On this machine the kernel runs in Triton's interpreter (CPU tensors); a subprocess compiles the same kernel for
+GPU targets down to a cubin, so a construct the interpreter accepts but the compiler rejects fails here too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from moebalance.algorithms import rebalance as cpu
+from moebalance.algorithms import rebalance_device as device
+from moebalance.algorithms.minmax import host_lists
+from moebalance.core.errors import InputError
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, float, bool]:
+    """``(counts [B, L, E], copies [L, E, G], eps, strict)``: every expert on one GPU or more (some twice on one),
+    loads with many ties."""
+    B, L = draw(st.integers(1, 2)), draw(st.integers(1, 2))
+    E, G = draw(st.integers(1, 12)), draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    copies = np.zeros((L, E, G), dtype=np.int64)
+    for layer in range(L):
+        copies[layer, np.arange(E), rng.integers(0, G, E)] += 1
+        for e in np.flatnonzero(rng.random(E) < 0.6):
+            copies[layer, e, rng.integers(0, G)] += int(rng.integers(1, 3))
+    counts = rng.integers(0, 4, (B, L, E)) * int(draw(st.sampled_from([1, 3, 50])))
+    return counts.astype(np.int64), copies, draw(st.sampled_from([0.0, 0.05, 0.5])), draw(st.booleans())
+
+
+@settings(max_examples=60, deadline=None)
+@given(problem=problems())
+def test_loads_equal_the_cpu_rebalancer(problem: tuple[np.ndarray, np.ndarray, float, bool]) -> None:
+    counts, copies, eps, strict = problem
+    want = cpu.split_counts(counts, copies, eps, strict)
+    got = device.split_counts(torch.from_numpy(counts), torch.from_numpy(copies), eps, strict)
+    assert got.dtype == torch.int64 and got.shape == want.shape
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_a_hand_checked_layer() -> None:
+    """4 GPUs, mean load 4: expert 0 (12 picks) on GPUs 0 and 1, expert 1 (4) on GPU 2 alone. The deal gives GPUs 0
+    and 1 six each; GPU 0 (most loaded, lower id) can move nothing (its only other holder is GPU 1, above the mean,
+    and half the gap is 0), nor can GPU 1: the loads stay ``[6, 6, 4, 0]``."""
+    counts = torch.tensor([[[12, 4]]])
+    copies = torch.tensor([[[1, 1, 0, 0], [0, 0, 1, 0]]])
+    assert device.split_counts(counts, copies).tolist() == [[[6, 6, 4, 0]]]
+    copies = torch.tensor([[[1, 1, 0, 1], [0, 0, 1, 0]]])  # a third copy on the idle GPU: 4 each
+    assert device.split_counts(counts, copies).tolist() == [[[4, 4, 4, 4]]]
+
+
+@given(seed=st.integers(0, 2**31), E=st.integers(1, 10), G=st.integers(1, 5))
+def test_start_deals_like_the_cpu_start(seed: int, E: int, G: int) -> None:
+    rng = np.random.default_rng(seed)
+    copies = rng.integers(0, 3, (1, E, G))
+    copies[0, np.arange(E), rng.integers(0, G, E)] += 1
+    counts = rng.integers(0, 30, (1, 1, E))
+    want = np.zeros((G, E), dtype=np.int64)
+    hstart, hosts = host_lists(copies[0] > 0)
+    cpu.start_split(counts[0, 0], cpu.host_copies(copies[0], hstart, hosts), hstart, hosts, want)
+    got = device.start_split(torch.from_numpy(counts), torch.from_numpy(copies))
+    np.testing.assert_array_equal(got[0, 0].numpy(), want)
+
+
+def test_bad_shapes_and_options_are_named() -> None:
+    with pytest.raises(InputError, match=r"counts \[B, L, E\] \(1, 2, 3\) and copies \[L, E, G\] \(2, 4, 2\) do not"):
+        device.split_counts(torch.zeros(1, 2, 3, dtype=torch.int64), torch.ones(2, 4, 2, dtype=torch.int64))
+    with pytest.raises(InputError, match=r"eps \(-0.1\) must be >= 0"):
+        device.split_counts(torch.zeros(1, 1, 2, dtype=torch.int64), torch.ones(1, 2, 2, dtype=torch.int64), -0.1)
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moebalance.algorithms import rebalance_device as rd
+sig = {"remote_ptr": "*i64", "copies_ptr": "*i64", "loads_ptr": "*i64", "t0_ptr": "*i64", "limit_ptr": "*i64",
+       "L": "i32", "G": "i32", "E": "i32", "strict": "constexpr", "GP": "constexpr", "EP": "constexpr"}
+for arch in (80, 90):
+    for strict in (False, True):
+        k = triton.compile(ASTSource(fn=rd.kernel(False), signature=sig,
+                                     constexprs={"strict": strict, "GP": 64, "EP": 256}),
+                           target=GPUTarget("cuda", arch, 32))
+        assert k.asm["cubin"], arch
+print("compiled")
+"""
+
+
+def test_the_kernel_compiles_for_a100_and_h100_without_a_gpu() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "compiled", proc.stderr[-2000:]
