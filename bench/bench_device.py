@@ -5,7 +5,10 @@ DeepSeek-V3-like counts (64 GPUs x 256 experts, EPLB with 64 and 256 redundant e
 called directly (a kernel launch and its torch set-up per call), then the same call captured once in a CUDA graph
 and replayed; per layer = per call / 58. Beside it the compiled CPU kernel
 (:func:`moebalance.algorithms.rebalance.split_counts`) on the same counts. Every result is checked equal to the
-CPU's first. Goal: under 100 us per layer.
+CPU's first. The token routes (:func:`moebalance.algorithms.rebalance_device.route_tokens`) of one decode layer
+(8 tokens per GPU, top-8) are timed the same way, beside the CPU router's kernel. Capturing a call in a CUDA
+graph fails if it synchronises with the host, so the graph rows also check that it does not. Goal: under 100 us
+per layer.
 
 Needs a CUDA GPU and Triton; elsewhere it says so and exits. Writes docs/results/bench_device.md.
 Run: .venv/bin/python bench/bench_device.py
@@ -41,6 +44,39 @@ def _median_cuda(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
     return float(np.median(times))
 
 
+def _token_row(cluster: Cluster) -> str:
+    """``| direct | graph | CPU |`` of one layer's token routes at 8 tokens per GPU, checked equal first."""
+    from moebalance.algorithms import rebalance_device as device
+
+    arrays = synthesize("deepseek-v3", num_batches=9, tokens_per_batch=8 * 64, num_gpus=64, seed=0, token_level=True)
+    load = LoadMatrix.from_arrays(arrays)
+    plan = make_plan("eplb", load.select_batches(0, 8), cluster, Budget(slots_per_gpu=5))[0]
+    tr = load.select_batches(8, 9).trace
+    assert tr is not None
+    ids = np.ascontiguousarray(tr.topk_ids[:, 0, :], dtype=np.int64)
+    src, copies = tr.src_gpu.astype(np.int64), plan.copies[0].astype(np.int64)
+    kept = np.ones(ids.shape, dtype=bool)
+    starts = np.array([0, ids.shape[0]], dtype=np.int64)
+    want = cpu.route_tokens(ids, src, starts, copies, 8, 0.0, False, kept)
+    args = [torch.from_numpy(a).cuda() for a in (ids, src, np.zeros(ids.shape[0], dtype=np.int64))]
+    call = functools.partial(device.route_tokens, *args, 1, torch.from_numpy(copies).cuda(), 8,
+                             torch.from_numpy(kept).cuda())
+    assert np.array_equal(call().cpu().numpy(), want), "the device routes differ from the CPU's"
+    direct = _median_cuda(call)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert np.array_equal(out.cpu().numpy(), want), "the captured graph's routes differ from the CPU's"
+    graphed = _median_cuda(graph.replay)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        cpu.route_tokens(ids, src, starts, copies, 8, 0.0, False, kept)
+    host = (time.perf_counter() - t0) / 20
+    return f"| {direct * 1e6:.1f} us | {graphed * 1e6:.1f} us | {host * 1e6:.1f} us |"
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_device.py needs a CUDA GPU: run it where one is (the device rebalancer's timing)")
@@ -74,11 +110,14 @@ def main() -> None:
             L = counts.shape[1]
             rows.append(f"| {per_gpu} | {slots * 64 - 256} | {direct / L * 1e6:.1f} us | {graphed / L * 1e6:.1f} us | "
                         f"{host / L * 1e6:.1f} us |")
+    tokens = _token_row(cluster)
     lines = ["# The device rebalancer on a GPU", "", f"Machine: {machine()}; {torch.cuda.get_device_name()}.",
              "Command: `.venv/bin/python bench/bench_device.py` (median of 50 calls, CUDA events). DeepSeek-V3-like",
              "counts, 64 GPUs x 256 experts, one batch of 58 layers; per layer = per call / 58.", "",
              "| tokens per GPU | redundant experts | direct call | in a CUDA graph | CPU kernel (numba) |",
-             "|---|---|---|---|---|", *rows, ""]
+             "|---|---|---|---|---|", *rows, "", "Token routes of one decode layer (8 tokens per GPU x 64 GPUs, top-8, "
+             "EPLB 64 redundant):", "", "| direct call | in a CUDA graph | CPU kernel (numba) |", "|---|---|---|",
+             tokens, ""]
     (ROOT / "docs" / "results" / "bench_device.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -1,4 +1,5 @@
-"""The device rebalancer (Triton, one program per (batch, layer)) against the compiled CPU path it must equal.
+"""The device ``rebalance`` (Triton, one program per (batch, layer)) against the compiled CPU path it must equal:
+the count-level split and the token routes.
 
 On this machine the kernel runs in Triton's interpreter (CPU tensors); a subprocess compiles the same kernel for
 GPU targets down to a cubin, so a construct the interpreter accepts but the compiler rejects fails here too.
@@ -49,6 +50,31 @@ def test_loads_equal_the_cpu_rebalancer(problem: tuple[np.ndarray, np.ndarray, f
     np.testing.assert_array_equal(got.numpy(), want)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), E=st.integers(1, 10), G=st.integers(1, 6), T=st.integers(1, 30),
+       B=st.integers(1, 3), data=st.data())
+def test_token_routes_equal_the_cpu_router(seed: int, E: int, G: int, T: int, B: int, data: st.DataObject) -> None:
+    """Every kept pick's GPU equals the CPU router's (local picks kept home, Alg. 2, then the hand-out: own node
+    first, token order), dropped picks -1; nodes that do not divide the GPUs too."""
+    rng = np.random.default_rng(seed)
+    gpn = data.draw(st.integers(1, G))
+    K = data.draw(st.integers(1, min(E, 3)))
+    copies = np.zeros((E, G), dtype=np.int64)
+    copies[np.arange(E), rng.integers(0, G, E)] += 1
+    for e in np.flatnonzero(rng.random(E) < 0.6):
+        copies[e, rng.integers(0, G)] += int(rng.integers(1, 3))
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
+    src = rng.integers(0, G, T).astype(np.int64)
+    batch = np.sort(rng.integers(0, B, T)).astype(np.int64)
+    kept = rng.random((T, K)) < 0.85
+    eps, strict = data.draw(st.sampled_from([0.0, 0.1])), data.draw(st.booleans())
+    starts = np.searchsorted(batch, np.arange(B + 1)).astype(np.int64)
+    want = cpu.route_tokens(ids, src, starts, copies, gpn, eps, strict, kept)
+    got = device.route_tokens(torch.from_numpy(ids), torch.from_numpy(src), torch.from_numpy(batch), B,
+                              torch.from_numpy(copies), gpn, torch.from_numpy(kept), eps, strict)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
 def test_a_hand_checked_layer() -> None:
     """4 GPUs, mean load 4: expert 0 (12 picks) on GPUs 0 and 1, expert 1 (4) on GPU 2 alone. The deal gives GPUs 0
     and 1 six each; GPU 0 (most loaded, lower id) can move nothing (its only other holder is GPU 1, above the mean,
@@ -85,7 +111,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moebalance.algorithms import rebalance_device as rd
-sig = {"remote_ptr": "*i64", "copies_ptr": "*i64", "loads_ptr": "*i64", "t0_ptr": "*i64", "limit_ptr": "*i64",
+sig = {"remote_ptr": "*i64", "local_ptr": "*i64", "copies_ptr": "*i64", "loads_ptr": "*i64", "t0_ptr": "*i64", "limit_ptr": "*i64",
        "L": "i32", "G": "i32", "E": "i32", "strict": "constexpr", "GP": "constexpr", "EP": "constexpr"}
 for arch in (80, 90):
     for strict in (False, True):

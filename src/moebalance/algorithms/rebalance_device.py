@@ -1,13 +1,15 @@
 """Libra's Adaptive Token Rebalancer (Alg. 2) on the routing's device: one Triton program per ``(batch, layer)``.
 
-Legend: ``B`` batches, ``L`` layers, ``E`` experts, ``G`` GPUs.
+Legend: ``B`` batches, ``L`` layers, ``E`` experts, ``G`` GPUs, ``T`` tokens, ``K`` picks per token.
 
-The ``rebalance`` router's count-level split (:func:`moebalance.algorithms.rebalance.split_counts`, compiled for
-the CPU) as a device kernel, for an engine that balances where its routing is: the counts ``[B, L, E]`` and the
-plan's copies ``[L, E, G]`` stay on their device, the start (each expert's picks dealt over its copies in GPU
-order, the ``uniform`` router's whole-token deal) is a few batched torch operations, and the moves run in one
-kernel launch with a program per ``(batch, layer)``: no host synchronisation inside, so the call can be captured
-in a CUDA graph. The loads equal the CPU path's, ties included (``tests/test_rebalance_device.py``).
+The ``rebalance`` router as device code, for an engine that balances where its routing is: the count-level split
+(:func:`split_counts`, equal to :func:`moebalance.algorithms.rebalance.split_counts`) and the token routes of a
+layer (:func:`route_tokens`, equal to :func:`moebalance.algorithms.rebalance.route_tokens`). The inputs stay on
+their device; the start (each expert's picks dealt over its copies in GPU order, the ``uniform`` router's
+whole-token deal) and the hand-out of shares to tokens are batched torch operations whose masks weigh and select
+but never shape a tensor, and the moves run in one kernel launch with a program per ``(batch, layer)``: no host
+synchronisation, so a call can be captured in a CUDA graph. Results equal the CPU path's, ties included
+(``tests/test_rebalance_device.py``).
 
 Each program follows the printed loop of Alg. 2 over whole ``[G, E]`` tiles held by the program: the most loaded
 GPU above ``floor(B)`` not yet set aside is the source ``g_s``; for every expert at once, the least loaded other
@@ -34,7 +36,7 @@ from moebalance.core.errors import InputError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["kernel", "split_counts", "start_split"]
+__all__ = ["kernel", "route_tokens", "split_counts", "start_split"]
 
 
 def _cuda() -> bool:
@@ -66,9 +68,10 @@ def start_split(counts: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
     return cp[None] * (n // held) + extra
 
 
-def _alg2(remote_ptr, copies_ptr, loads_ptr, t0_ptr, limit_ptr, L, G, E,
+def _alg2(remote_ptr, local_ptr, copies_ptr, loads_ptr, t0_ptr, limit_ptr, L, G, E,
           strict: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr):  # pragma: no cover - a Triton kernel
-    """One ``(batch, layer)`` per program: ``remote [G, E]`` moved in place, ``loads [G]`` out."""
+    """One ``(batch, layer)`` per program: ``remote [G, E]`` moved in place (``local [G]`` stays), ``loads [G]``
+    out."""
     pid = tl.program_id(0)
     g = tl.arange(0, GP)
     e = tl.arange(0, EP)
@@ -79,7 +82,7 @@ def _alg2(remote_ptr, copies_ptr, loads_ptr, t0_ptr, limit_ptr, L, G, E,
     remote = tl.load(remote_ptr + pid * G * E + tile, mask=m2, other=0)
     holds = tl.load(copies_ptr + (pid % L) * G * E + tile, mask=m2, other=0) > 0
     movable = tl.sum(holds.to(tl.int32), axis=0) >= 2  # [EP]: only experts with another holder move
-    loads = tl.sum(remote, axis=1)  # [GP]
+    loads = tl.load(local_ptr + pid * G + g, mask=gm, other=0) + tl.sum(remote, axis=1)  # [GP]
     t0 = tl.load(t0_ptr + pid)
     limit = tl.load(limit_ptr + pid)
     big = 1 << 62
@@ -132,9 +135,32 @@ def kernel(interpret: bool) -> Any:
     return InterpretedFunction(_alg2) if interpret else triton.jit(_alg2)
 
 
+def _moves(remote: torch.Tensor, local: torch.Tensor, copies: torch.Tensor, picks: torch.Tensor, eps: float,
+           strict: bool) -> torch.Tensor:
+    """Alg. 2 on every ``(batch, layer)``: ``remote int64 [B, L, G, E]`` moved in place, ``local int64 [B, L, G]``
+    never moved, ``copies [L, E, G]``, ``picks [B, L]`` the picks Libra's mean is taken over; the loads
+    ``int64 [B, L, G]``."""
+    import torch
+
+    B, L, G, E = remote.shape
+    if eps < 0:
+        raise InputError(f"eps ({eps}) must be >= 0")
+    target = picks.to(torch.float64) / G  # [B, L]: Libra's B, the mean load
+    t0 = torch.floor(target).to(torch.int64).reshape(-1).contiguous()
+    limit = torch.floor((1.0 + eps) * target).to(torch.int64).reshape(-1).contiguous()
+    held = copies.to(torch.int64).permute(0, 2, 1).contiguous()  # [L, G, E]
+    loads = torch.empty(B * L * G, dtype=torch.int64, device=remote.device)
+    if B * L:
+        gp, ep = 1 << max(0, (G - 1).bit_length()), 1 << max(0, (E - 1).bit_length())
+        kernel(remote.device.type == "cpu")[(B * L,)](remote, local.contiguous(), held, loads, t0, limit, L, G, E,
+                                                      strict=bool(strict), GP=gp, EP=ep)
+    return loads.reshape(B, L, G)
+
+
 def split_counts(counts: torch.Tensor, copies: torch.Tensor, eps: float = 0.0, strict: bool = False) -> torch.Tensor:
     """``int64 [B, L, G]``: the GPU loads after Alg. 2 of counts ``int [B, L, E]`` on copies ``int [L, E, G]``, on
-    their device (equal to :func:`moebalance.algorithms.rebalance.split_counts`).
+    their device (equal to :func:`moebalance.algorithms.rebalance.split_counts`: counts carry no source GPU, so
+    every pick is remote).
 
     No host synchronisation: the call can be captured in a CUDA graph. ``eps`` and ``strict`` as the ``rebalance``
     router takes them."""
@@ -145,18 +171,68 @@ def split_counts(counts: torch.Tensor, copies: torch.Tensor, eps: float = 0.0, s
                          "match")
     if counts.device != copies.device:
         raise InputError(f"counts are on {counts.device} and copies on {copies.device}; give both on one device")
-    if eps < 0:
-        raise InputError(f"eps ({eps}) must be >= 0")
-    B, L, E = counts.shape
-    G = copies.shape[2]
     remote = start_split(counts, copies).contiguous()  # [B, L, G, E]
-    target = counts.to(torch.float64).sum(dim=2) / G  # [B, L]: Libra's B, the mean load
-    t0 = torch.floor(target).to(torch.int64).reshape(-1).contiguous()
-    limit = torch.floor((1.0 + eps) * target).to(torch.int64).reshape(-1).contiguous()
-    held = copies.to(torch.int64).permute(0, 2, 1).contiguous()  # [L, G, E]
-    loads = torch.empty(B * L * G, dtype=torch.int64, device=counts.device)
-    if B * L:
-        gp, ep = 1 << max(0, (G - 1).bit_length()), 1 << max(0, (E - 1).bit_length())
-        kernel(counts.device.type == "cpu")[(B * L,)](remote, held, loads, t0, limit, L, G, E, strict=bool(strict),
-                                                      GP=gp, EP=ep)
-    return loads.reshape(B, L, G)
+    local = torch.zeros(remote.shape[:3], dtype=torch.int64, device=counts.device)
+    return _moves(remote, local, copies, counts.to(torch.int64).sum(dim=2), eps, strict)
+
+
+def _rank(key: torch.Tensor) -> torch.Tensor:
+    """``int64 [P]``: each entry's rank among the entries of its key, in their order."""
+    import torch
+
+    order = torch.sort(key, stable=True).indices
+    sorted_key = key[order]
+    first = torch.searchsorted(sorted_key, sorted_key, right=False)  # where each key's run starts
+    rank = torch.empty_like(key)
+    rank[order] = torch.arange(key.numel(), device=key.device) - first
+    return rank
+
+
+def route_tokens(ids: torch.Tensor, src: torch.Tensor, batch: torch.Tensor, num_batches: int, copies: torch.Tensor,
+                 gpus_per_node: int, kept: torch.Tensor, eps: float = 0.0, strict: bool = False) -> torch.Tensor:
+    """``int64 [T, K]``: a GPU for every kept pick of one layer (the others -1), batch by batch, on the picks'
+    device (equal to :func:`moebalance.algorithms.rebalance.route_tokens`).
+
+    ``ids int [T, K]``, ``src int [T]`` each token's GPU, ``batch int [T]`` its batch (non-decreasing, below
+    ``num_batches``), ``copies int [E, G]``, ``kept bool [T, K]``. A pick whose expert has a copy on the token's GPU
+    stays there; the others start as ``uniform`` deals them and Alg. 2 moves them (:func:`split_counts`'s kernel,
+    with the local picks fixed); each GPU's share of an expert then goes to picks in token order, first to picks
+    from its own node, then to any: the ``r``-th such pick of an expert takes the GPU (in GPU order) where the
+    shares' running sum first exceeds ``r``, so the hand-out is two sorts and a count, not a loop. Masks weigh and
+    select but never shape a tensor: no host synchronisation."""
+    import torch
+
+    T, K = ids.shape
+    E, G = copies.shape
+    dev = ids.device
+    B, N = int(num_batches), -(-G // gpus_per_node)
+    ids, src = ids.to(torch.int64).reshape(-1), src.to(torch.int64)
+    b = batch.to(torch.int64)[:, None].expand(T, K).reshape(-1)  # [P]: every pick, in (token, k) order
+    own = src[:, None].expand(T, K).reshape(-1)
+    kept = kept.reshape(-1)
+    at_home = kept & (copies[ids, own] > 0)
+    away = kept & ~at_home  # masks are weights and selectors below, never shapes: no host synchronisation
+    one = torch.ones_like(b)
+    local = torch.zeros(B * G, dtype=torch.int64, device=dev).index_add_(0, b * G + own, at_home.to(torch.int64))
+    n_remote = torch.zeros(B * E, dtype=torch.int64, device=dev).index_add_(0, b * E + ids, away.to(torch.int64))
+    picks = torch.zeros(B, dtype=torch.int64, device=dev).index_add_(0, b, kept.to(torch.int64))
+    remote = start_split(n_remote.reshape(B, 1, E), copies[None]).contiguous()  # [B, 1, G, E]
+    _moves(remote, local.reshape(B, 1, G), copies[None], picks[:, None], eps, strict)
+    share = remote[:, 0].permute(0, 2, 1)  # [B, E, G]: what each GPU serves of each expert
+    node = own // gpus_per_node
+    # pass 0: the picks of an expert from one node take its GPUs on that node, in GPU order
+    padded = torch.zeros(B, E, N * gpus_per_node, dtype=torch.int64, device=dev)
+    padded[:, :, :G] = share
+    per_node = padded.reshape(B, E, N, gpus_per_node).cumsum(dim=3)  # [B, E, N, gpn]
+    r = _rank(torch.where(away, (b * E + ids) * N + node, -one))
+    slot = (per_node[b, ids, node] <= r[:, None]).sum(dim=1)  # gpn where the node's shares ran out
+    hit = away & (slot < gpus_per_node)
+    first = node * gpus_per_node + slot
+    taken = torch.zeros(B * E * G, dtype=torch.int64, device=dev)
+    taken.index_add_(0, torch.where(hit, (b * E + ids) * G + first, 0 * one), hit.to(torch.int64))
+    # pass 1: what is left anywhere, in GPU order, to the picks still without a GPU
+    left = (share.reshape(-1) - taken).reshape(B, E, G).cumsum(dim=2)
+    q = _rank(torch.where(away & ~hit, b * E + ids, -one))
+    anywhere = (left[b, ids] <= q[:, None]).sum(dim=1)
+    dest = torch.where(at_home, own, torch.where(hit, first, torch.where(away, anywhere, -one)))
+    return dest.reshape(T, K)
