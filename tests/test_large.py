@@ -186,6 +186,28 @@ def test_large_compressed_ids_are_spilled_to_a_mapped_file(tmp_path, monkeypatch
         np.testing.assert_array_equal(got.counts(), arrays["counts"])
 
 
+def test_a_spill_that_finds_no_disk_is_one_line_naming_tmpdir(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moebalance.core import load as load_module
+
+    class FullDisk:  # a temporary file whose writes fail as on a full disk
+        def __enter__(self) -> FullDisk:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def write(self, data: bytes) -> int:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(load_module, "SPILL_BYTES", 100)
+    monkeypatch.setattr(load_module.tempfile, "TemporaryFile", lambda **kw: FullDisk())
+    arrays = _trace_arrays()
+    np.savez_compressed(tmp_path / "t.npz", **arrays)
+    with pytest.raises(InputError, match=r"expert ids \(above the 0 MB held in memory\) could not be spilled to .* "
+                                         r"\(No space left on device\); free that much disk there or set TMPDIR"):
+        read_load(tmp_path / "t.npz")
+
+
 def test_a_truncated_member_is_named_not_a_reshape_error(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from moebalance.core import load as load_module
 

@@ -415,8 +415,9 @@ def _spill(pieces: Iterator[np.ndarray], shape: tuple[int, ...], dtype: np.dtype
                 tmp.write(np.ascontiguousarray(piece, dtype=dtype).tobytes())
             tmp.flush()
         except OSError as exc:
-            raise InputError(f"{what} do not fit in memory and could not be spilled to {tempfile.gettempdir()} "
-                             f"({exc.strerror}); free that much disk there or set TMPDIR to a larger disk") from None
+            raise InputError(f"{what} (above the {SPILL_BYTES >> 20} MB held in memory) could not be spilled to "
+                             f"{tempfile.gettempdir()} ({exc.strerror}); free that much disk there or set TMPDIR to a "
+                             "larger disk") from None
         if not shape[0]:
             return np.empty(shape, dtype=dtype)
         return np.asarray(np.memmap(tmp, dtype=dtype, mode="r", shape=shape))  # the mapping outlives the file
