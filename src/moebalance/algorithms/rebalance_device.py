@@ -72,7 +72,7 @@ def _alg2(remote_ptr, local_ptr, copies_ptr, loads_ptr, t0_ptr, limit_ptr, L, G,
           strict: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr):  # pragma: no cover - a Triton kernel
     """One ``(batch, layer)`` per program: ``remote [G, E]`` moved in place (``local [G]`` stays), ``loads [G]``
     out."""
-    pid = tl.program_id(0)
+    pid = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: B * L * G * E may pass 2**31
     g = tl.arange(0, GP)
     e = tl.arange(0, EP)
     gm = g < G
@@ -115,7 +115,6 @@ def _alg2(remote_ptr, local_ptr, copies_ptr, loads_ptr, t0_ptr, limit_ptr, L, G,
         go = found & (tl.sum(((loads > limit) & gm).to(tl.int32), axis=0) > 0)
     tl.store(loads_ptr + pid * G + g, loads, mask=gm)
     tl.store(remote_ptr + pid * G * E + tile, remote, mask=m2)
-
 
 
 @functools.cache
