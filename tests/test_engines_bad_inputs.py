@@ -190,3 +190,18 @@ def test_an_engine_dump_larger_than_memory_is_refused_before_reading(monkeypatch
     assert "GiB of sglang dumps" in text and "this machine has 0.0 GiB" in text and "import the dumps in parts" in text
     monkeypatch.setattr(detect, "machine_memory_bytes", lambda: 1 << 40)
     assert read_any_load(str(dump), "sglang").num_experts == 256
+
+
+def test_vllm_routed_experts_are_held_in_their_own_range(tmp_path: Path) -> None:
+    """Ids above int16's range survive the narrow reading (no wrap): 40,000 experts, the picks counted where they
+    are; below it the trace holds int16."""
+    from moebalance.engines.vllm import read_routed_experts
+
+    ids = np.zeros((4, 2, 2), dtype=np.int64)
+    ids[:, :, 0], ids[:, :, 1] = 39_999, np.arange(4)[:, None] + 1
+    np.save(tmp_path / "wide.npy", ids)
+    load = read_routed_experts(tmp_path / "wide.npy", num_experts=40_000)
+    assert load.trace is not None and load.trace.topk_ids.dtype == np.int32
+    assert load.counts[0, :, 39_999].tolist() == [4, 4] and int(load.counts.sum()) == 16
+    np.save(tmp_path / "narrow.npy", ids % 10)
+    assert read_routed_experts(tmp_path / "narrow.npy").trace.topk_ids.dtype == np.int16

@@ -89,9 +89,11 @@ def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_to
                              f"{a.shape}")
     if len(shapes) != 1:
         raise InputError(f"{str(p)!r}: the requests disagree on [layers, top-k]: {sorted(shapes)}; one model's output")
-    ids = np.concatenate([a.astype(np.int64) for a in reqs])
-    if ids.size and ids.min() < 0:
+    if min((int(a.min()) for a in reqs if a.size), default=0) < 0:
         raise InputError(f"{str(p)!r}: routed_experts holds a negative expert id")
+    top = max((int(a.max()) for a in reqs if a.size), default=0)
+    narrow = np.int16 if top <= np.iinfo(np.int16).max else np.int32 if top <= np.iinfo(np.int32).max else np.int64
+    ids = np.concatenate([a.astype(narrow, copy=False) for a in reqs])  # the ids' own range: no wrap, 2-4 bytes each
     K = ids.shape[2]
     same = (ids == ids[:, :, :1]).all(axis=2)  # every pick of a token the same expert
     dense = same.all(axis=0) & ((ids[:, :, 0] == 0).all(axis=0) if K == 1 else True)
