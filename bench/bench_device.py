@@ -44,6 +44,20 @@ def _median_cuda(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
     return float(np.median(times))
 
 
+def _direct_and_graphed(call, want: np.ndarray) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """Median seconds of ``call()`` launched directly and replayed from a CUDA graph (a capture fails if the call
+    synchronises with the host), each result checked equal to the CPU's ``want`` first."""
+    assert np.array_equal(call().cpu().numpy(), want), "the device result differs from the CPU's"
+    direct = _median_cuda(call)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert np.array_equal(out.cpu().numpy(), want), "the captured graph's result differs from the CPU's"
+    return direct, _median_cuda(graph.replay)
+
+
 def _token_row(cluster: Cluster) -> str:
     """``| direct | graph | CPU |`` of one layer's token routes at 8 tokens per GPU, checked equal first."""
     from moebalance.algorithms import rebalance_device as device
@@ -61,15 +75,7 @@ def _token_row(cluster: Cluster) -> str:
     args = [torch.from_numpy(a).cuda() for a in (ids, src, np.zeros(ids.shape[0], dtype=np.int64))]
     call = functools.partial(device.route_tokens, *args, 1, torch.from_numpy(copies).cuda(), 8,
                              torch.from_numpy(kept).cuda())
-    assert np.array_equal(call().cpu().numpy(), want), "the device routes differ from the CPU's"
-    direct = _median_cuda(call)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert np.array_equal(out.cpu().numpy(), want), "the captured graph's routes differ from the CPU's"
-    graphed = _median_cuda(graph.replay)
+    direct, graphed = _direct_and_graphed(call, want)
     t0 = time.perf_counter()
     for _ in range(20):
         cpu.route_tokens(ids, src, starts, copies, 8, 0.0, False, kept)
@@ -93,16 +99,7 @@ def main() -> None:
             copies = plan.copies.astype(np.int64)
             want = cpu.split_counts(counts, copies, 0.0, False)
             c_dev, cp_dev = torch.from_numpy(counts).cuda(), torch.from_numpy(copies).cuda()
-            got = device.split_counts(c_dev, cp_dev)
-            assert np.array_equal(got.cpu().numpy(), want), "the device loads differ from the CPU's"
-            direct = _median_cuda(functools.partial(device.split_counts, c_dev, cp_dev))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = device.split_counts(c_dev, cp_dev)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert np.array_equal(out.cpu().numpy(), want), "the captured graph's loads differ from the CPU's"
-            graphed = _median_cuda(graph.replay)
+            direct, graphed = _direct_and_graphed(functools.partial(device.split_counts, c_dev, cp_dev), want)
             t0 = time.perf_counter()
             for _ in range(5):
                 cpu.split_counts(counts, copies, 0.0, False)
