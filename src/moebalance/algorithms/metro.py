@@ -27,7 +27,8 @@ taken in one order (fewest copies first, then the most loaded, then the lower id
 
 1. greedily, each expert to the copy whose GPU's time after taking it is least;
 2. with the least possible ``max_g u_g``: each expert to the copy whose GPU touches fewest experts, then
-   cost-reducing paths until none is left (:func:`moebalance.algorithms.metro_starts.fewest_touched`), which the greedy start may miss.
+   cost-reducing paths until none is left (:func:`moebalance.algorithms.metro_starts.fewest_touched`), which
+   the greedy start may miss.
 
 Each start is kept as it is and also improved twice, by local search on ``t`` and on the expert time alone
 (``kappa = 0``), each search followed by levelling the picks; the best of the six is returned. (Splitting an
@@ -36,8 +37,8 @@ expert's picks evenly over its copies, the balance of tokens, is left to the rou
 
 - Local search, repeated while it helps: on the slowest GPU ``s``, move all or part of one expert's picks to
   another copy's GPU, and, when no single move helps, a chain of two whole moves (``s`` gives an expert to
-  ``h``, ``h`` gives another to a third GPU or back to ``s``). A move is taken when the GPUs it changes all end below ``t_s``;
-  the best such move (least new maximum among them) is applied. Each move lowers the sorted vector of GPU times
+  ``h``, ``h`` gives another to a third GPU or back to ``s``). A move is taken when the GPUs it changes all end
+  below ``t_s``; the best such move (least new maximum among them) is applied. Each move lowers the sorted vector of GPU times
   lexicographically, so the search ends.
 - Levelling: while it lowers the most picks on a GPU, move picks from that GPU to another copy's GPU without any
   grouped GEMM growing past the slowest one.
@@ -138,8 +139,8 @@ def layer_time(take: np.ndarray, hosts: np.ndarray, G: int, cost: np.ndarray) ->
 @njit(cache=True, nogil=True)
 def _greedy(W: np.ndarray, order: np.ndarray, hstart: np.ndarray, hosts: np.ndarray, cost: np.ndarray,
             take: np.ndarray, n: np.ndarray, u: np.ndarray) -> None:
-    """Start 1: whole experts in ``order`` (:func:`moebalance.algorithms.metro_starts.order`), each to the copy whose GPU's time after taking it
-    is least (then the GPU's time before it, then the first such copy)."""
+    """Start 1: whole experts in ``order`` (:func:`moebalance.algorithms.metro_starts.order`), each to the copy
+    whose GPU's time after taking it is least (then the GPU's time before it, then the first such copy)."""
     take[:] = 0
     n[:] = 0
     u[:] = 0

@@ -75,7 +75,6 @@ def token_chunks(ids_TLK: np.ndarray, max_picks: int = CHUNK_PICKS) -> Iterator[
         release(ids_TLK[lo:hi])
 
 
-
 def id_dtype(num_experts: int) -> np.dtype:
     """The compact dtype of expert ids in ``[0, num_experts)``: ``int16`` up to 32,767 experts, else ``int32``."""
     if num_experts > np.iinfo(np.int32).max:
@@ -93,9 +92,8 @@ def as_ids(topk_ids: np.ndarray, num_experts: int, name: str = "topk_ids") -> np
     if arr.dtype == object or not np.issubdtype(arr.dtype, np.integer):
         raise InputError(f"{name} has dtype {arr.dtype}; it must hold integer expert ids")
     target = id_dtype(num_experts)
-    chunks = token_chunks(arr) if arr.ndim == 3 else iter([(0, arr.shape[0] if arr.ndim else 1)])
-    for a, b in chunks:
-        part = arr[a:b] if arr.ndim else arr
+    parts = (arr[lo:hi] for lo, hi in token_chunks(arr)) if arr.ndim == 3 else (arr,)
+    for part in parts:  # a trace's ids a chunk at a time, their pages handed back
         if part.size:
             lo, hi = int(part.min()), int(part.max())
             if lo < 0 or hi >= num_experts:
