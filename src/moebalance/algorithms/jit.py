@@ -4,14 +4,13 @@ DeepSeek's EPLB (its packing and replication loops), the load-aware routers (``r
 Libra's prefetcher and the exact per-layer planner (``moebalance.algorithms.exact``), and the trace counters
 (``moebalance.core.tally``: every token-level load is checked and counted by them) run numba kernels
 (``@njit(cache=True)``). The first call of a kernel in a fresh install compiles it, which takes seconds; later
-processes load the compiled code from numba's cache (``__pycache__`` beside the sources, or a user-wide folder where that is read-only). Calling
-:func:`warm_up` once after installing -- ``make install`` does, ``python -m moebalance.algorithms.jit`` by
-hand -- moves that cost out of the first evaluation and out of every rank of a multi-process run, which would
-otherwise each compile the same code at once. It compiles the signatures the routers use: C-contiguous
-``int64`` loads and ids, ``bool`` copy masks, ``int64`` copy counts; the prefetcher's on ``float64`` demand
-(predictions) and the exact planner's on ``int64`` counts; and the counters' for ``int16`` and ``int32`` expert
-ids (the two compact types a trace holds), with the uniform router's round-robin.
-"""
+processes load the compiled code from numba's cache (``__pycache__`` beside the sources, or a user-wide folder
+where that is read-only). Calling :func:`warm_up` once after installing -- ``make install`` does, ``python -m
+moebalance.algorithms.jit`` by hand -- moves that cost out of the first evaluation and out of every rank of a
+multi-process run, which would otherwise each compile the same code at once. It compiles the signatures the routers
+use: C-contiguous ``int64`` loads and ids, ``bool`` copy masks, ``int64`` copy counts; the prefetcher's on
+``float64`` demand (predictions) and the exact planner's on ``int64`` counts; and the counters' for ``int16`` and
+``int32`` expert ids (the two compact types a trace holds), with the uniform router's round-robin. """
 
 from __future__ import annotations
 
