@@ -111,7 +111,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moebalance.algorithms import rebalance_device as rd
-sig = {"remote_ptr": "*i64", "local_ptr": "*i64", "copies_ptr": "*i64", "loads_ptr": "*i64", "t0_ptr": "*i64",
+sig = {"remote_ptr": "*i64", "local_ptr": "*i64", "copies_ptr": "*i64", "loads_ptr": "*i64", "moves_ptr": "*i64",
+       "t0_ptr": "*i64",
        "limit_ptr": "*i64", "L": "i32", "G": "i32", "E": "i32", "strict": "constexpr", "GP": "constexpr", "EP": "constexpr"}
 for arch in (80, 90):
     for strict in (False, True):

@@ -36,7 +36,7 @@ from moebalance.core.errors import InputError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["kernel", "route_tokens", "split_counts", "start_split"]
+__all__ = ["hand_out", "kernel", "moves", "route_tokens", "split_counts", "start_split"]
 
 
 def _cuda() -> bool:
@@ -68,10 +68,10 @@ def start_split(counts: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
     return cp[None] * (n // held) + extra
 
 
-def _alg2(remote_ptr, local_ptr, copies_ptr, loads_ptr, t0_ptr, limit_ptr, L, G, E,
+def _alg2(remote_ptr, local_ptr, copies_ptr, loads_ptr, moves_ptr, t0_ptr, limit_ptr, L, G, E,
           strict: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr):  # pragma: no cover - a Triton kernel
     """One ``(batch, layer)`` per program: ``remote [G, E]`` moved in place (``local [G]`` stays), ``loads [G]``
-    out."""
+    and the number of moves out."""
     pid = tl.program_id(0).to(tl.int64)  # offsets in 64 bits: B * L * G * E may pass 2**31
     g = tl.arange(0, GP)
     e = tl.arange(0, EP)
@@ -87,6 +87,7 @@ def _alg2(remote_ptr, local_ptr, copies_ptr, loads_ptr, t0_ptr, limit_ptr, L, G,
     limit = tl.load(limit_ptr + pid)
     big = 1 << 62
     aside = g < 0  # sources set aside since the last move: none
+    moves = tl.sum(tl.zeros([GP], dtype=tl.int64), axis=0)
     go = tl.sum(((loads > limit) & gm).to(tl.int32), axis=0) > 0
     while go:
         cand = (loads > t0) & gm & (aside == 0)
@@ -112,8 +113,10 @@ def _alg2(remote_ptr, local_ptr, copies_ptr, loads_ptr, t0_ptr, limit_ptr, L, G,
                                                                                amount, 0)
         loads = loads - tl.where(g == s, amount, 0) + tl.where(g == dx, amount, 0)
         aside = tl.where(moved, g < 0, aside | ((g == s) & found))
+        moves += moved.to(tl.int64)
         go = found & (tl.sum(((loads > limit) & gm).to(tl.int32), axis=0) > 0)
     tl.store(loads_ptr + pid * G + g, loads, mask=gm)
+    tl.store(moves_ptr + pid, moves)
     tl.store(remote_ptr + pid * G * E + tile, remote, mask=m2)
 
 
@@ -134,11 +137,11 @@ def kernel(interpret: bool) -> Any:
     return InterpretedFunction(_alg2) if interpret else triton.jit(_alg2)
 
 
-def _moves(remote: torch.Tensor, local: torch.Tensor, copies: torch.Tensor, picks: torch.Tensor, eps: float,
-           strict: bool) -> torch.Tensor:
+def moves(remote: torch.Tensor, local: torch.Tensor, copies: torch.Tensor, picks: torch.Tensor, eps: float,
+          strict: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Alg. 2 on every ``(batch, layer)``: ``remote int64 [B, L, G, E]`` moved in place, ``local int64 [B, L, G]``
-    never moved, ``copies [L, E, G]``, ``picks [B, L]`` the picks Libra's mean is taken over; the loads
-    ``int64 [B, L, G]``."""
+    never moved, ``copies [L, E, G]`` (only whether a GPU holds an expert counts here), ``picks [B, L]`` the picks
+    Libra's mean is taken over; ``(loads int64 [B, L, G], moves int64 [B, L])``."""
     import torch
 
     B, L, G, E = remote.shape
@@ -149,11 +152,12 @@ def _moves(remote: torch.Tensor, local: torch.Tensor, copies: torch.Tensor, pick
     limit = torch.floor((1.0 + eps) * target).to(torch.int64).reshape(-1).contiguous()
     held = copies.to(torch.int64).permute(0, 2, 1).contiguous()  # [L, G, E]
     loads = torch.empty(B * L * G, dtype=torch.int64, device=remote.device)
+    count = torch.zeros(B * L, dtype=torch.int64, device=remote.device)
     if B * L:
         gp, ep = 1 << max(0, (G - 1).bit_length()), 1 << max(0, (E - 1).bit_length())
-        kernel(remote.device.type == "cpu")[(B * L,)](remote, local.contiguous(), held, loads, t0, limit, L, G, E,
-                                                      strict=bool(strict), GP=gp, EP=ep)
-    return loads.reshape(B, L, G)
+        kernel(remote.device.type == "cpu")[(B * L,)](remote, local.contiguous(), held, loads, count, t0, limit, L, G,
+                                                      E, strict=bool(strict), GP=gp, EP=ep)
+    return loads.reshape(B, L, G), count.reshape(B, L)
 
 
 def split_counts(counts: torch.Tensor, copies: torch.Tensor, eps: float = 0.0, strict: bool = False) -> torch.Tensor:
@@ -172,7 +176,7 @@ def split_counts(counts: torch.Tensor, copies: torch.Tensor, eps: float = 0.0, s
         raise InputError(f"counts are on {counts.device} and copies on {copies.device}; give both on one device")
     remote = start_split(counts, copies).contiguous()  # [B, L, G, E]
     local = torch.zeros(remote.shape[:3], dtype=torch.int64, device=counts.device)
-    return _moves(remote, local, copies, counts.to(torch.int64).sum(dim=2), eps, strict)
+    return moves(remote, local, copies, counts.to(torch.int64).sum(dim=2), eps, strict)[0]
 
 
 def _rank(key: torch.Tensor) -> torch.Tensor:
@@ -204,20 +208,34 @@ def route_tokens(ids: torch.Tensor, src: torch.Tensor, batch: torch.Tensor, num_
     T, K = ids.shape
     E, G = copies.shape
     dev = ids.device
-    B, N = int(num_batches), -(-G // gpus_per_node)
+    B = int(num_batches)
     ids, src = ids.to(torch.int64).reshape(-1), src.to(torch.int64)
     b = batch.to(torch.int64)[:, None].expand(T, K).reshape(-1)  # [P]: every pick, in (token, k) order
     own = src[:, None].expand(T, K).reshape(-1)
     kept = kept.reshape(-1)
     at_home = kept & (copies[ids, own] > 0)
     away = kept & ~at_home  # masks are weights and selectors below, never shapes: no host synchronisation
-    one = torch.ones_like(b)
     local = torch.zeros(B * G, dtype=torch.int64, device=dev).index_add_(0, b * G + own, at_home.to(torch.int64))
     n_remote = torch.zeros(B * E, dtype=torch.int64, device=dev).index_add_(0, b * E + ids, away.to(torch.int64))
     picks = torch.zeros(B, dtype=torch.int64, device=dev).index_add_(0, b, kept.to(torch.int64))
     remote = start_split(n_remote.reshape(B, 1, E), copies[None]).contiguous()  # [B, 1, G, E]
-    _moves(remote, local.reshape(B, 1, G), copies[None], picks[:, None], eps, strict)
-    share = remote[:, 0].permute(0, 2, 1)  # [B, E, G]: what each GPU serves of each expert
+    moves(remote, local.reshape(B, 1, G), copies[None], picks[:, None], eps, strict)
+    return hand_out(ids, own, b, at_home, away, remote[:, 0].permute(0, 2, 1), gpus_per_node).reshape(T, K)
+
+
+def hand_out(ids: torch.Tensor, own: torch.Tensor, b: torch.Tensor, at_home: torch.Tensor, away: torch.Tensor,
+             share: torch.Tensor, gpus_per_node: int) -> torch.Tensor:
+    """``int64 [P]``: a GPU for every pick (-1 for those neither ``at_home`` nor ``away``): ``ids``, ``own`` (the
+    token's GPU) and ``b`` (its batch) ``int64 [P]`` in token order, ``share int64 [B, E, G]`` what each GPU serves
+    of each expert's ``away`` picks. A pick at home stays on its GPU; the ``r``-th away pick of an expert from one
+    node takes the node's GPU where the node's running sum of shares first exceeds ``r``, and the picks left take
+    what is left anywhere, in GPU order, the same way."""
+    import torch
+
+    B, E, G = share.shape
+    dev = ids.device
+    N = -(-G // gpus_per_node)
+    one = torch.ones_like(b)
     node = own // gpus_per_node
     # pass 0: the picks of an expert from one node take its GPUs on that node, in GPU order
     padded = torch.zeros(B, E, N * gpus_per_node, dtype=torch.int64, device=dev)
@@ -234,4 +252,4 @@ def route_tokens(ids: torch.Tensor, src: torch.Tensor, batch: torch.Tensor, num_
     q = _rank(torch.where(away & ~hit, b * E + ids, -one))
     anywhere = (left[b, ids] <= q[:, None]).sum(dim=1)
     dest = torch.where(at_home, own, torch.where(hit, first, torch.where(away, anywhere, -one)))
-    return dest.reshape(T, K)
+    return dest
