@@ -1,4 +1,4 @@
-"""The device rebalancer's time per layer on a GPU, in and out of a CUDA graph, beside the CPU kernel.
+"""The device rebalancer's and exact planner's time per layer on a GPU, in and out of a CUDA graph, beside the CPU.
 
 DeepSeek-V3-like counts (64 GPUs x 256 experts, EPLB with 64 and 256 redundant experts, 58 layers, one batch of
 8 and 256 tokens per GPU: decode and prefill), on the GPU: :func:`moebalance.algorithms.rebalance_device.split_counts`
@@ -9,6 +9,12 @@ CPU's first. The token routes (:func:`moebalance.algorithms.rebalance_device.rou
 (8 tokens per GPU, top-8) are timed the same way, beside the CPU router's kernel. Capturing a call in a CUDA
 graph fails if it synchronises with the host, so the graph rows also check that it does not. Goal: under 100 us
 per layer.
+
+The exact planner (:func:`moebalance.algorithms.exact_device.plan`: prefetch phases 1 and 2, then the rebalancer)
+is timed on the workload of ``bench/bench_exact.py`` (one DeepSeek-V3-like batch of 8,192 tokens per GPU, 8 MoE
+layers, 64 GPUs x 256 experts, contiguous homes, alpha = 0.5) for n = 2, 4 and 8: all 8 layers in one call,
+per layer = per call / 8, beside the compiled CPU planner (:func:`moebalance.algorithms.exact.plan_layer`) per
+layer; the loads and extras are checked equal to the CPU's first.
 
 Needs a CUDA GPU and Triton; elsewhere it says so and exits. Writes docs/results/bench_device.md.
 Run: .venv/bin/python bench/bench_device.py
@@ -83,6 +89,42 @@ def _token_row(cluster: Cluster) -> str:
     return f"| {direct * 1e6:.1f} us | {graphed * 1e6:.1f} us | {host * 1e6:.1f} us |"
 
 
+def _planner_rows() -> list[str]:
+    """``| n | direct | graph | CPU |`` rows of the exact planner at 64 x 256, checked equal first."""
+    import dataclasses
+
+    from moebalance.algorithms import exact_device
+    from moebalance.algorithms.exact import base_layer, plan_layer
+    from moebalance.models import get_model
+    from moebalance.prediction.predictors import demand_of
+
+    G, L = 64, 8
+    model = dataclasses.replace(get_model("deepseek-v3"), num_layers=L, num_dense_layers=0)
+    out = synthesize(model, num_batches=1, tokens_per_batch=G * 8192, num_gpus=G, seed=0, token_level=True)
+    demand = demand_of(out["topk_ids"].astype(np.int64), out["src_gpu"], G, model.num_experts).astype(np.int64)
+    E = demand.shape[2]
+    copies = np.zeros((E, G), dtype=np.int64)
+    copies[np.arange(E), np.arange(E) * G // E] = 1
+    base = base_layer(copies)
+    d_dev = torch.from_numpy(demand)[None].cuda()  # [1, L, G, E]
+    c_dev = torch.from_numpy(np.repeat(copies[None], L, axis=0)).cuda()
+    rows = []
+    for n in (2, 4, 8):
+        plans = [plan_layer(np.ascontiguousarray(demand[layer]), base, n, 0.5) for layer in range(L)]
+        got = exact_device.plan(d_dev, c_dev, n, 0.5)
+        assert np.array_equal(got.extras[0].cpu().numpy(), np.stack([p.extras for p in plans])), n
+        want = np.stack([p.loads for p in plans])[None]
+        call = functools.partial(lambda n: exact_device.plan(d_dev, c_dev, n, 0.5, validate=False).loads, n)
+        direct, graphed = _direct_and_graphed(call, want)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            for layer in range(L):
+                plan_layer(np.ascontiguousarray(demand[layer]), base, n, 0.5)
+        host = (time.perf_counter() - t0) / 5 / L
+        rows.append(f"| {n} | {direct / L * 1e6:.1f} us | {graphed / L * 1e6:.1f} us | {host * 1e6:.1f} us |")
+    return rows
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_device.py needs a CUDA GPU: run it where one is (the device rebalancer's timing)")
@@ -108,13 +150,17 @@ def main() -> None:
             rows.append(f"| {per_gpu} | {slots * 64 - 256} | {direct / L * 1e6:.1f} us | {graphed / L * 1e6:.1f} us | "
                         f"{host / L * 1e6:.1f} us |")
     tokens = _token_row(cluster)
-    lines = ["# The device rebalancer on a GPU", "", f"Machine: {machine()}; {torch.cuda.get_device_name()}.",
+    planner = _planner_rows()
+    lines = ["# The device rebalancer and exact planner on a GPU", "", f"Machine: {machine()}; {torch.cuda.get_device_name()}.",
              "Command: `.venv/bin/python bench/bench_device.py` (median of 50 calls, CUDA events). DeepSeek-V3-like",
              "counts, 64 GPUs x 256 experts, one batch of 58 layers; per layer = per call / 58.", "",
              "| tokens per GPU | redundant experts | direct call | in a CUDA graph | CPU kernel (numba) |",
              "|---|---|---|---|---|", *rows, "", "Token routes of one decode layer (8 tokens per GPU x 64 GPUs, top-8, "
              "EPLB 64 redundant):", "", "| direct call | in a CUDA graph | CPU kernel (numba) |", "|---|---|---|",
-             tokens, ""]
+             tokens, "", "The exact planner (prefetch phases 1-2 and the rebalancer), 64 GPUs x 256 experts, 8,192 tokens per "
+             "GPU, top-8, 8 layers in one call, alpha = 0.5:", "",
+             "| n | direct call, per layer | in a CUDA graph, per layer | CPU planner (numba), per layer |",
+             "|---|---|---|---|", *planner, ""]
     (ROOT / "docs" / "results" / "bench_device.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

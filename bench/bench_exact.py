@@ -144,7 +144,7 @@ def _setting(G: int) -> tuple[list[list[str]], dict[int, float], float]:
         met = "yes" if med["now"] < TARGET_US else "no"
         if G == 64:
             equal, seconds = _device_check(demand[:DEVICE_LAYERS], copies, n)
-            DEVICE_ROWS.append([f"{G} x {E}", str(n), f"{equal} of {L}", f"{seconds:.1f}"])
+            DEVICE_ROWS.append([f"{G} x {E}", str(n), f"{equal} of {DEVICE_LAYERS}", f"{seconds:.1f}"])
         rows.append([f"{G} x {E}", str(n), f"{int(np.median(moves)):,} ({min(moves):,}-{max(moves):,})",
                      f"{med['before']:.0f} ({min(before):.0f}-{max(before):.0f})",
                      f"{med['kernels']:.0f} ({min(kernels):.0f}-{max(kernels):.0f})",

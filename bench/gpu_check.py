@@ -21,9 +21,8 @@ Sections, each in its own process with a time budget (a section that fails or ru
    ranks whose experts share the GPU (static plans under several routers, two-stage execution, per-batch plans
    with the prefetch buffer), against the dense reference; ``moebalance run`` under a torchrun environment
    (one rank, NCCL) on the bundled model.
-4. ``planner``: the torch exact planner (``moebalance.algorithms.exact_torch.time_torch_planner``, where it
-   exists) per layer at 64 GPUs x 256 experts on CUDA, and Libra's CPU planner (prefetch phases and the
-   ``rebalance`` router) on the same sizes.
+4. ``planner``: Libra's CPU planner (prefetch phases and the ``rebalance`` router) per layer at 64 GPUs x 256
+   experts, and the device exact planner (``moebalance.algorithms.exact_device.plan``) on CUDA on the same sizes.
 
 Files (at most eight): ``gemm.csv``, ``calibration.json``, ``straggler.csv`` (one row per workload, regime, plan,
 batch and layer), ``straggler_gpus.csv`` (one row per virtual GPU of those), ``runtime.json``, ``planner.json``,
@@ -900,59 +899,67 @@ def _cpu_planner(ctx: Ctx, G: int, E: int, Tg: int, k: int, n: int) -> dict[str,
 
 
 def section_planner(ctx: Ctx) -> dict[str, Any]:
-    """The torch exact planner on the device, Libra's CPU planner, then the torch planner on the CPU (if time is
-    left): each part recorded as it ends (``planner.json``), a failing part beside the others."""
-    import importlib
-    import inspect
-
+    """Libra's CPU planner, then the device exact planner on CUDA (``planner.json``, written as each part ends; a
+    failing part is recorded beside the others). On the CPU the device planner runs only in Triton's interpreter,
+    which says nothing of its speed: it is not timed there."""
     s = ctx.setup
     G, E, Tg, k, n = s.planner_gpus, s.planner_experts, s.planner_tokens_per_gpu, 8, 4
     result: dict[str, Any] = {"gpus": G, "experts": E, "tokens_per_gpu": Tg, "top_k": k, "n": n}
-    fn = None
-    try:  # the torch planner, where another part of the package provides it
-        mod = importlib.import_module("moebalance.algorithms.exact_torch")
-        fn = getattr(mod, "time_torch_planner", None)
-        result["torch_planner"] = {"status": "present", "signature": str(inspect.signature(fn)),
-                                   "checked_against_exact": "check" in inspect.signature(fn).parameters} if fn else {
-            "status": "absent", "why": "moebalance.algorithms.exact_torch has no time_torch_planner",
-            "names": sorted(x for x in dir(mod) if not x.startswith("_"))}
-    except ModuleNotFoundError as exc:
-        result["torch_planner"] = {"status": "absent", "why": one_line(exc)}
-    except Exception as exc:  # there, but it does not import
-        result["torch_planner"] = {"status": "error", "why": one_line(exc), "traceback": traceback.format_exc()[-1500:]}
-
-    def torch_planner(dev: str, repeats: int) -> None:
-        try:
-            t0 = time.perf_counter()
-            assert fn is not None
-            extra: dict[str, Any] = {}
-            if "max_seconds" in inspect.signature(fn).parameters:  # its own bound on the timed calls
-                extra["max_seconds"] = max(1.0, min(20.0, (ctx.clock.deadline - time.monotonic()) / 3))
-            sec = float(fn(dev, G=G, E=E, tokens_per_gpu=Tg, k=k, n=n, repeats=repeats, **extra))
-            result["torch_planner"][dev] = {"median_seconds_per_layer": sec, "repeats": repeats,
-                                            "wall_seconds": round(time.perf_counter() - t0, 2)}
-            ctx.log(f"torch planner on {dev}: {sec * 1e6:.0f} us per layer")
-        except Exception as exc:
-            result["torch_planner"][dev] = {"error": one_line(exc), "traceback": traceback.format_exc()[-1500:]}
-            ctx.log(f"torch planner on {dev} failed: {one_line(exc)}")
-        write_json(ctx.out / "planner.json", result)
-
-    if fn is not None and ctx.device.type == "cuda":
-        torch_planner("cuda", s.planner_repeats)
-    # the CPU planner as libra uses it today: prefetch phases 1-2, then the rebalance router on the tokens
-    try:
+    try:  # the CPU planner as libra uses it: prefetch phases 1-2, then the rebalance router on the tokens
         result["cpu_planner"] = _cpu_planner(ctx, G, E, Tg, k, n)
-    except Exception as exc:  # recorded; the torch planner's result above stays
+    except Exception as exc:
         result["cpu_planner_error"] = {"error": one_line(exc), "traceback": traceback.format_exc()[-1500:]}
         ctx.log(f"CPU planner failed: {one_line(exc)}")
     write_json(ctx.out / "planner.json", result)
-    left = ctx.clock.deadline - time.monotonic()
-    if fn is not None and left > 0.5 * (ctx.clock.deadline - ctx.clock.t0):
-        torch_planner("cpu", max(3, s.planner_repeats // 4))
-    elif fn is not None:
-        result["torch_planner"]["cpu"] = {"skipped": f"{left:.0f} s of the budget left"}
+    if ctx.device.type != "cuda":
+        result["device_planner"] = {"status": "skipped", "why": "no CUDA device (Triton's interpreter is not timed)"}
+    else:
+        try:
+            result["device_planner"] = _device_planner(ctx, G, E, Tg, k, n)
+        except Exception as exc:
+            result["device_planner"] = {"status": "error", "why": one_line(exc),
+                                        "traceback": traceback.format_exc()[-1500:]}
+            ctx.log(f"device planner failed: {one_line(exc)}")
     write_json(ctx.out / "planner.json", result)
     return result
+
+
+def _device_planner(ctx: Ctx, G: int, E: int, Tg: int, k: int, n: int) -> dict[str, Any]:
+    """Median seconds per layer of :func:`moebalance.algorithms.exact_device.plan` on one layer of a skewed
+    routing (each GPU's popularity drawn around a shared one, contiguous homes), its loads checked equal to the
+    compiled CPU planner's first; CUDA-synchronised around each call."""
+    import statistics
+
+    import torch
+
+    from moebalance.algorithms import exact_device
+    from moebalance.algorithms.exact import plan_layer
+
+    rng = np.random.default_rng(0)
+    shared = rng.dirichlet(np.full(E, 0.6))
+    demand = np.stack([rng.multinomial(Tg * k, rng.dirichlet(shared * E * 4 + 1e-3)) for _ in range(G)]).astype(np.int64)
+    copies = np.zeros((E, G), dtype=np.int64)
+    copies[np.arange(E), np.arange(E) * G // E] = 1
+    d, c = torch.from_numpy(demand)[None, None].to(ctx.device), torch.from_numpy(copies)[None].to(ctx.device)
+    want = plan_layer(demand, copies, n, 0.5)
+    got = exact_device.plan(d, c, n, 0.5)
+    if not (np.array_equal(got.loads[0, 0].cpu().numpy(), want.loads)
+            and np.array_equal(got.extras[0, 0].cpu().numpy(), want.extras)):
+        raise RuntimeError(f"the device planner differs from plan_layer (G={G}, E={E}, n={n})")
+    times: list[float] = []
+    for _ in range(ctx.setup.planner_repeats):
+        if ctx.clock.expired():
+            break
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        exact_device.plan(d, c, n, 0.5, validate=False)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if not times:
+        raise RuntimeError("the section's budget ran out before the first timed call")
+    ctx.log(f"device planner on cuda: {statistics.median(times) * 1e6:.0f} us per layer")
+    return {"status": "present", "median_seconds_per_layer": statistics.median(times), "repeats": len(times),
+            "moves": want.moves}
 
 
 SECTION_FUNCS: dict[str, Callable[[Ctx], dict[str, Any]]] = {

@@ -369,8 +369,15 @@ def planner_part(f: Folder) -> list[str]:
             checked = "; its plan checked equal to `algorithms.exact.plan_layer`'s" if tp.get("checked_against_exact") \
                 and "median_seconds_per_layer" in v else ""
             lines.append(f"- torch exact planner on {dev}: {what} ({size}{checked})")
-    else:
+    elif tp:  # a folder from before the device planner
         lines.append(f"- torch exact planner: {tp.get('status', 'not run')} ({tp.get('why', '')})")
+    dp = p.get("device_planner", {})
+    if dp.get("status") == "present":
+        lines.append(f"- device exact planner on cuda (`algorithms.exact_device.plan`): "
+                     f"{dp['median_seconds_per_layer'] * 1e6:.0f} us per layer (median of {dp['repeats']}; {size}; "
+                     "its loads and extras checked equal to `algorithms.exact.plan_layer`'s)")
+    elif dp:
+        lines.append(f"- device exact planner: {dp.get('status')} ({dp.get('why', '')})")
     if p.get("cpu_planner_error"):
         lines.append(f"- Libra's CPU planner failed: `{p['cpu_planner_error']['error']}`")
     cp = p.get("cpu_planner")

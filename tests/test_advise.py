@@ -171,12 +171,24 @@ def test_trtllm_yaml_loads_back_with_slots_divisible_by_the_ep_size(capsys: pyte
     config = yaml.safe_load(files["trtllm-load-balancer.yaml"].read_text())
     assert config["num_slots"] % 64 == 0 and config["num_slots"] - 256 == doc["recommendation"]["redundant_experts"]
     assert config["layer_updates_per_iter"] == 0  # a static plan
-    assert sorted(config["initial_global_assignments"]) == list(range(3, 61))  # the MoE layers, model numbering
+    # the MoE layers in the model's numbering, and DeepSeek-V3's one MTP layer (61) in the engine's default order:
+    # TensorRT-LLM looks its key up when the MTP layer registers and stops with a KeyError without it
+    assert sorted(config["initial_global_assignments"]) == [*range(3, 61), 61]
+    assert config["initial_global_assignments"][61] == [p % 256 for p in range(config["num_slots"])]
     back = read_any_plan(files["trtllm-load-balancer.yaml"], Cluster(num_nodes=8, gpus_per_node=8),
                          load=read_any_load(DECODE))
     np.testing.assert_array_equal(back.copies, read_plan(files["plan.json"]).copies)
     assert files["launch.txt"].read_text().splitlines() == ["moe_config:",
                                                             f"  load_balancer: {files['trtllm-load-balancer.yaml']}"]
+    doc, _ = advise(capsys, "--load", DECODE, *V3, "--engine", "trtllm", "--out-dir", tmp_path / "no-mtp",
+                    "--mtp-layers", 0)
+    config = yaml.safe_load((tmp_path / "no-mtp" / "trtllm-load-balancer.yaml").read_text())
+    assert sorted(config["initial_global_assignments"]) == list(range(3, 61))
+
+
+def test_mtp_layers_are_for_trtllm_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(["advise", "--load", DECODE, *V3, "--engine", "sglang", "--mtp-layers", 1], capsys,
+                      "--mtp-layers is for --engine trtllm")
 
 
 def test_several_loads_add_worst_of_plans_and_memory_limits_the_replicas(capsys: pytest.CaptureFixture[str]) -> None:

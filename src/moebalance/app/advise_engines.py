@@ -88,9 +88,10 @@ def _unwritten(engine: str, out_dir: Path | None) -> list[str]:
     return [f"# give --out-dir to write {FILE_NAMES[engine]}"] if out_dir is None else []
 
 
-def write_engine_files(advice: Advice, setup: Setup, out_dir: Path, model: str) -> list[Path]:
+def write_engine_files(advice: Advice, setup: Setup, out_dir: Path, model: str, *, mtp_layers: int = 0) -> list[Path]:
     """Write the recommendation's files into ``out_dir``: the launch flags, and unless EPLB stays off the plan
-    (moebalance's JSON) and the engine's placement file; returns their paths, the flags last."""
+    (moebalance's JSON) and the engine's placement file; returns their paths, the flags last. ``mtp_layers``: the
+    TensorRT-LLM file's keys for multi-token-prediction layers (:func:`moebalance.engines.trtllm.write_config`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rec = advice.recommended
     written: list[Path] = []
@@ -105,7 +106,7 @@ def write_engine_files(advice: Advice, setup: Setup, out_dir: Path, model: str) 
             written.append(dest)
         elif advice.engine == "trtllm":
             dest = out_dir / FILE_NAMES["trtllm"]
-            write_config(dest, plan, None, rec.candidate.layers_per_step or 0, model=model)
+            write_config(dest, plan, None, rec.candidate.layers_per_step or 0, model=model, mtp_layers=mtp_layers)
             written.append(dest)
     dest = out_dir / FILE_NAMES["flags"]
     atomic_write_text(dest, "\n".join(launch_lines(advice, setup, out_dir)) + "\n")

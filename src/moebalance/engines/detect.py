@@ -196,7 +196,9 @@ def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, 
             moe = [int(i) for i in ids]
         else:
             moe = [int(x) for x in np.flatnonzero(load.counts.sum(axis=(0, 2)) > 0)]
-        plan = read_config(p, cluster, None if load is None or ids is not None else load.num_layers, E, moe)
+        model = MODELS.get(load.preset) if load is not None and load.preset is not None else None
+        mtp = () if model is None or load is None or load.num_layers != model.num_decoder_layers else model.mtp_layer_ids
+        plan = read_config(p, cluster, None if load is None or ids is not None else load.num_layers, E, moe, mtp)
     if ids is None:  # the engine's rows of dense layers (no load) hold no experts there: no copies, whatever they list
         dense = [] if load is None or load.num_layers != plan.num_layers else \
             np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist()

@@ -117,9 +117,11 @@ def read_statistics(folder: str | os.PathLike[str], *, model: str | None = None)
 
 
 def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int | None = None,
-                num_experts: int | None = None, moe_layers: Sequence[int] = ()) -> Placement:
+                num_experts: int | None = None, moe_layers: Sequence[int] = (), unscored: Sequence[int] = ()) -> Placement:
     """A load-balancer YAML as a plan of ``num_layers`` layers (default: up to the last listed one); layers it
-    does not list (dense ones) get the engine's default order, slot ``p`` holding expert ``p mod E``."""
+    does not list (dense ones) get the engine's default order, slot ``p`` holding expert ``p mod E``. Keys in
+    ``unscored`` at or past ``num_layers`` (the model's MTP layers, when the load did not record them) are checked
+    and left out."""
     import yaml
 
     p = Path(path)
@@ -159,14 +161,16 @@ def read_config(path: str | os.PathLike[str], cluster: Cluster, num_layers: int 
         raise PlanError(f"{str(p)!r} names expert {E - 1} but has {slots} slots per layer, and every expert needs one "
                         "(TensorRT-LLM requires it)")
     L = num_layers if num_layers is not None else max(rows) + 1
-    if max(rows) >= L:
-        raise PlanError(f"{str(p)!r} places layer {max(rows)} but the load has {L} layers; score it on the model's "
+    kept = {layer: ids for layer, ids in rows.items() if layer < L or layer not in set(unscored)}
+    if kept and max(kept) >= L:
+        raise PlanError(f"{str(p)!r} places layer {max(kept)} but the load has {L} layers; score it on the model's "
                         "own statistics")
     check_alloc((L, slots), 8, f"{str(p)!r}: a placement of layers 0..{L - 1}", "is a layer id damaged?")
     for layer, ids in rows.items():
         if set(ids) != set(range(E)):
             raise PlanError(f"{str(p)!r}: layer {layer} does not hold every expert 0..{E - 1} at least once "
                             "(TensorRT-LLM requires it)")
+    rows = {layer: ids for layer, ids in rows.items() if layer < L}
     missing = sorted(set(moe_layers) - set(rows))
     if missing:
         raise PlanError(f"{str(p)!r} does not place layer {missing[0]}, which carries load: TensorRT-LLM requires every "

@@ -68,6 +68,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=options.non_negative, default=0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out-dir", help="write the engine's files, launch.txt, advise.json and report.html here")
+    p.add_argument("--mtp-layers", type=options.non_negative, metavar="N",
+                   help="trtllm: write keys for N multi-token-prediction layers (TensorRT-LLM registers MTP layer i as "
+                        "decoder layer num_hidden_layers + i and stops without its key; default: the model's, "
+                        "DeepSeek-V3/R1: 1; 0 to serve without MTP)")
     p.set_defaults(func=run)
 
 
@@ -126,7 +130,11 @@ def run(args: argparse.Namespace) -> None:
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
         raise InputError(f"--out-dir {args.out_dir!r} is a file; give a folder")
     engine = _engine(args)
+    if args.mtp_layers is not None and engine != "trtllm":
+        raise InputError(f"--mtp-layers is for --engine trtllm (TensorRT-LLM registers MTP layers with its load "
+                         f"balancer); {engine} needs no MTP key")
     setup, name, served, fit_error = _setup(args)
+    mtp = setup.phase.deployment.model.num_mtp_layers if args.mtp_layers is None else int(args.mtp_layers)
     margin = DEFAULT_MARGIN if args.margin is None else float(args.margin)
     if fit_error is not None:
         margin = max(margin, math.expm1(fit_error))
@@ -146,7 +154,7 @@ def run(args: argparse.Namespace) -> None:
              + ("" if args.phase else " (the default phase)") + f"; priced with {setup.phase.deployment.describe()}")
     files: list[Path] = []
     if out_dir is not None:
-        files = write_engine_files(advice, setup, out_dir, name)
+        files = write_engine_files(advice, setup, out_dir, name, mtp_layers=mtp)
         doc = advice.as_dict(files)
         atomic_write_text(out_dir / "advise.json", dumps({"title": title, **doc, "notes": notes,
                                                           "priced_with": setup.phase.deployment.describe(),
