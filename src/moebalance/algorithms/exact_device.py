@@ -41,7 +41,10 @@ from moebalance.core.errors import InputError
 if TYPE_CHECKING:
     import torch
 
-tl = rebalance_device.tl  # imported there, with the interpreter chosen when no GPU is present
+try:  # after rebalance_device, which chooses Triton's interpreter when no GPU is present
+    import triton.language as tl
+except ImportError:  # an optional dependency: kernel() says how to install it
+    tl = None
 _TOL = TOL if tl is None else tl.constexpr(TOL)  # a kernel reads module constants only as constexpr
 
 __all__ = ["DevicePlan", "assign", "kernel", "plan"]
