@@ -422,6 +422,25 @@ def test_move_aware_replaces_a_scaled_up_map_keeping_what_it_holds() -> None:
     assert move_aware(np.array([[0, 1, 2, -1]]), np.array([[1, 2, 0, 3]]), w, 2, 0.02).tolist() == [[0, 3, 2, 1]]
 
 
+def test_a_scale_down_keeps_the_surviving_ranks_slots() -> None:
+    """vLLM's elastic scale-down from 4 ranks of 2 slots to 2 passes the old map of 8 slots and asks for 4; ranks 0
+    and 1 stay. Equal loads on 4 experts, old map [0, 1 | 2, 3 | 0, 1 | 2, 3]: the survivors' blocks [0, 1 | 2, 3]
+    hold every expert and are perfectly balanced, so move-aware keeps them, slot for slot (a fresh plan taken as it
+    is would move experts for nothing). With survivors [0, 0 | 1, 1] of 3 experts (expert 2 lived on the released
+    rank), the fresh plan is laid on: each survivor keeps its expert in its old slot 0."""
+    w = torch.ones(1, 4)
+    old = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    assert make_policy("move-aware").rebalance_experts(w, 4, 1, 1, 2, old).tolist() == [[0, 1, 2, 3]]
+    assert vllm_plugin.surviving(old.numpy(), np.zeros((1, 4), dtype=np.int64), 2).tolist() == [[0, 1, 2, 3]]
+    got = make_policy("move-aware").rebalance_experts(torch.ones(1, 3), 4, 1, 1, 2,
+                                                      torch.tensor([[0, 0, 1, 1, 2, 2]])).numpy()
+    assert got[0, 0] == 0 and got[0, 2] == 1 and sorted(set(got[0].tolist())) == [0, 1, 2]
+    # eplb keeps the survivors' slots too, as vLLM's default policy does: experts staying on a rank stay put
+    kept = make_policy("eplb").rebalance_experts(w, 4, 1, 1, 2, old).numpy()
+    fresh = make_policy("eplb").rebalance_experts(w, 4, 1, 1, 2).numpy()
+    assert kept.tolist() == keep_slots(old.numpy()[:, :4], fresh, 2).tolist()
+
+
 def test_each_call_is_recorded_for_watch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """With ``MOEBALANCE_RECORD_DIR`` set, a call writes the window, both maps and the copies received as a record;

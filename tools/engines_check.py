@@ -83,6 +83,18 @@ def vllm_checks() -> None:
         after = np.asarray(ours.rebalance_experts(weight, G * S, 8, 2, G, torch.from_numpy(old)))
         check(bool((after >= 0).all()) and after.shape == old.shape,
               f"after a scale-up (-1 slots), {name} window: no empty slot returned")
+    # an elastic scale-down: vLLM passes the 16 ranks' map and asks for the survivors' slots (ranks 0..n-1 stay);
+    # 40 slots per rank, so that 8 ranks still hold the 256 experts
+    S2 = 40
+    current = np.asarray(DefaultEplbPolicy.rebalance_experts(w, G * S2, 8, 2, G))
+    w2 = (torch.rand(4, E, generator=torch.Generator().manual_seed(1)) ** 4 * 1000).round() + 1
+    for n in (8, 12):
+        args = (w2, n * S2, 8, 2, n, torch.from_numpy(current))
+        mine, default = np.asarray(ours.rebalance_experts(*args)), np.asarray(DefaultEplbPolicy.rebalance_experts(*args))
+        kept = [int((m == current[:, : n * S2]).sum()) for m in (mine, default)]
+        print(f"      scale-down 16 -> {n} ranks: slots kept in place, move-aware {kept[0]}, vLLM's default {kept[1]}")
+        check(kept[0] >= kept[1], f"scale-down 16 -> {n} ranks: move-aware keeps at least the slots vLLM's default "
+                                  f"keeps ({kept[0]} against {kept[1]})")
 
 
 def _sglang_model_config(el: types.ModuleType) -> object:

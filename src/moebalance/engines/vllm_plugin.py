@@ -27,7 +27,8 @@ registers another policy, so :func:`register` replaces the ``"default"`` entry, 
   a rank keeps is a local copy) and an expert staying on a rank keeps its slot. Where the fresh plan is
   hierarchical EPLB (``num_nodes > 1`` dividing ``num_groups`` and ``num_ranks``) whole nodes are matched as
   blocks, then ranks within a node, so each node keeps the groups the fresh plan packed onto it. When the
-  slot count changed (elastic EP), the fresh plan is taken as it is. After an elastic scale-up vLLM passes the
+  slot count changes otherwise (elastic EP), the fresh plan is taken as it is; after a scale-down the ranks that stay
+  keep their old blocks as the current placement (:func:`surviving`). After an elastic scale-up vLLM passes the
   current map with ``-1`` in the slots it added: those are empty slots, never an expert id. The current placement
   is then judged with them filled (:func:`fill_empty`: experts without a copy first, then the most load per copy),
   and kept only if it holds every expert; no variant ever returns ``-1``.
@@ -59,7 +60,7 @@ import numpy as np
 from moebalance.core.errors import InputError
 
 __all__ = ["ENTRY_POINT", "ENV", "RECORD_ENV", "TOLERANCE_ENV", "VARIANTS", "balancedness", "fill_empty", "keep_slots",
-           "make_policy", "move_aware", "plan_slots", "record", "register", "returns_tuple", "skipped"]
+           "make_policy", "move_aware", "plan_slots", "record", "register", "returns_tuple", "skipped", "surviving"]
 
 #: The environment variable that chooses the variant; unset, the plug-in does nothing.
 ENV = "MOEBALANCE_VLLM_EPLB"
@@ -134,6 +135,7 @@ def move_aware(old: np.ndarray, fresh: np.ndarray, weight: np.ndarray, num_ranks
     ``num_ranks // num_nodes`` ranks are matched as blocks (hierarchical plans). Never returns an empty slot."""
     from moebalance.algorithms.migration import align_rows
 
+    old = surviving(old, fresh, num_ranks)
     if old.shape != fresh.shape or fresh.shape[1] % num_ranks:  # elastic EP changed the slots: nothing to keep
         return fresh
     P = fresh.shape[1]
@@ -151,6 +153,18 @@ def move_aware(old: np.ndarray, fresh: np.ndarray, weight: np.ndarray, num_ranks
         picks = align_rows(old[layer].reshape(num_ranks, S).tolist(), new_blocks.tolist(), E, node_blocks=nodes)
         out[layer] = np.concatenate([new_blocks[b][ks] for b, ks in picks])
     return out
+
+
+def surviving(old: np.ndarray, fresh: np.ndarray, num_ranks: int) -> np.ndarray:
+    """``old [L, P_old]`` cut to the slots of the ranks that stay after an elastic scale-down, else ``old``. vLLM keeps
+    the slots per rank and releases the ranks from the new size up, renumbering none (vLLM 0.33
+    ``distributed/elastic_ep/elastic_execute.py``: old rank ``r`` becomes ``r`` if ``r < new_ep_size``, else -1),
+    so rank ``r`` keeps its old block ``r``, as vLLM's default policy pairs them."""
+    P = fresh.shape[1]
+    if old.ndim != 2 or old.shape[0] != fresh.shape[0] or old.shape[1] <= P or P % num_ranks \
+            or old.shape[1] % (P // num_ranks):
+        return old
+    return old[:, :P]
 
 
 def keep_slots(old: np.ndarray, fresh: np.ndarray, num_ranks: int) -> np.ndarray:
@@ -195,8 +209,9 @@ def make_policy(variant: str, base: type | None = None) -> type:
             if variant == "move-aware":
                 hierarchical = num_nodes > 1 and num_groups % num_nodes == 0 and num_ranks % num_nodes == 0
                 fresh = move_aware(old_np, fresh, w, num_ranks, tolerance, num_nodes if hierarchical else 1)
-            elif old_np.shape == fresh.shape and fresh.shape[1] % num_ranks == 0:
-                fresh = keep_slots(old_np, fresh, num_ranks)  # as vLLM's default: experts staying keep their slot
+            elif surviving(old_np, fresh, num_ranks).shape == fresh.shape and fresh.shape[1] % num_ranks == 0:
+                # as vLLM's default: experts staying on a rank keep their slot (a scale-down's surviving ranks too)
+                fresh = keep_slots(surviving(old_np, fresh, num_ranks), fresh, num_ranks)
         folder = os.environ.get(RECORD_ENV)
         if folder and _rank_zero():
             record(folder, w, None if old_global_expert_indices is None else old_np, fresh, num_ranks, variant)
