@@ -14,7 +14,9 @@ The exact planner (:func:`moebalance.algorithms.exact_device.plan`: prefetch pha
 is timed on the workload of ``bench/bench_exact.py`` (one DeepSeek-V3-like batch of 8,192 tokens per GPU, 8 MoE
 layers, 64 GPUs x 256 experts, contiguous homes, alpha = 0.5) for n = 2, 4 and 8: all 8 layers in one call,
 per layer = per call / 8, beside the compiled CPU planner (:func:`moebalance.algorithms.exact.plan_layer`) per
-layer; the loads and extras are checked equal to the CPU's first.
+layer; the loads and extras are checked equal to the CPU's first. ``metro``'s search
+(:func:`moebalance.algorithms.metro_device.split_counts`) is timed on DeepSeek-V3 decode counts (8 and 32 tokens
+per GPU, EPLB with 64 and 256 redundant experts, 58 layers) beside the CPU search, checked equal first.
 
 Needs a CUDA GPU and Triton; elsewhere it says so and exits. Writes docs/results/bench_device.md.
 Run: .venv/bin/python bench/bench_device.py
@@ -125,6 +127,37 @@ def _planner_rows() -> list[str]:
     return rows
 
 
+def _metro_rows(cluster: Cluster) -> list[str]:
+    """``| tokens per GPU | redundant | direct | graph | CPU |`` rows of metro's search on DeepSeek-V3 decode counts
+    (one batch of 58 layers), checked equal first; the first call compiles the kernel (minutes, untimed)."""
+    from moebalance.algorithms import metro as cpu_metro
+    from moebalance.algorithms import metro_device
+    from moebalance.cost.deployment import Deployment
+    from moebalance.cost.hardware import get_gpu
+    from moebalance.models import get_model
+
+    cost = Deployment(model=get_model("deepseek-v3"), gpu=get_gpu("h100-80gb"), precision="bf16").cost_vector(cluster)
+    rows = []
+    for per_gpu in (8, 32):
+        arrays = synthesize("deepseek-v3", num_batches=9, tokens_per_batch=per_gpu * 64, num_gpus=64, seed=0)
+        load = LoadMatrix(arrays["counts"], None, "deepseek-v3")
+        counts = np.ascontiguousarray(load.counts[8:9], dtype=np.int64)
+        for slots in (5, 8):
+            plan = make_plan("eplb", load.select_batches(0, 8), cluster, Budget(slots_per_gpu=slots))[0]
+            has = plan.copies > 0
+            want = cpu_metro.split_counts(counts, has, cost)
+            args = (torch.from_numpy(counts).cuda(), torch.from_numpy(has).cuda(), torch.from_numpy(cost).cuda())
+            assert np.array_equal(metro_device.split_counts(*args)[1].cpu().numpy(), want[1])
+            direct, graphed = _direct_and_graphed(lambda args=args: metro_device.split_counts(*args)[0], want[0])
+            t0 = time.perf_counter()
+            cpu_metro.split_counts(counts, has, cost)
+            host = time.perf_counter() - t0
+            L = counts.shape[1]
+            rows.append(f"| {per_gpu} | {slots * 64 - 256} | {direct / L * 1e6:.1f} us | {graphed / L * 1e6:.1f} us | "
+                        f"{host / L * 1e6:.1f} us |")
+    return rows
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_device.py needs a CUDA GPU: run it where one is (the device rebalancer's timing)")
@@ -151,7 +184,8 @@ def main() -> None:
                         f"{host / L * 1e6:.1f} us |")
     tokens = _token_row(cluster)
     planner = _planner_rows()
-    lines = ["# The device rebalancer and exact planner on a GPU", "", f"Machine: {machine()}; {torch.cuda.get_device_name()}.",
+    metro = _metro_rows(cluster)
+    lines = ["# The device rebalancer, exact planner and metro search on a GPU", "", f"Machine: {machine()}; {torch.cuda.get_device_name()}.",
              "Command: `.venv/bin/python bench/bench_device.py` (median of 50 calls, CUDA events). DeepSeek-V3-like",
              "counts, 64 GPUs x 256 experts, one batch of 58 layers; per layer = per call / 58.", "",
              "| tokens per GPU | redundant experts | direct call | in a CUDA graph | CPU kernel (numba) |",
@@ -160,7 +194,10 @@ def main() -> None:
              tokens, "", "The exact planner (prefetch phases 1-2 and the rebalancer), 64 GPUs x 256 experts, 8,192 tokens per "
              "GPU, top-8, 8 layers in one call, alpha = 0.5:", "",
              "| n | direct call, per layer | in a CUDA graph, per layer | CPU planner (numba), per layer |",
-             "|---|---|---|---|", *planner, ""]
+             "|---|---|---|---|", *planner, "", "metro's search (`metro_device.split_counts`), DeepSeek-V3 decode counts, "
+             "one batch of 58 layers, H100 roofline:", "",
+             "| tokens per GPU | redundant experts | direct call | in a CUDA graph | CPU kernel (numba) |",
+             "|---|---|---|---|---|", *metro, ""]
     (ROOT / "docs" / "results" / "bench_device.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

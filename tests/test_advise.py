@@ -25,6 +25,7 @@ from moebalance.app.advise import (
     Priced,
     Setup,
     candidates,
+    dividing_gpu_counts,
     price,
     recommend,
     redundant_values,
@@ -142,6 +143,7 @@ def test_sglang_statistics_files_load_back_and_obey_the_engine(capsys: pytest.Ca
     assert not any("every" in x for x in labels)  # one batch: no periodic re-planning
     files = [Path(f) for f in doc["engine_files"]]
     assert [f.name for f in files] == ["plan.json", "sglang-init-expert-location.json", "launch.txt"]
+    assert all(f.parent == out for f in files)  # where they are read from: the out-dir, not the folder written first
     assert json.loads((out / "advise.json").read_text())["recommendation"] == rec
     plan = read_plan(files[0])
     assert plan.policy == rec["policy"]
@@ -213,6 +215,46 @@ def test_a_perfectly_uniform_load_recommends_off(engine: str, capsys: pytest.Cap
     assert "off" in doc["recommendation"]["label"]
 
 
+def test_dividing_gpu_counts_are_the_nearest_divisors() -> None:
+    assert dividing_gpu_counts(64, 21) == [16, 32]
+    assert dividing_gpu_counts(256, 48) == [32, 64]
+    assert dividing_gpu_counts(160, 48) == [40, 80]
+    assert dividing_gpu_counts(64, 1000) == [64]  # more GPUs than experts: the experts' count alone
+    assert dividing_gpu_counts(8, 12) == [8]
+
+
+@pytest.mark.parametrize("engine", ["sglang", "trtllm"])
+def test_gpus_that_do_not_divide_the_experts_never_get_eplb_off(engine: str, capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    # 64 experts over 3 x 7 = 21 GPUs: SGLang and TensorRT-LLM need experts plus redundant ones divisible by 21, so
+    # EPLB off (which a uniform load would keep, as on 8 GPUs above) is the reference only, and r = 20 + 21 k is run
+    path = tmp_path / "uniform.npz"
+    write_load(path, LoadMatrix(np.full((4, 16, 64), 600, dtype=np.int64), preset="olmoe-1b-7b"))
+    argv = ["--load", path, "--nodes", 3, "--gpus-per-node", 7, "--gpu", "h100-80gb", "--engine", engine]
+    doc, err = advise(capsys, *argv)
+    rec = doc["recommendation"]
+    assert rec["policy"] != "contiguous" and rec["redundant_experts"] in (20, 41)
+    off = [c for c in doc["candidates"] if c["policy"] == "contiguous"]
+    assert [c["label"] for c in off] == [f"off (contiguous, no EPLB; reference only, {engine} cannot run it)"]
+    assert f"{engine} cannot run EPLB off here: 64 experts do not divide over 21 GPUs (16 or 32 GPUs would divide " \
+           "them)" in err
+    rc, out, _ = run_cli(["advise", *argv], capsys)
+    assert rc == 0 and "EPLB off cannot run here, as 64 experts do not divide over 21 GPUs" in out
+    if engine == "sglang":
+        assert f"--ep-size 21 --ep-num-redundant-experts {rec['redundant_experts']} " in out
+    # vLLM's expert map gives 1 of the 21 GPUs a fourth expert: EPLB off runs there and stays the baseline
+    doc, err = advise(capsys, *argv[:-1], "vllm")
+    assert doc["recommendation"]["policy"] == "contiguous" and "cannot run EPLB off" not in err
+
+
+def test_more_gpus_than_experts_is_noted(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "mixtral.npz"
+    write_load(path, LoadMatrix(np.full((4, 32, 8), 600, dtype=np.int64), preset="mixtral-8x7b"))
+    _, err = advise(capsys, "--load", path, "--nodes", 3, "--gpus-per-node", 4, "--gpu", "h100-80gb", "--engine",
+                    "vllm")
+    assert "note: 12 GPUs for 8 experts: more GPUs than experts, so EPLB off leaves 4 GPUs without experts" in err
+
+
 def _setup(phase: str = "decode", router_ms: float = 0.0) -> Setup:
     load = read_bundled("esft-law")
     spec, gpu = get_model("deepseek-v2-lite"), get_gpu("h100-80gb")
@@ -263,6 +305,16 @@ def test_leave_eplb_off_unless_the_gain_clears_the_margin() -> None:
     assert recommend([off, clear], "vllm", 0.10).recommended is off
     slower = _priced("slower", 90.0)
     assert recommend([slower, off], "vllm", 0.0).recommended is off
+
+
+def test_eplb_off_the_engine_cannot_run_is_never_recommended() -> None:
+    why = "64 experts do not divide over 21 GPUs (16 or 32 GPUs would divide them)"
+    off = _priced("off", 100.0, "contiguous", reference_only=why)
+    slower = _priced("slower", 90.0)
+    advice = recommend([off, slower], "sglang", 0.05)
+    assert advice.recommended is slower and not advice.leave_off  # whatever the margin: off cannot run
+    with pytest.raises(InputError, match=r"sglang can run none of the configurations: 64 experts .*\(16 or 32 GPUs"):
+        recommend([off], "sglang", 0.05)
 
 
 def test_a_calibration_fit_error_widens_the_margin(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

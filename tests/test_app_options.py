@@ -208,9 +208,9 @@ def test_every_command_is_a_module_with_add_parser_and_run() -> None:
 @pytest.mark.parametrize(("argv", "fragment"), [
     # an abbreviation is never read as the option it starts (--gpus was --gpus-per-node before)
     (["online", "--load", "x.npz", "--policy", "eplb", "--nodes", "1", "--gpus-per-node", "2", "--slots-per-gpu",
-      "4", "--warmup", "0:1", "--gpus", "2"], "unrecognized arguments: --gpus 2"),
+      "4", "--warmup", "0:1", "--gpus", "2"], "unrecognized option --gpus;"),
     (["plan", "--load", "x.npz", "--policy", "greedy", "--nodes", "1", "--gpus-per-node", "2", "--slots-per-gpu",
-      "4", "--batch", "0:1", "--out", "p.json"], "unrecognized arguments: --batch 0:1"),
+      "4", "--batch", "0:1", "--out", "p.json"], "unrecognized option --batch; did you mean --batches?"),
 ])
 def test_abbreviated_options_are_refused(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert_user_error(argv, capsys, fragment)

@@ -19,12 +19,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_user_error
+from conftest import assert_user_error, run_cli
 
 from moebalance.core.budget import Budget, resolve_budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import BudgetError, InputError, PlanError
-from moebalance.core.io import atomic_path, atomic_write_text, read_json, remove_stale_temporaries
+from moebalance.core.io import (
+    OUT_DIR_MARK,
+    atomic_dir,
+    atomic_path,
+    atomic_write_text,
+    check_out_dir,
+    read_json,
+    remove_stale_temporaries,
+)
 from moebalance.core.load import LM_PRESET, LoadMatrix, read_load
 from moebalance.core.plan import Placement, read_plan, write_plan
 from moebalance.cost.calibrate import Measurements, read_measurements
@@ -305,6 +313,47 @@ def test_calibrate_refuses_absurd_measurements(tmp_path, capsys, column: int, va
     assert not (tmp_path / "cal.json").exists()
 
 
+def test_calibrate_refuses_a_repeated_column(tmp_path, capsys) -> None:
+    """A second ``seconds`` column (all 1 s) replaced the first: a 1 s launch cost fitted with error 1e-06."""
+    rows = ["8,128,7168,2048,0.001,1\n", "8,256,7168,2048,0.002,1\n", "1,1,7168,2048,0.0002,1\n"]
+    (tmp_path / "dup.csv").write_text(CSV_HEAD.replace("\n", ",seconds\n") + "".join(rows))
+    with pytest.raises(InputError, match="has column 'seconds' more than once \\(columns 5, 6\\)"):
+        read_measurements(tmp_path / "dup.csv")
+    assert_user_error(["calibrate", "--measurements", tmp_path / "dup.csv", "--gpu", "h100-80gb", "--out",
+                       tmp_path / "cal.json"], capsys, "dup.csv", "'seconds' more than once", "keep one")
+    assert not (tmp_path / "cal.json").exists()
+
+
+@pytest.mark.parametrize(("rows", "points"), [
+    (["8,128,7168,2048,0.001"], 1),
+    (["8,128,7168,2048,0.001"] * 5, 1),  # repeats of one size: still one point
+    (["8,128,7168,2048,0.001", "8,128,7168,2048,0.0011", "1,1,7168,2048,0.0002"], 2),
+])
+def test_calibrate_refuses_fewer_distinct_points_than_constants(tmp_path, capsys, rows: list[str],
+                                                                  points: int) -> None:
+    """One measurement was fitted with error 0.0 (three constants through one point), which advise then took as
+    its margin floor: fewer distinct sizes than the 3 constants fitted are refused, saying both counts."""
+    (tmp_path / "m.csv").write_text(CSV_HEAD + "\n".join(rows) + "\n")
+    noun = "point" if points == 1 else "points"
+    assert_user_error(["calibrate", "--measurements", tmp_path / "m.csv", "--gpu", "h100-80gb", "--out",
+                       tmp_path / "cal.json"], capsys, "m.csv", f": {points} distinct measurement {noun}",
+                      "needs at least 3")
+    assert not (tmp_path / "cal.json").exists()
+    # a third distinct size is enough
+    (tmp_path / "m.csv").write_text(CSV_HEAD + "\n".join([*rows, "32,64,7168,2048,0.004", "1,4,7168,2048,0.0003"])
+                                    + "\n")
+    rc, _, err = run_cli(["calibrate", "--measurements", tmp_path / "m.csv", "--gpu", "h100-80gb", "--out",
+                          tmp_path / "cal.json"], capsys)
+    assert rc == 0, err
+    assert json.loads((tmp_path / "cal.json").read_text())["gpu"] == "h100-80gb"
+
+
+def test_a_calibration_whose_gpu_is_not_a_name_is_one_line(tmp_path, capsys) -> None:
+    (tmp_path / "cal.json").write_text('{"format": "moebalance.calibration", "gpu": [5]}')
+    assert_user_error(["cost", "--model", "olmoe-1b-7b", "--gpu", "h100-80gb", "--nodes", 1, "--gpus-per-node", 8,
+                       "--calibration", tmp_path / "cal.json"], capsys, "cal.json", "gpu is [5]")
+
+
 def test_a_calibration_with_an_unreadable_number_is_one_line(tmp_path, capsys) -> None:
     """A calibration JSON holding a 5,000-digit integer raised Python's ValueError (integer string conversion
     limit) out of the reader: a traceback."""
@@ -435,6 +484,116 @@ def test_files_that_only_look_like_temporaries_are_kept_and_do_not_stop_a_write(
     assert remove_stale_temporaries(target) == []
     atomic_write_text(target, "done\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*odd, "plan.json"])
+
+
+# ----- output folders replaced as a whole ------------------------------------------------------------------------
+
+def _files(folder: Path) -> dict[str, str]:
+    """``{relative path: text}`` of every file under ``folder`` (hidden ones included)."""
+    return {str(f.relative_to(folder)): f.read_text() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def _write_folder(target: Path, files: dict[str, str]) -> None:
+    with atomic_dir(target) as tmp:
+        for name, text in files.items():
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name).write_text(text)
+
+
+def test_atomic_dir_replaces_a_folder_it_wrote_as_a_whole(tmp_path) -> None:
+    target = tmp_path / "results"
+    _write_folder(target, {"a.json": "old a", "sub/b.txt": "old b"})
+    assert _files(target) == {OUT_DIR_MARK: (target / OUT_DIR_MARK).read_text(), "a.json": "old a",
+                              "sub/b.txt": "old b"}
+    (target / "stale.txt").write_text("from an earlier run")
+    _write_folder(target, {"a.json": "new a", "c.md": "new c"})
+    mark = (target / OUT_DIR_MARK).read_text()
+    assert "moebalance wrote this folder" in mark
+    assert _files(target) == {OUT_DIR_MARK: mark, "a.json": "new a", "c.md": "new c"}  # stale.txt and sub/ gone
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]  # no temporary or set-aside folder left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert oct(target.stat().st_mode & 0o777) == oct(0o777 & ~umask)  # not mkdtemp's owner-only 0o700
+
+
+def test_atomic_dir_leaves_the_old_folder_and_no_temporary_when_the_body_fails(tmp_path) -> None:
+    target = tmp_path / "results"
+    _write_folder(target, {"a.json": "old a", "b.json": "old b"})
+    before = _files(target)
+    with pytest.raises(RuntimeError, match="boom"), atomic_dir(target) as tmp:
+        assert tmp.parent == tmp_path and tmp != target and list(tmp.iterdir()) == []
+        (tmp / "a.json").write_text("new a")  # half of the new files written, then a failure
+        raise RuntimeError("boom")
+    assert _files(target) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]
+    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "new") as tmp:  # a new folder: nothing appears
+        (tmp / "a.json").write_text("x")
+        raise RuntimeError("boom")
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]
+
+
+def test_atomic_dir_refuses_a_file_the_current_folder_and_a_folder_of_other_files(tmp_path, monkeypatch) -> None:
+    work = tmp_path / "work"
+    mine = work / "mine"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("the user's")
+    (work / "a-file").write_text("x")
+    monkeypatch.chdir(work)
+    for path, fragment in (("a-file", "'a-file' is a file"), (".", "is the current folder or one above it"),
+                           ("..", "is the current folder or one above it"), (str(work), "current folder"),
+                           ("mine", "holds 'notes.txt' but no .moebalance-out")):
+        with pytest.raises(InputError, match=re.escape(fragment)) as info:
+            with atomic_dir(path, "--out-dir"):
+                raise AssertionError("the body must not run")
+        assert "\n" not in str(info.value) and "--out-dir" in str(info.value)
+        with pytest.raises(InputError, match=re.escape(fragment)):
+            check_out_dir(path)
+    assert (mine / "notes.txt").read_text() == "the user's" and sorted(p.name for p in work.iterdir()) == [
+        "a-file", "mine"]
+    (work / "empty").mkdir()  # an empty folder is taken
+    _write_folder(work / "empty", {"x.json": "x"})
+    assert sorted(_files(work / "empty")) == [OUT_DIR_MARK, "x.json"]
+
+
+def test_atomic_dir_through_a_symbolic_link_replaces_the_folder_it_names(tmp_path) -> None:
+    real = tmp_path / "real"
+    _write_folder(real, {"a.json": "old"})
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    _write_folder(link, {"b.json": "new"})
+    assert link.is_symlink() and os.readlink(link) == str(real)  # the link stays a link
+    assert sorted(_files(real)) == [OUT_DIR_MARK, "b.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+_FOLDER_WRITER = r"""
+import sys, time
+from moebalance.core.io import atomic_dir
+with atomic_dir(sys.argv[1]) as tmp:
+    (tmp / "a.json").write_text("new a")
+    print(tmp, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_sigkill_mid_folder_write_keeps_the_old_folder_and_the_next_write_removes_the_temporary(tmp_path) -> None:
+    target = tmp_path / "results"
+    _write_folder(target, {"a.json": "old a", "b.json": "old b"})
+    before = _files(target)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", _FOLDER_WRITER, str(target)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    proc.kill()  # SIGKILL, half-way through writing the new folder
+    _, stderr = proc.communicate(timeout=60)
+    assert line, f"the writer did not start: {stderr}"
+    tmp = Path(line)
+    assert tmp.parent == tmp_path and tmp.name.startswith(".results.") and tmp.name.endswith(".tmpdir")
+    assert _files(target) == before and _files(tmp) == {"a.json": "new a"}  # all old, the new one beside it
+    _write_folder(target, {"c.json": "c"})
+    assert sorted(_files(target)) == [OUT_DIR_MARK, "c.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]  # the dead writer's temporary folder removed
 
 
 def test_an_address_space_limit_is_the_limit_and_an_unforeseen_memory_error_is_one_line(tmp_path: Path) -> None:

@@ -501,6 +501,46 @@ def test_argparse_errors_elsewhere(argv: list[str], fragments: tuple[str, ...], 
     assert_user_error(argv, capsys, tmp_path, *fragments)
 
 
+@pytest.mark.parametrize(("argv", "fragment"), [
+    # misspelt, and the real option missing: the misspelling is named, not "--gpus-per-node is required"
+    (["advise", "--load", "l.npz", "--nodes", "1", "--gpu-per-node", "8", "--gpu", "h100-80gb"],
+     "unrecognized option --gpu-per-node; did you mean --gpus-per-node?"),
+    (["plan", "--load", "l.npz", "--policy", "greedy", *CLUSTER, "--slots-per-gpu", "4", "--out", "p.json",
+      "--seeed=3"], "unrecognized option --seeed; did you mean --seed?"),
+    (["stats", "--load", "l.npz", "--jsn"], "unrecognized option --jsn; did you mean --json?"),
+    (["stats", "--load", "l.npz", "--zzz"], "unrecognized option --zzz (see: moebalance stats --help)"),
+])
+def test_an_unknown_option_is_named_with_the_closest_real_one(argv: list[str], fragment: str, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert_user_error(argv, capsys, tmp_path, fragment)
+
+
+def _load_argv(command: str, load: Path, tmp_path: Path) -> list[Any]:
+    """``command`` reading ``load`` (``advise`` besides :data:`COMMANDS`)."""
+    if command == "advise":
+        return ["advise", "--load", load, "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h100-80gb"]
+    return load_command(command, load, tmp_path)
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "advise"])
+@pytest.mark.parametrize("name", ["nowhere.npz", "nowhere"])
+def test_a_missing_load_is_named_before_any_format_guess(command: str, name: str, tmp_path: Path, inp: Path,
+                                                         outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # advise once read a missing .npz as a moebalance load and asked for --engine
+    line = assert_user_error(_load_argv(command, inp / name, tmp_path), capsys, tmp_path, "does not exist")
+    assert f"load file '{inp / name}' does not exist" in line and "--engine" not in line
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "advise"])
+def test_a_load_of_no_known_kind_lists_every_kind(command: str, tmp_path: Path, inp: Path, outdir: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    readme = inp / "README.md"
+    readme.write_text("# notes\n")
+    assert_user_error(_load_argv(command, readme, tmp_path), capsys, tmp_path, "README.md", "moebalance load (.npz",
+                      ".npy", "bundled:NAME", "SGLang", ".pt or .json", "TensorRT-LLM statistics folder",
+                      "meta_info.json", "vLLM routed experts")
+
+
 def test_eplb_groups_must_divide_experts(tmp_path: Path, load64: Path, outdir: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     # One node: 7 groups is hierarchical (1 divides 7), and 64 experts cannot form 7 equal groups.
@@ -980,7 +1020,7 @@ def test_compare_json_and_out_dir(trace_file: Path, outdir: Path, capsys: pytest
         assert len(row["per_layer_balancedness"]) == L
         assert set(row["traffic"]) >= {"local", "intra_node", "inter_node"}
     assert "planned on 2 batches" in doc["title"] and "scored on 2 held-out" in doc["title"]
-    expected = {"comparison.md", "comparison.json", "per_layer_balancedness.png", "report.html",
+    expected = {"comparison.md", "comparison.json", "per_layer_balancedness.png", "report.html", ".moebalance-out",
                 *(f"plan-{p}.json" for p in policies)}
     assert set(tree(dest)) == expected, "missing outputs or leftover temporary files"
     assert json.loads((dest / "comparison.json").read_text()) == doc
@@ -990,6 +1030,59 @@ def test_compare_json_and_out_dir(trace_file: Path, outdir: Path, capsys: pytest
     for p in policies:
         plan = read_plan(dest / f"plan-{p}.json")
         assert plan.policy == p and plan.num_layers == L
+
+
+def _contents(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_compare_out_dir_is_replaced_as_a_whole(trace_file: Path, outdir: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A second run into the same out-dir leaves only its own files: the plan of a policy no longer compared and a
+    stale file are gone, not mixed with the new ones."""
+    dest = outdir / "cmp"
+    argv = ["compare", "--load", trace_file, *CLUSTER, "--slots-per-gpu", 5, "--out-dir", dest]
+    rc, _, err = run_cli([*argv, "--policies", "contiguous,eplb"], capsys)
+    assert rc == 0, err
+    (dest / "stale.txt").write_text("from an earlier run")
+    rc, out, err = run_cli([*argv, "--policies", "greedy"], capsys)
+    assert rc == 0, err
+    assert tree(dest) == [".moebalance-out", "comparison.json", "comparison.md", "per_layer_balancedness.png",
+                          "plan-greedy.json", "report.html"]
+    assert [r["policy"] for r in json.loads((dest / "comparison.json").read_text())["rows"]] == ["greedy"]
+    assert tree(outdir) == ["cmp", *(f"cmp/{name}" for name in tree(dest))]  # no temporary folder beside it
+    assert [line for line in out.splitlines() if line.startswith("wrote")] == [
+        f"wrote {dest}: comparison.md, comparison.json, per_layer_balancedness.png, plan-*.json and report.html"]
+
+
+@pytest.mark.filterwarnings("ignore:Tight layout not applied")  # the plot's legend holds the long row label
+def test_compare_failing_mid_write_leaves_the_old_out_dir(tmp_path: Path, inp: Path, trace_file: Path, outdir: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that fails after writing part of its files (here the plan of a --baseline whose name is too long for
+    the file system, after the comparison's own files) leaves the old out-dir exactly as it was, and no
+    temporary folder."""
+    dest = outdir / "cmp"
+    argv = ["compare", "--load", trace_file, "--policies", "greedy", *CLUSTER, "--slots-per-gpu", 4, "--out-dir", dest]
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 0, err
+    before = _contents(dest)
+    baseline = write_json(inp / ("b" * 240 + ".json"), contiguous_doc())  # plan-baseline-bbb...json: 259 characters
+    assert_user_error([*argv, "--baseline", baseline], capsys, tmp_path, "File name too long")
+    assert _contents(dest) == before and tree(outdir) == ["cmp", *(f"cmp/{name}" for name in tree(dest))]
+
+
+def test_compare_refuses_an_out_dir_of_other_files_before_any_work(tmp_path: Path, trace_file: Path, outdir: Path,
+                                                                   capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """moebalance replaces its out-dir as a whole, so a folder of the user's own files, or the current folder, is
+    refused in one line, and stays as it was."""
+    (outdir / "notes.txt").write_text("the user's")
+    argv = ["compare", "--load", trace_file, "--policies", "greedy", *CLUSTER, "--slots-per-gpu", 4]
+    assert_user_error([*argv, "--out-dir", outdir], capsys, tmp_path, str(outdir), "'notes.txt'",
+                      "give a new or empty folder")
+    monkeypatch.chdir(outdir)
+    assert_user_error([*argv, "--out-dir", "."], capsys, tmp_path, "'.' is the current folder")
+    assert (outdir / "notes.txt").read_text() == "the user's"
 
 
 def test_compare_table_with_groups_and_set(trace_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1260,6 +1353,30 @@ def test_plan_model_gives_eplb_the_models_groups(inp: Path, outdir: Path, capsys
     assert rc == 0 and "eplb ran global: 1 expert group(s), as given" in out
     assert_user_error([*base, "--model", "kimi-k2"], capsys, inp, "the load (--model kimi-k2) does not fit model "
                       "'kimi-k2'", "256 experts per layer, but Kimi-K2 has 384", "give the load's --model")
+
+
+def test_plan_says_one_group_plainly_and_names_the_option_against_duplicates(
+        inp: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 4 experts, one hot, on 2 GPUs of 4 slots: EPLB gives the hot expert the 4 extra slots, so its 5 copies put at
+    # least 3 on one GPU (no swap can part them); one group on one node: hierarchical is global
+    np.save(inp / "hot.npy", np.array([[1000, 1, 1, 1]]))
+    base = ["plan", "--load", inp / "hot.npy", "--policy", "eplb", "--nodes", 1, "--gpus-per-node", 2,
+            "--slots-per-gpu", 4, "--out", outdir / "p.json"]
+    same = "on one node, so its hierarchical and global plans are the same"
+    rc, out, err = run_cli(base, capsys)
+    assert rc == 0, err
+    assert f"eplb: one expert group (the load names no model with expert groups: give --model or --groups) {same}" \
+        in out and "1 expert group(s)" not in out
+    assert "host two copies of one expert" in err and "; --set avoid_duplicates=true swaps them onto other GPUs" in err
+    rc, out, err = run_cli([*base, "--groups", 1, "--set", "avoid_duplicates=true"], capsys)
+    assert rc == 0 and f"eplb: one expert group (as given) {same}" in out
+    assert "; avoid_duplicates found no GPU to swap them to" in err and "--set avoid_duplicates" not in err
+    # a model without expert groups says so
+    np.save(inp / "olmoe.npy", np.ones((16, 64), dtype=np.int64))
+    rc, out, err = run_cli(["plan", "--load", inp / "olmoe.npy", "--model", "olmoe-1b-7b", "--policy", "eplb",
+                            "--nodes", 1, "--gpus-per-node", 4, "--slots-per-gpu", 16, "--out", outdir / "o.json"],
+                           capsys)
+    assert rc == 0 and f"eplb: one expert group (OLMoE-1B-7B has no expert groups) {same}" in out, err
 
 
 def test_plan_model_on_a_load_that_names_one(tmp_path: Path, outdir: Path, capsys: pytest.CaptureFixture[str]) -> None:

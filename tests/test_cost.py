@@ -879,3 +879,68 @@ def test_calibration_auto_is_the_profile_for_the_gpus_silicon() -> None:
     assert a100.source == "published peaks (no profile for a100-80gb)" and a100_error is None
     assert a100.flops_efficiency == 1.0 and a100.launch_us == 0.0
     assert resolve_calibration("peaks", "h200") == (Calibration(), None)
+
+
+def _calibrate_h100(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, prefix: str = "") -> dict:
+    """``calibrate`` on times the roofline makes on the H100 with 50% of its FLOP/s, 80% of its bandwidth and 20 us
+    per call, written to ``name``.csv (after ``prefix``); the calibration's JSON."""
+    arch, gpu = get_model("deepseek-v3"), get_gpu("h100-80gb")
+    truth = Calibration(flops_efficiency=0.5, bandwidth_efficiency=0.8, launch_us=20.0)
+    lines = ["experts,tokens_per_expert,hidden_size,ffn_size,seconds"]
+    lines += [f"{u},{n},7168,2048,{float(gemm_seconds(u * n, u, arch, gpu, truth))!r}"
+              for u in (1, 8) for n in (1, 16, 256, 2048)]
+    (tmp_path / f"{name}.csv").write_text(prefix + "\n".join(lines) + "\n", encoding="utf-8")
+    rc, _, err = run_cli(["calibrate", "--measurements", tmp_path / f"{name}.csv", "--gpu", "h100-80gb", "--out",
+                          tmp_path / f"{name}.json"], capsys)
+    assert rc == 0, err
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_calibrate_reads_a_csv_with_a_byte_order_mark(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A CSV saved with a UTF-8 BOM (as spreadsheet programs write it) was refused: "lacks column 'experts'"."""
+    with_bom = _calibrate_h100(tmp_path, capsys, "bom", prefix="\ufeff")
+    assert (tmp_path / "bom.csv").read_bytes()[:3] == b"\xef\xbb\xbf"
+    plain = _calibrate_h100(tmp_path, capsys, "plain")
+    assert with_bom["source"] == "fitted to bom.csv on h100-80gb" and with_bom["gpu"] == "h100-80gb"
+    assert {**with_bom, "source": ""} == {**plain, "source": ""}
+    assert with_bom["flops_efficiency"] == pytest.approx(0.5, rel=0.05)
+    assert with_bom["bandwidth_efficiency"] == pytest.approx(0.8, rel=0.05)
+
+
+def test_a_calibration_prices_only_the_gpu_it_was_fitted_on(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A calibration fitted on the H100 priced an H200 without a word. It prices its GPU and one of the same silicon
+    (the H800); another is refused naming both GPUs, unless --calibration-any-gpu, and then the output says so. A file
+    that records no GPU (older ones) prices any."""
+    assert _calibrate_h100(tmp_path, capsys, "m")["gpu"] == "h100-80gb"
+    cal = tmp_path / "m.json"
+    base = ["cost", "--model", "olmoe-1b-7b", "--nodes", 1, "--gpus-per-node", 8, "--calibration", cal]
+    for gpu in ("h100-80gb", "h800"):
+        rc, text, err = run_cli([*base, "--gpu", gpu, "--json"], capsys)
+        assert rc == 0, err
+        assert json.loads(text)["calibration"] == "fitted to m.csv on h100-80gb"
+    assert_user_error([*base, "--gpu", "h200"], capsys, "fitted on GPU h100-80gb", "--gpu h200",
+                      "--calibration-any-gpu")
+    rc, text, err = run_cli([*base, "--gpu", "h200", "--calibration-any-gpu", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(text)["calibration"] == \
+        "fitted to m.csv on h100-80gb (from another GPU: fitted on h100-80gb, priced for h200)"
+    rc, text, err = run_cli([*base, "--gpu", "h200", "--calibration-any-gpu"], capsys)
+    assert rc == 0 and "from another GPU" in text, err
+    # the deployment a table names (compare's title)
+    rc, text, err = run_cli(["compare", "--load", "bundled:olmoe-1b-7b-tokens", "--policies", "contiguous",
+                             "--nodes", 2, "--gpus-per-node", 4, "--slots-per-gpu", 8, "--gpu", "h200",
+                             "--attention-tp", 1, "--calibration", cal, "--calibration-any-gpu"], capsys)
+    assert rc == 0 and "fitted on h100-80gb, priced for h200" in " ".join(text.split()), err
+    # a shipped profile is bound to its GPU too; the flag needs a --calibration, and a deployment
+    assert_user_error(["cost", "--model", "olmoe-1b-7b", "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h100-80gb",
+                       "--calibration", "h200-torch-bf16"], capsys, "h200", "h100-80gb")
+    assert_user_error(["cost", "--model", "olmoe-1b-7b", "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h200",
+                       "--calibration-any-gpu"], capsys, "--calibration-any-gpu", "--calibration FILE")
+    assert_user_error(["compare", "--load", "bundled:olmoe-1b-7b-tokens", "--policies", "contiguous", "--nodes", 2,
+                       "--gpus-per-node", 4, "--slots-per-gpu", 8, "--calibration-any-gpu"], capsys,
+                      "--calibration-any-gpu", "--gpu")
+    # older files record no GPU: the one committed with the GPU check results still prices any GPU
+    old = Path(__file__).parents[1] / "docs/results/gpu/calibration.json"
+    assert "gpu" not in json.loads(old.read_text())
+    rc, text, err = run_cli([*base[:-1], old, "--gpu", "a100-80gb", "--json"], capsys)
+    assert rc == 0 and json.loads(text)["calibration"] == "fitted to gemm_grouped_mm.csv on h200", err

@@ -7,12 +7,14 @@ browser: ``tests/test_html_browser.py``."""
 from __future__ import annotations
 
 import re
+import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import run_cli
 
 from moebalance.app.compare import Scenario, run_comparison
 from moebalance.app.html_charts import (
@@ -301,7 +303,11 @@ def test_compare_report(esft: LoadMatrix) -> None:
     colour = {r.policy: line["stroke"] for r, line in zip(ranked, per_layer, strict=True)}
     assert [p["stroke"] for p in per_batch] == [colour["contiguous"], colour["eplb"]]
     rec = page.text(sec["Recommendation"])
-    assert f"Best by held-out balancedness: {best}" in rec and "moebalance export --plan plan-eplb.json --to vllm" in rec
+    assert f"Best by held-out balancedness: {best}" in rec
+    # SGLang's and TensorRT-LLM's files by export; for vLLM, which loads no placement file, the plug-in
+    assert "moebalance export --plan plan-eplb.json --to sglang --out eplb-sglang.json" in rec
+    assert "moebalance export --plan plan-eplb.json --to trtllm --out eplb-trtllm.yaml" in rec
+    assert "--to vllm" not in rec and "export MOEBALANCE_VLLM_EPLB=eplb" in rec
 
 
 def test_compare_report_priced(esft: LoadMatrix) -> None:
@@ -335,6 +341,76 @@ def test_compare_report_of_one_row(esft: LoadMatrix) -> None:
     assert len(page.find("svg", "heatmap", heat)) == 1 and "best: eplb" in page.text(heat)
     with pytest.raises(InputError, match="no rows to report"):
         compare_report({}, {}, [], esft, "none")
+
+
+def _shell_words(line: str) -> list[str]:
+    """The words a POSIX shell makes of command ``line`` (its first word run as a function that prints the rest)."""
+    name = line.split()[0]
+    done = subprocess.run(["sh", "-c", f'{name}() {{ printf "%s\\n" "$@"; }}\n{line}'], capture_output=True,
+                          text=True, check=True)
+    return [name, *done.stdout.splitlines()]
+
+
+def test_compare_report_quotes_paths_for_a_shell_and_sends_vllm_to_the_plug_in(
+        esft: LoadMatrix, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The export commands of ``compare --out-dir`` name the plan in the out-dir and the load, each quoted for a
+    shell: a space or a quote in a path stays in one word. vLLM gets the plug-in, not a file it would never read."""
+    load = tmp_path / "bob's load.npy"
+    np.save(load, esft.counts)
+    out = tmp_path / "my out"
+    rc, _, err = run_cli(["compare", "--load", load, "--policies", "contiguous,craft", "--nodes", 1, "--gpus-per-node",
+                          8, "--replicas-per-gpu", 1, "--out-dir", out], capsys)
+    assert rc == 0, err
+    page = Page((out / "report.html").read_text())
+    rec = page.sections()["Recommendation"]
+    assert "Best by held-out balancedness: craft" in page.text(rec)  # replicas beat none
+    chunks = page.texts[rec]
+    exports = chunks[chunks.index("export the plan for SGLang or TensorRT-LLM") + 1].splitlines()
+    # craft spreads 8 replicas over 26 layers: uneven slots, so the commands pad, on the compared load
+    assert [_shell_words(line) for line in exports] == [
+        ["moebalance", "export", "--plan", f"{tmp_path}/my out/plan-craft.json", "--to", "sglang", "--pad", "--load",
+         f"{tmp_path}/bob's load.npy", "--out", "craft-sglang.json"],
+        ["moebalance", "export", "--plan", f"{tmp_path}/my out/plan-craft.json", "--to", "trtllm", "--pad", "--load",
+         f"{tmp_path}/bob's load.npy", "--out", "craft-trtllm.yaml"]]
+    vllm = chunks[chunks.index("vLLM: the moebalance plug-in") + 1].splitlines()
+    assert [line for line in vllm if not line.startswith("#")] == [
+        "pip install 'moebalance[vllm]'", "export MOEBALANCE_VLLM_EPLB=eplb  # or eplb-no-duplicates, move-aware",
+        "vllm serve MODEL --enable-expert-parallel --enable-eplb"]
+    assert "--to vllm" not in page.text(rec) and "moebalance_eplb" in page.text(rec)
+
+
+def test_demo_writes_the_report_html_it_announces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``moebalance demo`` said it wrote report.html, twice, and wrote none: each part's folder now has the page of
+    its comparison, and one line says what was written, after the whole out-dir is in place."""
+    dest = tmp_path / "demo"
+    rc, out, err = run_cli(["demo", "--out-dir", dest], capsys)
+    assert rc == 0, err
+    wrote = [line for line in out.splitlines() if line.startswith("wrote")]
+    assert len(wrote) == 1 and f"{dest}, {dest}/traffic:" in wrote[0] and "report.html" in wrote[0]
+    assert [p.name for p in tmp_path.iterdir()] == ["demo"]  # no temporary folder left
+    # part 1: the rows of the recorded tour (tests/data/tour.json), best first
+    text = (dest / "report.html").read_text()
+    assert text.startswith("<!DOCTYPE html>") and "<title>moebalance demo</title>" in text
+    page = Page(text)
+    sec = page.sections()
+    assert list(sec)[:2] == ["Ranking", "Recommendation"]
+    ranking = page.texts[sec["Ranking"]]
+    want = [("eplb (global)", "0.8127"), ("craft (R=8)", "0.7838"), ("eplb", "0.7180"), ("greedy", "0.5716"),
+            ("contiguous", "0.4181")]
+    at = [next(i for i, c in enumerate(ranking) if c == label or c.startswith(f"{label} (budget note"))
+          for label, _ in want]
+    assert at == sorted(at) and [ranking[i + 2] for i in at] == [b for _, b in want]
+    rec = page.text(sec["Recommendation"])
+    assert "Best by held-out balancedness: eplb (global)" in rec
+    assert f"moebalance export --plan {dest}/plan-eplb-global.json --to sglang" in rec
+    assert (dest / "plan-eplb-global.json").is_file()
+    # part 2: the traffic comparison's six rows in its own folder
+    page = Page((dest / "traffic" / "report.html").read_text())
+    ranking = page.texts[page.sections()["Ranking"]]
+    for label in ("contiguous", "moetuner", "eplb (random router)", "grace, no replicas", "grace (wrr router)",
+                  "grace (locality router)"):
+        assert any(c == label or c.startswith(f"{label} (budget note") for c in ranking), label
+    assert len(page.find("tr", section=page.sections()["Ranking"])) == 1 + 6
 
 
 def test_online_report(esft: LoadMatrix) -> None:

@@ -726,7 +726,8 @@ def test_cli_online_several_policies_and_out_dir(trace_file: Path, tmp_path: Pat
     assert eplb["policy"] == "eplb" and libra["policy"] == "libra"
     assert "prediction_accuracy" not in eplb and libra["prediction_accuracy"] == 1.0
     assert libra["params"]["n"] == 1 and libra["params"]["predictor"] == "oracle"
-    assert sorted(p.name for p in out.iterdir()) == ["online.json", "online.md", "online.png", "report.html"]
+    assert sorted(p.name for p in out.iterdir()) == [".moebalance-out", "online.json", "online.md", "online.png",
+                                                     "report.html"]
     written = json.loads((out / "online.json").read_text())
     assert written["results"] == doc["results"] and "title" in written
     md = (out / "online.md").read_text()
@@ -809,6 +810,8 @@ def test_cli_predict_and_online_lookahead(captured: tuple[Any, Any], tmp_path: P
 @pytest.mark.parametrize(("args", "fragments"), [
     (["--policy", "foo", "--slots-per-gpu", "4"], ("unknown policy 'foo'", "libra")),
     (["--policy", "eplb,", "--slots-per-gpu", "4", "--window", "2"], ("--window needs --replan-every",)),
+    # fresh, the default, is refused as plan refuses --migration without --previous: not silently dropped
+    (["--policy", "eplb", "--slots-per-gpu", "4", "--migration", "fresh"], ("--migration fresh", "--replan-every K")),
     (["--policy", "libra", "--slots-per-gpu", "4", "--replan-every", "2", "--set", "predictor=oracle"],
      ("--replan-every",)),
     (["--policy", "libra", "--slots-per-gpu", "4", "--set", "predictor=lookahead"], ("hidden states",

@@ -455,8 +455,8 @@ def test_cli_online_gpu_json_table_and_plot(olmoe_file: Path, tmp_path: Path,
         assert set(doc["time"]) == TIME_KEYS and len(doc["time"]["per_batch_step_ms"]) == 4
     assert eplb["time"]["rearrangements"] == 1 and eplb["time"]["exposed_balancing_ms"] > 1000.0
     assert libra["time"]["exposed_balancing_ms"] > 0 and libra["time"]["moved_gib"] > 0
-    assert sorted(p.name for p in out.iterdir()) == ["online.json", "online.md", "online.png", "online_time.png",
-                                                     "report.html"]
+    assert sorted(p.name for p in out.iterdir()) == [".moebalance-out", "online.json", "online.md", "online.png",
+                                                     "online_time.png", "report.html"]
     assert (out / "online_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "online.md").read_text()
     assert "tokens / s" in md and "online_time.png" in md

@@ -365,6 +365,24 @@ def test_register_logs_the_variant(vllm_registry: dict[str, Any], monkeypatch: p
                                    "move-aware (MOEBALANCE_VLLM_EPLB=move-aware)")
 
 
+def test_an_empty_variant_is_ignored_with_a_warning(vllm_registry: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    before = vllm_registry["default"]
+    monkeypatch.setenv(vllm_plugin.ENV, "")  # set but empty: `export MOEBALANCE_VLLM_EPLB=`
+    with caplog.at_level(logging.INFO, logger="moebalance"):
+        vllm_plugin.register()
+    assert vllm_registry["default"] is before
+    (record,) = [r for r in caplog.records if r.name == "moebalance"]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == ("MOEBALANCE_VLLM_EPLB is set but empty, so it is ignored and vLLM's EPLB policy "
+                                   "stays its own; set it to one of eplb, eplb-no-duplicates, move-aware, or unset it")
+    caplog.clear()
+    monkeypatch.delenv(vllm_plugin.ENV)  # unset: nothing to say
+    with caplog.at_level(logging.INFO, logger="moebalance"):
+        vllm_plugin.register()
+    assert [r for r in caplog.records if r.name == "moebalance"] == []
+
+
 def test_skipped_says_when_vllm_plugins_leaves_it_out() -> None:
     env = {vllm_plugin.ENV: "eplb", "VLLM_PLUGINS": "other_plugin"}
     assert "VLLM_PLUGINS='other_plugin' does not name 'moebalance_eplb'" in (vllm_plugin.skipped(env) or "")

@@ -22,7 +22,10 @@ re-planning with a few ``(step_interval, window)`` pairs in steps, moved as the 
 routers. :data:`ENGINE_RULES` says what each engine runs.
 
 **Recommendation** (:func:`recommend`): the most tokens per second, unless it beats EPLB off by no more than the
-margin (the model's stated uncertainty), in which case EPLB stays off.
+margin (the model's stated uncertainty), in which case EPLB stays off. Where the experts do not divide over the GPUs
+and the engine then cannot run EPLB off (:data:`ENGINE_RULES`), EPLB off is priced as the reference only and the
+fastest configuration the engine runs is recommended, whatever the margin; a note names the GPU counts that divide
+the experts, and another says so where there are more GPUs than experts.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ __all__ = ["DEFAULT_MARGIN",
     "Setup",
     "candidates",
     "concatenate",
+    "dividing_gpu_counts",
     "price",
     "recommend",
     "redundant_values",
@@ -88,15 +92,20 @@ class EngineRule:
     layers_per_step: str | None = None
     #: The moebalance plug-in variant that re-plans migration-aware (``aligned``), where the engine has one.
     move_aware: str | None = None
+    #: Whether EPLB off runs when the experts do not divide over the EP ranks (some ranks then hold one more); with
+    #: EPLB every engine needs the experts plus the redundant ones to divide by the EP size.
+    uneven_off: bool = False
 
 
 #: vLLM 0.33: EPLB plans itself from its window (no placement file), rearranges asynchronously by default
 #: (``use_async``), routes each token to a random copy; the plug-in's ``move-aware`` re-plans as ``aligned`` does.
 #: SGLang 0.5: ``--init-expert-location`` loads any plan; rearrangement stops serving; static, dynamic and LP dispatch
 #: read as the ``uniform``, ``rebalance`` and ``minmax`` routers. TensorRT-LLM: a load-balancer YAML loads any plan;
-#: its online balancer moves ``layer_updates_per_iter`` layers per iteration beside serving.
+#: its online balancer moves ``layer_updates_per_iter`` layers per iteration beside serving. Without EPLB vLLM's expert
+#: map gives the first ``E mod G`` ranks one expert more (the ``contiguous`` policy's layout); SGLang refuses physical
+#: experts that do not divide by ``--ep-size``, and TensorRT-LLM slots that do not divide by its EP size.
 ENGINE_RULES: dict[str, EngineRule] = {
-    "vllm": EngineRule({"random": "random"}, False, "async", move_aware="move-aware"),
+    "vllm": EngineRule({"random": "random"}, False, "async", move_aware="move-aware", uneven_off=True),
     "sglang": EngineRule({"uniform": "static", "rebalance": "dynamic", "minmax": "lp"}, True, "sync"),
     "trtllm": EngineRule({"uniform": "uniform"}, True, "async", layers_per_step="spread"),
 }
@@ -124,6 +133,9 @@ class Candidate:
     #: The plug-in variant the engine needs (vLLM's ``move-aware``), or ``None``.
     plugin: str | None = None
     plan: Placement | None = None
+    #: Why the engine cannot run it (EPLB off where the experts do not divide over the GPUs): priced as the
+    #: reference the others are measured against, never recommended; ``None`` for a configuration it runs.
+    reference_only: str | None = None
 
     @property
     def off(self) -> bool:
@@ -179,6 +191,14 @@ def concatenate(parts: Sequence[LoadMatrix]) -> LoadMatrix:
     return parts[0] if len(parts) == 1 else concatenate_loads(list(parts))
 
 
+def dividing_gpu_counts(num_experts: int, num_gpus: int) -> list[int]:
+    """The GPU counts nearest ``num_gpus`` that divide ``num_experts``: the largest below it and the smallest above
+    it (the experts' count alone where ``num_gpus`` exceeds it)."""
+    divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+    below, above = [d for d in divisors if d < num_gpus], [d for d in divisors if d > num_gpus]
+    return below[-1:] + above[:1]
+
+
 def redundant_values(num_experts: int, num_gpus: int) -> list[int]:
     """The redundant-expert counts to try: ``E + r`` divisible by ``G``, from the smallest upward in steps of ``G``,
     up to ``E / 2`` but at least two values and at most :data:`MAX_REDUNDANT_VALUES`."""
@@ -219,7 +239,19 @@ def candidates(setup: Setup, engine: str, *,
                          "not listed")
     routers = list(rule.routers)
     first = routers[0]
-    out = [Candidate("off (contiguous, no EPLB)", "contiguous", {}, base, 0, first)]
+    reference = None
+    if E % G and not rule.uneven_off:
+        counts = " or ".join(map(str, dividing_gpu_counts(E, G)))
+        reference = f"{E} experts do not divide over {G:,} GPUs ({counts} GPUs would divide them)"
+        notes.append(f"{engine} cannot run EPLB off here: {reference}, and its EP size must divide the experts plus the "
+                     "redundant ones; EPLB off is priced only as the reference, and a configuration with redundant "
+                     "experts is recommended")
+    if G > E:
+        notes.append(f"{G:,} GPUs for {E} experts: more GPUs than experts, so EPLB off leaves {G - E:,} GPUs without "
+                     f"experts and the other configurations fill them with copies; an EP size that divides {E} (at "
+                     f"most {E} GPUs) needs no copies")
+    out = [Candidate("off (contiguous, no EPLB" + (f"; reference only, {engine} cannot run it)" if reference else ")"),
+                     "contiguous", {}, base, 0, first, reference_only=reference)]
     hierarchical = cluster.num_nodes > 1 and spec.num_groups % cluster.num_nodes == 0
     default_mode = "hierarchical" if hierarchical else "global"
     modes = ["hierarchical", "global"] if hierarchical and rule.placement_file else [default_mode]
@@ -374,7 +406,8 @@ class Advice:
 
 
 def recommend(priced: Sequence[Priced], engine: str, margin: float) -> Advice:
-    """The fastest candidate, or EPLB off when the fastest beats it by ``margin`` (a fraction) or less."""
+    """The fastest candidate, or EPLB off when the fastest beats it by ``margin`` (a fraction) or less; where the
+    engine cannot run EPLB off (``reference_only``), the fastest candidate it runs, whatever the margin."""
     if not (math.isfinite(margin) and margin >= 0):
         raise InputError(f"the margin ({margin}) must be a finite fraction >= 0, like 0.05")
     offs = [p for p in priced if p.candidate.off]
@@ -382,6 +415,13 @@ def recommend(priced: Sequence[Priced], engine: str, margin: float) -> Advice:
         raise InputError("the candidates hold no EPLB-off configuration to compare with")
     off = offs[0]
     order = sorted(range(len(priced)), key=lambda i: (-priced[i].tokens_per_s, i))  # ties: the simpler, listed first
-    best = priced[order[0]]
-    chosen = best if best.tokens_per_s > off.tokens_per_s * (1.0 + margin) else off
+    runs = [i for i in order if priced[i].candidate.reference_only is None]
+    if not runs:
+        raise InputError(f"{engine} can run none of the configurations: {off.candidate.reference_only}; give a GPU "
+                         "count it runs")
+    best = priced[runs[0]]
+    if off.candidate.reference_only is not None:  # EPLB off cannot run: the fastest configuration that does
+        chosen = best
+    else:
+        chosen = best if best.tokens_per_s > off.tokens_per_s * (1.0 + margin) else off
     return Advice(engine, tuple(priced[i] for i in order), off, chosen, margin)

@@ -88,10 +88,13 @@ def _unwritten(engine: str, out_dir: Path | None) -> list[str]:
     return [f"# give --out-dir to write {FILE_NAMES[engine]}"] if out_dir is None else []
 
 
-def write_engine_files(advice: Advice, setup: Setup, out_dir: Path, model: str, *, mtp_layers: int = 0) -> list[Path]:
+def write_engine_files(advice: Advice, setup: Setup, out_dir: Path, model: str, *, mtp_layers: int = 0,
+                       named: Path | None = None) -> list[Path]:
     """Write the recommendation's files into ``out_dir``: the launch flags, and unless EPLB stays off the plan
     (moebalance's JSON) and the engine's placement file; returns their paths, the flags last. ``mtp_layers``: the
-    TensorRT-LLM file's keys for multi-token-prediction layers (:func:`moebalance.engines.trtllm.write_config`)."""
+    TensorRT-LLM file's keys for multi-token-prediction layers (:func:`moebalance.engines.trtllm.write_config`).
+    ``named``: the folder the flags name the files in (default ``out_dir``), where they will be read from when
+    ``out_dir`` is a temporary folder put in its place afterwards (:func:`moebalance.core.io.atomic_dir`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rec = advice.recommended
     written: list[Path] = []
@@ -109,7 +112,7 @@ def write_engine_files(advice: Advice, setup: Setup, out_dir: Path, model: str, 
             write_config(dest, plan, None, rec.candidate.layers_per_step or 0, model=model, mtp_layers=mtp_layers)
             written.append(dest)
     dest = out_dir / FILE_NAMES["flags"]
-    atomic_write_text(dest, "\n".join(launch_lines(advice, setup, out_dir)) + "\n")
+    atomic_write_text(dest, "\n".join(launch_lines(advice, setup, out_dir if named is None else named)) + "\n")
     return [*written, dest]
 
 
@@ -124,9 +127,12 @@ def advice_text(advice: Advice) -> str:
                                        f"{100 * (best.tokens_per_s / off.tokens_per_s - 1):+.1f}%")
         return (f"Leave EPLB off on {advice.engine}: {off.tokens_per_s:,.0f} tokens/s modelled, and no configuration "
                 f"beats it by more than the {margin} margin{beat}.")
+    why = off.candidate.reference_only
+    last = (f"the margin to clear was {margin}" if why is None else
+            f"EPLB off cannot run here, as {why}, so the fastest configuration {advice.engine} runs is recommended")
     return (f"Run {rec.candidate.label} on {advice.engine}: {rec.tokens_per_s:,.0f} tokens/s modelled, "
             f"{100 * advice.gain_vs_off:+.1f}% over EPLB off ({off.tokens_per_s:,.0f}), KV cache "
-            f"{rec.kv_cache_gib:.1f} GiB per GPU against {off.kv_cache_gib:.1f}; the margin to clear was {margin}.")
+            f"{rec.kv_cache_gib:.1f} GiB per GPU against {off.kv_cache_gib:.1f}; {last}.")
 
 
 _COLUMNS = ("candidate", "tokens/s", "vs off", "KV cache GiB/GPU", "weights GiB/GPU", "step tokens",

@@ -8,6 +8,8 @@ progress bar on stderr. Each command is a module of :mod:`moebalance.app.command
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import signal
 import sys
 import threading
@@ -20,7 +22,7 @@ from moebalance.app.console import drop_notes, flush_notes
 from moebalance.core.errors import MoebalanceError
 from moebalance.core.io import install_sigterm_handler
 
-__all__ = ["Parser", "build_parser", "main"]
+__all__ = ["CommandParser", "Parser", "build_parser", "main"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -36,10 +38,40 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+#: What argparse reads as a number rather than an option (``--seed -1``).
+_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
+
+
+class CommandParser(Parser):
+    """A command's parser: an option it does not have is named, with the closest one it has, before any other check
+    (argparse would first say that a required option is missing when the unknown one is that option misspelled)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if args is not None:
+            self._refuse_unknown(list(args))
+        return super().parse_known_args(args, namespace)
+
+    def _refuse_unknown(self, args: list[str]) -> None:
+        """One line naming the first token argparse would read as an option this command lacks."""
+        for arg in args:
+            if arg == "--":  # the rest are positional
+                return
+            if not arg.startswith("-") or arg == "-" or _NUMBER.match(arg) or " " in arg:
+                continue
+            name = arg.split("=", 1)[0] if arg.startswith("--") else arg
+            if name in self._option_string_actions:
+                continue
+            shown = [s for a in self._actions if a.help != argparse.SUPPRESS for s in a.option_strings]
+            close = difflib.get_close_matches(name.lstrip("-"), [s.lstrip("-") for s in shown], n=1, cutoff=0.6)
+            best = next((s for s in shown if close and s.lstrip("-") == close[0]), None)
+            self.error(f"unrecognized option {name}" + (f"; did you mean {best}?" if best else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="moebalance", description="Plan, score and compare expert placements for MoE inference.")
     parser.add_argument("--version", action="version", version=f"moebalance {moebalance.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     for command in COMMANDS:
         command.add_parser(sub)
     return parser

@@ -30,8 +30,8 @@ from moebalance.pricing.phase import PhaseModel, PhaseTime
 from moebalance.routing import Router
 from moebalance.routing.simulate import evaluate
 
-__all__ = ["Comparison", "PhaseRow", "Scenario", "comparison_title", "emit_comparison", "phase_lines", "run_comparison",
-           "run_scenarios"]
+__all__ = ["COMPARISON_FILES", "Comparison", "PhaseRow", "Scenario", "comparison_title", "emit_comparison",
+           "phase_lines", "run_comparison", "run_scenarios"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +175,8 @@ def phase_lines(rows: Sequence[ComparisonRow]) -> list[str]:
 def emit_comparison(rows: list[ComparisonRow], plans: dict[str, Placement], title: str, out_dir: str | None,
                     as_json: bool, notes: Sequence[str] = ()) -> None:
     """Print the comparison (table or JSON), its warnings and budget notes; with ``out_dir`` write the Markdown,
-    JSON, per-layer plot and plans there. Rows timed on a phase's steps (:class:`PhaseRow`) add a table of their
+    JSON, per-layer plot and plans there (the caller says what it wrote once its folder is in place:
+    :func:`moebalance.core.io.atomic_dir`). Rows timed on a phase's steps (:class:`PhaseRow`) add a table of their
     modelled MoE layer time."""
     doc = {"title": title, "rows": [r.as_dict() for r in rows]}
     notes = [*phase_lines(rows), *notes]
@@ -199,5 +200,7 @@ def emit_comparison(rows: list[ComparisonRow], plans: dict[str, Placement], titl
     out.print(comparison_table(rows, title))
     for note in notes:
         out.print(note)
-    if out_dir:
-        out.print(f"wrote {out_dir}/comparison.md, comparison.json, per_layer_balancedness.png, plans and report.html")
+
+
+#: What ``compare --out-dir`` and each folder of ``demo --out-dir`` hold.
+COMPARISON_FILES = "comparison.md, comparison.json, per_layer_balancedness.png, plan-*.json and report.html"

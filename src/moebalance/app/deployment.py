@@ -51,7 +51,8 @@ REQUEST_FLAGS = (("--prompt-tokens", "prompt_tokens"), ("--output-tokens", "outp
                  ("--prefill-chunk", "prefill_chunk"))
 #: Every flag of the deployment besides ``--gpu``: given or not (default None), so that a command can refuse them where
 #: nothing is priced.
-FLAGS = (*ENGINE_FLAGS, *REQUEST_FLAGS, ("--calibration", "calibration"), ("--a2a", "a2a"),
+FLAGS = (*ENGINE_FLAGS, *REQUEST_FLAGS, ("--calibration", "calibration"),
+         ("--calibration-any-gpu", "calibration_any_gpu"), ("--a2a", "a2a"),
          ("--precision", "precision"), ("--kv-cache-dtype", "kv_cache_dtype"), ("--overlap", "overlap"))
 
 #: ``(plan, held-out load, router) -> PlanPrice``.
@@ -81,6 +82,9 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
                    help="JSON from 'moebalance calibrate', a shipped profile by name (docs/results/profiles.md: "
                         f"{', '.join(profile_names())}), 'peaks' (the published peaks), or {AUTO} (the default: the "
                         "profile shipped for --gpu, else the published peaks)")
+    p.add_argument("--calibration-any-gpu", action="store_true", default=None,
+                   help="price with a --calibration fitted on another GPU than --gpu (refused without it: its shares "
+                        "of the peaks need not hold there); the output names the calibration's GPU")
     p.add_argument("--precision", choices=PRECISIONS,
                    help="the weights' and GEMMs' precision: served (the default: the model's own checkpoint's, fp8 for "
                         "DeepSeek-V3/R1 and Kimi-K2 where the GPU has FP8 tensor cores, else bf16), bf16, or fp8 (half "
@@ -120,8 +124,13 @@ TIME_FLAGS = (("--a2a", "a2a"), ("--overlap", "overlap"), ("--prefill-chunk", "p
 
 def calibration(args: argparse.Namespace) -> tuple[Calibration, float | None]:
     """``--calibration FILE|NAME|auto`` for ``--gpu`` and its fit error (:func:`moebalance.cost.calibrate.
-    resolve_calibration`; not given: ``auto``, the profile shipped for the GPU, else the published peaks)."""
-    return resolve_calibration(getattr(args, "calibration", None), args.gpu)
+    resolve_calibration`; not given: ``auto``, the profile shipped for the GPU, else the published peaks). One fitted on
+    another GPU is refused but with ``--calibration-any-gpu``."""
+    name, any_gpu = getattr(args, "calibration", None), bool(getattr(args, "calibration_any_gpu", None))
+    if any_gpu and name is None:
+        raise InputError("--calibration-any-gpu is used with --calibration FILE fitted on another GPU; give "
+                         "--calibration or drop it")
+    return resolve_calibration(name, args.gpu, any_gpu=any_gpu)
 
 
 def build(args: argparse.Namespace, load: LoadMatrix | None = None, *,

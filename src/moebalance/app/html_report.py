@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_path
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.engines.vllm_plugin import ENTRY_POINT, ENV, VARIANTS
 from moebalance.online.replay import OnlineResult
 from moebalance.routing import Router, get_router
 from moebalance.routing.simulate import layer_metrics, replay_loads
@@ -272,13 +274,30 @@ def _cost_bars(rows: Sequence[ComparisonRow]) -> tuple[dict[str, dict[str, float
     return None
 
 
-def _export_lines(name: str, plan: Placement) -> str:
-    """The ``moebalance export`` commands that write plan file ``plan-<name>.json`` in each engine's form."""
+def _export_lines(name: str, plan: Placement, folder: Path | None, load_args: Sequence[str]) -> str:
+    """The ``moebalance export`` commands that write plan file ``plan-<name>.json`` (in ``folder``, else named alone)
+    in the form SGLang and TensorRT-LLM load, each quoted for a POSIX shell. A plan of uneven slot counts is padded
+    on the load ``load_args`` name (``--load FILE``; else a placeholder)."""
     padded = plan.slots()
-    pad = "" if int(padded.min()) == int(padded.max()) else " --pad --load LOAD"
+    pad = [] if int(padded.min()) == int(padded.max()) else ["--pad", *(load_args or ("--load", "LOAD"))]
+    source = f"plan-{name}.json" if folder is None else str(folder / f"plan-{name}.json")
     stem = name.replace(" ", "_")
-    return "\n".join(f"moebalance export --plan plan-{name}.json --to {engine}{pad} --out {stem}-{engine}{ext}"
-                     for engine, ext in (("vllm", ".json"), ("sglang", ".json"), ("trtllm", ".yaml")))
+    return "\n".join(shlex.join(["moebalance", "export", "--plan", source, "--to", engine, *pad, "--out",
+                                 f"{stem}-{engine}{ext}"])
+                     for engine, ext in (("sglang", ".json"), ("trtllm", ".yaml")))
+
+
+def _vllm_lines() -> str:
+    """How vLLM runs moebalance (README, the vLLM plug-in): vLLM loads no placement file, its EPLB makes the plans; the
+    plug-in puts moebalance's EPLB variants behind it."""
+    return "\n".join([
+        "# vLLM loads no placement file: its own EPLB makes the plans (not this one). The moebalance plug-in puts",
+        "# moebalance's EPLB in the place of vLLM's policy:",
+        shlex.join(["pip", "install", "moebalance[vllm]"]),
+        f"export {ENV}={VARIANTS[0]}  # or {', '.join(VARIANTS[1:])}",
+        "vllm serve MODEL --enable-expert-parallel --enable-eplb",
+        f"# if VLLM_PLUGINS is set, it must list {ENTRY_POINT}",
+    ])
 
 
 _Entry = tuple[Scenario, ComparisonRow, Placement | None]
@@ -292,9 +311,10 @@ def _before(entries: Sequence[_Entry], best: Scenario) -> _Entry | None:
             or next((e for e in others if e[1].score.extra_replicas == 0), None) or (others[0] if others else None))
 
 
-def _compare_advice(best: _Entry, before: _Entry | None, by: str) -> tuple[str, dict[str, str]]:
-    """The recommendation's text and files: the best row ``by`` the ranking's measure, against the one before, and
-    how to export its plan."""
+def _compare_advice(best: _Entry, before: _Entry | None, by: str, folder: Path | None,
+                    load_args: Sequence[str]) -> tuple[str, dict[str, str]]:
+    """The recommendation's text and files: the best row ``by`` the ranking's measure, against the one before, how
+    to export its plan for SGLang and TensorRT-LLM (:func:`_export_lines`) and how to run moebalance in vLLM."""
     sc, row, plan = best
     s = row.score
     text = (f"Best by {by}: {row.policy} (balancedness {s.balancedness:.4f}, imbalance ratio "
@@ -304,13 +324,19 @@ def _compare_advice(best: _Entry, before: _Entry | None, by: str) -> tuple[str, 
     if before is not None:
         text += f"; {before[1].policy}: balancedness {before[1].score.balancedness:.4f}"
     name = sc.plan_name or sc.display
-    return text + ".", {} if plan is None else {"export the plan for an engine": _export_lines(name, plan)}
+    if plan is None:
+        return text + ".", {}
+    return text + ".", {"export the plan for SGLang or TensorRT-LLM": _export_lines(name, plan, folder, load_args),
+                        "vLLM: the moebalance plug-in": _vllm_lines()}
 
 
 def compare_report(rows: Mapping[str, ComparisonRow], plans: Mapping[str, Placement], scenarios: Sequence[Scenario],
-                   held_out: LoadMatrix, title: str, *, seed: int = 0) -> Report:
-    """The page of ``moebalance compare``: ``rows`` and ``plans`` as :func:`moebalance.app.compare.run_comparison`
-    returns them for ``scenarios``, ``held_out`` the batches they were scored on.
+                   held_out: LoadMatrix, title: str, *, seed: int = 0, folder: str | os.PathLike[str] | None = None,
+                   load_args: Sequence[str] = (), heading: str = "moebalance compare") -> Report:
+    """The page of ``moebalance compare`` (titled ``heading``): ``rows`` and ``plans`` as
+    :func:`moebalance.app.compare.run_comparison` returns them for ``scenarios``, ``held_out`` the batches they were
+    scored on. The export commands name the plan files in ``folder`` (where they are read from: the final
+    ``--out-dir``) and pad on the load ``load_args`` name (``["--load", FILE]``).
 
     Ranked by modelled goodput (``--gpu``), else by the phase's MoE layer time (``--phase``), else by balancedness.
     The heatmaps show the GPUs' loads on the held-out batches as recorded (replayed with each row's router and
@@ -321,7 +347,7 @@ def compare_report(rows: Mapping[str, ComparisonRow], plans: Mapping[str, Placem
     if not entries:
         raise InputError("the comparison has no rows to report; give at least one policy")
     ranked = sorted(entries, key=lambda e: _rank_key(e[1]))
-    report = Report("moebalance compare", title)
+    report = Report(heading, title)
     numbers, notes = budget_notes([r for _, r, _ in ranked])
     table = []
     for (_, row, _), number in zip(ranked, numbers, strict=True):
@@ -334,7 +360,8 @@ def compare_report(rows: Mapping[str, ComparisonRow], plans: Mapping[str, Placem
     for line in notes:
         report.note(line)
     before = _before(entries, ranked[0][0])
-    report.recommendation(*_compare_advice(ranked[0], before, by))
+    report.recommendation(*_compare_advice(ranked[0], before, by, None if folder is None else Path(folder),
+                                           load_args))
     shown = [(role, e[0], e[1], e[2]) for role, e in (("before", before), ("after" if before else "best", ranked[0]))
              if e is not None and e[2] is not None]
     traces = [(f"{role}: {row.policy}", relative_loads(plan, held_out, sc.router, seed))

@@ -258,7 +258,8 @@ def links(args: argparse.Namespace) -> dict[str, Any]:
     any."""
     out: dict[str, Any] = {}
     if getattr(args, "gpu", None) is not None:
-        profile = resolve_calibration(getattr(args, "calibration", None), args.gpu)[0]
+        profile = resolve_calibration(getattr(args, "calibration", None), args.gpu,
+                                      any_gpu=bool(getattr(args, "calibration_any_gpu", None)))[0]
         if profile.intra_node_gbs:
             out["intra_node_bandwidth"] = profile.intra_node_gbs
         if profile.inter_node_gbs:

@@ -7,16 +7,26 @@ permissions ``0o666 & ~umask`` (``mkstemp`` would leave it private to the owner)
 behind, and the next write of ``NAME`` removes every such file of this host whose process is gone
 (docs/design.md, "Errors").
 
+Atomic output folders (``--out-dir``): :func:`atomic_dir` yields an empty temporary folder beside the target
+(``.NAME.<pid>@<host>.<random>.tmpdir``); when the body succeeds the old folder is renamed aside, the new one renamed
+into place and the old one removed, so a reader sees all the old files or all the new ones, never a mix; when the
+body fails the temporary folder is removed and the old folder is untouched. Only a folder moebalance wrote (it holds
+:data:`OUT_DIR_MARK`), an empty one or a new one is replaced (:func:`check_out_dir`): never the current folder, one
+above it or a folder of the user's own files (docs/design.md, "Errors").
+
 :func:`read_json` reads a JSON document with the failures of a hand-edited or damaged file (missing, not
 UTF-8, not JSON, nested past Python's recursion limit, an integer too long to convert) as one-line errors.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import secrets
+import shutil
 import signal
 import socket
 import tempfile
@@ -27,8 +37,8 @@ from typing import Any
 
 from moebalance.core.errors import InputError, MoebalanceError
 
-__all__ = ["atomic_path", "atomic_write_text", "dumps", "install_sigterm_handler", "read_json",
-           "remove_stale_temporaries", "save_png", "write_npz"]
+__all__ = ["OUT_DIR_MARK", "atomic_dir", "atomic_path", "atomic_write_text", "check_out_dir", "dumps",
+           "install_sigterm_handler", "read_json", "remove_stale_temporaries", "save_png", "write_npz"]
 
 
 def _umask() -> int:
@@ -101,6 +111,108 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+
+
+#: The file that marks a folder as one moebalance wrote (an ``--out-dir``): :func:`atomic_dir` replaces such a folder
+#: as a whole, and refuses to replace a folder of other files that lacks it.
+OUT_DIR_MARK = ".moebalance-out"
+
+
+def check_out_dir(path: str | os.PathLike[str], flag: str = "--out-dir") -> Path:
+    """``path`` with symbolic links resolved, checked to be a folder :func:`atomic_dir` may replace as a whole: a new
+    one, an empty one or one moebalance wrote (it holds :data:`OUT_DIR_MARK`). A file, the current folder or one
+    above it, and a folder of other files are each a one-line :class:`InputError` naming ``flag``. Commands call it
+    before their work too, so that a mistake costs no wait."""
+    shown = f"{flag} {str(path)!r}"
+    target = Path(os.path.realpath(path))
+    if target.exists() and not target.is_dir():
+        raise InputError(f"{shown} is a file; give a folder")
+    try:
+        cwd: Path | None = Path.cwd().resolve()
+    except OSError:  # the current folder was removed: nothing of it to protect
+        cwd = None
+    if cwd is not None and (target == cwd or target in cwd.parents):
+        raise InputError(f"{shown} is the current folder or one above it, and moebalance replaces its output folder "
+                         f"as a whole; give a folder of its own, e.g. {flag} results")
+    if target.is_dir() and not (target / OUT_DIR_MARK).is_file():
+        try:
+            first = min((p.name for p in target.iterdir()), default=None)
+        except OSError as exc:
+            raise InputError(f"cannot read {shown}: {exc.strerror or exc}") from None
+        if first is not None:
+            raise InputError(f"{shown} is not a folder moebalance wrote (it holds {first!r} but no {OUT_DIR_MARK}), "
+                             "and moebalance replaces its output folder as a whole; give a new or empty folder, or "
+                             "remove this one if it holds only old results")
+    return target
+
+
+def _remove_stale_folders(target: Path) -> None:
+    """Remove the temporary and set-aside folders of ``target`` (``.NAME.<pid>@<host>.*.tmpdir`` and ``.old``) that a
+    process of this host left when it was killed; those of live processes and other hosts are kept."""
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.([1-9]\d*)@{re.escape(_host())}\.[^.]+\.(tmpdir|old)$",
+                         re.ASCII)
+    try:
+        candidates = list(target.parent.iterdir())
+    except OSError:
+        return
+    for path in candidates:
+        m = pattern.match(path.name)
+        if m is not None and not _alive(int(m.group(1))) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _swap_in(tmp: Path, target: Path) -> None:
+    """Put folder ``tmp`` in the place of ``target``: the old folder renamed aside, ``tmp`` renamed into place, the old
+    folder removed. Readers see the old folder or the new one (or, between the two renames, none). Tried again when
+    another writer puts a folder there in between."""
+    for _ in range(8):
+        aside = target.parent / f".{target.name}.{os.getpid()}@{_host()}.{secrets.token_hex(4)}.old"
+        old: Path | None = aside
+        try:
+            os.rename(target, aside)
+        except FileNotFoundError:  # no folder yet (or another writer set it aside first)
+            old = None
+        try:
+            os.rename(tmp, target)
+        except OSError as exc:
+            if old is not None:
+                try:
+                    os.rename(old, target)
+                except OSError:  # another writer's folder took the place: it is newer than ours
+                    shutil.rmtree(old, ignore_errors=True)
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                continue
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return
+    raise OSError(errno.EBUSY, f"cannot put the new folder in the place of {str(target)!r}: other writers keep "
+                               "replacing it")
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike[str], flag: str = "--out-dir") -> Iterator[Path]:
+    """Yield an empty temporary folder beside ``path``; when the body succeeds it replaces ``path`` as a whole
+    (with :data:`OUT_DIR_MARK` added), when it fails it is removed and ``path`` stays as it was.
+
+    ``path`` is checked first (:func:`check_out_dir`; ``flag`` names it in errors) and stale temporary folders of
+    killed processes are removed. Files written into the folder are read from ``path`` afterwards: text in them that
+    names a file must name it under ``path``, never under the temporary folder.
+    """
+    target = check_out_dir(path, flag)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_folders(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}@{_host()}.", suffix=".tmpdir",
+                                dir=target.parent))
+    try:
+        yield tmp
+        (tmp / OUT_DIR_MARK).write_text("moebalance wrote this folder (--out-dir) and replaces it as a whole when it "
+                                        "writes there again\n")
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's folder is the owner's alone
+        _swap_in(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -9,7 +9,12 @@ none, or 64, 128 or 256 rows, each expert's FLOPs counted on its rows in whole t
 that centres the residuals; the error is the mean absolute log ratio of modelled to measured time. A tile is kept
 only where it fits better than none, which needs runs whose rows are not already whole tiles. An efficiency that no
 measurement depends on (all runs bound by the other resource) is not determined: among equal errors the fit keeps
-the largest value, and :func:`fit` says which regimes the runs covered.
+the largest value, and :func:`fit` says which regimes the runs covered. A fit needs at least as many distinct
+measurement points (runs of distinct sizes) as the constants it fits (:data:`FITTED`), else any error is zero.
+
+A calibration records the GPU it was fitted on (``gpu``): it prices that GPU and those of the same silicon
+(:func:`same_silicon`); :func:`resolve_calibration` refuses it for another GPU unless asked (``any_gpu``), and then
+says so in its ``source``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from moebalance.cost.time import PRECISION_BYTES, Calibration, gemm_work, peak_r
 __all__ = [
     "AUTO",
     "COLUMNS",
+    "FITTED",
     "FIT_ERROR_KEY",
     "FORMAT",
     "LIMITS",
@@ -43,6 +49,7 @@ __all__ = [
     "read_calibration",
     "read_measurements",
     "resolve_calibration",
+    "same_silicon",
     "write_calibration",
 ]
 
@@ -60,6 +67,9 @@ FORMAT = "moebalance.calibration"
 FIT_ERROR_KEY = "mean_abs_log_error"
 
 COLUMNS = ("experts", "tokens_per_expert", "hidden_size", "ffn_size", "seconds")
+#: The constants :func:`fit` fits (the M-tile is chosen among :data:`TILE_ROWS`, not fitted): it needs as many
+#: distinct measurement points, runs of distinct sizes (``COLUMNS`` but ``seconds``).
+FITTED = ("flops_efficiency", "bandwidth_efficiency", "launch_us")
 _GRID = np.geomspace(0.01, 1.0, 121)  # efficiencies tried, 1% to 100% of peak
 #: M-tile sizes tried (0: no tiles); grouped-GEMM kernels tile rows in powers of two of this order.
 TILE_ROWS = (0, 64, 128, 256)
@@ -107,13 +117,21 @@ def check_measurement(column: str, value: float, where: str) -> float:
 
 
 def read_measurements(path: str | Path) -> Measurements:
-    """Read a measurement CSV; a missing column, a non-number or a value outside :data:`LIMITS` is a one-line error."""
+    """Read a measurement CSV (UTF-8, with or without a byte-order mark); a missing or repeated column, a non-number or
+    a value outside :data:`LIMITS` is a one-line error."""
     p = Path(path)
     try:
-        with open(p, newline="") as fh:
-            rows = list(csv.DictReader(fh))
+        with open(p, newline="", encoding="utf-8-sig") as fh:
+            reader = csv.DictReader(fh)
+            rows = list(reader)
+            header = list(reader.fieldnames or [])
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         raise InputError(f"cannot read measurements {str(p)!r}: {exc}") from None
+    repeated = next((c for i, c in enumerate(header) if c in header[:i]), None)
+    if repeated is not None:
+        raise InputError(f"{str(p)!r} has column {repeated!r} more than once (columns "
+                         f"{', '.join(str(i + 1) for i, c in enumerate(header) if c == repeated)}); keep one: "
+                         f"expected {','.join(COLUMNS)}")
     if not rows:
         raise InputError(f"{str(p)!r} holds no measurements; expected a CSV with columns {','.join(COLUMNS)}")
     missing = [c for c in COLUMNS if c not in rows[0]]
@@ -130,14 +148,20 @@ def read_measurements(path: str | Path) -> Measurements:
     return Measurements(**{c: np.asarray(v) for c, v in cols.items()})
 
 
-def fit(m: Measurements, gpu: GpuSpec, *, precision: str = "bf16",
-        source: str = "measurements") -> tuple[Calibration, float, tuple[int, int]]:
+def fit(m: Measurements, gpu: GpuSpec, *, precision: str = "bf16", source: str = "measurements",
+        label: str = "measurements") -> tuple[Calibration, float, tuple[int, int]]:
     """The calibration that best matches ``m`` on ``gpu``, its mean absolute log error, and how many runs the fitted
     roofline has bound by FLOPs and by memory (module docstring). ``precision`` is the measured GEMMs' (``bf16``, or
     ``fp8``: one byte per weight, the mean of FP8 and bf16 per activation, the GPU's FP8 peak), which the calibration
-    records."""
+    records. Fewer distinct measurement points than :data:`FITTED` constants is a one-line error naming ``label``."""
     if precision not in PRECISION_BYTES:
         raise InputError(f"precision {precision!r} is unknown; choose one of: {', '.join(PRECISION_BYTES)}")
+    sizes = np.stack([m.experts, m.tokens_per_expert, m.hidden_size, m.ffn_size], axis=1)  # [N, 4]
+    points = int(np.unique(sizes, axis=0).shape[0])
+    if points < len(FITTED):
+        raise InputError(f"{label}: {points} distinct measurement point{'' if points == 1 else 's'} (runs of "
+                         f"distinct {', '.join(COLUMNS[:-1])}); fitting {len(FITTED)} constants "
+                         f"({', '.join(FITTED)}) needs at least {len(FITTED)}: measure more sizes (bench/bench_gemm.py)")
     n = m.experts * m.tokens_per_expert
     w = PRECISION_BYTES[precision]
     peak_flops, peak_bytes = peak_rates(gpu, precision=precision)
@@ -181,28 +205,43 @@ def profile_names() -> list[str]:
 
 
 def auto_profile(gpu: str) -> str | None:
-    """The shipped profile for GPU ``gpu``: fitted on it, or on a GPU of the same silicon (the same bf16 and FP8
-    peaks and memory bandwidth: the H800 is the H100's), the first by name where several are; else ``None``."""
-    spec = get_gpu(gpu)
-
-    def same(other: str) -> bool:
-        o = GPUS.get(other)
-        return o is not None and (o.bf16_tflops, o.fp8_tflops, o.memory_bandwidth) == \
-            (spec.bf16_tflops, spec.fp8_tflops, spec.memory_bandwidth)
-
+    """The shipped profile for GPU ``gpu``: fitted on it, or on a GPU of the same silicon (:func:`same_silicon`), the
+    first by name where several are; else ``None``."""
+    get_gpu(gpu)  # a one-line error for an unknown name
     fitted = {name: read_calibration(name)[0].gpu for name in profile_names()}
     return next((n for n, g in fitted.items() if g == gpu), None) or \
-        next((n for n, g in fitted.items() if same(g)), None)
+        next((n for n, g in fitted.items() if same_silicon(g, gpu)), None)
 
 
-def resolve_calibration(name: str | Path | None, gpu: str) -> tuple[Calibration, float | None]:
+def same_silicon(a: str, b: str) -> bool:
+    """Whether GPUs ``a`` and ``b`` (:data:`GPUS` names) are the same silicon: the same bf16 and FP8 peaks and memory
+    bandwidth (the H800 is the H100's), so that shares of one's peaks hold for the other; an unknown name is none."""
+    if a == b:
+        return True
+    x, y = GPUS.get(a), GPUS.get(b)
+    return x is not None and y is not None and \
+        (x.bf16_tflops, x.fp8_tflops, x.memory_bandwidth) == (y.bf16_tflops, y.fp8_tflops, y.memory_bandwidth)
+
+
+def resolve_calibration(name: str | Path | None, gpu: str, *,
+                        any_gpu: bool = False) -> tuple[Calibration, float | None]:
     """What ``--calibration`` names for a deployment on ``gpu``: a file or a shipped profile (:func:`read_calibration`),
     ``peaks`` the published peaks, or ``auto`` (and ``None``) the shipped profile fitted on that GPU, else the
-    published peaks, saying so."""
+    published peaks, saying so. A file or profile fitted on another GPU (not :func:`same_silicon`) is a one-line error
+    naming both, unless ``any_gpu`` (``--calibration-any-gpu``): then its ``source`` says so. One that records no GPU
+    (written before calibrations did, or links only) prices any."""
     if str(name) == PEAKS:
         return Calibration(), None
     if name is not None and str(name) != AUTO:
-        return read_calibration(name)
+        cal, error = read_calibration(name)
+        if not cal.gpu or same_silicon(cal.gpu, gpu):
+            return cal, error
+        if not any_gpu:
+            raise InputError(f"--calibration {str(name)!r} was fitted on GPU {cal.gpu}, not on --gpu {gpu}: its shares "
+                             f"of the peaks need not hold there; calibrate on {gpu} ('moebalance calibrate'), or pass "
+                             "--calibration-any-gpu to price with it anyway")
+        return dataclasses.replace(cal, source=f"{cal.source} (from another GPU: fitted on {cal.gpu}, priced for "
+                                               f"{gpu})"), error
     profile = auto_profile(gpu)
     if profile is None:
         return Calibration(source=f"published peaks (no profile for {gpu})"), None
@@ -232,4 +271,7 @@ def read_calibration(path: str | Path) -> tuple[Calibration, float | None]:
         calibration = Calibration(**{k: v for k, v in doc.items() if k not in ("format", FIT_ERROR_KEY)})
     except TypeError as exc:
         raise InputError(f"{str(path)!r}: {exc}") from None
+    if not isinstance(calibration.gpu, str):
+        raise InputError(f"{str(path)!r}: gpu is {calibration.gpu!r}; it must be the name of the GPU it was fitted on "
+                         "(or empty: any GPU)")
     return calibration, None if error is None else float(error)

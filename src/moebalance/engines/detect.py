@@ -29,8 +29,8 @@ from moebalance.engines.trtllm import read_config, read_statistics
 from moebalance.engines.vllm import read_routed_experts
 from moebalance.models import MODELS
 
-__all__ = ["LOAD_FORMATS", "PLAN_FORMATS", "OpenedLoad", "detect_load", "moe_layer_ids", "open_load", "read_any_load",
-           "read_any_plan"]
+__all__ = ["LOAD_FORMATS", "LOAD_KINDS", "PLAN_FORMATS", "OpenedLoad", "detect_load", "moe_layer_ids", "open_load",
+           "read_any_load", "read_any_plan"]
 
 #: ``--format`` values of a load.
 LOAD_FORMATS = ("moebalance", "sglang", "trtllm", "vllm")
@@ -38,12 +38,22 @@ LOAD_FORMATS = ("moebalance", "sglang", "trtllm", "vllm")
 PLAN_FORMATS = ("moebalance", "sglang", "trtllm")
 
 
+#: Every kind of load ``--load`` reads, for the messages that refuse another.
+LOAD_KINDS = ("a moebalance load (.npz, or .npy of [L, E] or [B, L, E] counts; bundled:NAME), an SGLang expert "
+              "distribution dump (.pt or .json, or a folder of per-rank .pt dumps), a TensorRT-LLM statistics folder "
+              "(meta_info.json and rank*.safetensors), or vLLM routed experts (.json responses or a folder of them; "
+              "a .npy with --format vllm)")
+
+
 def detect_load(path: str | os.PathLike[str]) -> str:
-    """The format of a load file or folder (module docstring)."""
+    """The format of a load file or folder (module docstring); a missing path, or a file of no kind ``--load`` reads,
+    is one line naming it."""
     text = str(path)
     if text.startswith(BUNDLED_PREFIX):
         return "moebalance"
     p = Path(path)
+    if not p.exists():  # before any guess from its name: a typo is a missing file, not a format to choose
+        raise InputError(f"load file {text!r} does not exist; check the path")
     if p.is_dir():
         if (p / "meta_info.json").is_file():
             return "trtllm"
@@ -51,8 +61,10 @@ def detect_load(path: str | os.PathLike[str]) -> str:
             return "sglang"
         if any(p.glob("*.json")):
             return "vllm"
-        raise InputError(f"{text!r} is a folder without meta_info.json or .pt files; give a load file, a TensorRT-LLM "
-                         "statistics folder (EXPERT_STATISTIC_PATH) or a folder of SGLang per-rank dumps")
+        raise InputError(f"{text!r} is a folder without meta_info.json, .pt or .json files; give {LOAD_KINDS}")
+    if p.suffix not in (".pt", ".json", ".npy", ".npz"):
+        raise InputError(f"load file {text!r} is of no kind --load reads (it must end in .npy, .npz, .pt or .json, "
+                         f"or be a folder): give {LOAD_KINDS}")
     if p.suffix == ".pt":
         return "sglang"
     if p.suffix == ".json":
@@ -85,7 +97,7 @@ def open_load(path: str | os.PathLike[str], fmt: str | None = None, *, model: st
     if kind not in LOAD_FORMATS:
         raise InputError(f"unknown load format {kind!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     if not str(path).startswith(BUNDLED_PREFIX) and not Path(path).exists():
-        raise InputError(f"load file {str(path)!r} does not exist")
+        raise InputError(f"load file {str(path)!r} does not exist; check the path")
     if kind == "moebalance":
         load = read_load(path)
         if model is not None and model != load.preset:

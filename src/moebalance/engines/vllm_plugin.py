@@ -39,7 +39,8 @@ the only one) also writes a record there (:func:`record`): ``vllm-eplb-{ns}-{pid
 passed none) and after (``new_map [L, P]``), the copies received (``moved``), ``num_ranks`` and the ``variant``,
 written atomically (a temporary file, then a rename); ``watch`` reads its counts like any moebalance load.
 
-:func:`register` logs (logger ``"moebalance"``, level INFO) which variant replaced vLLM's policy. A vLLM that
+:func:`register` logs (logger ``"moebalance"``, level INFO) which variant replaced vLLM's policy, and warns when
+``MOEBALANCE_VLLM_EPLB`` is set but empty (ignored, as unset). A vLLM that
 ``VLLM_PLUGINS`` tells to skip the plug-in runs none of its code; :func:`skipped` says so from the environment.
 
 Balancedness here is vLLM's: ``mean / max`` of per-rank load, each expert's load split evenly over its copies.
@@ -281,13 +282,18 @@ def _tuple_returning(policy: type) -> type:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: replace vLLM's ``"default"`` EPLB policy by the variant
-    ``$MOEBALANCE_VLLM_EPLB`` names, and log which (logger ``"moebalance"``); do nothing when it is unset.
+    ``$MOEBALANCE_VLLM_EPLB`` names, and log which (logger ``"moebalance"``); do nothing when it is unset, and warn
+    that it is ignored when it is set but empty.
 
     The variant is checked before vLLM is looked at, so a wrong name is named whatever vLLM is installed; a vLLM
     without pluggable policies (no ``vllm.distributed.eplb.policy``, or no ``EPLB_POLICIES`` in it) is one
     :class:`InputError` line saying what is needed."""
     variant = os.environ.get(ENV)
-    if not variant:
+    if variant == "":  # set but empty (an unfilled template, `export VAR=`): say so rather than run vLLM's own
+        logger.warning("%s is set but empty, so it is ignored and vLLM's EPLB policy stays its own; set it to one of "
+                       "%s, or unset it", ENV, ", ".join(VARIANTS))
+        return
+    if variant is None:
         return
     make_policy(variant)  # a wrong variant or tolerance fails here, with the valid choices
     need = (f"{ENV}={variant} needs a vLLM whose EPLB has pluggable policies (vllm.distributed.eplb.policy with "

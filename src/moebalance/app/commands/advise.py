@@ -29,7 +29,7 @@ from moebalance.app.advise_engines import (
 )
 from moebalance.app.console import err, note, out, progress
 from moebalance.core.errors import InputError
-from moebalance.core.io import atomic_write_text, dumps
+from moebalance.core.io import atomic_dir, atomic_write_text, check_out_dir, dumps
 from moebalance.core.load import LoadMatrix
 from moebalance.engines.detect import detect_load
 from moebalance.pricing.phase import PHASES, PhaseModel
@@ -127,8 +127,8 @@ def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
 
 def run(args: argparse.Namespace) -> None:
     out_dir = None if args.out_dir is None else Path(args.out_dir)
-    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--out-dir {args.out_dir!r} is a file; give a folder")
+    if out_dir is not None:
+        check_out_dir(out_dir)  # a file, the current folder, a folder of other files: refused before the work
     engine = _engine(args)
     if args.mtp_layers is not None and engine != "trtllm":
         raise InputError(f"--mtp-layers is for --engine trtllm (TensorRT-LLM registers MTP layers with its load "
@@ -154,14 +154,16 @@ def run(args: argparse.Namespace) -> None:
              + ("" if args.phase else " (the default phase)") + f"; priced with {setup.phase.deployment.describe()}")
     files: list[Path] = []
     if out_dir is not None:
-        files = write_engine_files(advice, setup, out_dir, name, mtp_layers=mtp)
-        doc = advice.as_dict(files)
-        atomic_write_text(out_dir / "advise.json", dumps({"title": title, **doc, "notes": notes,
+        with atomic_dir(out_dir) as tmp:  # all of the folder or none of it (docs/design.md, "Errors")
+            written = write_engine_files(advice, setup, tmp, name, mtp_layers=mtp, named=out_dir)
+            files = [out_dir / f.relative_to(tmp) for f in written]  # what the files are read as: never tmp
+            doc = advice.as_dict(files)
+            atomic_write_text(tmp / "advise.json", dumps({"title": title, **doc, "notes": notes,
                                                           "priced_with": setup.phase.deployment.describe(),
                                                           "margin": margin}))
-        shown = {f.name: f.read_text() for f in files if f.suffix != ".json" or f.stat().st_size < 20_000}
-        shown["files written"] = "\n".join(str(f) for f in files)
-        advise_report(advice, setup, title, shown, notes).write(out_dir / "report.html")
+            shown = {f.name: f.read_text() for f in written if f.suffix != ".json" or f.stat().st_size < 20_000}
+            shown["files written"] = "\n".join(str(f) for f in files)
+            advise_report(advice, setup, title, shown, notes).write(tmp / "report.html")
     for text in notes:
         note(text)
     if args.json:  # what it priced with: the profile, precision, KV cache, overlap and all-to-all

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> None:
         raise InputError("--measurements needs --gpu: the GPU that was measured")
     gpu = get_gpu(args.gpu)
     measured = read_measurements(args.measurements)
-    calibration, error, regimes = fit(measured, gpu, precision=args.precision,
+    calibration, error, regimes = fit(measured, gpu, precision=args.precision, label=repr(str(args.measurements)),
                                       source=f"fitted to {Path(args.measurements).name} on {gpu.name}")
     write_calibration(dest, calibration, error)
     _report(dest, gpu, calibration, error, regimes, measured.seconds.size, args.precision)

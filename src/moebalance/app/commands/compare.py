@@ -9,9 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from moebalance.app import deployment, options
-from moebalance.app.compare import Scenario, comparison_title, emit_comparison, run_scenarios
+from moebalance.app.compare import (
+    COMPARISON_FILES,
+    Scenario,
+    comparison_title,
+    emit_comparison,
+    run_scenarios,
+)
+from moebalance.app.console import out
 from moebalance.app.html_report import compare_report
 from moebalance.core.errors import InputError
+from moebalance.core.io import atomic_dir, check_out_dir
 from moebalance.core.load import LoadMatrix
 from moebalance.engines import PLAN_FORMATS, read_any_plan
 from moebalance.policies import POLICIES
@@ -72,6 +80,8 @@ def _baselines(args: argparse.Namespace, load: LoadMatrix, routers: list[Router]
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.out_dir:
+        check_out_dir(args.out_dir)
     policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
     if not policies:
         raise InputError("--policies is empty; give names like contiguous,greedy,eplb")
@@ -111,7 +121,13 @@ def run(args: argparse.Namespace) -> None:
         title += f"; modelled on {args.gpu} ({dep.describe()})"
     if phase is not None:
         title += f"; scored on {phase.phase} steps"
-    emit_comparison(list(rows.values()), plans, title, args.out_dir, args.json)
-    if args.out_dir:
-        compare_report(rows, plans, scenarios, load.split(args.train_frac)[1], title, seed=args.seed).write(
-            Path(args.out_dir) / "report.html")
+    if not args.out_dir:
+        emit_comparison(list(rows.values()), plans, title, None, args.json)
+        return
+    load_args = ["--load", args.load, *([] if args.format is None else ["--load-format", args.format])]
+    with atomic_dir(args.out_dir) as tmp:  # all of the folder or none of it (docs/design.md, "Errors")
+        emit_comparison(list(rows.values()), plans, title, str(tmp), args.json)
+        compare_report(rows, plans, scenarios, load.split(args.train_frac)[1], title, seed=args.seed,
+                       folder=args.out_dir, load_args=load_args).write(tmp / "report.html")
+    if not args.json:
+        out.print(f"wrote {args.out_dir}: {COMPARISON_FILES}", markup=False)

@@ -26,7 +26,7 @@ from moebalance.app.online_report import (
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
-from moebalance.core.io import atomic_write_text, dumps
+from moebalance.core.io import atomic_dir, atomic_write_text, check_out_dir, dumps
 from moebalance.core.load import LoadMatrix, parse_batch_range
 from moebalance.cost.time import prefetch_seconds
 from moebalance.models import get_model
@@ -193,9 +193,9 @@ def phase_load(args: argparse.Namespace, load: LoadMatrix, cluster: Cluster, bud
 
 def _check_moves(args: argparse.Namespace) -> None:
     """Refuse the migration and failure flags where they do nothing."""
-    if args.migration not in (None, "fresh") and args.replan_every is None:
-        raise InputError(f"--migration {args.migration} lays periodic re-plans onto the plan in service; give "
-                         "--replan-every K or drop it")
+    if args.migration is not None and args.replan_every is None:  # fresh, the default, is no less a re-plan mode
+        raise InputError(f"--migration {args.migration} says how periodic re-plans are laid onto the plan in "
+                         "service; give --replan-every K or drop it")
     if args.migration == "bounded" and args.max_moves is None:
         raise InputError("--migration bounded needs --max-moves M, the copies one GPU may receive per re-plan")
     if args.max_moves is not None and args.migration != "bounded":
@@ -223,8 +223,8 @@ def run(args: argparse.Namespace) -> None:
     if args.intra_link is not None and args.model is None and args.gpu is None:
         raise InputError("--intra-link is used by online only with --model or --gpu (the copies' time); give one")
     out_dir = None if args.out_dir is None else Path(args.out_dir)
-    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():
-        raise InputError(f"--out-dir {args.out_dir!r} is a file; give a folder")
+    if out_dir is not None:
+        check_out_dir(out_dir)  # a file, the current folder, a folder of other files: refused before the work
     cluster = options.cluster(args)
     load = options.read_load(args)
     pricing = pricing_from(args, load)
@@ -284,13 +284,13 @@ def run(args: argparse.Namespace) -> None:
         for d, c in zip(docs, costs, strict=True):
             d["modelled_prefetch"] = c
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out_dir / "online.json", dumps({"title": title, "results": docs}))
-        atomic_write_text(out_dir / "online.md", online_markdown(results, title, costs))
-        plot_online(results, out_dir / "online.png", title)
-        if pricing is not None:
-            plot_online_time(results, out_dir / "online_time.png", title)
-        online_report(results, title, costs).write(out_dir / "report.html")
+        with atomic_dir(out_dir) as tmp:  # all of the folder or none of it (docs/design.md, "Errors")
+            atomic_write_text(tmp / "online.json", dumps({"title": title, "results": docs}))
+            atomic_write_text(tmp / "online.md", online_markdown(results, title, costs))
+            plot_online(results, tmp / "online.png", title)
+            if pricing is not None:
+                plot_online_time(results, tmp / "online_time.png", title)
+            online_report(results, title, costs).write(tmp / "report.html")
     if args.json:
         sys.stdout.write(dumps(docs[0] if len(docs) == 1 else {"results": docs}))
         return

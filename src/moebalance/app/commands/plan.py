@@ -21,7 +21,7 @@ from moebalance.policies import POLICIES, get_policy, make_plan
 from moebalance.pricing.auto import craft_by_goodput
 from moebalance.routing.simulate import Score, evaluate
 
-__all__ = ["add_parser", "eplb_variant", "migrate", "report_moves", "run", "workload_table"]
+__all__ = ["add_parser", "eplb_variant", "migrate", "report_moves", "run", "warning_text", "workload_table"]
 
 
 def add_parser(sub: Any) -> None:
@@ -62,8 +62,22 @@ def eplb_variant(plan: Placement, load: LoadMatrix, params: dict[str, Any], mode
         source = f"{load.model.display_name}'s" + (" (--model)" if model_flag is not None else "")
     else:
         source = "the load names no model with expert groups: give --model or --groups"
+    if groups == 1 and nodes == 1:  # EPLB's global policy is its hierarchical one on one group and one node
+        if "num_groups" not in params and load.model is not None:
+            source = f"{load.model.display_name} has no expert groups"
+        return f"eplb: one expert group ({source}) on one node, so its hierarchical and global plans are the same"
     verdict = "divide" if mode == "hierarchical" else "do not divide"
     return f"eplb ran {mode}: {groups} expert group(s), {source}; {nodes} node(s) {verdict} them"
+
+
+def warning_text(plan: Placement, warning: str) -> str:
+    """``warning`` of ``plan``, naming for an EPLB plan with two copies of one expert on one GPU the option that
+    swaps them apart (:mod:`moebalance.policies.eplb`, ``avoid_duplicates``)."""
+    if plan.policy != "eplb" or "copies of one expert" not in warning:
+        return warning
+    if plan.params.get("avoid_duplicates"):
+        return f"{warning}; avoid_duplicates found no GPU to swap them to"
+    return f"{warning}; --set avoid_duplicates=true swaps them onto other GPUs"
 
 
 def _check_migration_flags(args: argparse.Namespace) -> None:
@@ -190,7 +204,7 @@ def run(args: argparse.Namespace) -> None:
         per_workload = [evaluate(plan, part) for part in work.parts] if several else []
     write_plan(dest, plan)
     for w in plan.warnings:
-        err.print(f"warning: {w}")
+        err.print(f"warning: {warning_text(plan, w)}")
     out.print(f"wrote {dest}: {plan.policy}, {plan.extra_replicas} extra replicas, "
               f"{plan.max_slots_per_gpu} max slots per GPU, planned in {1000 * seconds:.1f} ms; "
               f"in-sample balancedness {score.balancedness:.4f}")

@@ -12,7 +12,7 @@ from moebalance.app.console import out, progress
 from moebalance.app.report import plot_sweep, sweep_markdown, sweep_table
 from moebalance.app.sweep import SWEEP_ALIASES, SWEEP_POLICIES, canonical, sweep, sweep_keys, sweep_steps
 from moebalance.core.errors import InputError
-from moebalance.core.io import atomic_write_text, dumps
+from moebalance.core.io import atomic_dir, atomic_write_text, check_out_dir, dumps
 
 __all__ = ["add_parser", "run"]
 
@@ -39,6 +39,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.out_dir:
+        check_out_dir(args.out_dir)
     policies = canonical([p.strip() for p in args.policies.split(",") if p.strip()])
     try:
         replicas = [int(r) for r in args.replicas_per_gpu.split(",") if r.strip()]
@@ -66,10 +68,10 @@ def run(args: argparse.Namespace) -> None:
     doc = {"title": title, "points": [p.as_dict() for p in points], "skipped": result.skipped}
     skipped_md = "".join(f"\nSkipped: {note}\n" for note in result.skipped)
     if args.out_dir:
-        d = Path(args.out_dir)
-        atomic_write_text(d / "sweep.md", sweep_markdown(points, title) + skipped_md + "\n![sweep](sweep.png)\n")
-        atomic_write_text(d / "sweep.json", dumps(doc))
-        plot_sweep(points, d / "sweep.png", title, load.num_layers, cluster.num_gpus)
+        with atomic_dir(args.out_dir) as d:  # all of the folder or none of it (docs/design.md, "Errors")
+            atomic_write_text(d / "sweep.md", sweep_markdown(points, title) + skipped_md + "\n![sweep](sweep.png)\n")
+            atomic_write_text(d / "sweep.json", dumps(doc))
+            plot_sweep(points, d / "sweep.png", title, load.num_layers, cluster.num_gpus)
     if args.json:
         sys.stdout.write(dumps(doc))
         return
