@@ -246,12 +246,23 @@ def test_demo_notes_quote_rows_by_scenario_name_not_label() -> None:
     class Row:
         score: Any
 
+    quoted = {"eplb-global-random": 0.1111, "eplb-global": 0.2222, "eplb-global-rebalance": 0.3333,
+              "eplb-global-minmax": 0.4444}  # the rows part 1's note quotes, each with its own value
     for _, comparison, _ in DEMO:
-        rows = {sc.key: Row(type("S", (), {"balancedness": 0.5})()) for sc in comparison.scenarios}
-        comparison.notes(rows)  # every row a note quotes exists under its scenario's key
+        rows = {sc.key: Row(type("S", (), {"balancedness": quoted.get(sc.key, 0.5)})())
+                for sc in comparison.scenarios}
+        notes = comparison.notes(rows)  # every row a note quotes exists under its scenario's key
+        assert notes and all(isinstance(line, str) and line.startswith("- ") for line in notes)
+        if comparison is DEMO[0][1]:
+            assert set(quoted) <= set(rows)
+            assert "balancedness 0.1111 (equal split: 0.2222); with Libra's token rebalancer 0.3333, with the best " \
+                   "split of each batch (minmax router) 0.4444." in " ".join(notes)
         relabelled = [dataclasses.replace(sc, label=f"{sc.display} *") for sc in comparison.scenarios]
-        comparison.notes({sc.key: rows[orig.key] for sc, orig in zip(relabelled, comparison.scenarios, strict=True)
-                          if sc.name is not None})  # named rows keep their keys when their labels change
+        named = {sc.key: rows[orig.key] for sc, orig in zip(relabelled, comparison.scenarios, strict=True)
+                 if sc.name is not None}
+        assert all(sc.key == orig.key for sc, orig in zip(relabelled, comparison.scenarios, strict=True)
+                   if sc.name is not None)  # named rows keep their keys when their labels change
+        assert comparison.notes(named) == notes  # and the notes quote the same rows
 
 
 def test_two_scenarios_of_one_name_are_refused() -> None:

@@ -33,7 +33,7 @@ from moebalance.core.io import (
     read_json,
     remove_stale_temporaries,
 )
-from moebalance.core.load import LM_PRESET, LoadMatrix, read_load
+from moebalance.core.load import LM_PRESET, LoadMatrix, read_load, write_load
 from moebalance.core.plan import Placement, read_plan, write_plan
 from moebalance.cost.calibrate import Measurements, read_measurements
 from moebalance.policies import make_plan
@@ -614,3 +614,82 @@ def test_an_address_space_limit_is_the_limit_and_an_unforeseen_memory_error_is_o
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("moebalance: error:"), proc.stderr
     assert "of memory (or ulimit -v)" in lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+# ----- a load must fit the model it is for --------------------------------------------------------------------------
+
+OLMOE_RUN = ["--nodes", 1, "--gpus-per-node", 4]  # OLMoE-1B-7B: 16 MoE layers (0..15) of 64 experts
+
+
+def _load_commands(load: Path, plan: Path, out: Path) -> dict[str, list[object]]:
+    """Every command that reads ``--load`` with a model, each run on ``load``."""
+    policy = ["--policy", "eplb", *OLMOE_RUN, "--slots-per-gpu", 16]
+    return {"plan": ["plan", "--load", load, *policy, "--out", out / "p.json"],
+            "evaluate": ["evaluate", "--plan", plan, "--load", load],
+            "stats": ["stats", "--load", load],
+            "compare": ["compare", "--load", load, "--policies", "eplb", *OLMOE_RUN, "--slots-per-gpu", 16],
+            "online": ["online", "--load", load, *policy, "--warmup", "0:2"],
+            "cost": ["cost", "--plan", plan, "--load", load, "--gpu", "h100-80gb", "--model", "olmoe-1b-7b"],
+            "advise": ["advise", "--load", load, "--engine", "vllm", *OLMOE_RUN, "--gpu", "h100-80gb"]}
+
+
+@pytest.fixture
+def olmoe_plan(tmp_path: Path) -> Path:
+    """A plan of OLMoE-1B-7B's 16 layers, made on a load that records no layer ids."""
+    counts = np.random.default_rng(0).integers(1, 50, size=(4, 16, 64))
+    path = tmp_path / "olmoe-plan.json"
+    write_plan(path, make_plan("eplb", LoadMatrix(counts, preset="olmoe-1b-7b"), C14, Budget(slots_per_gpu=16))[0])
+    return path
+
+
+@pytest.mark.parametrize("command", ["plan", "evaluate", "stats", "compare", "online", "cost", "advise"])
+def test_a_load_of_layers_its_model_lacks_is_refused_by_every_command(command: str, tmp_path: Path, olmoe_plan: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A load naming OLMoE-1B-7B (layers 0..15) that records layer ids 5..20: evaluate scored it as layers 0..15
+    and ignored the ids; now every command refuses it in one line naming the ids the model lacks and its layers."""
+    counts = np.random.default_rng(1).integers(1, 50, size=(4, 16, 64))
+    write_load(tmp_path / "ids.npz", LoadMatrix(counts, preset="olmoe-1b-7b", layer_ids=np.arange(5, 21)))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_user_error(_load_commands(tmp_path / "ids.npz", olmoe_plan, out)[command], capsys,
+                      "does not fit model 'olmoe-1b-7b'", "layers 16..20, which OLMoE-1B-7B lacks",
+                      "its MoE layers are 0..15")
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["plan", "evaluate", "stats", "compare", "online", "advise"])
+def test_a_load_named_as_one_model_with_anothers_shape_is_refused_by_every_command(
+        command: str, tmp_path: Path, olmoe_plan: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A load of Mixtral's shape (32 layers x 8 experts) that names OLMoE-1B-7B: advise refused it, evaluate took it;
+    now every command refuses it the same way, and ``--model`` naming the model it was recorded for is taken."""
+    counts = np.random.default_rng(2).integers(1, 50, size=(4, 32, 8))
+    write_load(tmp_path / "named.npz", LoadMatrix(counts, preset="olmoe-1b-7b"))
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = _load_commands(tmp_path / "named.npz", olmoe_plan, out)[command]
+    assert_user_error(argv, capsys, "the load does not fit model 'olmoe-1b-7b'",
+                      "8 experts per layer, but OLMoE-1B-7B has 64", "--model")
+    if command == "plan":
+        rc, _, err = run_cli([*argv, "--model", "mixtral-8x7b"], capsys)
+        assert rc == 0, err
+        assert read_plan(out / "p.json").num_experts == 8
+
+
+def test_a_plan_records_its_layer_ids_and_is_scored_only_on_those_layers(tmp_path: Path, olmoe_plan: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A load of 16 layers that records the model's layer ids 5..20 (naming no model): its plan records them, scores
+    on it, and is refused on a load of layers 0..15; a plan of layers 0..15 is refused on it (evaluate ignored the ids
+    and scored either)."""
+    counts = np.random.default_rng(3).integers(1, 50, size=(4, 16, 64))
+    write_load(tmp_path / "ids.npz", LoadMatrix(counts, layer_ids=np.arange(5, 21)))
+    write_load(tmp_path / "plain.npz", LoadMatrix(counts))
+    rc, _, err = run_cli(["plan", "--load", tmp_path / "ids.npz", "--policy", "eplb", *OLMOE_RUN, "--slots-per-gpu", 16,
+                          "--out", tmp_path / "p.json"], capsys)
+    assert rc == 0, err
+    assert read_plan(tmp_path / "p.json").params["layer_ids"] == list(range(5, 21))
+    rc, _, err = run_cli(["evaluate", "--plan", tmp_path / "p.json", "--load", tmp_path / "ids.npz"], capsys)
+    assert rc == 0, err
+    assert_user_error(["evaluate", "--plan", tmp_path / "p.json", "--load", tmp_path / "plain.npz"], capsys,
+                      "the plan was made for the model's layers 5..20 but the load holds layers 0..15")
+    assert_user_error(["evaluate", "--plan", olmoe_plan, "--load", tmp_path / "ids.npz"], capsys,
+                      "the plan was made for the model's layers 0..15 but the load holds layers 5..20")

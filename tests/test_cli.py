@@ -1529,3 +1529,121 @@ def test_model_reaches_the_engine_reader(tmp_path: Path, capsys: pytest.CaptureF
 
     load = read_load(tmp_path / "t.npz")
     assert load.num_experts == 256 and load.preset == "deepseek-v3"
+
+
+# ----- start-up and progress on screen -----------------------------------------------------------------------------
+
+def _imported_by(argv: list[str], **env: str) -> tuple[set[str], str]:
+    """``(modules imported, stdout)`` once ``moebalance argv`` has run in a fresh interpreter."""
+    script = ("import sys\nfrom moebalance.app.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
+              "    pass\nsys.stderr.write('\\n'.join(sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+    return set(proc.stderr.splitlines()), proc.stdout
+
+
+def test_top_level_help_imports_no_command_nor_torch() -> None:
+    """``moebalance --help`` lists the commands from their summaries: no command module, no torch, numba or scipy
+    (most of its time went to importing them)."""
+    modules, out = _imported_by(["--help"])
+    assert "usage: moebalance" in out and "synth" in out and "watch" in out
+    heavy = {"torch", "numba", "scipy", "matplotlib"} & modules
+    assert not heavy, heavy
+    assert not [m for m in modules if m.startswith("moebalance.app.commands.")]
+
+
+def test_a_command_imports_only_its_own_module() -> None:
+    modules, out = _imported_by(["synth", "--help"])
+    assert "usage: moebalance synth" in out and "--tokens-per-batch" in out
+    assert [m for m in modules if m.startswith("moebalance.app.commands.")] == ["moebalance.app.commands.synth"]
+
+
+def test_the_lazy_parser_shows_what_the_full_one_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The top-level help and a wrong command's error are the same from the summaries as from every module's
+    parser: each summary is the help its module's ``add_parser`` passes."""
+    import argparse
+
+    from moebalance.app.cli import build_parser
+
+    full, lazy = build_parser(), build_parser("")
+    assert lazy.format_help() == full.format_help()
+    sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    assert {a.dest: a.help for a in sub._choices_actions} == {
+        "synth": "generate a synthetic routing trace for a real model", "plan": "compute a placement plan",
+        "evaluate": "score a plan by replaying a load through it",
+        "compare": "plan with several policies and score them on held-out batches",
+        "sweep": "balancedness against extra replicas per GPU (CRAFT Figures 1 and 8)",
+        "stats": "per-layer skew of a load or trace", "demo": "compare every policy on bundled DeepSeek-V3-like data",
+        "import": "convert an engine's routing dump into a moebalance load (.npz), once",
+        "export": "write a plan in the form an engine loads (SGLang, TensorRT-LLM, vLLM)",
+        "cost": "memory per GPU, KV cache, concurrency; with a plan, modelled layer time and goodput",
+        "calibrate": "fit the cost model's compute constants to measured grouped-GEMM times, or measure them here "
+                     "(--measure)",
+        "predict": "how much of each token's routing a predictor foresees (Libra's accuracy)",
+        "online": "replay a trace batch by batch as a server would: static, periodic and dynamic (libra) planning",
+        "advise": "what to run on vLLM, SGLang or TensorRT-LLM: every expert-parallel configuration the engine can "
+                  "run, priced in tokens per second",
+        "watch": "follow an engine's routing records: balance metrics, and re-plans when the move pays",
+        "capture": "run the bundled MoE LM on text and write its token-level routing trace",
+        "run": "run the MoE LM expert-parallel on local gloo ranks (or under torchrun) under a plan, and check it"}
+    wrong = "invalid choice: 'synt' (choose from 'synth', 'plan', 'evaluate', 'compare', 'sweep', 'stats', 'demo', " \
+            "'import', 'export', 'cost', 'calibrate', 'predict', 'online', 'advise', 'watch', 'capture', 'run')"
+    assert_user_error(["synt"], capsys, tmp_path, wrong)
+
+
+def test_long_steps_show_progress_on_a_terminal_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """synth, compare and online draw their bars on stderr when it is a terminal (forced here: rich reads
+    TTY_COMPATIBLE on each check, and decides once, when the console is made, that a terminal is interactive);
+    stdout, --json's included, is what it is without them; off a terminal stderr stays empty."""
+    from moebalance.app import console
+
+    trace = tmp_path / "t.npz"
+    synth = ["synth", "--preset", "olmoe-1b-7b", "--batches", 6, "--tokens-per-batch", 32, "--gpus", 2, "--token-level",
+             "--out", trace]
+    cluster = ["--nodes", 1, "--gpus-per-node", 2, "--replicas-per-gpu", 2]
+    compare = ["compare", "--load", trace, "--policies", "contiguous,eplb", *cluster, "--json"]
+    online = ["online", "--load", trace, "--policy", "eplb", *cluster, "--warmup", "0:2", "--json"]
+    plain = []
+    monkeypatch.setenv("TTY_COMPATIBLE", "0")
+    for argv in (synth, compare, online):
+        rc, out, err = run_cli(argv, capsys)
+        assert rc == 0 and err == "", err
+        plain.append(out)
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    monkeypatch.setattr(console.err, "is_interactive", True)
+    shown = []
+    for argv, steps in ((synth, ("synth olmoe-1b-7b", "write t.npz")), (compare, ("read t.npz", "plan + score")),
+                        (online, ("read t.npz", "online eplb"))):
+        rc, out, err = run_cli(argv, capsys)
+        assert rc == 0, err
+        for name in steps:
+            assert name in err, (name, err[-400:])
+        shown.append(out)
+    assert shown[0] == plain[0]
+    for before, after in zip(plain[1:], shown[1:], strict=True):  # the same rows; planning times differ run to run
+        a, b = json.loads(before), json.loads(after)
+        assert _without(a) == _without(b)
+
+
+def _without(doc: Any) -> Any:
+    """``doc`` without the times the run measured (keys ending in ``_seconds``), at any depth."""
+    if isinstance(doc, dict):
+        return {k: _without(v) for k, v in doc.items() if not k.endswith("_seconds")}
+    if isinstance(doc, list):
+        return [_without(v) for v in doc]
+    return doc
+
+
+def test_a_first_run_says_it_compiles_the_kernels(tmp_path: Path) -> None:
+    """With numba's cache empty (NUMBA_CACHE_DIR), the first compile of a kernel of moebalance says so once on a
+    terminal's stderr; the next process loads the kernel from the cache and says nothing."""
+    from moebalance.app.console import COMPILING
+
+    script = ("import numpy as np\nfrom moebalance.app.console import announce_compiles\nfrom moebalance.core import "
+              "tally\nannounce_compiles()\nfor n in (3, 4):\n    tally.check_picks(np.zeros((4, 1, 1), dtype=np.int16), n)\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "TTY_COMPATIBLE": "1"}
+    said = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                           check=True).stderr for _ in range(2)]
+    assert said[0].count(COMPILING) == 1, said[0]
+    assert COMPILING not in said[1], said[1]

@@ -58,6 +58,45 @@ def test_architectures_match_published_totals(name: str) -> None:
     assert arch.num_layers * arch.num_experts * arch.expert_params() == arch.routed_params()
 
 
+def test_gb200_mi300x_and_mi355x_peaks_from_their_datasheets() -> None:
+    # NVIDIA GB200 NVL72 specifications, the GB200 Grace Blackwell Superchip column (2 GPUs): FP16/BF16 10 PFLOPS and
+    # FP8 20 PFLOPS with sparsity (dense: half), up to 372 GB HBM3e, 16 TB/s
+    gb = get_gpu("gb200")
+    assert (gb.bf16_tflops, gb.fp8_tflops, gb.memory_gib, gb.memory_bandwidth) == (2500.0, 5000.0, 186.0, 8000.0)
+    # AMD Instinct MI300X datasheet: BF16 1,307.4 TFLOPS and FP8 2,614.9 dense, 192 GB HBM3, 5.3 TB/s
+    mi300x = get_gpu("mi300x")
+    assert (mi300x.bf16_tflops, mi300x.fp8_tflops, mi300x.memory_gib, mi300x.memory_bandwidth) == \
+        (1307.4, 2614.9, 192.0, 5300.0)
+    # AMD Instinct MI355X datasheet: BF16 2.5 PFLOPS and FP8 5 PFLOPS dense, 288 GB HBM3E, 8 TB/s
+    mi355x = get_gpu("mi355x")
+    assert (mi355x.bf16_tflops, mi355x.fp8_tflops, mi355x.memory_gib, mi355x.memory_bandwidth) == \
+        (2500.0, 5000.0, 288.0, 8000.0)
+    # their scale-up links, per direction: NVLink 5 1.8 TB/s both ways; 7 Infinity Fabric links of 128 (MI300X) and
+    # 153.6 GB/s (MI355X), both ways
+    from moebalance.core.cluster import LINK_PRESETS
+
+    assert LINK_PRESETS["nvlink5"] == 1800 / 2
+    assert LINK_PRESETS["xgmi-mi300x"] == 7 * 128 / 2
+    assert LINK_PRESETS["xgmi-mi355x"] == pytest.approx(7 * 153.6 / 2)
+    # the GB200's and the MI355X's peaks and bandwidth coincide: a calibration of one is not the other's
+    from moebalance.cost.calibrate import same_silicon
+
+    assert not same_silicon("gb200", "mi355x") and not same_silicon("gb200", "b200")
+    assert same_silicon("h800", "h100-80gb")
+
+
+def test_a_2026_model_is_priced_on_a_2026_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """MiniMax-M2's FP8 checkpoint on 8 MI355X over their Infinity Fabric: served in FP8, which the MI355X has,
+    62 layers x 256 experts over 8 GPUs; an unknown GPU is one line naming it."""
+    rc, out, err = run_cli(["cost", "--model", "minimax-m2", "--gpu", "mi355x", "--nodes", 1, "--gpus-per-node", 8,
+                            "--intra-link", "xgmi-mi355x", "--json"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert (doc["precision"], doc["gpu"], doc["experts_per_gpu"]) == ("fp8", "mi355x", 62 * 256 // 8), doc
+    assert_user_error(["cost", "--model", "minimax-m2", "--gpu", "gb300", "--nodes", 1, "--gpus-per-node", 8], capsys,
+                      "gb300")
+
+
 def test_mla_kv_bytes_by_hand() -> None:
     # DeepSeek-V3: 61 decoder layers x (kv_lora_rank 512 + rope 64) x 2 bytes
     assert get_model("deepseek-v3").kv_bytes_per_token() == 61 * 576 * 2 == 70272
@@ -628,7 +667,9 @@ def test_fp8_halves_the_weights_and_doubles_the_flops_peak() -> None:
     # served: the checkpoint's own precision
     assert Deployment(model=v3, gpu=h100, precision="served").precision == "fp8"
     assert Deployment(model=get_model("qwen3-30b-a3b"), gpu=h100, precision="served").precision == "bf16"
-    assert {m.name for m in MODELS.values() if m.served_precision == "fp8"} == {"deepseek-v3", "deepseek-r1", "kimi-k2"}
+    # quantization_config quant_method fp8 in config.json: DeepSeek-V3/R1, Kimi-K2, MiniMax-M2
+    assert {m.name for m in MODELS.values() if m.served_precision == "fp8"} == \
+        {"deepseek-v3", "deepseek-r1", "kimi-k2", "minimax-m2"}
 
 
 def test_fp8_leaves_more_kv_cache_and_is_refused_where_the_gpu_has_none(

@@ -11,6 +11,9 @@ TensorRT-LLM ``tensorrt_llm/_torch/expert_statistic.py`` (``meta_info.json`` and
 from __future__ import annotations
 
 import json
+import shutil
+import tracemalloc
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,10 +27,11 @@ from safetensors.numpy import save_file
 
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
-from moebalance.core.load import LoadMatrix
+from moebalance.core.load import LoadMatrix, read_load
 from moebalance.core.plan import Placement, read_plan, write_plan
-from moebalance.engines import pad_plan, read_any_load, read_any_plan, slot_table
-from moebalance.engines.sglang import read_stat
+from moebalance.engines import detect, pad_plan, read_any_load, read_any_plan, slot_table, stream
+from moebalance.engines.sglang import read_dumps, read_stat
+from moebalance.engines.vllm import read_routed_experts
 from moebalance.policies import Budget, make_plan
 from moebalance.routing.simulate import evaluate
 
@@ -550,3 +554,233 @@ def test_export_writes_the_models_decoder_layers(tmp_path: Path, capsys: pytest.
     assert_user_error(["export", "--plan", small, "--format", "sglang", "--out", tmp_path / "x.json"], capsys,
                       "the plan's 4 layers all carry load and it names no model")
     assert not (tmp_path / "x.json").exists()
+
+
+# ------------------------------------------------------------------------- import, one file at a time (streamed)
+
+def _token_passes(rng: np.random.Generator, phy2log: np.ndarray, tokens: dict[int, int],
+                  K: int = 2) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """One rank's per_token records ``{pass id: (physical counts [L, P], physical top-k [L, T, 8] -1 padded)}``:
+    ``tokens[pass id]`` tokens each, ``K`` distinct logical experts per token in the MoE layers (a random physical
+    copy of each), nothing in the dense layers."""
+    out = {}
+    for fid, T in tokens.items():
+        topk = np.full((L, T, 8), -1, dtype=np.int64)
+        for layer in range(L):
+            if layer in DENSE:
+                continue
+            for t in range(T):
+                for j, e in enumerate(rng.choice(E, size=K, replace=False)):
+                    topk[layer, t, j] = rng.choice(np.flatnonzero(phy2log[layer] == e))
+        phys = np.zeros((L, phy2log.shape[1]), dtype=np.int64)
+        np.add.at(phys, (np.repeat(np.arange(L), T * K), np.clip(topk[:, :, :K], 0, None).ravel()),
+                  (topk[:, :, :K] >= 0).ravel())
+        out[fid] = (phys, topk)
+    return out
+
+
+def _same_arrays(path: Path, want: dict[str, np.ndarray]) -> None:
+    """The ``.npz`` at ``path`` holds exactly ``want``: the same names, dtypes, shapes and values."""
+    with np.load(path, allow_pickle=False) as got:
+        assert sorted(got.files) == sorted(want)
+        for name, arr in want.items():
+            assert got[name].dtype == arr.dtype and got[name].shape == arr.shape, name
+            assert np.array_equal(got[name], arr), name
+
+
+def _stored_members(path: Path) -> dict[str, bool]:
+    with zipfile.ZipFile(path) as zf:
+        return {i.filename: i.compress_type == zipfile.ZIP_STORED for i in zf.infolist()}
+
+
+PHY2LOG = np.tile(np.concatenate([np.arange(E), [3, 5]]), (L, 1)).astype(np.int64)  # slots 8, 9: copies of 3, 5
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_import_streams_sglang_per_token_dumps_as_read_dumps_reads_them(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        chunk: int | None) -> None:
+    if chunk is not None:  # 16 picks: one token of 5 layers x 8 slots per chunk
+        monkeypatch.setattr(stream, "CHUNK_PICKS", chunk)
+    rng = np.random.default_rng(30)
+    # passes recorded as 12, 10, 11 (they go in id order); rank 0 had no token in pass 10
+    tokens = [{12: 3, 10: 0, 11: 4}, {12: 2, 10: 5, 11: 1}, {12: 4, 10: 2, 11: 3}]
+    per_rank = [_token_passes(rng, PHY2LOG, t) for t in tokens]
+    folder, out = tmp_path / "tok", tmp_path / "t.npz"
+    write_pass_dumps(folder, per_rank, PHY2LOG, per_token=True)
+    rc, text, err = run_cli(["import", "--load", folder, "--out", out], capsys)
+    assert rc == 0, err
+    assert "token-level (24 tokens)" in text and "the model's layer ids kept: 2,3,4" in text
+    _same_arrays(out, read_dumps(folder).to_arrays())  # today's reader, holding every file at once
+    # by hand: pass 10 (ranks 1 and 2: 5 + 2 tokens), pass 11 (4 + 1 + 3), pass 12 (3 + 2 + 4), rank-major in each
+    with np.load(out) as got:
+        assert got["batch"].tolist() == [0] * 7 + [1] * 8 + [2] * 9
+        assert got["src_gpu"].tolist() == [1] * 5 + [2] * 2 + [0] * 4 + [1] + [2] * 3 + [0] * 3 + [1] * 2 + [2] * 4
+        want = np.concatenate([PHY2LOG[0][per_rank[r][fid][1][2:, :, :2]].transpose(1, 0, 2)
+                               for fid in (10, 11, 12) for r in range(3)])
+        assert got["topk_ids"].dtype == np.int16 and np.array_equal(got["topk_ids"], want)
+        assert got["layer_ids"].tolist() == [2, 3, 4]
+    stored = _stored_members(out)  # the token-level members uncompressed, the small ones compressed
+    assert stored == {"topk_ids.npy": True, "src_gpu.npy": True, "batch.npy": True, "counts.npy": False,
+                      "layer_ids.npy": False}
+    trace = read_load(out).trace
+    assert trace is not None
+    ids = trace.topk_ids
+    while not isinstance(ids, np.memmap) and ids.base is not None:
+        ids = ids.base
+    assert isinstance(ids, np.memmap)  # later commands map the ids, not read them
+    # per_pass dumps (no per-token ids) are counts alone, read whole as before
+    write_pass_dumps(tmp_path / "pass", [{fid: phys for fid, (phys, _) in r.items()} for r in per_rank], PHY2LOG)
+    rc, text, err = run_cli(["import", "--load", tmp_path / "pass", "--out", tmp_path / "p.npz"], capsys)
+    assert rc == 0 and "token-level" not in text, err
+    _same_arrays(tmp_path / "p.npz", read_dumps(tmp_path / "pass").to_arrays())
+    with np.load(tmp_path / "p.npz") as got:  # passes 10, 11, 12: the ranks' physical counts as logical ones
+        phys = per_rank[0][11][0] + per_rank[1][11][0] + per_rank[2][11][0]
+        want = phys[:, :E].copy()
+        want[:, 3] += phys[:, 8]
+        want[:, 5] += phys[:, 9]
+        assert got["counts"].shape == (3, L, E) and np.array_equal(got["counts"][1], want)
+
+
+@pytest.mark.parametrize("chunk", [None, 12])
+def test_import_streams_vllm_routed_experts_as_the_reader_reads_them(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     chunk: int | None) -> None:
+    if chunk is not None:  # 12 picks: one token of 5 layers x top-2 per chunk
+        monkeypatch.setattr(stream, "CHUNK_PICKS", chunk)
+    reqs = [_routed(40, 5), _routed(41, 3), _routed(42, 4, np.int32), _routed(43, 6, np.uint16)]
+    folder = tmp_path / "responses"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps(vllm_response(reqs[0], reqs[1])))
+    np.save(folder / "b.npy", reqs[2])
+    (folder / "c.json").write_text(json.dumps([vllm_response(reqs[3])]))
+    for gpus, batch_tokens, experts in ((2, 8, None), (3, 4, E + 3)):
+        out = tmp_path / f"v{gpus}.npz"
+        argv = ["import", "--load", folder, "--gpus", gpus, "--batch-tokens", batch_tokens, "--out", out]
+        rc, text, err = run_cli(argv + ([] if experts is None else ["--experts", experts]), capsys)
+        assert rc == 0 and "token-level (18 tokens)" in text, err
+        _same_arrays(out, read_routed_experts(folder, gpus=gpus, batch_tokens=batch_tokens,
+                                              num_experts=experts).to_arrays())
+        assert _stored_members(out)["topk_ids.npy"] and not _stored_members(out)["counts.npy"]
+    with np.load(tmp_path / "v2.npz") as got:  # by hand: 5 + 3 tokens fill batch 0 (ranks 0, 1), 4 + 6 batch 1
+        assert got["batch"].tolist() == [0] * 8 + [1] * 10
+        assert got["src_gpu"].tolist() == [0] * 5 + [1] * 3 + [0] * 4 + [1] * 6
+        assert np.array_equal(got["topk_ids"], np.concatenate(reqs)[:, 2:])
+        assert got["counts"].shape == (2, 3, E) and got["layer_ids"].tolist() == [2, 3, 4]
+    with np.load(tmp_path / "v3.npz") as got:  # at least 4 tokens a batch: 5 | 3 + 4 (ranks 0, 1) | 6
+        assert got["batch"].tolist() == [0] * 5 + [1] * 7 + [2] * 6
+        assert got["src_gpu"].tolist() == [0] * 8 + [1] * 4 + [0] * 6
+        assert got["counts"].shape == (3, 3, E + 3)
+    # one .npy without dense layers: no layer ids in either
+    np.save(tmp_path / "one.npy", _routed(44, 7)[:, 2:])
+    rc, _, err = run_cli(["import", "--load", tmp_path / "one.npy", "--format", "vllm", "--out", tmp_path / "o.npz"],
+                         capsys)
+    assert rc == 0, err
+    _same_arrays(tmp_path / "o.npz", read_routed_experts(tmp_path / "one.npy").to_arrays())
+
+
+def _no_output(tmp_path: Path, *inputs: str) -> None:
+    """Nothing but the inputs in ``tmp_path``: no output file, no temporary."""
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(inputs)
+
+
+def test_a_damaged_file_in_the_middle_is_one_line_and_leaves_no_output(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(31)
+    per_rank = [_token_passes(rng, PHY2LOG, {1: 3, 2: 2}) for _ in range(3)]
+    folder, out = tmp_path / "tok", tmp_path / "t.npz"
+    write_pass_dumps(folder, per_rank, PHY2LOG, per_token=True)
+    middle = folder / "expert_distribution_recorder_1719999999.123_1.pt"
+    intact = middle.read_bytes()
+    middle.write_bytes(intact[: len(intact) // 2])  # cut off while it was copied
+    assert_user_error(["import", "--load", folder, "--out", out], capsys, f"{str(middle)!r}", "torch.save")
+    _no_output(tmp_path, "tok")
+    # a token of the middle rank picking expert 3 twice (slot 3 and its copy, slot 8): found while the .npz is
+    # written, which is then removed
+    per_rank[1][2][1][3, 1, :2] = [3, 8]
+    shutil.rmtree(folder)
+    write_pass_dumps(folder, per_rank, PHY2LOG, per_token=True)
+    assert_user_error(["import", "--load", folder, "--out", out], capsys,
+                      f"{str(middle)!r}, forward pass 2: token 1 picks the same expert twice in layer 3")
+    _no_output(tmp_path, "tok")
+    # vLLM: a truncated .npy between two good responses, then one with a repeated pick
+    responses = tmp_path / "responses"
+    responses.mkdir()
+    (responses / "a.json").write_text(json.dumps(vllm_response(_routed(45, 4))))
+    (responses / "c.json").write_text(json.dumps(vllm_response(_routed(46, 3))))
+    bad = _routed(47, 5)
+    np.save(responses / "b.npy", bad)
+    data = (responses / "b.npy").read_bytes()
+    (responses / "b.npy").write_bytes(data[:-7])
+    assert_user_error(["import", "--load", responses, "--out", out], capsys, str(responses / "b.npy"), "truncated")
+    _no_output(tmp_path, "tok", "responses")
+    bad[2, 4] = [6, 6]
+    np.save(responses / "b.npy", bad)
+    assert_user_error(["import", "--load", responses, "--out", out], capsys,
+                      f"{str(responses / 'b.npy')!r}, request 0: token 2 picks the same expert twice in layer 4")
+    _no_output(tmp_path, "tok", "responses")
+
+
+def test_dumps_larger_than_memory_are_imported_a_file_at_a_time(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(32)
+    folder, out = tmp_path / "tok", tmp_path / "t.npz"
+    write_pass_dumps(folder, [_token_passes(rng, PHY2LOG, {1: 6, 2: 5}) for _ in range(3)], PHY2LOG, per_token=True)
+    sizes = [f.stat().st_size for f in folder.iterdir()]
+    monkeypatch.setattr(detect, "machine_memory_bytes", lambda: sum(sizes) - 1)  # less than all, more than each
+    line = assert_user_error(["stats", "--load", folder], capsys, "GiB of sglang dumps",
+                             f"run moebalance import --load {folder} --out X.npz first", "then give --load X.npz")
+    assert "in parts" not in line
+    rc, _, err = run_cli(["import", "--load", folder, "--out", out], capsys)
+    assert rc == 0, err
+    rc, text, err = run_cli(["stats", "--load", out, "--json"], capsys)
+    assert rc == 0 and json.loads(text)["layer_ids"] == [2, 3, 4], err
+    monkeypatch.setattr(stream, "machine_memory_bytes", lambda: max(sizes) - 1)  # one file alone is too large
+    assert_user_error(["import", "--load", folder, "--out", tmp_path / "u.npz"], capsys, "alone holds",
+                      "import reads one file at a time")
+    assert not (tmp_path / "u.npz").exists()
+    # TensorRT-LLM statistics are read whole by import too: refused as before
+    write_statistics(tmp_path / "stats", [_counts(33, 2)], (0, 1), [2, 3, 4])
+    monkeypatch.setattr(detect, "machine_memory_bytes", lambda: 10)
+    assert_user_error(["import", "--load", tmp_path / "stats", "--out", tmp_path / "s.npz"], capsys,
+                      "import the dumps in parts")
+
+
+def test_import_holds_one_dump_file_at_a_time(tmp_path: Path) -> None:
+    """tracemalloc traces numpy's arrays (and Python's objects, not torch's tensors): at its peak, today's reader
+    holds every rank's ids as int64 (here 33 times one file's), the streamed import a third of one file's, with 3
+    ranks or 12."""
+    T, passes = 1000, 4
+    one_file = passes * T * L * 8 * 8  # a rank's ids [L, T, 8] over its passes, as int64
+
+    def dumps(name: str, ranks: int) -> Path:
+        rng = np.random.default_rng(ranks)
+        per_rank = []
+        for _ in range(ranks):
+            recs = {}
+            for fid in range(passes):
+                topk = np.full((L, T, 8), -1, dtype=np.int64)
+                first = rng.integers(0, E, size=(L - 2, T))
+                topk[2:, :, 0] = first
+                topk[2:, :, 1] = (first + rng.integers(1, E, size=(L - 2, T))) % E  # a second, distinct expert
+                recs[fid] = (np.zeros((L, E + 2), dtype=np.int64), topk)
+            per_rank.append(recs)
+        write_pass_dumps(tmp_path / name, per_rank, PHY2LOG, per_token=True)
+        return tmp_path / name
+
+    def peak(run: Any) -> int:
+        tracemalloc.start()
+        try:
+            run()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    few, many = dumps("few", 3), dumps("many", 12)
+    stream.import_dumps(few, tmp_path / "warm.npz")  # imports and compiled kernels loaded before tracing
+    streamed_few = peak(lambda: stream.import_dumps(few, tmp_path / "few.npz"))
+    streamed_many = peak(lambda: stream.import_dumps(many, tmp_path / "many.npz"))
+    whole = peak(lambda: read_dumps(many))
+    assert whole > 12 * one_file  # the instrument sees every file held at once
+    assert streamed_many < one_file, (streamed_many, one_file)
+    assert streamed_many - streamed_few < one_file / 4, (streamed_few, streamed_many)  # 9 more files: no more held

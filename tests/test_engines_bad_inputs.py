@@ -205,3 +205,27 @@ def test_vllm_routed_experts_are_held_in_their_own_range(tmp_path: Path) -> None
     assert load.counts[0, :, 39_999].tolist() == [4, 4] and int(load.counts.sum()) == 16
     np.save(tmp_path / "narrow.npy", ids % 10)
     assert read_routed_experts(tmp_path / "narrow.npy").trace.topk_ids.dtype == np.int16
+
+
+@pytest.mark.parametrize(("extra", "fragment"), [
+    (["--slots-per-gpu", "3"], "slots_per_gpu (3) cannot hold 256 experts on 64 GPUs"),
+    (["--slots-per-gpu", "5", "--batches", "50:60"], "batch range '50:60' is empty"),
+])
+def test_a_mistake_on_an_engine_file_is_one_line_without_the_model_note(tmp_path: Path, extra: list[str],
+                                                                       fragment: str,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The note that names the model an engine file's shape fits ("note: the load names no model; ...") came on
+    stderr before the error line: two lines for one mistake; nothing is left in the output folder."""
+    from conftest import assert_user_error
+
+    H, DENSE = 61, 3  # DeepSeek-V3/R1: 61 decoder layers, the first 3 dense
+    counts = np.random.default_rng(0).integers(1, 50, size=(2, H, E))
+    counts[:, :DENSE] = 0  # as SGLang's rank 0 writes a stat dump: int32 [B, 61, 256], the dense layers all zero
+    load = tmp_path / "expert_distribution_recorder_1.pt"
+    torch.save({"rank": 0, "logical_count": torch.from_numpy(counts.astype(np.int32)),
+                "average_utilization_rate_over_window": None}, load)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_user_error(["plan", "--load", load, "--policy", "eplb", "--nodes", 8, "--gpus-per-node", 8, *extra,
+                       "--out", out / "p.json"], capsys, fragment)
+    assert list(out.iterdir()) == []

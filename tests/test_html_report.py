@@ -151,7 +151,8 @@ def test_user_strings_are_escaped() -> None:
     evil = '<script>alert("x")</script> & \'q\''
     text = Report(evil, evil).ranking([[evil, 1]], [evil, "n"], name=evil).recommendation(evil, {evil: evil}) \
         .lines(evil, {evil: [1.0, 2.0]}, evil, xlabel=evil).bars(evil, {evil: {evil: 1.0}}, unit=evil) \
-        .heatmap(evil, np.ones((2, 2)), labels=(evil, evil), scale_label=evil).note(evil).html()
+        .heatmap(evil, np.ones((2, 2)), labels=(evil, evil), scale_label=evil).note(evil) \
+        .assumptions([(evil, evil)], name=evil).html()
     page = Page(text)
     assert not page.find("script")
     assert "<script>" not in text
@@ -377,6 +378,44 @@ def test_compare_report_quotes_paths_for_a_shell_and_sends_vllm_to_the_plug_in(
         "pip install 'moebalance[vllm]'", "export MOEBALANCE_VLLM_EPLB=eplb  # or eplb-no-duplicates, move-aware",
         "vllm serve MODEL --enable-expert-parallel --enable-eplb"]
     assert "--to vllm" not in page.text(rec) and "moebalance_eplb" in page.text(rec)
+    assert "Assumptions" not in page.sections()  # nothing priced without --gpu, so nothing assumed
+
+
+def _panel(page: Page) -> dict[str, str]:
+    """The Assumptions panel's rows, ``{what: value}``; it is the page's first section."""
+    sec = page.sections()
+    assert next(iter(sec)) == "Assumptions"
+    cells = page.texts[sec["Assumptions"]][1:]
+    return dict(zip(cells[::2], cells[1::2], strict=True))
+
+
+def test_compare_and_online_priced_with_a_deployment_state_their_assumptions(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``compare --gpu`` and ``online --gpu`` open their page with what the prices assumed, as the command line
+    gave it: the published peaks (which record no fit error), bf16, DeepEP's low-latency kernels, two-batch overlap,
+    attention over the node's 8 GPUs (one data-parallel rank, the default)."""
+    given = ["--load", "bundled:esft-law", "--model", "deepseek-v2-lite", "--nodes", 1, "--gpus-per-node", 8,
+             "--slots-per-gpu", 9, "--gpu", "h100-80gb", "--precision", "bf16", "--calibration", "peaks", "--overlap",
+             "tbo", "--a2a", "low-latency"]
+    common = {"calibration": "published peaks; no fit error recorded",
+              "precision": "bf16 weights and GEMMs, bf16 KV cache",
+              "attention": "tensor-parallel over 8 GPUs in each of 1 data-parallel rank",
+              "all-to-all": "low-latency: DeepEP low-latency kernels", "overlap": "two-batch overlap (tbo)",
+              "priced batches": "held out (not planned on)"}
+    rc, _, err = run_cli(["compare", *given, "--policies", "contiguous,eplb", "--out-dir", tmp_path / "c"], capsys)
+    assert rc == 0, err
+    # no --phase: the goodput model's decode and prefill rounds, each plan's decode step its KV cache's concurrency
+    assert _panel(Page((tmp_path / "c" / "report.html").read_text())) == {
+        **common, "phase": "decode and prefill rounds (goodput at saturation)",
+        "tokens per step": "decode: each plan's KV-cache concurrency; prefill: 4,096 per data-parallel rank"}
+    rc, _, err = run_cli(["online", *given, "--policy", "eplb", "--phase", "decode", "--warmup", "0:8", "--out-dir",
+                          tmp_path / "o"], capsys)
+    assert rc == 0, err
+    step = re.search(r"every batch drawn again as a step of ([\d,]+) tokens", err)
+    assert step is not None
+    assert _panel(Page((tmp_path / "o" / "report.html").read_text())) == {
+        **common, "phase": "decode steps: one token per running request", "tokens per step": step.group(1),
+        "requests per step": step.group(1)}
 
 
 def test_demo_writes_the_report_html_it_announces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

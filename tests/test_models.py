@@ -84,6 +84,9 @@ def test_unknown_model_is_one_line_naming_the_known_ones() -> None:
       "num_dense_layers": 1}, "ModelSpec.dense_intermediate_size (0) must be a positive integer"),
     ({"tie_word_embeddings": 1}, "ModelSpec.tie_word_embeddings (1) must be true or false"),
     ({"total_params": float("nan")}, "ModelSpec.total_params (nan) must be a finite number >= 0"),
+    ({"moe_layer_step": 0}, "ModelSpec.moe_layer_step (0) must be a positive integer"),
+    # every 2nd layer MoE: 2 MoE layers need 2 dense ones between them
+    ({"moe_layer_step": 2, "num_dense_layers": 1}, "num_dense_layers (1) must be num_layers x (moe_layer_step - 1) = 2"),
 ])
 def test_spec_validation(changes: dict[str, object], needle: str) -> None:
     with pytest.raises(InputError) as info:
@@ -184,3 +187,114 @@ def test_load_model_is_none_without_a_served_models_spec() -> None:
     # the trained LM's traces name it, but it is a network config (moebalance.lm), not a served model's spec
     assert LoadMatrix(counts, preset=LM_PRESET).model is None
     assert LoadMatrix.from_arrays(LoadMatrix(counts, preset=LM_PRESET).to_arrays()).preset == LM_PRESET
+
+
+# ----- the models of 2025-2026: gpt-oss, Llama 4, Qwen3-Next, MiniMax-M2 ----------------------------------------
+
+
+def _active(spec: ModelSpec) -> int:
+    """Parameters a token uses: every non-expert one and ``top_k`` routed experts per MoE layer."""
+    return spec.total() - spec.routed_params() + spec.num_layers * spec.top_k * spec.expert_params()
+
+
+def test_gpt_oss_against_its_config_and_model_card() -> None:
+    # config.json: num_hidden_layers 36 / 24, num_local_experts 128 / 32, experts_per_token 4, hidden_size and
+    # intermediate_size 2880, 64 query heads and 8 KV heads of head_dim 64, vocab_size 201088, untied embeddings
+    big, small = get_model("gpt-oss-120b"), get_model("gpt-oss-20b")
+    assert (big.num_layers, big.num_dense_layers, big.num_experts, big.top_k) == (36, 0, 128, 4)
+    assert (small.num_layers, small.num_experts, small.top_k) == (24, 32, 4)
+    assert big.attention == Attention(kind="gqa", num_heads=64, num_kv_heads=8, head_dim=64)
+    assert big.expert_params() == 3 * 2880 * 2880 == 24_883_200
+    assert big.attention_params() == 2 * 2880 * 64 * 64 + 2 * 2880 * 8 * 64 == 26_542_080
+    # the model card's Table 1 (arXiv:2508.10925): attention 0.96B, embeddings and unembedding 1.16B, totals
+    # 116.83B and 20.91B; active 5.13B and 3.61B, the unembedding counted but not the embedding table
+    assert big.non_expert_params()["attention"] == pytest.approx(0.96e9, rel=0.015)
+    assert big.non_expert_params()["embeddings"] == pytest.approx(1.16e9, rel=0.015)
+    assert big.total() == pytest.approx(116.83e9, rel=0.015)
+    assert small.total() == pytest.approx(20.91e9, rel=0.015)
+    assert _active(big) - 201088 * 2880 == pytest.approx(5.13e9, rel=0.015)
+    assert _active(small) - 201088 * 2880 == pytest.approx(3.61e9, rel=0.015)
+    assert big.served_precision == "bf16"  # its MXFP4 experts are not modelled (presets.py says so)
+
+
+def test_llama_4_against_its_config_and_model_card() -> None:
+    # text_config: hidden_size 5120, intermediate_size 8192 (an expert), intermediate_size_mlp 16384 (a dense MLP),
+    # 48 layers, 40 query and 8 KV heads of 128, vocab_size 202048; one shared expert per MoE layer
+    scout, maverick = get_model("llama-4-scout"), get_model("llama-4-maverick")
+    assert (scout.num_layers, scout.num_dense_layers, scout.num_experts, scout.top_k) == (48, 0, 16, 1)
+    assert (maverick.num_layers, maverick.num_dense_layers, maverick.num_experts, maverick.top_k) == (24, 24, 128, 1)
+    assert scout.num_shared_experts == maverick.num_shared_experts == 1
+    assert (maverick.hidden_size, maverick.moe_intermediate_size, maverick.dense_intermediate_size) == \
+        (5120, 8192, 16384)
+    # interleave_moe_layer_step 2: transformers' moe_layers range(1, 48, 2)
+    assert maverick.moe_layer_ids == (1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41,
+                                      43, 45, 47)
+    assert scout.moe_layer_ids == tuple(range(48)) and scout.num_decoder_layers == maverick.num_decoder_layers == 48
+    # model cards: 109B and 400B total, 17B active each
+    assert scout.total() == pytest.approx(109e9, rel=0.015)
+    assert maverick.total() == pytest.approx(400e9, rel=0.015)
+    assert _active(scout) == pytest.approx(17e9, rel=0.015)
+    assert _active(maverick) == pytest.approx(17e9, rel=0.015)
+
+
+def test_qwen3_next_and_minimax_m2_against_their_configs_and_model_cards() -> None:
+    # Qwen3-Next-80B-A3B: 48 layers, num_experts 512, num_experts_per_tok 10, moe_intermediate_size 512, one shared
+    # expert, 16 query and 2 KV heads of head_dim 256; model card: 80B total, 3B activated (a rounded figure)
+    nxt = get_model("qwen3-next-80b-a3b")
+    assert (nxt.num_layers, nxt.num_experts, nxt.top_k, nxt.num_shared_experts) == (48, 512, 10, 1)
+    assert nxt.attention == Attention(kind="gqa", num_heads=16, num_kv_heads=2, head_dim=256)
+    assert nxt.expert_params() == 3 * 2048 * 512
+    assert nxt.total() == pytest.approx(80e9, rel=0.015)
+    assert 2.5e9 <= _active(nxt) < 3.5e9
+    # MiniMax-M2: 62 layers, num_local_experts 256, top-8, intermediate_size 1536, hidden_size 3072, 48 query and
+    # 8 KV heads of 128, vocab_size 200064, FP8 checkpoint; model card: 230B total
+    mm = get_model("minimax-m2")
+    assert (mm.num_layers, mm.num_dense_layers, mm.num_experts, mm.top_k, mm.num_shared_experts) == (62, 0, 256, 8, 0)
+    assert mm.expert_params() == 3 * 3072 * 1536 == 14_155_776
+    assert mm.kv_bytes_per_token() == 62 * 2 * 8 * 128 * 2
+    assert mm.served_precision == "fp8" and mm.num_mtp_layers == 0
+    assert mm.total() == pytest.approx(230e9, rel=0.015)
+
+
+def test_llama_4_maverick_layers_are_numbered_as_engines_number_them() -> None:
+    """Maverick's MoE layers are every second one, 1, 3, ..., 47, not the last 24: a load in the engine's numbering
+    has load in the odd rows, and a load of the MoE layers alone is given those ids (a dense-first reading placed
+    its experts in layers 24..47)."""
+    from moebalance.core.cluster import Cluster
+    from moebalance.core.plan import Placement
+    from moebalance.engines.detect import moe_layer_ids
+    from moebalance.engines.layers import choose_model, plan_layers
+
+    mav = get_model("llama-4-maverick")
+    odd = [i % 2 == 1 for i in range(48)]
+    assert mav.misfit(48, 128, loaded=odd) is None
+    assert mav.misfit(48, 128, loaded=[True] * 48) == \
+        "load in layer 0, which is dense in Llama-4-Maverick (its MoE layers are 1, 3, ..., 47)"
+    assert mav.misfit(24, 128, layer_ids=range(1, 48, 2)) is None
+    assert mav.misfit(24, 128, layer_ids=range(24, 48)) == \
+        "layers 24, 26, 28, 30, 32, 34, 36, 38, ..., which Llama-4-Maverick lacks: its MoE layers are 1, 3, ..., 47"
+    assert mav.misfit(47, 128) == \
+        "47 layers, but Llama-4-Maverick has 48 decoder layers (24 dense, 24 MoE: layers 1, 3, ..., 47) of 128 experts"
+    # 48 rows x 128 experts fit Qwen3-30B-A3B too (48 MoE layers), but its even layers would see no token
+    assert choose_model(48, 128, loaded=odd).spec is mav
+    assert choose_model(48, 128, loaded=[True] * 48).preset == "qwen3-30b-a3b"
+    assert choose_model(48, 128).spec is None  # without the rows' load both fit
+    assert choose_model(24, 128).spec is mav  # 24 rows are Maverick's alone
+    load = LoadMatrix(np.ones((1, 24, 128), dtype=np.int64), preset="llama-4-maverick")
+    assert moe_layer_ids(load).tolist() == list(range(1, 48, 2))
+    cluster = Cluster(num_nodes=1, gpus_per_node=2)
+    plan = Placement([[list(range(64)), list(range(64, 128))]] * 24, 128, cluster)
+    layers = plan_layers(plan, model="llama-4-maverick")
+    assert layers.layer_ids == tuple(range(1, 48, 2)) and layers.num_hidden_layers == 48
+    assert "Llama-4-Maverick's MoE layers 1, 3, ..., 47" in layers.notes[0]
+
+
+def test_a_62_layer_load_is_deepseek_v3_with_its_mtp_layer_not_minimax_m2() -> None:
+    """MiniMax-M2 has 62 MoE layers of 256 experts, DeepSeek-V3 61 decoder layers and 1 MTP layer of 256: a load
+    whose rows 0-2 carry no load is DeepSeek-V3's (a MoE layer sees every token), one with load in every row
+    MiniMax-M2's."""
+    from moebalance.engines.layers import choose_model
+
+    assert choose_model(62, 256, loaded=[i >= 3 for i in range(62)]).preset == "deepseek-v3"
+    assert choose_model(62, 256, loaded=[True] * 62).preset == "minimax-m2"
+    assert choose_model(62, 256).spec is None  # without the rows' load both fit

@@ -704,3 +704,20 @@ def test_policy_properties(L: int, K: int, E: int, seed: int, topology: tuple[in
     assert par["time_limit_hit"] == (par["ilp1_time_limit_hit"] or par["ilp2_time_limit_hit"])
     if par["time_limit_hit"]:
         assert "time limit" in par["note"]
+
+
+def test_moetuner_on_thousands_of_gpus_is_one_line(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """moetuner's Eq. 13 repair builds a ``[G, G, G]`` int64 swap table: 4,096 GPUs ask for 4096^3 x 8 bytes =
+    549.8 GB, which it once allocated (a MemoryError traceback). The size is checked first and refused in one line
+    naming the table and the fix, with nothing written: MoETuner's integer programs are for tens of GPUs, and no
+    machine this runs on holds 550 GB."""
+    from conftest import assert_user_error
+
+    np.save(tmp_path / "c.npy", np.random.default_rng(0).integers(0, 100, size=(6, 4, 16)))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_user_error(["plan", "--load", tmp_path / "c.npy", "--policy", "moetuner", "--nodes", 64,
+                       "--gpus-per-node", 64, "--slots-per-gpu", 1, "--out", out / "p.json"], capsys,
+                      "Eq. 13's swap table [G, G, G] of shape [4096, 4096, 4096] would take 549.8 GB",
+                      "use eplb or craft")
+    assert list(out.iterdir()) == []

@@ -993,3 +993,10 @@ def test_cli_online_shows_the_modelled_prefetch(tmp_path: Path, capsys: pytest.C
     md = (tmp_path / "o" / "online.md").read_text()
     assert "| prefetch GiB / batch | prefetch ms / GPU and layer |" in md and f"| {cells[0]} | {cells[1]} |" in md
     assert_user_error([*argv[:-4], "--intra-link", "pcie4"], capsys, "--intra-link is used by online only with --model")
+
+
+def test_a_mistake_in_online_libra_is_one_line_without_the_predictor_note(capsys: pytest.CaptureFixture[str]) -> None:
+    """"note: libra predicts with path ..." came on stderr before the error line of a warm-up over all 64 batches
+    (none left to serve)."""
+    assert_user_error(["online", "--load", "bundled:olmoe-1b-7b-tokens", "--policy", "libra", "--nodes", 1,
+                       "--gpus-per-node", 8, "--slots-per-gpu", 10, "--warmup", "0:64"], capsys, "warm-up (0:64)")

@@ -29,7 +29,6 @@ from moebalance.models import get_model
 from moebalance.online.rearrange import DEFAULT_OVERHEAD_MS, Rearranger, Replanning, hybrid
 from moebalance.online.replay import replay
 from moebalance.policies import make_plan
-from moebalance.pricing.goodput import price_plan
 from moebalance.pricing.layer import LayerPrice, price_layers
 from moebalance.pricing.step import (
     RouterTimer,
@@ -287,14 +286,27 @@ def olmoe() -> LoadMatrix:
 
 
 def test_step_layers_match_the_cost_model(olmoe: LoadMatrix) -> None:
-    """The step's experts and all-to-all are the cost model's layer time on the same batch (an independent path)."""
-    budget = Budget(slots_per_gpu=9)
+    """The step's experts are the roofline priced by hand, and its all-to-all the plain replay's traffic (an
+    independent path). With 8 slots per GPU for 64 experts on 8 GPUs every expert has one copy, so GPU ``g`` serves
+    ``n_g``, the batch's picks of the experts it holds, touching ``u_g``, those of them with picks."""
+    budget = Budget(slots_per_gpu=8)
     plan = make_plan("eplb", olmoe.select_batches(0, 4), OLMOE_CLUSTER, budget)[0]
+    assert plan.replica_counts().max() == 1
     res = replay(olmoe, OLMOE_CLUSTER, budget, "eplb", warmup=(0, 4), batches=(4, 5),
                  pricing=priced(OLMOE))
     assert res.time is not None
     batch = olmoe.select_batches(4, 5)
-    cost = price_plan(plan, batch, Deployment(model=OLMOE, gpu=H100), router="uniform")
+    # OLMoE-1B-7B: H = 2048, F = 1024; an H100 at its peaks: 989 TFLOP/s, 3350 GB/s; bf16 weights and activations
+    H, F = 2048, 1024
+    by_hand = 0.0
+    for layer, gpus in enumerate(plan.gpu_experts):
+        slowest = 0.0
+        for experts in gpus:
+            picks = batch.counts[0, layer, experts]
+            n, u = int(picks.sum()), int((picks > 0).sum())
+            if n:
+                slowest = max(slowest, 6 * H * F * n / 989e12, (u * 3 * H * F * 2 + 2 * n * H * 2) / 3350e9)
+        by_hand += slowest
     from moebalance.routing import get_router
     from moebalance.routing.simulate import replay_loads
 
@@ -306,7 +318,8 @@ def test_step_layers_match_the_cost_model(olmoe: LoadMatrix) -> None:
     np.testing.assert_array_equal(layers.loads, loads)  # the same routed picks and copies as the plain replay
     np.testing.assert_array_equal(layers.a2a, moved.a2a_seconds)
     st = step_time(plan, layers, 256.0, priced(OLMOE))
-    assert float(st.expert.sum() + st.a2a.sum()) == pytest.approx(cost.modelled_layer_ms * 1e-3 * 16, rel=1e-9)
+    assert float(st.expert.sum()) == pytest.approx(by_hand, rel=1e-9)
+    assert float(st.a2a.sum()) == pytest.approx(float(moved.a2a_seconds.sum()), rel=1e-9)  # per-gpu: no fixed cost
     assert st.rest > 0
     assert res.time["per_batch_step_ms"][0] == pytest.approx(st.seconds * 1e3, rel=1e-5)
     assert res.time["exposed_balancing_ms"] == 0 and res.time["moved_gib"] == 0 and res.time["rearrangements"] == 0

@@ -6,8 +6,8 @@ without their dependencies, plus the few modules their imports need). No GPU, no
 - vLLM: ``vllm.plugins.load_general_plugins()`` finds the ``moebalance_eplb`` entry point, vLLM's
   ``EPLB_POLICIES["default"]`` is then our policy (and the plug-in logged so), it plans as balanced as vLLM's own
   default policy, and after an elastic scale-up (``-1`` in the current map) it returns no empty slot;
-- advise: SGLang reads the placement ``moebalance advise`` writes, its own argument parser takes the flags advise
-  prints, and vLLM's own ``EPLBConfig`` validates advise's ``--eplb-config``;
+- advise: SGLang reads the placement ``moebalance advise`` writes, its own argument parser takes the whole command
+  advise prints, and vLLM's own ``EPLBConfig`` validates advise's ``--eplb-config``;
 - SGLang: ``compute_initial_expert_location_metadata`` reads our exported ``--init-expert-location`` files and
   derives the maps we meant (each expert's slots, layer by layer); the files have one row per decoder layer
   (``num_hidden_layers``, which SGLang's own DeepSeek model description gives) for a plan made on the MoE layers
@@ -166,16 +166,21 @@ def advise_checks(tmp: Path) -> None:
     if done.returncode != 0:
         return
     rec = json.loads(done.stdout)["recommendation"]
-    flags = (out / "launch.txt").read_text().split()
     import argparse
+    import shlex
 
     from sglang.srt.server_args import ServerArgs
 
+    # the command's first line, after "python -m sglang.launch_server", its multi-node placeholders filled in
+    command = shlex.split((out / "launch.txt").read_text().splitlines()[0])
+    fill = {"$NODE_RANK": "0", "$DIST_INIT_ADDR": "127.0.0.1:5000"}
+    flags = [fill.get(w, w) for w in command[command.index("sglang.launch_server") + 1:]]
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)  # SGLang's own command line
-    parsed, unknown = parser.parse_known_args(["--model-path", "deepseek-ai/DeepSeek-V3", *flags])
-    check(not unknown and parsed.ep_size == 64 and parsed.init_expert_location == flags[flags.index(
-        "--init-expert-location") + 1], f"SGLang's own argument parser takes every flag advise prints: {flags}")
+    parsed, unknown = parser.parse_known_args(flags)
+    check(not unknown and parsed.model_path == "deepseek-ai/DeepSeek-V3" and parsed.ep_size == 64 and
+          parsed.init_expert_location == flags[flags.index("--init-expert-location") + 1],
+          f"SGLang's own argument parser takes the whole command advise prints: {flags}")
     path = Path(flags[flags.index("--init-expert-location") + 1])
     redundant = int(flags[flags.index("--ep-num-redundant-experts") + 1])
     check(redundant == rec["redundant_experts"], f"the flags name the recommendation's {redundant} redundant experts")
@@ -190,8 +195,6 @@ def advise_checks(tmp: Path) -> None:
     written = np.array(json.loads(path.read_text())["physical_to_logical_map"])
     check(m.shape == (H, slots) and np.array_equal(m, written),
           f"SGLang reads advise's placement as written ({m.shape[0]} x {m.shape[1]})")
-    import shlex
-
     from vllm.config.parallel import EPLBConfig
 
     vllm_out = tmp / "advice-vllm"

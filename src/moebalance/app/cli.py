@@ -2,7 +2,8 @@
 
 User mistakes (bad files, bad budgets, unknown names, abbreviated or unknown options) print one line
 ``moebalance: error: ...`` and exit 2, leaving no output file behind; an interrupt exits 130. Long steps show a
-progress bar on stderr. Each command is a module of :mod:`moebalance.app.commands`.
+progress bar on stderr, and a first run says that it compiles numba's kernels. Each command is a module of
+:mod:`moebalance.app.commands`, imported only when it runs (``--help`` imports none).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import moebalance
-from moebalance.app.commands import COMMANDS
-from moebalance.app.console import drop_notes, flush_notes
+from moebalance.app import commands
 from moebalance.core.errors import MoebalanceError
 from moebalance.core.io import install_sigterm_handler
 
@@ -68,19 +68,46 @@ class CommandParser(Parser):
             self.error(f"unrecognized option {name}" + (f"; did you mean {best}?" if best else ""))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every command's options, or with ``only`` that command's alone (the others are
+    their name and summary, which is all ``moebalance --help`` and a wrong command name show), so that parsing
+    imports one command's module, not every module's torch, scipy and numba."""
     parser = Parser(prog="moebalance", description="Plan, score and compare expert placements for MoE inference.")
     parser.add_argument("--version", action="version", version=f"moebalance {moebalance.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
-    for command in COMMANDS:
-        command.add_parser(sub)
+    for name, summary in commands.SUMMARIES.items():
+        if only is None or name == only:
+            commands.load(name).add_parser(sub)
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 
+def _command(argv: Sequence[str]) -> str:
+    """The command ``argv`` names: its first token that is not an option (the top parser's only options are
+    ``--help`` and ``--version``, which take no value); ``""`` when it names none."""
+    return next((arg for arg in argv if not arg.startswith("-")), "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # SIGTERM (a scheduler, torchrun's agent, `kill`) stops a command as Ctrl-C does: no temporary file is left
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # SIGTERM (a scheduler, torchrun's agent, `kill`) stops a command as Ctrl-C does: no temporary file is left.
+    # Installed before the parser imports the command's module (torch, numba: seconds), when a signal may come too.
     previous = install_sigterm_handler() if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _run(build_parser(_command(argv)).parse_args(argv))
+    except KeyboardInterrupt:  # before the command started (its module was being imported)
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the parsed command: 0, or 2 with one line for a user mistake, or 130 on an interrupt."""
+    from moebalance.app.console import announce_compiles, drop_notes, flush_notes  # rich: --help needs none
+
+    announce_compiles()  # a first run compiles numba's kernels for minutes: it says so, once, on a terminal
     try:
         args.func(args)
         flush_notes()
@@ -100,9 +127,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         drop_notes()
         return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

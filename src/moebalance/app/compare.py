@@ -99,13 +99,17 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
                    on_done: Callable[[str], None] | None = None,
                    price: Callable[[Placement, LoadMatrix, str | Router], PlanPrice] | None = None,
                    kernel: str = "per-gpu",
-                   phase: PhaseModel | None = None) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
+                   phase: PhaseModel | None = None,
+                   on_scored: Callable[[float], None] | None = None,
+                   ) -> tuple[dict[str, ComparisonRow], dict[str, Placement]]:
     """Plan and score every scenario; rows by scenario key (in order) and plans by plan name.
 
     Scenarios that differ only in their router share one plan (made once, its planning time on each row). With
     ``price``, each row also carries ``price(plan, held-out load, router)`` (``compare --gpu``). With ``phase``
     (``compare --phase``) each plan is scored on the held-out batches drawn as that phase's steps for its
     deployment (:mod:`moebalance.pricing.phase`), and each row is a :class:`PhaseRow` with its modelled MoE layer time.
+    ``on_done`` is called with each scenario's key once its row is made; ``on_scored``, on a token-level load, with
+    the share of a scenario's scored batches just replayed (a chunk of them; a progress bar's advance).
     """
     keys = [sc.key for sc in scenarios]
     for k in keys:
@@ -124,8 +128,13 @@ def run_comparison(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scena
                 made[key] = make_plan(sc.policy, train, cluster, sc.budget, **dict(sc.params))
             plan, seconds = made[key]
         scored, tokens = (test, 0) if phase is None else phase.plan_steps(plan, test)
+
+        def replayed(n: int, of: int = scored.num_batches) -> None:
+            if on_scored is not None:
+                on_scored(n / of)
+
         score = evaluate(plan, scored, sc.router, seed=seed, bytes_per_copy=bytes_per_copy, routing_gap=True,
-                         kernel=kernel)
+                         kernel=kernel, on_batches=replayed)
         modelled = None if price is None else price(plan, scored, sc.router)
         note = plan.params.get("budget_note")
         timed = None if phase is None else phase.time(plan, scored, sc.router, tokens)
@@ -145,9 +154,11 @@ def run_scenarios(load: LoadMatrix, cluster: Cluster, scenarios: Sequence[Scenar
     """:func:`run_comparison` with a progress bar, copies of the load model's hidden size."""
     with progress() as bar:
         task = bar.add_task("plan + score", total=len(scenarios))
+        finished = iter(range(1, len(scenarios) + 1))  # a scenario ends on a whole step, whatever its chunks added
         return run_comparison(load, cluster, scenarios, train_frac=train_frac, seed=seed,
-                              bytes_per_copy=bytes_per_copy(load, None, 2), on_done=lambda _: bar.advance(task),
-                              price=price, kernel=kernel, phase=phase)
+                              bytes_per_copy=bytes_per_copy(load, None, 2),
+                              on_done=lambda _: bar.update(task, completed=next(finished)),
+                              price=price, kernel=kernel, phase=phase, on_scored=lambda share: bar.advance(task, share))
 
 
 def comparison_title(load: LoadMatrix, source: str, cluster: Cluster, budget: Budget, train_frac: float,

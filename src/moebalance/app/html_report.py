@@ -78,6 +78,8 @@ pre { background: #ffffff; border: 1px solid #cfd8cf; border-radius: 4px; paddin
       overflow-x: auto; font-size: 12px; line-height: 1.35; max-height: 420px; }
 .note { color: #333333; margin: 6px 0; white-space: pre-line; }
 .caption { color: #555555; font-size: 12px; margin: 4px 0 0; }
+table.assumptions { border-collapse: collapse; font-size: 13px; }
+table.assumptions th { text-align: left; color: #555555; font-weight: 600; padding: 2px 16px 2px 0; vertical-align: top; }
 """
 
 
@@ -171,6 +173,11 @@ class Report:
         blocks = "".join(f"<figure><figcaption>{_esc(f)}</figcaption><pre>{_esc(content)}</pre></figure>"
                          for f, content in (files or {}).items())
         return self._add("recommendation", name, f'<div class="recommendation"><p>{_esc(text)}</p>{blocks}</div>')
+
+    def assumptions(self, rows: Sequence[tuple[str, str]], *, name: str = "Assumptions") -> Report:
+        """A small table of what the prices assumed: ``(what, value)`` rows (:mod:`moebalance.app.assumptions`)."""
+        body = "".join(f'<tr><th scope="row">{_esc(k)}</th><td>{_esc(v)}</td></tr>' for k, v in rows)
+        return self._add("assumptions", name, f'<table class="assumptions"><tbody>{body}</tbody></table>')
 
     def note(self, text: str) -> Report:
         """A paragraph of plain text (line breaks kept) under the section before it."""
@@ -332,11 +339,13 @@ def _compare_advice(best: _Entry, before: _Entry | None, by: str, folder: Path |
 
 def compare_report(rows: Mapping[str, ComparisonRow], plans: Mapping[str, Placement], scenarios: Sequence[Scenario],
                    held_out: LoadMatrix, title: str, *, seed: int = 0, folder: str | os.PathLike[str] | None = None,
-                   load_args: Sequence[str] = (), heading: str = "moebalance compare") -> Report:
+                   load_args: Sequence[str] = (), heading: str = "moebalance compare",
+                   assumptions: Sequence[tuple[str, str]] = ()) -> Report:
     """The page of ``moebalance compare`` (titled ``heading``): ``rows`` and ``plans`` as
     :func:`moebalance.app.compare.run_comparison` returns them for ``scenarios``, ``held_out`` the batches they were
     scored on. The export commands name the plan files in ``folder`` (where they are read from: the final
-    ``--out-dir``) and pad on the load ``load_args`` name (``["--load", FILE]``).
+    ``--out-dir``) and pad on the load ``load_args`` name (``["--load", FILE]``). ``assumptions``: what the prices
+    assumed (``--gpu``), as ``(what, value)`` rows, in a panel first.
 
     Ranked by modelled goodput (``--gpu``), else by the phase's MoE layer time (``--phase``), else by balancedness.
     The heatmaps show the GPUs' loads on the held-out batches as recorded (replayed with each row's router and
@@ -348,6 +357,8 @@ def compare_report(rows: Mapping[str, ComparisonRow], plans: Mapping[str, Placem
         raise InputError("the comparison has no rows to report; give at least one policy")
     ranked = sorted(entries, key=lambda e: _rank_key(e[1]))
     report = Report(heading, title)
+    if assumptions:  # priced with a deployment (--gpu): what it assumed, first
+        report.assumptions(assumptions)
     numbers, notes = budget_notes([r for _, r, _ in ranked])
     table = []
     for (_, row, _), number in zip(ranked, numbers, strict=True):
@@ -424,10 +435,12 @@ def _step_parts(t: Mapping[str, Any]) -> dict[str, float]:
 
 
 def online_report(results: Sequence[OnlineResult], title: str,
-                  prefetch: Sequence[Mapping[str, float] | None] | None = None) -> Report:
+                  prefetch: Sequence[Mapping[str, float] | None] | None = None,
+                  assumptions: Sequence[tuple[str, str]] = ()) -> Report:
     """The page of ``moebalance online``: the ranking (by tokens per second when priced, ``--gpu``, else as given),
     imbalance and step time per served batch, each policy's mean step split into what balancing exposed and the rest,
-    the fastest (or best balanced) policy, and the failures. ``prefetch[i]``: result ``i``'s modelled prefetch."""
+    the fastest (or best balanced) policy, and the failures. ``prefetch[i]``: result ``i``'s modelled prefetch;
+    ``assumptions``: what the prices assumed (``--gpu``), as ``(what, value)`` rows, in a panel first."""
     if not results:
         raise InputError("the replay has no results to report; give at least one policy")
     costs = list(prefetch) if prefetch is not None else [None] * len(results)
@@ -443,6 +456,8 @@ def online_report(results: Sequence[OnlineResult], title: str,
     table = [_online_cells(results[i] if timed else dataclasses.replace(results[i], time=None), costs[i],
                            with_prefetch) for i in order]
     report = Report("moebalance online", title)
+    if assumptions:  # priced with a deployment (--gpu): what it assumed, first
+        report.assumptions(assumptions)
     report.ranking(table, cols, caption="Rows by modelled tokens per second, fastest first." if timed else
                    "Rows in the order the policies were given.")
     if timed:

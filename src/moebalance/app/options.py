@@ -30,8 +30,7 @@ from moebalance.core.load import LoadMatrix, check_same_model, concatenate_loads
 from moebalance.core.plan import Placement
 from moebalance.cost.calibrate import resolve_calibration
 from moebalance.engines import LOAD_FORMATS, open_load, read_any_plan
-from moebalance.engines.detect import detect_load
-from moebalance.models import get_model
+from moebalance.engines.layers import check_plan_layers, fit_load
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
 from moebalance.routing import ROUTERS, Router, get_router
 
@@ -274,11 +273,8 @@ def links(args: argparse.Namespace) -> dict[str, Any]:
 def load_model(load: LoadMatrix, name: str | None) -> LoadMatrix:
     """``load`` naming model ``name`` (so that eplb finds the model's expert groups): engine files name none, and a
     model of the same shape may stand for a recorded one (DeepSeek-R1 for V3); checked against the load's experts
-    and layers."""
-    if name is None or load.preset == name:
-        return load
-    load.check_model(get_model(name), what=f"the load (--model {name})")
-    return dataclasses.replace(load, preset=name)
+    and layers, as the model a load names itself is (:func:`moebalance.engines.layers.fit_load`)."""
+    return fit_load(load, name)
 
 
 def bytes_per_copy(load: LoadMatrix, hidden_size: int | None, dtype_bytes: int) -> int | None:
@@ -298,6 +294,7 @@ def read_plan(args: argparse.Namespace, load: LoadMatrix, fmt: str | None = None
                          "on), or neither for a moebalance plan")
     given = None if args.nodes is None else cluster(args)
     plan = read_any_plan(args.plan, given, fmt, load)
+    check_plan_layers(plan, load)  # a plan made for other layers than the load's
     c = plan.cluster
     if given is not None and (c.num_nodes, c.gpus_per_node) != (args.nodes, args.gpus_per_node):
         raise InputError(f"the plan is for {c.num_nodes}x{c.gpus_per_node} GPUs but --nodes {args.nodes} "
@@ -315,8 +312,8 @@ def read_load(args: argparse.Namespace, *, model: bool = True) -> LoadMatrix:
     name = getattr(args, "model", None)
     fmt = getattr(args, "format", None)
     # an engine file's reader takes the model named (its expert count, its layer numbering); a moebalance load is
-    # checked against it by load_model below
-    opened = open_load(args.load, fmt, model=None if (fmt or detect_load(args.load)) == "moebalance" else name)
+    # checked against it, or against the model it names itself
+    opened = open_load(args.load, fmt, model=name)
     for text in opened.notes:  # the model an engine file's shape named: say so, and how to name another
         note(text)
     return load_model(opened.load, name) if model else opened.load

@@ -23,6 +23,15 @@ LINK_PRESETS: dict[str, float] = {
     # NVLink on the H800 (its export variant of NVLink 4): about 160 GB/s achievable per direction, as DeepEP's README
     # states for the H800s its kernel tables were measured on (https://github.com/deepseek-ai/DeepEP).
     "nvlink-h800": 160.0,
+    # NVLink 5 (B200, GB200): 1.8 TB/s bidirectional per GPU -> 900 GB/s each way (NVIDIA GB200 NVL72 specifications:
+    # 130 TB/s over 72 GPUs; HGX B200: 14.4 TB/s over 8).
+    "nvlink5": 900.0,
+    # AMD Infinity Fabric (xGMI) of the MI300X: 7 links of 128 GB/s peak, both directions -> 7 x 64 = 448 GB/s each
+    # way in all, 64 GB/s of it to each of the 7 other GPUs of the 8-GPU platform (AMD Instinct MI300X datasheet).
+    "xgmi-mi300x": 448.0,
+    # AMD Infinity Fabric of the MI355X: 7 links of 153.6 GB/s peak, both directions -> 537.6 GB/s each way in all
+    # (AMD Instinct MI355X datasheet).
+    "xgmi-mi355x": 537.6,
     # NVLink 3 (A100 SXM): 600 GB/s bidirectional -> 300 GB/s each way.
     # NVIDIA A100 datasheet, https://www.nvidia.com/en-us/data-center/a100/
     "nvlink3": 300.0,

@@ -214,13 +214,14 @@ def auto_profile(gpu: str) -> str | None:
 
 
 def same_silicon(a: str, b: str) -> bool:
-    """Whether GPUs ``a`` and ``b`` (:data:`GPUS` names) are the same silicon: the same bf16 and FP8 peaks and memory
-    bandwidth (the H800 is the H100's), so that shares of one's peaks hold for the other; an unknown name is none."""
+    """Whether GPUs ``a`` and ``b`` (:data:`GPUS` names) are the same silicon: the same bf16 and FP8 peaks, memory
+    bandwidth and memory (the H800 is the H100's; the GB200 and the MI355X share the first three, not the last), so
+    that shares of one's peaks hold for the other; an unknown name is none."""
     if a == b:
         return True
     x, y = GPUS.get(a), GPUS.get(b)
-    return x is not None and y is not None and \
-        (x.bf16_tflops, x.fp8_tflops, x.memory_bandwidth) == (y.bf16_tflops, y.fp8_tflops, y.memory_bandwidth)
+    return x is not None and y is not None and (x.bf16_tflops, x.fp8_tflops, x.memory_bandwidth, x.memory_gib) == \
+        (y.bf16_tflops, y.fp8_tflops, y.memory_bandwidth, y.memory_gib)
 
 
 def resolve_calibration(name: str | Path | None, gpu: str, *,

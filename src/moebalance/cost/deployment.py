@@ -35,7 +35,7 @@ from moebalance.cost.time import (
 from moebalance.models import ModelSpec
 from moebalance.models.fields import check_fields
 
-__all__ = ["KERNELS", "OVERLAPS", "PHASES", "PRECISIONS", "Deployment", "Workload"]
+__all__ = ["A2A_WORDS", "KERNELS", "OVERLAPS", "PHASES", "PRECISIONS", "Deployment", "Workload"]
 
 #: The precisions a deployment names: the weights' and GEMMs' (``served``: the model's own).
 PRECISIONS = ("bf16", "fp8", "served")
@@ -44,6 +44,9 @@ PRECISIONS = ("bf16", "fp8", "served")
 OVERLAPS = ("none", "tbo")
 #: The phases a step can be priced in.
 PHASES = ("decode", "prefill")
+#: Each all-to-all kernel in words (:meth:`Deployment.describe`).
+A2A_WORDS = {"per-gpu": "a copy per destination GPU", "normal": "DeepEP normal kernels",
+             "low-latency": "DeepEP low-latency kernels", "auto": "DeepEP normal kernels in prefill, low-latency in decode"}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -146,9 +149,7 @@ class Deployment:
 
     def describe(self) -> str:
         """What the prices assume, in words: ``"published peaks, bf16, no overlap, a copy per destination GPU"``."""
-        dispatch = {"per-gpu": "a copy per destination GPU", "normal": "DeepEP normal kernels",
-                    "low-latency": "DeepEP low-latency kernels",
-                    "auto": "DeepEP normal kernels in prefill, low-latency in decode"}[self.a2a]
+        dispatch = A2A_WORDS[self.a2a]
         overlap = "no overlap" if self.overlap == "none" else "two-batch overlap"
         kv_names = {b: name for name, b in PRECISION_BYTES.items()}
         kv = "" if self.engine.kv_bytes == PRECISION_BYTES["bf16"] else \

@@ -2,7 +2,14 @@
 
 ``bf16_tflops`` is the dense BF16 tensor-core peak (no structured sparsity), ``memory_gib`` the datasheet's memory
 capacity (taken as GiB; the driver reports a little less), ``memory_bandwidth`` the peak device-memory bandwidth in
-GB/s. These are peaks: a calibration measured on a real GPU (``moebalance calibrate``) scales them.
+GB/s. These are peaks: a calibration measured on a real GPU (``moebalance calibrate``) scales them. Where a vendor
+publishes a system's totals (HGX B200, GB200 NVL72) or only peaks with structured sparsity, the entry divides them
+(per GPU; dense is half the sparse peak) and says so.
+
+A GPU's links are not part of its spec: the scale-up link inside a node is a preset of
+:data:`moebalance.core.cluster.LINK_PRESETS` (``--intra-link``: ``nvlink5`` for the B200 and GB200, ``xgmi-mi300x``,
+``xgmi-mi355x``) and the scale-up domain is ``--gpus-per-node`` (8 on an HGX or AMD Instinct platform, 72 in a
+GB200 NVL72 rack), as each entry's comment says.
 """
 
 from __future__ import annotations
@@ -71,9 +78,27 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
             source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)"),
     # B200 (HGX B200, 8 GPUs): BF16 tensor 36 PFLOPS with sparsity in all -> 2.25 PFLOPS dense per GPU, FP8 72
     # PFLOPS with sparsity -> 4.5 dense per GPU, 1.4 TB HBM3e in all -> 180 GB per GPU, 64 TB/s in all -> 8 TB/s.
+    # NVLink 14.4 TB/s in all -> 1.8 TB/s per GPU, both directions: the link preset nvlink5.
     GpuSpec(name="b200", display_name="B200-180GB", bf16_tflops=2250.0, memory_gib=180.0,
             memory_bandwidth=8000.0, fp8_tflops=4500.0,
             source="NVIDIA HGX B200 specifications (8-GPU totals divided by 8)"),
+    # GB200 (one of the two Blackwell GPUs of a GB200 Grace Blackwell Superchip): the superchip's FP16/BF16 tensor 10
+    # PFLOPS with sparsity -> 2.5 PFLOPS dense per GPU, FP8 20 PFLOPS with sparsity -> 5 dense per GPU, up to 372 GB
+    # HBM3e -> 186 GB per GPU, 16 TB/s -> 8 TB/s per GPU. NVLink 3.6 TB/s per superchip -> 1.8 TB/s per GPU, both
+    # directions: the link preset nvlink5; a GB200 NVL72 rack is one NVLink domain of 72 GPUs (--gpus-per-node 72).
+    GpuSpec(name="gb200", display_name="GB200 (per GPU)", bf16_tflops=2500.0, memory_gib=186.0,
+            memory_bandwidth=8000.0, fp8_tflops=5000.0,
+            source="NVIDIA GB200 NVL72 specifications (GB200 Grace Blackwell Superchip column, divided by its 2 GPUs)"),
+    # AMD Instinct MI300X: peak BF16 1,307.4 TFLOPS dense (2,614.9 with sparsity), FP8 2,614.9 dense (5,229.8 with
+    # sparsity), 192 GB HBM3, 5.3 TB/s. 7 AMD Infinity Fabric links of 128 GB/s peak each (both directions): 448
+    # GB/s per direction in all, the link preset xgmi-mi300x; an 8-GPU platform, each GPU linked to the 7 others.
+    GpuSpec(name="mi300x", display_name="Instinct MI300X", bf16_tflops=1307.4, memory_gib=192.0,
+            memory_bandwidth=5300.0, fp8_tflops=2614.9, source="AMD Instinct MI300X accelerator datasheet"),
+    # AMD Instinct MI355X: peak BF16 2.5 PFLOPS dense (5 with sparsity), FP8 5 PFLOPS dense (10.1 with sparsity),
+    # 288 GB HBM3E, 8 TB/s. 7 AMD Infinity Fabric links of 153.6 GB/s peak each (both directions): 537.6 GB/s per
+    # direction in all, the link preset xgmi-mi355x; an 8-GPU platform, each GPU linked to the 7 others.
+    GpuSpec(name="mi355x", display_name="Instinct MI355X", bf16_tflops=2500.0, memory_gib=288.0,
+            memory_bandwidth=8000.0, fp8_tflops=5000.0, source="AMD Instinct MI355X GPU datasheet"),
     # GeForce RTX 4090: BF16 tensor with FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity), FP8 with FP32
     # accumulate 330.3 dense (660.6 with sparsity), 24 GB GDDR6X, 1,008 GB/s.
     GpuSpec(name="rtx4090", display_name="GeForce RTX 4090", bf16_tflops=165.2, memory_gib=24.0,

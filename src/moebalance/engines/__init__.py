@@ -10,7 +10,9 @@
 - :mod:`~moebalance.engines.detect`: one entry point that reads any supported load or placement file;
 - :mod:`~moebalance.engines.layers`: which model an engine file is for (from its shape, when one model fits) and
   which of the model's decoder layers, MTP layers included, each plan row is;
-- :mod:`~moebalance.engines.files`: JSON and ``.npy`` reading that checks sizes before allocating.
+- :mod:`~moebalance.engines.files`: JSON and ``.npy`` reading that checks sizes before allocating;
+- :mod:`~moebalance.engines.stream`: ``moebalance import`` of SGLang's per-token dump folders and vLLM's routed
+  experts one file at a time, in memory that does not grow with the tokens.
 
 Engines number layers as the model does, dense layers included: loads keep them as all-zero rows, so that a
 plan's layer ``l`` is the engine's layer ``l`` on the way back.

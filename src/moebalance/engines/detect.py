@@ -10,8 +10,8 @@ of them) are vLLM's, and a ``.npy`` of one request's routed experts needs ``--fo
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,16 +21,17 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.io import read_json
 from moebalance.core.limits import machine_memory_bytes
-from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load
+from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load, write_load
 from moebalance.core.plan import Placement, read_plan, with_dense_layers
-from moebalance.engines.layers import choose_model, decoder_layers
+from moebalance.engines.layers import choose_model, fit_load
 from moebalance.engines.sglang import read_dumps, read_placement, read_stat
+from moebalance.engines.stream import import_dumps, import_routed_experts
 from moebalance.engines.trtllm import read_config, read_statistics
 from moebalance.engines.vllm import read_routed_experts
-from moebalance.models import MODELS
+from moebalance.models import MODELS, get_model
 
-__all__ = ["LOAD_FORMATS", "LOAD_KINDS", "PLAN_FORMATS", "OpenedLoad", "detect_load", "moe_layer_ids", "open_load",
-           "read_any_load", "read_any_plan"]
+__all__ = ["LOAD_FORMATS", "LOAD_KINDS", "PLAN_FORMATS", "Imported", "OpenedLoad", "detect_load", "import_load",
+           "moe_layer_ids", "open_load", "read_any_load", "read_any_plan"]
 
 #: ``--format`` values of a load.
 LOAD_FORMATS = ("moebalance", "sglang", "trtllm", "vllm")
@@ -92,20 +93,15 @@ def open_load(path: str | os.PathLike[str], fmt: str | None = None, *, model: st
 
     Engine files do not name the model: ``model`` names it (checked against the shape), else the readers attach
     the one model whose architecture alone fits the shape (:func:`moebalance.engines.layers.choose_model`), and a
-    note says so. A moebalance load keeps the model it records unless ``model`` names one."""
+    note says so. A moebalance load keeps the model it records unless ``model`` names one, and must fit the one it
+    is for (:func:`moebalance.engines.layers.fit_load`)."""
     kind = detect_load(path) if fmt is None else fmt
     if kind not in LOAD_FORMATS:
         raise InputError(f"unknown load format {kind!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     if not str(path).startswith(BUNDLED_PREFIX) and not Path(path).exists():
         raise InputError(f"load file {str(path)!r} does not exist; check the path")
-    if kind == "moebalance":
-        load = read_load(path)
-        if model is not None and model != load.preset:
-            loaded = None if load.layer_ids is not None else (load.counts.sum(axis=(0, 2)) > 0).tolist()
-            ids = None if load.layer_ids is None else load.layer_ids.tolist()
-            choose_model(load.num_layers, load.num_experts, ids, loaded, model)  # refuses a load of another shape
-            load = dataclasses.replace(load, preset=model)
-        return OpenedLoad(load, kind)
+    if kind == "moebalance":  # refuses a load of another shape or of layers the model lacks
+        return OpenedLoad(fit_load(read_load(path), model), kind)
     _check_fits(Path(path), kind)
     if kind == "sglang":
         load = read_dumps(path, model=model) if Path(path).is_dir() else read_stat(path, model=model)
@@ -119,16 +115,63 @@ def open_load(path: str | os.PathLike[str], fmt: str | None = None, *, model: st
     return OpenedLoad(load, kind, () if model is not None else _inferred(load))
 
 
+def _streamed(path: Path, kind: str) -> bool:
+    """Whether ``import`` reads this dump a file at a time (:mod:`moebalance.engines.stream`): vLLM's routed experts
+    and SGLang's folders of per-rank dumps."""
+    return kind == "vllm" or (kind == "sglang" and path.is_dir())
+
+
 def _check_fits(path: Path, kind: str) -> None:
-    """Refuse, in one line and before reading, an engine dump larger than this machine's memory: the engines' files
-    are read whole (a moebalance trace is mapped and walked in chunks instead)."""
+    """Refuse, in one line and before reading, an engine dump larger than this machine's memory: the commands read
+    engines' files whole (``import`` reads the dumps :func:`_streamed` names a file at a time instead, and a
+    moebalance trace is mapped and walked in chunks)."""
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     size = sum(p.stat().st_size for p in files)
     limit = machine_memory_bytes()
     if size > limit:
+        fix = (f"run moebalance import --load {shlex.quote(str(path))} --out X.npz first (it reads one file at a "
+               "time), then give --load X.npz") if _streamed(path, kind) else \
+            "import the dumps in parts (a folder of some of the files at a time)"
         raise InputError(f"{str(path)!r} holds {size / 2**30:.1f} GiB of {kind} dumps, and reading them takes at least "
-                         f"that much memory; this machine has {limit / 2**30:.1f} GiB: import the dumps in parts "
-                         "(a folder of some of the files at a time)")
+                         f"that much memory; this machine has {limit / 2**30:.1f} GiB: {fix}")
+
+
+@dataclass(frozen=True, slots=True)
+class Imported:
+    """What :func:`import_load` wrote: the load's counts, model and layer ids (its token-level trace, if any, is in
+    the file: ``num_tokens`` tokens), its format, and notes to show the user."""
+
+    load: LoadMatrix
+    format: str
+    num_tokens: int | None = None
+    notes: tuple[str, ...] = ()
+
+
+def import_load(path: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str | None = None, *,
+                model: str | None = None, gpus: int = 1, batch_tokens: int = 4096,
+                num_experts: int | None = None) -> Imported:
+    """Write the load in ``path`` to the ``.npz`` ``out``, atomically, as :func:`open_load` reads it and
+    :func:`moebalance.core.load.write_load` writes it. vLLM's routed experts and SGLang's folders of per-rank dumps
+    are read one file at a time (:mod:`moebalance.engines.stream`: the same arrays, the token-level ones stored
+    uncompressed), so their tokens need not fit in memory."""
+    dest = Path(out)
+    if dest.suffix != ".npz":
+        raise InputError(f"output {str(dest)!r} must end in .npz")
+    kind = detect_load(path) if fmt is None else fmt
+    p = Path(path)
+    if kind not in LOAD_FORMATS or str(path).startswith(BUNDLED_PREFIX) or not p.exists() or not _streamed(p, kind):
+        opened = open_load(path, fmt, model=model, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts)
+        write_load(dest, opened.load)
+        trace = opened.load.trace
+        return Imported(opened.load, opened.format, None if trace is None else trace.num_tokens, opened.notes)
+    if model is not None:
+        get_model(model)  # a misspelt name before the first pass, not after it
+    if kind == "vllm":
+        got = import_routed_experts(p, dest, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts,
+                                    model=model)
+    else:
+        got = import_dumps(p, dest, model=model)
+    return Imported(got.load, kind, got.num_tokens, () if model is not None else _inferred(got.load))
 
 
 def _inferred(load: LoadMatrix) -> tuple[str, ...]:
@@ -151,8 +194,9 @@ def read_any_load(path: str | os.PathLike[str], fmt: str | None = None, *, gpus:
 
 
 def moe_layer_ids(load: LoadMatrix) -> np.ndarray | None:
-    """The decoder-layer ids ``D .. H - 1`` of a load that is a model's MoE layers alone (``[B, L_moe, E]``, no ids
-    recorded: a plain ``.npy`` of a model with dense layers first), the model being the load's preset or the one
+    """The decoder-layer ids of the MoE layers (``D .. H - 1``, or Llama 4 Maverick's every second:
+    :attr:`~moebalance.models.ModelSpec.moe_layer_ids`) of a load that is a model's MoE layers alone (``[B, L_moe, E]``,
+    no ids recorded: a plain ``.npy`` of a model with dense layers), the model being the load's preset or the one
     its shape fits (:func:`moebalance.engines.layers.choose_model`); ``None`` for any other load."""
     if load.layer_ids is not None:
         return None
@@ -163,7 +207,7 @@ def moe_layer_ids(load: LoadMatrix) -> np.ndarray | None:
         return None
     if spec is None or spec.num_dense_layers == 0 or load.num_layers != spec.num_layers:
         return None
-    return np.arange(spec.num_dense_layers, decoder_layers(spec), dtype=np.int64)
+    return np.asarray(spec.moe_layer_ids, dtype=np.int64)  # D .. H - 1, or Llama 4 Maverick's every second
 
 
 def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, fmt: str | None = None,

@@ -58,7 +58,8 @@ from moebalance.engines.files import load_model
 from moebalance.engines.layers import plan_layers
 from moebalance.engines.slots import slot_table
 
-__all__ = ["plan_from_map", "read_dumps", "read_placement", "read_stat", "read_torch", "write_placement"]
+__all__ = ["plan_from_map", "read_dumps", "read_placement", "read_rank_dump", "read_stat", "read_torch",
+           "write_placement"]
 
 
 def read_torch(path: Path) -> Any:
@@ -139,6 +140,47 @@ def read_stat(path: str | os.PathLike[str], *, model: str | None = None) -> Load
     return LoadMatrix(counts, preset=_model_of(counts, None, model))
 
 
+def read_rank_dump(f: Path) -> tuple[np.ndarray, list[tuple[int, np.ndarray, np.ndarray | None]]]:
+    """One rank's ``per_pass``/``per_token`` dump, checked: its map ``int64 [L, P]`` and its records in file order,
+    each ``(forward_pass_id, global_physical_count int64 [L, P], topk_ids_of_layer [L, tokens, W] as stored or
+    None)``; every problem is one line naming ``f``."""
+    doc = read_torch(f)
+    if not isinstance(doc, dict) or "records" not in doc or "last_physical_to_logical_map" not in doc:
+        keys = sorted(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__
+        raise InputError(f"{str(f)!r} has {keys}; a per_pass/per_token dump holds 'records' and "
+                         "'last_physical_to_logical_map' (a stat dump is one file: give the file, not the folder)")
+    m = _array(doc["last_physical_to_logical_map"], "last_physical_to_logical_map", str(f))
+    if m.ndim != 2 or not np.issubdtype(m.dtype, np.integer) or (m < 0).any():
+        raise InputError(f"{str(f)!r}: last_physical_to_logical_map must be non-negative integer ids [L, P], got "
+                         f"{m.dtype} {m.shape}")
+    if m.size and int(m.max()) >= m.shape[1]:  # every expert has a slot, so ids stay below the slot count
+        raise InputError(f"{str(f)!r}: last_physical_to_logical_map holds expert id {int(m.max())} but has only "
+                         f"{m.shape[1]} slots per layer, and every expert has one; is the file damaged?")
+    if not isinstance(doc["records"], list):
+        raise InputError(f"{str(f)!r}: 'records' must be a list of per-pass records")
+    records: list[tuple[int, np.ndarray, np.ndarray | None]] = []
+    for rec in doc["records"]:
+        if not isinstance(rec, dict) or "forward_pass_id" not in rec or "global_physical_count" not in rec:
+            raise InputError(f"{str(f)!r}: each record needs 'forward_pass_id' and 'global_physical_count'")
+        fid = rec["forward_pass_id"]
+        if isinstance(fid, bool) or not isinstance(fid, int):
+            raise InputError(f"{str(f)!r}: forward_pass_id {fid!r} must be an integer (SGLang numbers passes)")
+        c = _array(rec["global_physical_count"], "global_physical_count", str(f))
+        if c.shape != m.shape:
+            raise InputError(f"{str(f)!r}: global_physical_count has shape {c.shape} but the map {m.shape}; "
+                             "both are [L, P]")
+        counts = check_counts(c[None], "global_physical_count")[0]
+        t = None
+        if "topk_ids_of_layer" in rec:
+            t = _array(rec["topk_ids_of_layer"], "topk_ids_of_layer", str(f))
+            if t.ndim != 3 or t.shape[0] != m.shape[0] or t.dtype.kind not in "iu" or (t < -1).any() \
+                    or (t >= m.shape[1]).any():
+                raise InputError(f"{str(f)!r}: topk_ids_of_layer must be physical slot ids [L, tokens, 8] "
+                                 f"(-1 padded), got {t.dtype} {t.shape}")
+        records.append((fid, counts, t))
+    return m.astype(np.int64), records
+
+
 def read_dumps(folder: str | os.PathLike[str], *, model: str | None = None,
                files: Sequence[str | os.PathLike[str]] | None = None) -> LoadMatrix:
     """A folder of per-rank ``per_pass``/``per_token`` dumps as a load ``[passes, L, E]`` (module docstring), for
@@ -153,40 +195,13 @@ def read_dumps(folder: str | os.PathLike[str], *, model: str | None = None,
     passes: list[dict[int, np.ndarray]] = []
     picks: list[dict[int, np.ndarray]] = []  # per_token mode: each pass's physical top-k ids [L, tokens, 8]
     for f in files:
-        doc = read_torch(f)
-        if not isinstance(doc, dict) or "records" not in doc or "last_physical_to_logical_map" not in doc:
-            keys = sorted(map(str, doc)) if isinstance(doc, dict) else type(doc).__name__
-            raise InputError(f"{str(f)!r} has {keys}; a per_pass/per_token dump holds 'records' and "
-                             "'last_physical_to_logical_map' (a stat dump is one file: give the file, not the folder)")
-        m = _array(doc["last_physical_to_logical_map"], "last_physical_to_logical_map", str(f))
-        if m.ndim != 2 or not np.issubdtype(m.dtype, np.integer) or (m < 0).any():
-            raise InputError(f"{str(f)!r}: last_physical_to_logical_map must be non-negative integer ids [L, P], got "
-                             f"{m.dtype} {m.shape}")
-        if m.size and int(m.max()) >= m.shape[1]:  # every expert has a slot, so ids stay below the slot count
-            raise InputError(f"{str(f)!r}: last_physical_to_logical_map holds expert id {int(m.max())} but has only "
-                             f"{m.shape[1]} slots per layer, and every expert has one; is the file damaged?")
-        maps.append(m.astype(np.int64))
+        m, records = read_rank_dump(f)
+        maps.append(m)
         got: dict[int, np.ndarray] = {}
         ids_of: dict[int, np.ndarray] = {}
-        if not isinstance(doc["records"], list):
-            raise InputError(f"{str(f)!r}: 'records' must be a list of per-pass records")
-        for rec in doc["records"]:
-            if not isinstance(rec, dict) or "forward_pass_id" not in rec or "global_physical_count" not in rec:
-                raise InputError(f"{str(f)!r}: each record needs 'forward_pass_id' and 'global_physical_count'")
-            fid = rec["forward_pass_id"]
-            if isinstance(fid, bool) or not isinstance(fid, int):
-                raise InputError(f"{str(f)!r}: forward_pass_id {fid!r} must be an integer (SGLang numbers passes)")
-            c = _array(rec["global_physical_count"], "global_physical_count", str(f))
-            if c.shape != m.shape:
-                raise InputError(f"{str(f)!r}: global_physical_count has shape {c.shape} but the map {m.shape}; "
-                                 "both are [L, P]")
-            got[fid] = check_counts(c[None], "global_physical_count")[0]
-            if "topk_ids_of_layer" in rec:
-                t = _array(rec["topk_ids_of_layer"], "topk_ids_of_layer", str(f))
-                if t.ndim != 3 or t.shape[0] != m.shape[0] or t.dtype.kind not in "iu" or (t < -1).any() \
-                        or (t >= m.shape[1]).any():
-                    raise InputError(f"{str(f)!r}: topk_ids_of_layer must be physical slot ids [L, tokens, 8] "
-                                     f"(-1 padded), got {t.dtype} {t.shape}")
+        for fid, c, t in records:
+            got[fid] = c
+            if t is not None:
                 ids_of[fid] = t.astype(np.int64)
         passes.append(got)
         picks.append(ids_of)

@@ -43,16 +43,24 @@ from moebalance.engines.layers import plan_layers
 from moebalance.engines.slots import slot_table
 from moebalance.models import get_model
 
-__all__ = ["read_routed_experts", "write_map"]
+__all__ = ["read_routed_experts", "request_files", "requests_in", "write_map"]
 
 
-def _requests(path: Path) -> list[np.ndarray]:
+def request_files(path: Path) -> list[Path]:
+    """What :func:`requests_in` reads, in order: ``path`` itself, or a folder's ``.npy`` and ``.json`` entries,
+    sorted by name."""
+    if not path.is_dir():
+        return [path]
+    files = sorted(f for f in path.iterdir() if f.suffix in (".npy", ".json"))
+    if not files:
+        raise InputError(f"{str(path)!r} has no .npy or .json files of vLLM routed experts")
+    return files
+
+
+def requests_in(path: Path) -> list[np.ndarray]:
     """Every request's ``[tokens, L, k]`` array in ``path`` (a .npy, a JSON response or list of them, a folder)."""
     if path.is_dir():
-        files = sorted(f for f in path.iterdir() if f.suffix in (".npy", ".json"))
-        if not files:
-            raise InputError(f"{str(path)!r} has no .npy or .json files of vLLM routed experts")
-        return [a for f in files for a in _requests(f)]
+        return [a for f in request_files(path) for a in requests_in(f)]
     if path.suffix == ".npy":
         return [read_npy_bytes(path.read_bytes(), str(path))]
     doc = read_json(path, "vLLM response file")
@@ -79,7 +87,7 @@ def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_to
     """vLLM's routed experts (module docstring) as a token-level load, dense layers left out, for ``model``
     (default: the one its shape fits)."""
     p = Path(path)
-    reqs = _requests(p)
+    reqs = requests_in(p)
     if not reqs:
         raise InputError(f"{str(p)!r} holds no request")
     shapes = {a.shape[1:] for a in reqs}

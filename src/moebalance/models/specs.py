@@ -32,7 +32,16 @@ from typing import Literal
 from moebalance.core.errors import InputError
 from moebalance.models.fields import check_fields
 
-__all__ = ["Attention", "ModelSpec"]
+__all__ = ["Attention", "ModelSpec", "layer_span"]
+
+
+def layer_span(ids: Sequence[int]) -> str:
+    """Layer ids in words: ``"5..20"`` for a run, else the first eight listed (``"1, 2, 70"``)."""
+    ids = [int(i) for i in ids]
+    if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}..{ids[-1]}"
+    return ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+
 
 #: The architecture fields of :class:`ModelSpec` besides ``attention``: zero (not given) without it.
 _ARCH_FIELDS = ("vocab_size", "dense_intermediate_size", "total_params")
@@ -119,6 +128,7 @@ class ModelSpec:
     #: ``L``: MoE layers only (dense layers such as DeepSeek's ``first_k_dense_replace`` ones excluded).
     num_layers: int
     #: Dense (non-MoE) decoder layers, e.g. DeepSeek's ``first_k_dense_replace``; 0 where every layer is MoE.
+    #: They come first, unless ``moe_layer_step`` interleaves them.
     num_dense_layers: int
     #: ``E``: routed experts per MoE layer (shared experts excluded).
     num_experts: int
@@ -137,6 +147,10 @@ class ModelSpec:
     #: Multi-token-prediction modules (``num_nextn_predict_layers``), each one more MoE layer after the main
     #: model's, not counted in ``num_layers``; 0 where the config has none.
     num_mtp_layers: int = 0
+    #: 1: the ``num_dense_layers`` dense layers come first, the MoE layers after them (DeepSeek's
+    #: ``first_k_dense_replace``); ``s > 1``: every ``s``-th decoder layer is MoE, layers ``s - 1, 2s - 1, ...``, and
+    #: the others dense (Llama 4's ``interleave_moe_layer_step``: Llama 4 Maverick's 2 makes layers 1, 3, ..., 47 MoE).
+    moe_layer_step: int = 1
     #: The attention's kind and sizes; ``None``: the routing shape only (no parameter counts, no KV cache).
     attention: Attention | None = None
     #: ``V`` (``vocab_size``); 0 without ``attention``.
@@ -154,7 +168,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         check_fields(self, text=("name", "display_name", "source"),
                      positive=("num_layers", "num_experts", "top_k", "hidden_size", "moe_intermediate_size",
-                               "num_groups"),
+                               "num_groups", "moe_layer_step"),
                      non_negative=("num_dense_layers", "num_shared_experts", "num_mtp_layers", "vocab_size",
                                    "dense_intermediate_size"),
                      flags=("tie_word_embeddings",), non_negative_reals=("total_params",))
@@ -165,6 +179,10 @@ class ModelSpec:
         if self.num_experts % self.num_groups:
             raise InputError(f"ModelSpec.num_experts ({self.num_experts}) must be divisible by "
                              f"num_groups ({self.num_groups})")
+        step = self.moe_layer_step
+        if step > 1 and self.num_dense_layers != self.num_layers * (step - 1):
+            raise InputError(f"ModelSpec.num_dense_layers ({self.num_dense_layers}) must be num_layers x "
+                             f"(moe_layer_step - 1) = {self.num_layers * (step - 1)} when every {step}th layer is MoE")
         if self.attention is None:
             given = [name for name in _ARCH_FIELDS if getattr(self, name)]
             if given:
@@ -186,6 +204,20 @@ class ModelSpec:
         return self.num_layers + self.num_dense_layers
 
     @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The decoder-layer ids of the MoE layers, as engines number them: ``D .. H - 1`` (DeepSeek-V3: 3..60), or
+        every ``moe_layer_step``-th layer (Llama 4 Maverick: 1, 3, ..., 47)."""
+        step = self.moe_layer_step
+        return tuple(range(self.num_dense_layers if step == 1 else step - 1, self.num_decoder_layers, step))
+
+    def moe_layers_text(self) -> str:
+        """:attr:`moe_layer_ids` in words: ``"3..60"``, or ``"1, 3, ..., 47"``."""
+        ids = self.moe_layer_ids
+        if self.moe_layer_step == 1:
+            return f"{ids[0]}..{ids[-1]}"
+        return f"{ids[0]}, {ids[1]}, ..., {ids[-1]}" if len(ids) > 2 else ", ".join(map(str, ids))
+
+    @property
     def mtp_layer_ids(self) -> tuple[int, ...]:
         """The layer index engines give each MTP module: right after the decoder layers (DeepSeek-V3: ``(61,)``)."""
         return tuple(range(self.num_decoder_layers, self.num_decoder_layers + self.num_mtp_layers))
@@ -194,7 +226,9 @@ class ModelSpec:
         """The layers an engine numbers and the experts, in words: ``"61 decoder layers (3 dense, then 58 MoE) and 1
         MTP layer of 256 experts"``."""
         H, D, M = self.num_decoder_layers, self.num_dense_layers, self.num_mtp_layers
-        parts = f"{H} decoder layers ({D} dense, then {self.num_layers} MoE)" if D else f"{H} MoE layers"
+        parts = f"{H} MoE layers" if not D else f"{H} decoder layers ({D} dense, then {self.num_layers} MoE)" \
+            if self.moe_layer_step == 1 else f"{H} decoder layers ({D} dense, {self.num_layers} MoE: layers " \
+            f"{self.moe_layers_text()})"
         return parts + (f" and {M} MTP layer{'s' * (M > 1)}" if M else "") + f" of {self.num_experts} experts"
 
     def misfit(self, num_rows: int, num_experts: int, layer_ids: Sequence[int] | None = None,
@@ -204,8 +238,9 @@ class ModelSpec:
         ``loaded``: which rows carry load).
 
         Rows fit when there are ``E`` experts and the rows are the MoE layers alone (``L``, or the recorded ids
-        ``D .. H - 1``, MTP ids ``H .. H + M - 1`` allowed) or the engine's numbering (``H`` decoder layers, or
-        ``H + M`` with the MTP layers), whose ``D`` dense rows carry no load.
+        ``D .. H - 1``, or Llama 4 Maverick's every second, :attr:`moe_layer_ids`; MTP ids ``H .. H + M - 1``
+        allowed) or the engine's numbering (``H`` decoder layers, or ``H + M`` with the MTP layers), whose ``D``
+        dense rows carry no load.
 
         Example: ``MODELS["deepseek-v3"].misfit(58, 256) is None``; ``misfit(60, 256)`` says ``"60 layers, but
         DeepSeek-V3 has 61 decoder layers (3 dense, then 58 MoE) and 1 MTP layer of 256 experts"``.
@@ -214,18 +249,24 @@ class ModelSpec:
         if num_experts != self.num_experts:
             return f"{num_experts} experts per layer, but {self.display_name} has {self.num_experts}"
         if layer_ids is not None:
-            ids = {int(x) for x in layer_ids}
-            outside = sorted(i for i in ids if not D <= i < H + M)
+            ids, moe = {int(x) for x in layer_ids}, set(self.moe_layer_ids)
+            outside = sorted(i for i in ids if i not in moe and not H <= i < H + M)
             if outside:
-                return f"layer {outside[0]}, but {self.display_name}'s MoE layers are {D}..{H - 1}" + \
+                return f"layer{'s' * (len(outside) > 1)} {layer_span(outside)}, which {self.display_name} lacks: " \
+                       f"its MoE layers are {self.moe_layers_text()}" + \
                     (f" and its MTP layers {H}..{H + M - 1}" if M else "")
-            if not set(range(D, H)) <= ids:
-                return f"layers {min(ids)}..{max(ids)} ({len(ids)}), not every MoE layer {D}..{H - 1} of " \
+            if not moe <= ids:
+                return f"layers {min(ids)}..{max(ids)} ({len(ids)}), not every MoE layer {self.moe_layers_text()} of " \
                        f"{self.display_name}"
             return None
         if num_rows not in {H, H + M, self.num_layers}:
             return f"{num_rows} layers, but {self.display_name} has {self.shape_text()}"
-        if num_rows != self.num_layers and loaded is not None and any(bool(x) for x in list(loaded)[:D]):
+        if num_rows != self.num_layers and loaded is not None and self.moe_layer_step > 1:
+            dense = [i for i, x in enumerate(list(loaded)[:H]) if x and i not in self.moe_layer_ids]
+            if dense:
+                return f"load in layer {dense[0]}, which is dense in {self.display_name} (its MoE layers are " \
+                       f"{self.moe_layers_text()})"
+        elif num_rows != self.num_layers and loaded is not None and any(bool(x) for x in list(loaded)[:D]):
             first = next(i for i, x in enumerate(loaded) if x)
             return f"load in layer {first}, which is dense in {self.display_name} (layers 0..{D - 1})"
         return None

@@ -198,7 +198,8 @@ def sample_token_level(model: ModelSpec, prof: RoutingProfile, structure: Struct
             if layer + 1 < L:
                 keep = rng.random(hi - lo) < prof.route_persistence
                 z = np.where(keep, structure.route_perm[layer, z], rng.integers(0, S, hi - lo))
-        if progress is not None:
-            progress(nb)
+            # the chunk's batches told as its layers finish (one chunk may hold every batch): whole batches, nb in all
+            if progress is not None and (done := nb * (layer + 1) // L - nb * layer // L):
+                progress(done)
     counts = count_picks(topk_ids, batch.astype(np.int64), num_batches, E)
     return {"counts": counts, "topk_ids": topk_ids, "src_gpu": src_gpu, "batch": batch}

@@ -129,7 +129,9 @@ def synthesize(
         seed: seeds ``numpy.random.default_rng``; the per-layer skew and expert clusters depend only on the
             seed and the preset, not on ``B``, ``T``, ``G`` or ``token_level``.
         token_level: also simulate every token (slower; returns ``topk_ids``, ``src_gpu``, ``batch``).
-        progress: called with the number of batches just finished, after every chunk of batches.
+        progress: called with the number of batches just finished, after every chunk of batches; with
+            ``token_level``, as each layer of a chunk finishes, with its share of the chunk's batches (whole
+            batches, none reported twice: the calls add up to ``num_batches``).
         profile: knobs of the routing model; defaults to :func:`routing_profile` of the preset.
 
     Returns:

@@ -27,6 +27,7 @@ from moebalance.app.advise_engines import (
     launch_lines,
     write_engine_files,
 )
+from moebalance.app.assumptions import assumption_text, assumptions
 from moebalance.app.console import err, note, out, progress
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_dir, atomic_write_text, check_out_dir, dumps
@@ -148,10 +149,15 @@ def run(args: argparse.Namespace) -> None:
             bar.advance(task, 1)
     advice = recommend(priced, engine, margin)
     notes = [*setup.notes, *left_out]
-    cluster = setup.cluster
+    cluster, phase = setup.cluster, setup.phase.phase
+    # setup.notes are the in-sample notes _setup made (a load of one batch, --train-frac 1)
+    assumed = assumptions(setup.phase.deployment, cluster, fit_error=fit_error, phase=phase,
+                          tokens_per_step=advice.recommended.step_tokens, margin=margin, held_out=not setup.notes,
+                          held_out_note=" ".join(setup.notes) or None,
+                          step_note="the recommendation's (each candidate's: step tokens)" if phase == "decode" else None)
     title = (f"{', '.join(args.load)} on {engine}: {name}, {cluster.num_nodes} x {cluster.gpus_per_node} "
-             f"{setup.phase.deployment.gpu.display_name}, {setup.phase.phase} steps"
-             + ("" if args.phase else " (the default phase)") + f"; priced with {setup.phase.deployment.describe()}")
+             f"{setup.phase.deployment.gpu.display_name}, {phase} steps"
+             + ("" if args.phase else " (the default phase)") + f"; assumed: {assumption_text(assumed)}")
     files: list[Path] = []
     if out_dir is not None:
         with atomic_dir(out_dir) as tmp:  # all of the folder or none of it (docs/design.md, "Errors")
@@ -160,15 +166,15 @@ def run(args: argparse.Namespace) -> None:
             doc = advice.as_dict(files)
             atomic_write_text(tmp / "advise.json", dumps({"title": title, **doc, "notes": notes,
                                                           "priced_with": setup.phase.deployment.describe(),
-                                                          "margin": margin}))
+                                                          "margin": margin, "assumptions": assumed}))
             shown = {f.name: f.read_text() for f in written if f.suffix != ".json" or f.stat().st_size < 20_000}
             shown["files written"] = "\n".join(str(f) for f in files)
-            advise_report(advice, setup, title, shown, notes).write(tmp / "report.html")
+            advise_report(advice, setup, title, shown, notes, assumptions=assumed).write(tmp / "report.html")
     for text in notes:
         note(text)
-    if args.json:  # what it priced with: the profile, precision, KV cache, overlap and all-to-all
+    if args.json:  # what it priced with: the profile, precision, KV cache, overlap and all-to-all, and all it assumed
         sys.stdout.write(dumps({**advice.as_dict(files), "priced_with": setup.phase.deployment.describe(),
-                                "margin": margin}))
+                                "margin": margin, "assumptions": assumed}))
         return
     out.print(advise_table(advice, title))
     out.print(advice_text(advice))

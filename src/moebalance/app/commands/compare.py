@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moebalance.app import deployment, options
+from moebalance.app.assumptions import assumption_rows, compare_assumptions
 from moebalance.app.compare import (
     COMPARISON_FILES,
     Scenario,
@@ -16,7 +17,7 @@ from moebalance.app.compare import (
     emit_comparison,
     run_scenarios,
 )
-from moebalance.app.console import out
+from moebalance.app.console import out, step
 from moebalance.app.html_report import compare_report
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_dir, check_out_dir
@@ -95,7 +96,8 @@ def run(args: argparse.Namespace) -> None:
     first = [] if args.groups is None else [("--groups", "num_groups", args.groups)]
     per_policy = options.resolve_set(args.set, policies, first=first)
     cluster = options.cluster(args)
-    raw = options.read_load(args, model=False)
+    with step(f"read {Path(args.load).name}"):  # a large token-level trace is read and checked for a while
+        raw = options.read_load(args, model=False)
     load = options.load_model(raw, args.model)
     dep = deployment.from_args(args, load)
     routers = deployment.bind_routers(routers, dep, load)
@@ -127,7 +129,9 @@ def run(args: argparse.Namespace) -> None:
     load_args = ["--load", args.load, *([] if args.format is None else ["--load-format", args.format])]
     with atomic_dir(args.out_dir) as tmp:  # all of the folder or none of it (docs/design.md, "Errors")
         emit_comparison(list(rows.values()), plans, title, str(tmp), args.json)
+        assumed = () if dep is None else assumption_rows(compare_assumptions(
+            dep, cluster, fit_error=deployment.calibration(args)[1], phase=args.phase, train_frac=args.train_frac))
         compare_report(rows, plans, scenarios, load.split(args.train_frac)[1], title, seed=args.seed,
-                       folder=args.out_dir, load_args=load_args).write(tmp / "report.html")
+                       folder=args.out_dir, load_args=load_args, assumptions=assumed).write(tmp / "report.html")
     if not args.json:
         out.print(f"wrote {args.out_dir}: {COMPARISON_FILES}", markup=False)

@@ -1,6 +1,8 @@
 """``moebalance import``: an engine's routing dump converted, once, into a moebalance load (``.npz``).
 
-(The module is ``import_``: ``import`` is a Python keyword.)
+SGLang's folders of per-rank dumps and vLLM's routed experts are read one file at a time and their token-level
+arrays written as they come (:mod:`moebalance.engines.stream`), so a dump larger than memory imports; the other
+commands read dumps whole. (The module is ``import_``: ``import`` is a Python keyword.)
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ import numpy as np
 
 from moebalance.app import options
 from moebalance.app.console import check_out, note, out
-from moebalance.core.load import write_load
-from moebalance.engines import open_load
+from moebalance.engines.detect import import_load
 
 __all__ = ["add_parser", "run"]
 
@@ -36,16 +37,15 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> None:
     dest = check_out(args.out, ".npz")
-    opened = open_load(args.load, args.format, model=args.model, gpus=args.gpus, batch_tokens=args.batch_tokens,
-                       num_experts=args.experts)
-    load = opened.load
-    for text in opened.notes:
+    imported = import_load(args.load, dest, args.format, model=args.model, gpus=args.gpus,
+                           batch_tokens=args.batch_tokens, num_experts=args.experts)
+    load = imported.load  # counts, model and layer ids: a token-level trace stays in the file
+    for text in imported.notes:
         note(text)
-    write_load(dest, load)
     B, L, E = load.counts.shape
     dense = np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0)
     out.print(f"wrote {dest}: [B, L, E] = [{B}, {L}, {E}]"
-              + (f", token-level ({load.trace.num_tokens:,} tokens)" if load.trace is not None else "")
+              + (f", token-level ({imported.num_tokens:,} tokens)" if imported.num_tokens is not None else "")
               + (f"; dense layers (no load, kept as zero rows): {', '.join(map(str, dense))}" if dense.size else "")
               + ("" if load.layer_ids is None else "; dense layers left out, the model's layer ids kept: "
                  + ",".join(map(str, load.layer_ids.tolist()))))

@@ -13,8 +13,9 @@ import numpy as np
 
 from moebalance.algorithms.migration import MIGRATIONS
 from moebalance.app import deployment, options
+from moebalance.app.assumptions import assumption_rows, online_assumptions
 from moebalance.app.capture_inputs import build_traces, capture_model, concatenated, hidden_states
-from moebalance.app.console import err, note, out, progress
+from moebalance.app.console import err, note, out, progress, step
 from moebalance.app.html_report import online_report
 from moebalance.app.online_report import (
     failure_notes,
@@ -226,7 +227,8 @@ def run(args: argparse.Namespace) -> None:
     if out_dir is not None:
         check_out_dir(out_dir)  # a file, the current folder, a folder of other files: refused before the work
     cluster = options.cluster(args)
-    load = options.read_load(args)
+    with step(f"read {Path(args.load).name}"):  # a large token-level trace is read and checked for a while
+        load = options.read_load(args)
     pricing = pricing_from(args, load)
     if router is not None:
         router = deployment.bind_routers([router], None if pricing is None else pricing.deployment, load)[0]
@@ -290,7 +292,10 @@ def run(args: argparse.Namespace) -> None:
             plot_online(results, tmp / "online.png", title)
             if pricing is not None:
                 plot_online_time(results, tmp / "online_time.png", title)
-            online_report(results, title, costs).write(tmp / "report.html")
+            assumed = () if pricing is None else assumption_rows(online_assumptions(
+                pricing.deployment, cluster, fit_error=deployment.calibration(args)[1], phase=args.phase,
+                step_tokens=step_tokens))
+            online_report(results, title, costs, assumed).write(tmp / "report.html")
     if args.json:
         sys.stdout.write(dumps(docs[0] if len(docs) == 1 else {"results": docs}))
         return

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from moebalance.app import options
-from moebalance.app.console import check_out, out, progress
+from moebalance.app.console import check_out, out, progress, step
 from moebalance.core.load import LoadMatrix, write_load
 from moebalance.models import get_model
 from moebalance.workloads.synth import synthesize
@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> None:
         arrays = synthesize(preset, num_batches=args.batches, tokens_per_batch=args.tokens_per_batch,
                             num_gpus=args.gpus, seed=args.seed, token_level=args.token_level,
                             progress=lambda n: bar.advance(task, n))
-    load = LoadMatrix.from_arrays(arrays, source="synth")
-    write_load(dest, load)
+    with step(f"write {dest.name}"):  # checking and compressing a large token-level trace takes a while
+        load = LoadMatrix.from_arrays(arrays, source="synth")
+        write_load(dest, load)
     kind = "token-level trace" if load.trace is not None else "load matrix"
     out.print(f"wrote {dest}: {kind} of {preset.name}, [B, L, E] = {list(load.counts.shape)}, top-{preset.top_k}")
