@@ -404,10 +404,12 @@ def test_compare_and_online_priced_with_a_deployment_state_their_assumptions(
               "priced batches": "held out (not planned on)"}
     rc, _, err = run_cli(["compare", *given, "--policies", "contiguous,eplb", "--out-dir", tmp_path / "c"], capsys)
     assert rc == 0, err
-    # no --phase: the goodput model's decode and prefill rounds, each plan's decode step its KV cache's concurrency
+    # no --phase: the goodput model's decode and prefill rounds, each plan's decode step its KV cache's concurrency;
+    # compare's recommendation clears advise's margin (5%: the peaks record no fit error) over its row without replicas
     assert _panel(Page((tmp_path / "c" / "report.html").read_text())) == {
         **common, "phase": "decode and prefill rounds (goodput at saturation)",
-        "tokens per step": "decode: each plan's KV-cache concurrency; prefill: 4,096 per data-parallel rank"}
+        "tokens per step": "decode: each plan's KV-cache concurrency; prefill: 4,096 per data-parallel rank",
+        "margin": "5.0% over the row without replicas"}
     rc, _, err = run_cli(["online", *given, "--policy", "eplb", "--phase", "decode", "--warmup", "0:8", "--out-dir",
                           tmp_path / "o"], capsys)
     assert rc == 0, err
@@ -493,3 +495,21 @@ def test_online_report_unpriced(esft: LoadMatrix) -> None:
     with pytest.raises(InputError, match="no results"):
         online_report([], "none")
 
+
+
+def test_compare_recommends_by_advises_margin(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One rule with ``advise``: ranked by modelled goodput, the best row must beat the row without replicas by more
+    than the margin (5%; the H100's profile records a fit error of 0.029, whose exp - 1 = 2.9% is smaller). On
+    DeepSeek's ESFT routing EPLB models +0.1% over contiguous: keep contiguous, no export offered. On the bundled
+    DeepSeek-V3 load it clears the margin: EPLB is recommended with its export commands."""
+    common = ["--policies", "contiguous,eplb", "--gpu", "h100-80gb", "--out-dir"]
+    rc, _, _ = run_cli(["compare", "--load", "bundled:esft-law", "--nodes", 1, "--gpus-per-node", 8,
+                        "--slots-per-gpu", 9, *common, tmp_path / "esft"], capsys)
+    page = (tmp_path / "esft" / "report.html").read_text()
+    assert rc == 0 and "Keep contiguous: the best by modelled goodput, eplb, models +0.1%" in page
+    assert "not more than the 5.0% margin that advise also applies" in page and "--to sglang" not in page
+    assert "5.0% over the row without replicas" in page  # the assumptions panel states the margin
+    rc, _, _ = run_cli(["compare", "--load", "bundled:deepseek-v3-8x8", "--nodes", 8, "--gpus-per-node", 8,
+                        "--slots-per-gpu", 5, *common, tmp_path / "v3"], capsys)
+    page = (tmp_path / "v3" / "report.html").read_text()
+    assert rc == 0 and "Best by modelled goodput: eplb" in page and "Keep " not in page and "--to sglang" in page

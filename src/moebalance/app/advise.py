@@ -50,7 +50,8 @@ from moebalance.policies import make_plan
 from moebalance.pricing.phase import PhaseModel, phase_steps
 from moebalance.pricing.step import StepPricing
 
-__all__ = ["DEFAULT_MARGIN",
+__all__ = [
+    "DEFAULT_MARGIN",
     "ENGINES",
     "ENGINE_RULES",
     "STATISTICS_STEPS",
@@ -60,8 +61,10 @@ __all__ = ["DEFAULT_MARGIN",
     "Priced",
     "Setup",
     "candidates",
+    "clears",
     "concatenate",
     "dividing_gpu_counts",
+    "margin_of",
     "price",
     "recommend",
     "redundant_values",
@@ -405,6 +408,19 @@ class Advice:
                 "engine_files": [str(f) for f in engine_files]}
 
 
+def margin_of(given: float | None, fit_error: float | None) -> float:
+    """The margin a modelled gain must clear, as a fraction: ``given`` (else :data:`DEFAULT_MARGIN`), or the
+    calibration's fit error where that is larger (``exp(error) - 1``: a mean absolute log error as a ratio). One rule
+    for ``advise`` and ``compare``'s recommendation."""
+    margin = DEFAULT_MARGIN if given is None else float(given)
+    return margin if fit_error is None else max(margin, math.expm1(fit_error))
+
+
+def clears(value: float, base: float, margin: float) -> bool:
+    """Whether a modelled ``value`` (tokens per second) beats ``base`` by more than ``margin`` (a fraction)."""
+    return value > base * (1.0 + margin)
+
+
 def recommend(priced: Sequence[Priced], engine: str, margin: float) -> Advice:
     """The fastest candidate, or EPLB off when the fastest beats it by ``margin`` (a fraction) or less; where the
     engine cannot run EPLB off (``reference_only``), the fastest candidate it runs, whatever the margin."""
@@ -423,5 +439,5 @@ def recommend(priced: Sequence[Priced], engine: str, margin: float) -> Advice:
     if off.candidate.reference_only is not None:  # EPLB off cannot run: the fastest configuration that does
         chosen = best
     else:
-        chosen = best if best.tokens_per_s > off.tokens_per_s * (1.0 + margin) else off
+        chosen = best if clears(best.tokens_per_s, off.tokens_per_s, margin) else off
     return Advice(engine, tuple(priced[i] for i in order), off, chosen, margin)

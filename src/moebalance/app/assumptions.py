@@ -4,7 +4,7 @@ margin, and whether the priced batches were held out.
 
 ``advise`` gives them as ``assumptions`` in its JSON (``--json`` and ``advise.json``, :data:`KEYS`), in its table's
 title and in its report's "Assumptions" panel; ``compare`` and ``online`` in their report's panel where they price
-with ``--gpu``. A value a command does not have (``compare`` has no margin) is ``None`` and has no row.
+with ``--gpu``. A value a command does not have (``online`` has no margin) is ``None`` and has no row.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def assumptions(d: Deployment, cluster: Cluster, *, fit_error: float | None, pha
             "held_out": held_out, "held_out_note": held_out_note}
 
 
-def assumption_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
-    """``(what, value)`` in words, one per assumption ``doc`` (:func:`assumptions`) holds: the report's panel."""
+def assumption_rows(doc: dict[str, Any], baseline: str = "EPLB off") -> list[tuple[str, str]]:
+    """``(what, value)`` in words, one per assumption ``doc`` (:func:`assumptions`) holds: the report's panel; the
+    margin is over ``baseline``."""
     error = doc["calibration_fit_error"]
     rows = [("calibration", doc["calibration"] + ("; no fit error recorded" if error is None else
                                                   f"; fit error {error:.3f} (mean absolute log error)")),
@@ -68,7 +69,7 @@ def assumption_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("requests per step", f"{requests:,}" if doc["phase"] == "decode" else
                      f"{requests:,.2f} (prompts' worth of prompt tokens)"))
     if doc["margin"] is not None:
-        rows.append(("margin", f"{100 * doc['margin']:.1f}% over EPLB off"))
+        rows.append(("margin", f"{100 * doc['margin']:.1f}% over {baseline}"))
     if doc["held_out"] is not None:
         rows.append(("priced batches", "held out (not planned on)" if doc["held_out"] else
                      "in sample" + (f": {doc['held_out_note']}" if doc["held_out_note"] else "")))
@@ -81,7 +82,7 @@ def assumption_text(doc: dict[str, Any]) -> str:
 
 
 def compare_assumptions(d: Deployment, cluster: Cluster, *, fit_error: float | None, phase: str | None,
-                        train_frac: float) -> dict[str, Any]:
+                        train_frac: float, margin: float | None = None) -> dict[str, Any]:
     """``compare --gpu``'s assumptions: each plan priced on the held-out batches (the last ``1 - train_frac``) in
     ``phase``'s steps, or without one by the goodput model's decode and prefill rounds."""
     chunk, ranks = d.workload.prefill_chunk, d.ranks(cluster)
@@ -90,7 +91,7 @@ def compare_assumptions(d: Deployment, cluster: Cluster, *, fit_error: float | N
             f"decode: each plan's KV-cache concurrency; prefill: {chunk:,} per data-parallel rank")
     held = train_frac < 1
     return assumptions(d, cluster, fit_error=fit_error, phase=phase or "decode and prefill rounds (goodput at "
-                       "saturation)", tokens_per_step=tokens, step_note=note, held_out=held,
+                       "saturation)", tokens_per_step=tokens, step_note=note, held_out=held, margin=margin,
                        held_out_note=None if held else "--train-frac 1 scores the plans on the batches they plan on")
 
 

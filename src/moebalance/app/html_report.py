@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from moebalance.app.advise import clears
 from moebalance.app.compare import PhaseRow, Scenario
 from moebalance.app.html_charts import (
     bar_components,
@@ -319,10 +320,18 @@ def _before(entries: Sequence[_Entry], best: Scenario) -> _Entry | None:
 
 
 def _compare_advice(best: _Entry, before: _Entry | None, by: str, folder: Path | None,
-                    load_args: Sequence[str]) -> tuple[str, dict[str, str]]:
+                    load_args: Sequence[str], margin: float | None = None) -> tuple[str, dict[str, str]]:
     """The recommendation's text and files: the best row ``by`` the ranking's measure, against the one before, how
-    to export its plan for SGLang and TensorRT-LLM (:func:`_export_lines`) and how to run moebalance in vLLM."""
+    to export its plan for SGLang and TensorRT-LLM (:func:`_export_lines`) and how to run moebalance in vLLM. Ranked
+    by goodput with a ``margin``, the best must clear it over the row before, as ``advise``'s (:func:`clears`)."""
     sc, row, plan = best
+    base = before[1].price if before is not None else None
+    if margin is not None and row.price is not None and base is not None and before is not best and \
+            not clears(row.price.modelled_goodput, base.modelled_goodput, margin):
+        gain = row.price.modelled_goodput / base.modelled_goodput - 1
+        return (f"Keep {before[1].policy}: the best by {by}, {row.policy}, models {gain:+.1%} "  # type: ignore[index]
+                f"({row.price.modelled_goodput:,.0f} tokens/s), not more than the {margin:.1%} margin that advise "
+                "also applies (the cost model's uncertainty, or the calibration's fit error where larger)."), {}
     s = row.score
     text = (f"Best by {by}: {row.policy} (balancedness {s.balancedness:.4f}, imbalance ratio "
             f"{s.imbalance_ratio:.3f}, {s.extra_replicas:,} extra replicas)")
@@ -340,7 +349,7 @@ def _compare_advice(best: _Entry, before: _Entry | None, by: str, folder: Path |
 def compare_report(rows: Mapping[str, ComparisonRow], plans: Mapping[str, Placement], scenarios: Sequence[Scenario],
                    held_out: LoadMatrix, title: str, *, seed: int = 0, folder: str | os.PathLike[str] | None = None,
                    load_args: Sequence[str] = (), heading: str = "moebalance compare",
-                   assumptions: Sequence[tuple[str, str]] = ()) -> Report:
+                   assumptions: Sequence[tuple[str, str]] = (), margin: float | None = None) -> Report:
     """The page of ``moebalance compare`` (titled ``heading``): ``rows`` and ``plans`` as
     :func:`moebalance.app.compare.run_comparison` returns them for ``scenarios``, ``held_out`` the batches they were
     scored on. The export commands name the plan files in ``folder`` (where they are read from: the final
@@ -372,7 +381,7 @@ def compare_report(rows: Mapping[str, ComparisonRow], plans: Mapping[str, Placem
         report.note(line)
     before = _before(entries, ranked[0][0])
     report.recommendation(*_compare_advice(ranked[0], before, by, None if folder is None else Path(folder),
-                                           load_args))
+                                           load_args, margin))
     shown = [(role, e[0], e[1], e[2]) for role, e in (("before", before), ("after" if before else "best", ranked[0]))
              if e is not None and e[2] is not None]
     traces = [(f"{role}: {row.policy}", relative_loads(plan, held_out, sc.router, seed))

@@ -4,7 +4,6 @@ held-out batches (docs/design.md, "Advice"; :mod:`moebalance.app.advise`)."""
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from moebalance.app.advise import (
     Setup,
     candidates,
     concatenate,
+    margin_of,
     price,
     recommend,
 )
@@ -38,7 +38,6 @@ from moebalance.pricing.step import StepPricing
 
 __all__ = ["add_parser", "run"]
 
-#: The margin a modelled gain over EPLB off must clear, as a fraction.
 #: Periodic re-planning tried: ``(step_interval, window)`` in steps, the largest that re-plan within the steps priced.
 _INTERVALS = (2, 4, 8, 16, 32)
 
@@ -136,9 +135,7 @@ def run(args: argparse.Namespace) -> None:
                          f"balancer); {engine} needs no MTP key")
     setup, name, served, fit_error = _setup(args)
     mtp = setup.phase.deployment.model.num_mtp_layers if args.mtp_layers is None else int(args.mtp_layers)
-    margin = DEFAULT_MARGIN if args.margin is None else float(args.margin)
-    if fit_error is not None:
-        margin = max(margin, math.expm1(fit_error))
+    margin = margin_of(args.margin, fit_error)
     periods = [(k, k) for k in _INTERVALS if k < served][-2:]
     listed, left_out = candidates(setup, engine, periods=periods)
     priced = []

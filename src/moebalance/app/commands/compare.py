@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moebalance.app import deployment, options
+from moebalance.app.advise import margin_of
 from moebalance.app.assumptions import assumption_rows, compare_assumptions
 from moebalance.app.compare import (
     COMPARISON_FILES,
@@ -129,9 +130,13 @@ def run(args: argparse.Namespace) -> None:
     load_args = ["--load", args.load, *([] if args.format is None else ["--load-format", args.format])]
     with atomic_dir(args.out_dir) as tmp:  # all of the folder or none of it (docs/design.md, "Errors")
         emit_comparison(list(rows.values()), plans, title, str(tmp), args.json)
+        fit_error = None if dep is None else deployment.calibration(args)[1]
+        margin = None if dep is None else margin_of(None, fit_error)
         assumed = () if dep is None else assumption_rows(compare_assumptions(
-            dep, cluster, fit_error=deployment.calibration(args)[1], phase=args.phase, train_frac=args.train_frac))
+            dep, cluster, fit_error=fit_error, phase=args.phase, train_frac=args.train_frac, margin=margin),
+            baseline="the row without replicas")
         compare_report(rows, plans, scenarios, load.split(args.train_frac)[1], title, seed=args.seed,
-                       folder=args.out_dir, load_args=load_args, assumptions=assumed).write(tmp / "report.html")
+                       folder=args.out_dir, load_args=load_args, assumptions=assumed,
+                       margin=margin).write(tmp / "report.html")
     if not args.json:
         out.print(f"wrote {args.out_dir}: {COMPARISON_FILES}", markup=False)
