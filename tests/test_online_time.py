@@ -507,3 +507,21 @@ def test_cli_online_gpu_refusals(olmoe_file: Path, capsys: pytest.CaptureFixture
                       "not used by online")
     assert_user_error([*base, "--gpu", "h100-80gb", "--replan-every", "2", "--layers-per-step", "0"], capsys,
                       "--layers-per-step")
+
+
+def test_the_router_time_reproduces_by_default(olmoe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``online --gpu`` charges a load-dependent router no host time unless asked (as ``advise``): two runs give the
+    same prices and say so; ``--router-ms measure`` times moebalance's router on this machine and says that; a fixed
+    figure is charged as given (10 ms per MoE layer outlasts every local phase here, so it is exposed)."""
+    base = online(olmoe_file, "eplb", "--slots-per-gpu", "9", "--gpu", "h100-80gb", "--router", "rebalance", "--json")
+    rc, out, err = run_cli(base, capsys)
+    first = json.loads(out)
+    assert rc == 0 and first["time"]["exposed_router_ms"] == 0.0
+    assert "rebalance decides after the gate; its host time is 0 ms per MoE layer (the default, as advise" in err
+    rc, out, _ = run_cli(base, capsys)
+    assert json.loads(out)["time"] == first["time"]
+    rc, out, err = run_cli([*base, "--router-ms", "measure"], capsys)
+    assert rc == 0 and "measured on this machine's replay (--router-ms measure)" in err
+    rc, out, err = run_cli([*base, "--router-ms", "10"], capsys)
+    assert rc == 0 and json.loads(out)["time"]["exposed_router_ms"] > 0 and "10 ms per MoE layer (--router-ms)" in err
+    assert_user_error([*base, "--router-ms", "sometimes"], capsys, "--router-ms", "sometimes")

@@ -86,9 +86,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rearrange-overhead-ms", type=options.non_negative_float, metavar="MS",
                    help=f"host time a sync rearrangement exposes besides its transfer (default {DEFAULT_OVERHEAD_MS:g}: "
                         "SGLang's measured host time per rearrangement; docs/design.md gives the source)")
-    p.add_argument("--router-ms", type=options.non_negative_float, metavar="MS",
+    p.add_argument("--router-ms", type=_router_ms, metavar="MS|measure",
                    help="with --gpu: a load-dependent router's (rebalance, minmax) host time per MoE layer, exposed "
-                        "where it outlasts the local phase (default: measured on the replay's own routing)")
+                        "where it outlasts the local phase (default 0, as advise: engines decide on the GPU, as "
+                        "SGLang's dynamic and LP dispatch do; 'measure': moebalance's router timed on this machine's "
+                        "replay, which varies from run to run and machine to machine)")
     p.add_argument("--layers-per-step", type=options.positive, metavar="C",
                    help="a re-plan moves C layers per step, as TensorRT-LLM's layer_updates_per_iter and SGLang's "
                         "layers per chunk (default: all at once)")
@@ -157,7 +159,17 @@ def pricing_from(args: argparse.Namespace, load: LoadMatrix) -> StepPricing | No
         deployment.refuse(args, "by decode steps, not by --phase prefill", deployment.DECODE_FLAGS)
     if rearrange and args.replan_every is None:
         raise InputError(f"{rearrange[0]} prices periodic re-plans; give --replan-every K or drop it")
-    return StepPricing(deployment=deployment.build(args, load), phase=args.phase or "prefill", router_ms=args.router_ms)
+    router_ms = 0.0 if args.router_ms is None else None if args.router_ms == MEASURE else float(args.router_ms)
+    return StepPricing(deployment=deployment.build(args, load), phase=args.phase or "prefill", router_ms=router_ms)
+
+
+#: ``--router-ms measure``: time moebalance's router on this machine (``StepPricing.router_ms`` None).
+MEASURE = "measure"
+
+
+def _router_ms(text: str) -> float | str:
+    """``--router-ms``: a finite number of ms >= 0, or ``measure``."""
+    return MEASURE if text.strip() == MEASURE else options.non_negative_float(text)
 
 
 def replanning(args: argparse.Namespace, periodic: bool) -> Replanning:
@@ -232,6 +244,12 @@ def run(args: argparse.Namespace) -> None:
     pricing = pricing_from(args, load)
     if router is not None:
         router = deployment.bind_routers([router], None if pricing is None else pricing.deployment, load)[0]
+    if pricing is not None and router is not None and router.assign_kept is not None:  # it decides after the gate
+        note(f"{router.name} decides after the gate; its host time is "
+             + ("measured on this machine's replay (--router-ms measure): it varies from run to run"
+                if pricing.router_ms is None else f"{pricing.router_ms:g} ms per MoE layer"
+                + (" (the default, as advise: engines decide on the GPU; --router-ms measure times moebalance's "
+                   "router here)" if args.router_ms is None else " (--router-ms)")))
     budget = options.budget(args)
     load, step_tokens = phase_load(args, load, cluster, budget, pricing)
     warm = parse_batch_range(args.warmup, load.num_batches)
