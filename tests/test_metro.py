@@ -358,9 +358,12 @@ def test_online_phase_draws_steps(capsys: pytest.CaptureFixture[str]) -> None:
                             "--memory-fraction", 0.8, "--json"], capsys)
     assert rc == 0, err
     doc = json.loads(out)
-    # the calibration it prices with: the profile shipped for the H100's silicon (--calibration auto)
-    assert doc["router"] == "metro(gpu=h100-80gb, model=mixtral-8x7b, flops_efficiency=0.631, " \
-                            "bandwidth_efficiency=0.7079, launch_us=18.41)"
+    # it prices with the command's deployment, which the output states once: the profile shipped for the H100's
+    # silicon (--calibration auto); the router's label names only options the user gave
+    assert doc["router"] == "metro" and "h800-deepgemm-fp8 (auto for h100-80gb)" in doc["priced_with"]
+    rc, out, err = run_cli([*ONLINE, "--router", "metro", "--router-set", "launch_us=30", "--gpu", "h100-80gb",
+                            "--json"], capsys)
+    assert rc == 0 and json.loads(out)["router"] == "metro(launch_us=30)", err
     assert doc["phase"]["phase"] == "decode" and doc["phase"]["step_tokens"] > 0 and "time" in doc
 
 
@@ -464,3 +467,17 @@ def test_runtime_metro_equals_the_dense_reference_and_the_simulator() -> None:
 
     loaded = len(np.unique(ids))
     assert most_touched(uniform) == loaded and most_touched(want) <= (loaded + 2) // 2 < loaded
+
+
+def test_compare_says_why_a_faster_moe_layer_can_have_less_goodput(capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3-30B-A3B, EPLB on 8 H100s, decode steps: metro's MoE layer is shorter on the steps (100.7 against 106.8
+    us) while uniform has the more modelled goodput (priced on the held-out batches as recorded): the output says
+    why the two rank the rows differently; the row's label is ``metro``, its options being the command's deployment
+    (stated in the title)."""
+    rc, out, err = run_cli(["compare", "--load", "bundled:qwen3-30b-a3b-tokens", "--policies", "eplb", "--router",
+                            "uniform,metro", "--nodes", 1, "--gpus-per-node", 8, "--slots-per-gpu", 18, "--gpu",
+                            "h100-80gb", "--phase", "decode"], capsys)
+    assert rc == 0, err
+    assert "| eplb + metro | 1,056 | 87.7 us | 12.9 us | 100.7 us |" in out
+    assert "eplb + metro has the shortest MoE layer on these decode steps but eplb + uniform the most modelled " \
+           "goodput" in " ".join(out.split())

@@ -180,6 +180,14 @@ def phase_lines(rows: Sequence[ComparisonRow]) -> list[str]:
            "| row | tokens per step | expert | all-to-all | MoE layer |", "|---|---|---|---|---|"]
     out += [f"| {label} | {t.step_tokens:,} | {1e3 * t.expert_ms:.1f} us | {1e3 * t.a2a_ms:.1f} us | "
             f"{1e3 * t.moe_layer_ms:.1f} us |" for label, t in timed]
+    priced = [r for r in rows if isinstance(r, PhaseRow) and r.phase is not None and r.price is not None]
+    fast = min(priced, key=lambda r: r.phase.moe_layer_ms, default=None)  # type: ignore[union-attr]
+    best = max(priced, key=lambda r: r.price.modelled_goodput, default=None)  # type: ignore[union-attr]
+    if fast is not None and best is not None and fast is not best:
+        out += ["", f"{fast.policy} has the shortest MoE layer on these {first.phase} steps but {best.policy} the most "
+                    "modelled goodput: goodput prices each plan on the held-out batches as recorded (decode and "
+                    "prefill rounds at the KV cache's concurrency), a different workload from these steps, so the "
+                    "two can rank rows differently; the step that matters is the one your engine serves."]
     return out
 
 

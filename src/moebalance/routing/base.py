@@ -54,6 +54,9 @@ class Router:
     config: RouterConfig | None = None
     #: ``(config) -> Router``: the same router with other options (module-level, so routers pickle).
     configure: Callable[[Any], Router] | None = field(default=None, repr=False)
+    #: The options the label shows where they differ from the defaults (``None``: all): those a user gave, not those a
+    #: command's deployment filled in (``metro``'s GPU, model and calibration, which the command's title states).
+    label_keys: tuple[str, ...] | None = field(default=None, repr=False)
 
     def with_params(self, **params: Any) -> Router:
         """This router with ``params`` changed (an unknown option or a router without options: InputError)."""
@@ -77,7 +80,8 @@ class Router:
             return self.name
         default = type(self.config)().as_params()
         changed = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                   for k, v in self.config.as_params().items() if default.get(k) != v]
+                   for k, v in self.config.as_params().items()
+                   if default.get(k) != v and (self.label_keys is None or k in self.label_keys)]
         return f"{self.name}({', '.join(changed)})" if changed else self.name
 
 

@@ -220,12 +220,14 @@ def with_deployment(router: Router, deployment: Deployment | None = None, model:
             raise InputError(f"router 'metro' models {mine.display_name} ({mine.num_layers} MoE layers x "
                              f"{mine.num_experts} experts) but the load is {theirs.display_name}'s ({theirs.num_layers} "
                              f"x {theirs.num_experts}); drop --router-set model= or give the load's model")
-    if deployment is not None:  # the options show what it prices with
+    if deployment is not None:  # the options (its params) show what it prices with; its label, what the user gave
         named: dict[str, Any] = {"gpu": deployment.gpu.name, "model": deployment.model.name}
         if deployment.calibration != Calibration():
             named.update({name: getattr(deployment.calibration, name) for name in CALIBRATION_OPTIONS})
         unset = {k: v for k, v in named.items() if getattr(config, k) is None}
-        return make_metro(dataclasses.replace(config, **unset) if unset else config, deployment)
+        given = tuple(f.name for f in dataclasses.fields(config) if getattr(config, f.name) is not None)
+        return dataclasses.replace(make_metro(dataclasses.replace(config, **unset) if unset else config, deployment),
+                                   label_keys=given)
     if model is not None and config.model is None:
         return router.with_params(model=model)
     return router
