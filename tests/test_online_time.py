@@ -518,6 +518,8 @@ def test_the_router_time_reproduces_by_default(olmoe_file: Path, capsys: pytest.
     first = json.loads(out)
     assert rc == 0 and first["time"]["exposed_router_ms"] == 0.0
     assert "rebalance decides after the gate; its host time is 0 ms per MoE layer (the default, as advise" in err
+    # without --phase the steps are the recorded batches, as prefill: it says so, and how to price advise's steps
+    assert "as one prefill step of all its tokens; advise prices decode steps" in " ".join(err.split())
     rc, out, _ = run_cli(base, capsys)
     assert json.loads(out)["time"] == first["time"]
     rc, out, err = run_cli([*base, "--router-ms", "measure"], capsys)

@@ -242,6 +242,10 @@ def run(args: argparse.Namespace) -> None:
     with step(f"read {Path(args.load).name}"):  # a large token-level trace is read and checked for a while
         load = options.read_load(args)
     pricing = pricing_from(args, load)
+    if pricing is not None and args.phase is None:
+        note("tokens/s here price each served batch as recorded, as one prefill step of all its tokens; advise prices "
+             "decode steps (one token per running request, as many requests as the KV cache holds), far fewer tokens "
+             "per second: give --phase decode (or prefill) to price the steps advise does")
     if router is not None:
         router = deployment.bind_routers([router], None if pricing is None else pricing.deployment, load)[0]
     if pricing is not None and router is not None and router.assign_kept is not None:  # it decides after the gate
