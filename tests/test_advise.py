@@ -605,3 +605,21 @@ def test_a_candidate_priced_by_hand(capsys: pytest.CaptureFixture[str], tmp_path
     assert off["step_tokens"] == 64
     assert off["step_ms_mean"] == pytest.approx(step * 1e3, rel=1e-6)
     assert off["tokens_per_s"] == pytest.approx(64 / step, rel=1e-6)  # 16,467 tokens/s
+
+
+def test_the_report_chart_shows_distinct_steps_with_their_tokens(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    """On ESFT's routing on vLLM most candidates price within a fraction of a percent of each other: the step-time
+    chart keeps one of each group (same tokens per step, within 0.5%), names each bar's tokens per step, keeps EPLB off,
+    and the ranking explains "every K on W"."""
+    doc, _ = advise(capsys, *ESFT, "--engine", "vllm", "--out-dir", tmp_path / "a")
+    page = (tmp_path / "a" / "report.html").read_text()
+    chart = page.split("Mean step time", 1)[1].split("</svg>", 1)[0]
+    bars = re.findall(r"<title>([^<]*tokens/step)</title>", chart)
+    steps = {c["label"]: c for c in doc["candidates"]}
+    assert any(b.startswith("off (contiguous, no EPLB): ") for b in bars)
+    assert len(bars) < len(steps) and len(bars) == len(set(bars))
+    for bar in bars:
+        label, tokens = bar.rsplit(": ", 1)
+        assert tokens == f"{steps[label]['step_tokens']:,} tokens/step"
+    assert "&quot;every K on W&quot;: re-planned every K steps from the load of the last W steps" in page

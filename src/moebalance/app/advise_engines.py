@@ -209,15 +209,23 @@ def advise_report(advice: Advice, setup: Setup, title: str, files: Mapping[str, 
         report.assumptions(assumption_rows(assumptions))
     report.ranking([_cells(p, advice.off) for p in advice.ranked], _COLUMNS,
                    best=list(advice.ranked).index(advice.recommended),
-                   caption="Candidates by modelled tokens per second, fastest first; the recommendation highlighted.")
+                   caption="Candidates by modelled tokens per second, fastest first; the recommendation highlighted. "
+                           "\"every K on W\": re-planned every K steps from the load of the last W steps.")
     report.recommendation(advice_text(advice), files)
-    shown = list(advice.ranked[:_MAX_BARS])
-    if advice.off not in shown:
-        shown.append(advice.off)
     L = setup.num_moe_layers
-    report.bars("Mean step time", {p.candidate.label: _step_split(p, L) for p in shown}, unit="ms per step",
-                caption="Per candidate: its MoE layers, the rest of the model on its step's tokens, and the time "
-                        "balancing exposed (a synchronous re-plan's stall, a router's host time).")
+    bars: dict[str, dict[str, float]] = {}
+    for p in [*advice.ranked, advice.off]:  # the fastest, without near-duplicates (same tokens, within 0.5%), and off
+        split = _step_split(p, L)
+        label = f"{p.candidate.label}: {p.step_tokens:,} tokens/step"
+        twin = any(k.endswith(f": {p.step_tokens:,} tokens/step") and abs(sum(split.values()) - sum(v.values()))
+                   <= 0.005 * sum(v.values()) for k, v in bars.items())
+        if (len(bars) < _MAX_BARS and not twin) or (p is advice.off and label not in bars):
+            bars[label] = split
+    report.bars("Mean step time", bars, unit="ms per step",
+                caption="Per candidate, with its step's tokens (a step of fewer tokens can be shorter and still serve "
+                        "fewer tokens per second): its MoE layers, the rest of the model on those tokens, and the time "
+                        "balancing exposed (a synchronous re-plan's stall, a router's host time). Candidates within "
+                        "0.5% of a faster one's step on the same tokens are left out.")
     pairs = [("off", advice.off)] + ([] if advice.leave_off else [("recommended", advice.recommended)])
     heats = [relative_loads(p.plan, setup.test, p.candidate.router, setup.seed)[0] for _, p in pairs]
     report.heatmap("GPU load per layer: EPLB off and the recommendation", heats[0], heats[1] if len(heats) > 1 else None,

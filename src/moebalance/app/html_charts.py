@@ -301,7 +301,8 @@ def bars_svg(data: Mapping[str, Mapping[str, float]], *, unit: str, width: int =
     total at its end; the axis is labelled ``unit``."""
     labels = list(data)
     comps = bar_components(data)
-    left, right, top, row = 250, 70, 8, 26
+    longest = max((len(k) for k in labels), default=0)
+    left, right, top, row = min(560, max(120, 7 * min(longest, 76) + 16)), 70, 8, 26  # room for the labels
     pw = width - left - right
     totals = [sum(float(v) for v in data[k].values()) for k in labels]
     peak = max(totals, default=0.0) or 1.0
@@ -318,7 +319,7 @@ def bars_svg(data: Mapping[str, Mapping[str, float]], *, unit: str, width: int =
         parts.append(f'<text x="{xp:.1f}" y="{base + 14}" {_FONT} text-anchor="middle">{short_number(t, step)}</text>')
     for j, label in enumerate(labels):
         y = top + j * row + 4
-        shown = label if len(label) <= 40 else label[:39] + "…"
+        shown = label if len(label) <= 76 else label[:75] + "…"
         parts.append(f'<text x="{left - 8}" y="{y + 13}" {_FONT} text-anchor="end"><title>{_esc(label)}</title>'
                      f'{_esc(shown)}</text>')
         x = float(left)
