@@ -45,8 +45,7 @@ from moebalance.core.limits import check_alloc, machine_memory_bytes
 from moebalance.core.load import LoadMatrix, write_load
 from moebalance.engines.files import load_model
 from moebalance.engines.sglang import read_dumps, read_rank_dump
-from moebalance.engines.vllm import request_files, requests_in
-from moebalance.models import get_model
+from moebalance.engines.vllm import experts_of, request_files, requests_in
 
 __all__ = ["CHUNK_PICKS", "Streamed", "import_dumps", "import_routed_experts"]
 
@@ -336,13 +335,7 @@ def import_routed_experts(path: str | os.PathLike[str], out: str | os.PathLike[s
     keep = np.flatnonzero(~scan.same)
     if keep.size == 0:
         raise InputError(f"{str(p)!r}: every layer looks dense (each token picks one expert {K} times)")
-    if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int)
-                                    or num_experts < 1):
-        raise InputError(f"--experts ({num_experts!r}) must be a positive integer, the model's expert count")
-    if num_experts is None and model is not None:  # a named model has its experts, picked or not
-        num_experts, limit = get_model(model).num_experts, f"{model}'s expert count"
-    else:
-        limit = "--experts"
+    num_experts, limit = experts_of(num_experts, model)
     E = scan.top + 1 if num_experts is None else num_experts
     if scan.top >= E:
         raise InputError(f"{scan.top_file!r}: expert id {scan.top} is not below {limit} {E}")

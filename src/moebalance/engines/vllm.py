@@ -43,7 +43,7 @@ from moebalance.engines.layers import plan_layers
 from moebalance.engines.slots import slot_table
 from moebalance.models import get_model
 
-__all__ = ["read_routed_experts", "request_files", "requests_in", "write_map"]
+__all__ = ["experts_of", "read_routed_experts", "request_files", "requests_in", "write_map"]
 
 
 def request_files(path: Path) -> list[Path]:
@@ -82,6 +82,17 @@ def requests_in(path: Path) -> list[np.ndarray]:
     return out
 
 
+def experts_of(num_experts: int | None, model: str | None) -> tuple[int | None, str]:
+    """``(experts per layer or None for the largest id seen + 1, what bounds the ids)`` of ``--experts`` and
+    ``--model``: a named model has its experts, picked or not."""
+    if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int)
+                                    or num_experts < 1):
+        raise InputError(f"--experts ({num_experts!r}) must be a positive integer, the model's expert count")
+    if num_experts is None and model is not None:
+        return get_model(model).num_experts, f"{model}'s expert count"
+    return num_experts, "--experts"
+
+
 def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_tokens: int = 4096,
                         num_experts: int | None = None, model: str | None = None) -> LoadMatrix:
     """vLLM's routed experts (module docstring) as a token-level load, dense layers left out, for ``model``
@@ -108,13 +119,7 @@ def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_to
     keep = np.flatnonzero(~dense)
     if keep.size == 0:
         raise InputError(f"{str(p)!r}: every layer looks dense (each token picks one expert {K} times)")
-    if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int)
-                                    or num_experts < 1):
-        raise InputError(f"--experts ({num_experts!r}) must be a positive integer, the model's expert count")
-    if num_experts is None and model is not None:  # a named model has its experts, picked or not
-        num_experts, limit = get_model(model).num_experts, f"{model}'s expert count"
-    else:
-        limit = "--experts"
+    num_experts, limit = experts_of(num_experts, model)
     E = int(ids.max()) + 1 if num_experts is None else num_experts
     if ids.max() >= E:
         raise InputError(f"{str(p)!r}: expert id {int(ids.max())} is not below {limit} {E}")
