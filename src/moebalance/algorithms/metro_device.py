@@ -87,6 +87,16 @@ def _next(row, e, em, after, EP: tl.constexpr):  # pragma: no cover - a Triton f
 
 
 @_jit
+def _better(v, g, best, mx, mg, x, GP: tl.constexpr):  # pragma: no cover - a Triton function
+    """The least of ``v`` over GPUs ``g`` (the lowest GPU among equals) against the ``best`` so far, kept only if
+    strictly less (the printed scan's rule: the first of equals wins): ``(best, expert, GPU, that GPU, better)``."""
+    vmin = tl.min(v, axis=0)
+    at = tl.min(tl.where(v == vmin, g, GP), axis=0)
+    better = vmin < best
+    return tl.where(better, vmin, best), tl.where(better, x, mx), tl.where(better, at, mg), at, better
+
+
+@_jit
 def _improve(take_ptr, has_ptr, c_ptr, kappa, n, u, g, gm, e, em, G, E, max_moves,
              GP: tl.constexpr, EP: tl.constexpr):  # pragma: no cover - a Triton function
     """The local search (one move, else a chain of two) on the scratch split; the new ``(n, u)``."""
@@ -125,12 +135,7 @@ def _improve(take_ptr, has_ptr, c_ptr, kappa, n, u, g, gm, e, em, G, E, max_move
             part = tl.where(lower, down, part)
             part = tl.where(w >= 2, part, float("inf"))
             v = tl.where(cand, tl.minimum(whole, part), float("inf"))
-            vmin = tl.min(v, axis=0)
-            at = tl.min(tl.where(v == vmin, g, GP), axis=0)
-            better = vmin < best
-            best = tl.where(better, vmin, best)
-            mx = tl.where(better, x, mx)
-            mg = tl.where(better, at, mg)
+            best, mx, mg, at, better = _better(v, g, best, mx, mg, x, GP)
             mm = tl.where(better, tl.where(_at(part < whole, g, at) > 0, _at(m, g, at), w), mm)
             x = _next(row, e, em, x, EP)
         if mx >= 0:
@@ -215,12 +220,7 @@ def _level_picks(take_ptr, has_ptr, c_ptr, n, u, g, gm, e, em, G, E, max_moves,
                 hi = tl.where(active & (fits == 0), mid - 1, hi)
                 active = lo < hi
             v = tl.where(cand & (lo >= 1), tl.maximum(ns - lo, n + lo), big)
-            vmin = tl.min(v, axis=0)
-            at = tl.min(tl.where(v == vmin, g, GP), axis=0)
-            better = vmin < best
-            best = tl.where(better, vmin, best)
-            mx = tl.where(better, x, mx)
-            mg = tl.where(better, at, mg)
+            best, mx, mg, at, better = _better(v, g, best, mx, mg, x, GP)
             mm = tl.where(better, _at(lo, g, at), mm)
             x = _next(row, e, em, x, EP)
         if mx >= 0:
