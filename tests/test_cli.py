@@ -1558,6 +1558,17 @@ def test_a_command_imports_only_its_own_module() -> None:
     assert [m for m in modules if m.startswith("moebalance.app.commands.")] == ["moebalance.app.commands.synth"]
 
 
+@pytest.mark.parametrize("command", ["plan", "compare", "online", "advise"])
+def test_a_commands_help_imports_no_torch_nor_scipy(command: str) -> None:
+    """A command's ``--help`` builds its parser only: torch (EPLB's reference sort, the engines' dumps) and scipy's
+    solvers (the aligned re-plan's assignment) are imported where they run, not to list options (numba's own import
+    check loads scipy's small top package)."""
+    modules, out = _imported_by([command, "--help"])
+    assert f"usage: moebalance {command}" in out
+    heavy = {"torch", "scipy.optimize", "scipy.linalg"} & modules
+    assert not heavy, heavy
+
+
 def test_the_lazy_parser_shows_what_the_full_one_does(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The top-level help and a wrong command's error are the same from the summaries as from every module's
     parser: each summary is the help its module's ``add_parser`` passes."""

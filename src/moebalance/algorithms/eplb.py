@@ -49,12 +49,15 @@ How this stays bit-identical while being vectorised
 from __future__ import annotations
 
 import operator
+import sys
 from dataclasses import dataclass
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import numpy as np
 import numpy.typing as npt
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from moebalance.algorithms.eplb_loops import pack_rows, replicate_rows
 from moebalance.core.errors import BudgetError, InputError
@@ -93,10 +96,18 @@ class EplbResult:
 # ---------------------------------------------------------------------------------------------------
 
 
+def _is_tensor(x: object) -> bool:
+    """Whether ``x`` is a torch tensor, without importing torch (a caller holding a tensor has imported it)."""
+    t = sys.modules.get("torch")
+    return t is not None and isinstance(x, t.Tensor)
+
+
 def _descending_order(weight: FloatArray) -> IntArray:
     """Per-row item order of ``torch.sort(descending=True)``, ties included (see the module docstring)."""
     if not weight.flags.writeable:
         weight = weight.copy()
+    import torch  # imported on first use: a command's --help need not load it
+
     order: IntArray = torch.from_numpy(weight).sort(dim=-1, descending=True).indices.numpy()
     return order
 
@@ -221,6 +232,8 @@ def _count(value: object, name: str) -> int:
 
 def _load_as_float32(weight: object, name: str = "weight") -> tuple[torch.Tensor, FloatArray]:
     """Convert a 2-D load to float32 as the reference does; returns it as a CPU tensor and a numpy view."""
+    import torch
+
     if isinstance(weight, torch.Tensor):
         if weight.is_complex():
             raise InputError(f"{name} must be real, got dtype {weight.dtype}")
@@ -340,7 +353,9 @@ def rebalance_experts(
     """
     phy2log, phyrank, logcnt = _plan(weight, num_replicas, num_groups, num_nodes, num_gpus)
     log2phy = _logical_to_physical(phy2log, phyrank, logcnt)
-    if isinstance(weight, torch.Tensor):
+    if _is_tensor(weight):
+        import torch
+
         return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)
     return phy2log, log2phy, logcnt
 
@@ -387,7 +402,9 @@ def rebalance_experts_hierarchical(
                                 "policy; rebalance_experts runs the global policy for such layouts")
     _check_layout(weight_np.shape[1], replicas, groups, nodes, gpus)
     out = _hierarchical(weight_t, weight_np, replicas, groups, nodes, gpus)
-    if isinstance(weight, torch.Tensor):
+    if _is_tensor(weight):
+        import torch
+
         return torch.from_numpy(out[0]), torch.from_numpy(out[1]), torch.from_numpy(out[2])
     return out
 
@@ -412,7 +429,9 @@ def balanced_packing(
     if num_items % packs != 0:
         raise EplbArgumentError(f"the number of items ({num_items}) must be divisible by num_packs ({packs})")
     pack_index, rank_in_pack = _pack(weight_np, packs)
-    if isinstance(weight, torch.Tensor):
+    if _is_tensor(weight):
+        import torch
+
         return torch.from_numpy(pack_index), torch.from_numpy(rank_in_pack)
     return pack_index, rank_in_pack
 
@@ -441,6 +460,8 @@ def replicate_experts(
     if slots < num_log:
         raise EplbArgumentError(f"num_phy ({slots}) must be at least the number of experts ({num_log})")
     phy2log, rank, logcnt = _replicate(weight_np, slots)
-    if isinstance(weight, torch.Tensor):
+    if _is_tensor(weight):
+        import torch
+
         return torch.from_numpy(phy2log), torch.from_numpy(rank), torch.from_numpy(logcnt)
     return phy2log, rank, logcnt

@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.plan import Placement
@@ -93,6 +92,10 @@ def _score_matrix(prev_row: Sequence[Sequence[int]], fresh_row: Sequence[Sequenc
 
 
 def _assign(score: np.ndarray) -> tuple[np.ndarray, float]:
+    from scipy.optimize import (
+        linear_sum_assignment,  # imported on first use: a command's --help need not load it
+    )
+
     rows, cols = linear_sum_assignment(score, maximize=True)
     return cols[np.argsort(rows)], float(score[rows, cols].sum())
 
