@@ -115,7 +115,10 @@ def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
         tests.append(test)
         if part.num_batches == 1:
             notes.append(f"{path} has one batch (statistics): plans are made and priced on it ({STATISTICS_STEPS} "
-                         f"{phase} steps drawn from it), not on held-out batches; no periodic re-planning")
+                         f"{phase} steps drawn from it), not on held-out batches, so its gains are in sample: on later "
+                         "routing of the same workload they moved by a few points in docs/results/advise_insample.md, "
+                         "and another workload's routing can differ far more (docs/results/robust.md); no periodic "
+                         "re-planning")
         elif not held:
             notes.append(f"{path}: --train-frac 1 plans and prices on the same batches (in sample)")
     setup = Setup(cluster=cluster, pricing=pricing, train=concatenate(trains), test=concatenate(tests),
