@@ -985,3 +985,26 @@ def test_a_calibration_prices_only_the_gpu_it_was_fitted_on(tmp_path, capsys: py
     assert "gpu" not in json.loads(old.read_text())
     rc, text, err = run_cli([*base[:-1], old, "--gpu", "a100-80gb", "--json"], capsys)
     assert rc == 0 and json.loads(text)["calibration"] == "fitted to gemm_grouped_mm.csv on h200", err
+
+
+def test_a_gpu_prices_its_own_nodes_link_by_default() -> None:
+    """``--gpu`` without ``--intra-link`` takes the link of the node the GPU is sold in (its spec's ``intra_link``):
+    NVLink 5's 900 GB/s each way for a B200 or GB200, AMD's xGMI for the MI300X (448) and MI355X (537.6), the H800's
+    NVLink (160, DeepEP's figure), PCIe 4.0 for the RTX 4090 (32), NVLink 3 for the A100 (300), NVLink 4 for the
+    H100 and H200 (450); a given ``--intra-link`` wins."""
+    import argparse
+    import dataclasses
+
+    from moebalance.app.options import links
+
+    want = {"b200": 900.0, "gb200": 900.0, "mi300x": 448.0, "mi355x": 537.6, "h800": 160.0, "rtx4090": 32.0,
+            "a100-80gb": 300.0, "h100-80gb": 450.0, "h200": 450.0}
+    for gpu, gbs in want.items():
+        args = argparse.Namespace(gpu=gpu, calibration="peaks", calibration_any_gpu=None, intra_link=None,
+                                  inter_link=None)
+        assert links(args)["intra_node_bandwidth"] == gbs, gpu
+    args = argparse.Namespace(gpu="b200", calibration="peaks", calibration_any_gpu=None, intra_link=64.0,
+                              inter_link=None)
+    assert links(args)["intra_node_bandwidth"] == 64.0
+    with pytest.raises(InputError, match="intra_link 'nvlink9' is not a link preset"):
+        dataclasses.replace(get_gpu("b200"), intra_link="nvlink9")

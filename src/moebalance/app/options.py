@@ -29,6 +29,7 @@ from moebalance.core.limits import check_count
 from moebalance.core.load import LoadMatrix, check_same_model, concatenate_loads, parse_batch_range
 from moebalance.core.plan import Placement
 from moebalance.cost.calibrate import resolve_calibration
+from moebalance.cost.hardware import get_gpu
 from moebalance.engines import LOAD_FORMATS, open_load, read_any_plan
 from moebalance.engines.layers import check_plan_layers, fit_load
 from moebalance.policies import DYNAMIC_POLICIES, POLICIES
@@ -203,7 +204,8 @@ def add_auto_by(p: argparse.ArgumentParser) -> None:
 
 def add_links(p: argparse.ArgumentParser, *, inter: bool = True) -> None:
     p.add_argument("--intra-link", type=link, metavar="PRESET|GBPS",
-                   help=f"GB/s per GPU and direction inside a node (default nvlink4; presets: "
+                   help=f"GB/s per GPU and direction inside a node (default: with --gpu its own node's link, e.g. "
+                        f"nvlink5 for b200, xgmi-mi300x for mi300x; else nvlink4; presets: "
                         f"{', '.join(LINK_PRESETS)})")
     if inter:
         p.add_argument("--inter-link", type=link, metavar="PRESET|GBPS",
@@ -265,6 +267,8 @@ def links(args: argparse.Namespace) -> dict[str, Any]:
             out["inter_node_bandwidth"] = profile.inter_node_gbs
     if getattr(args, "intra_link", None) is not None:
         out["intra_node_bandwidth"] = args.intra_link
+    elif getattr(args, "gpu", None) is not None and "intra_node_bandwidth" not in out:  # the GPU's own node's link
+        out["intra_node_bandwidth"] = LINK_PRESETS[get_gpu(args.gpu).intra_link]
     if getattr(args, "inter_link", None) is not None:
         out["inter_node_bandwidth"] = args.inter_link
     return out
@@ -299,9 +303,11 @@ def read_plan(args: argparse.Namespace, load: LoadMatrix, fmt: str | None = None
     if given is not None and (c.num_nodes, c.gpus_per_node) != (args.nodes, args.gpus_per_node):
         raise InputError(f"the plan is for {c.num_nodes}x{c.gpus_per_node} GPUs but --nodes {args.nodes} "
                          f"--gpus-per-node {args.gpus_per_node} were given; drop them for a moebalance plan")
-    if links(args):
+    given_links = links(args)
+    if given_links:  # the links given (or --gpu's own) replace the plan's; the others stay as the plan has them
+        kept = {"intra_node_bandwidth": c.intra_node_bandwidth, "inter_node_bandwidth": c.inter_node_bandwidth}
         plan = dataclasses.replace(plan, cluster=Cluster(num_nodes=c.num_nodes, gpus_per_node=c.gpus_per_node,
-                                                         **links(args)))
+                                                         **{**kept, **given_links}))
     return plan
 
 
