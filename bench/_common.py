@@ -39,6 +39,25 @@ def median_seconds(fn: Callable[[], object], runs: int, warmup: bool = True) -> 
     return statistics.median(times)
 
 
+# A fresh parent per command, so that its children's ru_maxrss is that command's own peak.
+_WRAP = ("import resource, subprocess, sys; "
+         "r = subprocess.run([sys.executable, *sys.argv[1:]], capture_output=True, text=True); "
+         "sys.stderr.write(r.stderr); "
+         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+
+
+def peak_run(argv: list[str]) -> tuple[float, float]:
+    """``(seconds, peak GB)`` of ``python argv`` in a fresh process (its own ``ru_maxrss``); a failure exits."""
+    import subprocess
+
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _WRAP, *argv], capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"python {' '.join(argv)} failed: {proc.stderr.strip()}")
+    return seconds, int(proc.stdout.split()[-1]) / 1024 / 1024
+
+
 def machine() -> str:
     """One line: CPU model, cores, numpy and Python versions."""
     model = platform.processor() or "unknown CPU"

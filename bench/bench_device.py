@@ -129,7 +129,7 @@ def _planner_rows() -> list[str]:
 
 def _metro_rows(cluster: Cluster) -> list[str]:
     """``| tokens per GPU | redundant | direct | graph | CPU |`` rows of metro's search on DeepSeek-V3 decode counts
-    (one batch of 58 layers), checked equal first; the first call compiles the kernel (minutes, untimed)."""
+    (one batch of 58 layers), checked equal first; the first call compiles the kernel (slow at this size; untimed)."""
     from moebalance.algorithms import metro as cpu_metro
     from moebalance.algorithms import metro_device
     from moebalance.cost.deployment import Deployment

@@ -23,36 +23,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from _common import ROOT, machine
+from _common import ROOT, machine, peak_run
 
 LAYERS, DENSE, EXPERTS, COPIES, TOP_K, PAD = 61, 3, 256, 32, 8, 8  # DeepSeek-V3; SGLang pads top-k ids to 8
 SLOTS = EXPERTS + COPIES
 PASS_TOKENS = 4096
 
-_WRAP = ("import resource, subprocess, sys; "
-         "r = subprocess.run([sys.executable, *sys.argv[1:]], capture_output=True, text=True); "
-         "sys.stderr.write(r.stderr); "
-         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
 _WHOLE = ("import sys; from moebalance.core.load import write_load; from moebalance.engines.sglang import read_dumps; "
           "write_load(sys.argv[2], read_dumps(sys.argv[1]))")
-
-
-def measure(argv: list[str]) -> tuple[float, float]:
-    """``(seconds, peak GB)`` of ``python argv`` in a fresh process (its own ``ru_maxrss``)."""
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _WRAP, *argv], capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"python {' '.join(argv)} failed: {proc.stderr.strip()}")
-    return seconds, int(proc.stdout.split()[-1]) / 1024 / 1024
 
 
 def write_rank(path: Path, rank: int, passes: int, rng: np.random.Generator, tokens: int = PASS_TOKENS) -> None:
@@ -120,13 +104,13 @@ def main() -> None:
             folder, out = t / name, t / f"{name}.npz"
             total_tokens = passes * tokens
             largest, total = _disk(folder)
-            seconds, peak = measure(["-m", "moebalance", "import", "--load", str(folder), "--out", str(out)])
+            seconds, peak = peak_run(["-m", "moebalance", "import", "--load", str(folder), "--out", str(out)])
             rows.append((label, total_tokens, "`moebalance import` (streamed)", largest / 2**20, total / 2**30, seconds, peak))
             print(f"{label}: import {seconds:.1f} s, peak {peak:.2f} GB, {out.stat().st_size / 2**30:.2f} GiB out",
                   flush=True)
             if name == "r8":
                 whole = t / "whole.npz"
-                seconds, peak = measure(["-c", _WHOLE, str(folder), str(whole)])
+                seconds, peak = peak_run(["-c", _WHOLE, str(folder), str(whole)])
                 rows.append((label, total_tokens, "whole read (`read_dumps` + `write_load`, before)", largest / 2**20,
                              total / 2**30, seconds, peak))
                 equal = same_arrays(out, whole)

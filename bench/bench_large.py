@@ -26,34 +26,20 @@ tokens, multiples of 1,048,576 / 2**20 rounded to whole tiles).
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
-from _common import ROOT, machine
+from _common import ROOT, machine, peak_run
 
 BATCH, BASE_BATCHES, GPUS = 16384, 4, 64
 TARGET_GB = 3.0
 
-# A fresh parent per command, so that its children's ru_maxrss is that command's own peak.
-_WRAP = ("import resource, subprocess, sys; "
-         "r = subprocess.run([sys.executable, '-m', 'moebalance', *sys.argv[1:]], capture_output=True, text=True); "
-         "sys.stderr.write(r.stderr); "
-         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
-
-
 def run(argv: list[str]) -> tuple[float, float]:
     """``(seconds, peak GB)`` of ``moebalance argv`` in a fresh process (its own ``ru_maxrss``)."""
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _WRAP, *argv], capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"moebalance {' '.join(argv)} failed: {proc.stderr.strip()}")
-    return seconds, int(proc.stdout.split()[-1]) / 1024 / 1024
+    return peak_run(["-m", "moebalance", *argv])
 
 
 def _member(zf: zipfile.ZipFile, name: str, array: np.ndarray) -> None:

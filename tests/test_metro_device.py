@@ -99,7 +99,7 @@ print("compiled")
 
 
 def test_the_kernel_compiles_for_a100_and_h100_without_a_gpu() -> None:
-    """Small tiles: the same code paths as 64 x 256, which takes the compiler minutes (once per shape, then cached)."""
+    """Small tiles: the same code paths as 64 x 256, which is slow to compile (once per shape, then cached)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip() == "compiled", proc.stderr[-2000:]

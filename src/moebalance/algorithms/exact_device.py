@@ -171,16 +171,8 @@ def _alg1(d_ptr, copies_ptr, has_ptr, share_ptr, extras_ptr, expected_ptr, L, G,
 
 @functools.cache
 def kernel(interpret: bool) -> Any:
-    """Alg. 1's Triton kernel, compiled for a GPU or, with ``interpret``, run by Triton's interpreter."""
-    rebalance_device.kernel(interpret)  # the same checks: Triton present, and interpreted exactly on the CPU
-    import triton
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_alg1) if interpret else triton.jit(_alg1)
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+    """Alg. 1's kernel (:func:`moebalance.algorithms.rebalance_device.compile_kernel`)."""
+    return rebalance_device.compile_kernel(_alg1, interpret)
 
 
 def plan(demand: torch.Tensor, copies: torch.Tensor, n: int, alpha: float, *, eps: float = 0.0, strict: bool = False,
@@ -219,9 +211,10 @@ def plan(demand: torch.Tensor, copies: torch.Tensor, n: int, alpha: float, *, ep
     extras = torch.full((B, L, G, n), -1, dtype=torch.int64, device=dev)
     expected = torch.zeros((B, L, G), dtype=torch.float64, device=dev)
     if B * L * G * E:
-        launch: dict[str, Any] = {} if dev.type == "cpu" else {"enable_fp_fusion": False}  # as the CPU rounds
+        pow2 = rebalance_device.pow2
         kernel(dev.type == "cpu")[(B * L,)](d, base, has, share, extras, expected, L, G, E, int(n), n_local,
-                                            GP=_pow2(G), EP=_pow2(E), NP=_pow2(max(int(n), 1)), **launch)
+                                            GP=pow2(G), EP=pow2(E), NP=pow2(max(int(n), 1)),
+                                            **rebalance_device.float_launch(dev))
     holds = has.to(torch.bool)
     mult = torch.where(holds, base.clamp(min=1)[None], 0)  # an extra is one copy on a GPU that had none
     mine = torch.where(holds, d, 0)

@@ -367,11 +367,8 @@ def _metro(counts_ptr, has_ptr, cost_ptr, take_ptr, start_ptr, best_ptr, picks_p
 
 @functools.cache
 def kernel(interpret: bool) -> Any:
-    """The Triton kernel, compiled for a GPU or, with ``interpret``, run by Triton's interpreter (CPU tensors)."""
-    rebalance_device.kernel(interpret)  # the same checks: Triton present, and interpreted exactly on the CPU
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return InterpretedFunction(_metro) if interpret else triton.jit(_metro)
+    """The search's kernel (:func:`moebalance.algorithms.rebalance_device.compile_kernel`)."""
+    return rebalance_device.compile_kernel(_metro, interpret)
 
 
 def split_counts(counts: torch.Tensor, has: torch.Tensor, cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,8 +399,7 @@ def split_counts(counts: torch.Tensor, has: torch.Tensor, cost: torch.Tensor) ->
     touched = torch.zeros((B, L, G), dtype=torch.float64, device=dev)
     if B * L * G * E:
         scratch = [torch.empty((B * L, G, E), dtype=torch.int64, device=dev) for _ in range(3)]
-        launch: dict[str, Any] = {} if dev.type == "cpu" else {"enable_fp_fusion": False}  # as the CPU rounds
         kernel(dev.type == "cpu")[(B * L,)](c, h, cost.to(torch.float64).contiguous(), *scratch, picks, touched, L, G,
-                                            E, GP=1 << max(0, (G - 1).bit_length()),
-                                            EP=1 << max(0, (E - 1).bit_length()), **launch)
+                                            E, GP=rebalance_device.pow2(G), EP=rebalance_device.pow2(E),
+                                            **rebalance_device.float_launch(dev))
     return picks, touched

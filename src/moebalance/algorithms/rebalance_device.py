@@ -36,7 +36,7 @@ from moebalance.core.errors import InputError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["hand_out", "kernel", "moves", "route_tokens", "split_counts", "start_split"]
+__all__ = ["compile_kernel", "float_launch", "hand_out", "kernel", "moves", "pow2", "route_tokens", "split_counts", "start_split"]
 
 
 def _cuda() -> bool:
@@ -120,21 +120,39 @@ def _alg2(remote_ptr, local_ptr, copies_ptr, loads_ptr, moves_ptr, t0_ptr, limit
     tl.store(remote_ptr + pid * G * E + tile, remote, mask=m2)
 
 
-@functools.cache
-def kernel(interpret: bool) -> Any:
-    """The Triton kernel, compiled for a GPU or, with ``interpret``, run by Triton's interpreter (CPU tensors)."""
+def compile_kernel(fn: Any, interpret: bool) -> Any:
+    """The Triton kernel ``fn`` compiled for a GPU or, with ``interpret``, run by Triton's interpreter (CPU tensors);
+    a one-line error without Triton, or where Triton was imported in the other mode. The device kernels'
+    (:mod:`moebalance.algorithms.exact_device`, :mod:`moebalance.algorithms.metro_device`) one factory."""
     if tl is None:
-        raise InputError("the device rebalancer needs Triton: pip install 'moebalance[device]' (Linux x86-64 or "
-                         "aarch64; or route on the host with the rebalance router)")
+        raise InputError("moebalance's device kernels need Triton: pip install 'moebalance[device]' (Linux x86-64 or "
+                         "aarch64; or plan and route on the host)")
     import triton
     from triton.runtime.interpreter import InterpretedFunction
 
     if interpret != bool(triton.knobs.runtime.interpret):
-        raise InputError("the device rebalancer runs on CPU tensors only in Triton's interpreter and on GPU tensors "
-                         "only without it; Triton chose when it was imported (TRITON_INTERPRET="
+        raise InputError("moebalance's device kernels run on CPU tensors only in Triton's interpreter and on GPU "
+                         "tensors only without it; Triton chose when it was imported (TRITON_INTERPRET="
                          f"{os.environ.get('TRITON_INTERPRET', '')!r}): give tensors on "
                          f"{'a GPU' if not interpret else 'the CPU'}, or set TRITON_INTERPRET before importing Triton")
-    return InterpretedFunction(_alg2) if interpret else triton.jit(_alg2)
+    return InterpretedFunction(fn) if interpret else triton.jit(fn)
+
+
+@functools.cache
+def kernel(interpret: bool) -> Any:
+    """Alg. 2's kernel (:func:`compile_kernel`)."""
+    return compile_kernel(_alg2, interpret)
+
+
+def pow2(x: int) -> int:
+    """The least power of two ``>= x`` (at least 1): a tile's side."""
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def float_launch(device: torch.device) -> dict[str, Any]:
+    """Launch options of a kernel that computes in floats: on a GPU no fused multiply-add, so that it rounds as the
+    compiled CPU path does (the interpreter never fuses)."""
+    return {} if device.type == "cpu" else {"enable_fp_fusion": False}
 
 
 def moves(remote: torch.Tensor, local: torch.Tensor, copies: torch.Tensor, picks: torch.Tensor, eps: float,
@@ -154,9 +172,8 @@ def moves(remote: torch.Tensor, local: torch.Tensor, copies: torch.Tensor, picks
     loads = torch.empty(B * L * G, dtype=torch.int64, device=remote.device)
     count = torch.zeros(B * L, dtype=torch.int64, device=remote.device)
     if B * L:
-        gp, ep = 1 << max(0, (G - 1).bit_length()), 1 << max(0, (E - 1).bit_length())
         kernel(remote.device.type == "cpu")[(B * L,)](remote, local.contiguous(), held, loads, count, t0, limit, L, G,
-                                                      E, strict=bool(strict), GP=gp, EP=ep)
+                                                      E, strict=bool(strict), GP=pow2(G), EP=pow2(E))
     return loads.reshape(B, L, G), count.reshape(B, L)
 
 

@@ -45,7 +45,7 @@ from moebalance.core.limits import check_alloc, machine_memory_bytes
 from moebalance.core.load import LoadMatrix, write_load
 from moebalance.engines.files import load_model
 from moebalance.engines.sglang import read_dumps, read_rank_dump
-from moebalance.engines.vllm import experts_of, request_files, requests_in
+from moebalance.engines.vllm import deal, experts_of, request_files, requests_in
 
 __all__ = ["CHUNK_PICKS", "Streamed", "import_dumps", "import_routed_experts"]
 
@@ -339,16 +339,7 @@ def import_routed_experts(path: str | os.PathLike[str], out: str | os.PathLike[s
     E = scan.top + 1 if num_experts is None else num_experts
     if scan.top >= E:
         raise InputError(f"{scan.top_file!r}: expert id {scan.top} is not below {limit} {E}")
-    batch: list[int] = []  # each request's batch and rank, as read_routed_experts lays them out
-    src: list[int] = []
-    b = filled = j = 0
-    for n in lengths:
-        batch.append(b)
-        src.append(j % gpus)
-        filled, j = filled + n, j + 1
-        if filled >= batch_tokens:
-            b, filled, j = b + 1, 0, 0
-    B = b + (filled > 0)
+    batch, src, B = deal(np.array(lengths, dtype=np.int64), gpus, batch_tokens)  # as read_routed_experts lays them out
     check_alloc((B, keep.size, E), 8, f"{str(p)!r}: counts [B, L, E] with E = {E:,} experts",
                 "give --experts the model's expert count (ids in the file must be below it)")
     layer_ids = keep if keep.size < L else None
@@ -369,7 +360,7 @@ def import_routed_experts(path: str | os.PathLike[str], out: str | os.PathLike[s
 
 
 def _write_requests(fh: IO[bytes], f: Path, want: list[int], shape: tuple[int, ...], keep: np.ndarray,
-                    dtype: np.dtype, batch: list[int], counts: np.ndarray) -> None:
+                    dtype: np.dtype, batch: np.ndarray, counts: np.ndarray) -> None:
     """The second pass over one file of requests: its ids of the layers ``keep`` written to ``fh`` in ``dtype``, a
     chunk at a time, and counted into ``counts`` by each request's batch (the file is freed on return)."""
     E = counts.shape[2]

@@ -43,7 +43,7 @@ from moebalance.engines.layers import plan_layers
 from moebalance.engines.slots import slot_table
 from moebalance.models import get_model
 
-__all__ = ["experts_of", "read_routed_experts", "request_files", "requests_in", "write_map"]
+__all__ = ["deal", "experts_of", "read_routed_experts", "request_files", "requests_in", "write_map"]
 
 
 def request_files(path: Path) -> list[Path]:
@@ -80,6 +80,20 @@ def requests_in(path: Path) -> list[np.ndarray]:
                 raise InputError(f"{str(path)!r}: routed_experts is not base64") from None
             out.append(read_npy_bytes(data, str(path)))
     return out
+
+
+def deal(lengths: np.ndarray, gpus: int, batch_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(batch [R], rank [R], batches)`` of requests of ``lengths [R]`` tokens, whole and in order: each batch takes
+    requests until it holds ``batch_tokens`` or more, dealt round-robin to the ``gpus`` ranks from rank 0."""
+    batch = np.empty(len(lengths), dtype=np.int64)
+    rank = np.empty(len(lengths), dtype=np.int64)
+    b = filled = j = 0
+    for i, n in enumerate(lengths):
+        batch[i], rank[i] = b, j % gpus
+        filled, j = filled + int(n), j + 1
+        if filled >= batch_tokens:
+            b, filled, j = b + 1, 0, 0
+    return batch, rank, b + (filled > 0)
 
 
 def experts_of(num_experts: int | None, model: str | None) -> tuple[int | None, str]:
@@ -123,18 +137,11 @@ def read_routed_experts(path: str | os.PathLike[str], *, gpus: int = 1, batch_to
     E = int(ids.max()) + 1 if num_experts is None else num_experts
     if ids.max() >= E:
         raise InputError(f"{str(p)!r}: expert id {int(ids.max())} is not below {limit} {E}")
-    lengths = [len(a) for a in reqs]
-    batch, src, b, filled, j = [], [], 0, 0, 0
-    for n in lengths:
-        batch.append(np.full(n, b))
-        src.append(np.full(n, j % gpus))
-        filled, j = filled + n, j + 1
-        if filled >= batch_tokens:
-            b, filled, j = b + 1, 0, 0
-    num_batches = b + (filled > 0)
+    lengths = np.array([len(a) for a in reqs], dtype=np.int64)
+    batch, rank, num_batches = deal(lengths, gpus, batch_tokens)
     check_alloc((num_batches, keep.size, E), 8, f"{str(p)!r}: counts [B, L, E] with E = {E:,} experts",
                 "give --experts the model's expert count (ids in the file must be below it)")
-    tr = RoutingTrace(ids[:, keep], np.concatenate(src), np.concatenate(batch), num_experts=E)
+    tr = RoutingTrace(ids[:, keep], np.repeat(rank, lengths), np.repeat(batch, lengths), num_experts=E)
     layer_ids = keep if dense.any() else None
     preset = load_model(keep.size, E, None if layer_ids is None else layer_ids.tolist(), None, model)
     return LoadMatrix(tr.counts(), tr, preset, layer_ids)
