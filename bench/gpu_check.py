@@ -45,7 +45,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,8 @@ except ImportError:
     sys.path.insert(0, str(ROOT / "src"))
 
 import numpy as np  # noqa: E402
+
+from moebalance.core.io import atomic_path, atomic_write_text, dumps, remove_stale_temporaries  # noqa: E402
 
 SECTIONS = ("gemm", "straggler", "runtime", "planner")
 #: Seconds each section may take on a GPU: its loops stop there and keep what they have; a section still running
@@ -88,45 +89,20 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
 
 
-def _publish(write: Callable[[Any], None], path: Path) -> None:
-    """Write ``path`` through a temporary file outside its folder, then move it in: a process stopped mid-write
-    leaves no partial file and no stray file in the output folder (of which only eight files come back)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as fh:
-            write(fh)
-        os.chmod(tmp, 0o644)
-        try:
-            os.replace(tmp, path)
-        except OSError:  # another file system: copy, then remove
-            shutil.move(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
+# Files are written through ``moebalance.core.io``'s atomic writers: a process stopped mid-write leaves no partial
+# file. Its temporary lies in the output folder (of which only eight files come back) until the rename; a section
+# stopped from outside is followed by :func:`remove_stale_temporaries` on the eight names (``run_section_child``).
 def write_json(path: Path, doc: Any) -> None:
-    _publish(lambda fh: fh.write(json.dumps(doc, indent=1, default=_plain) + "\n"), path)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return None if not math.isfinite(float(value)) else float(value)
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return str(value)
+    """``doc`` as the package's JSON (``moebalance.core.io.dumps``: numpy values as the numbers they hold)."""
+    atomic_write_text(path, dumps(doc))
 
 
 def write_csv(path: Path, columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> None:
-    def write(fh: Any) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(columns)
         for r in rows:
             w.writerow([_cell(r.get(c)) for c in columns])
-
-    _publish(write, path)
 
 
 def _cell(v: Any) -> Any:
@@ -713,17 +689,12 @@ def _rt_check(case: dict[str, Any], got: list[dict[str, Any]], backend: str, ws:
     return rec
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _run_cli_torchrun(ctx: Ctx, tmp: Path, extra: list[str], timeout: float) -> dict[str, Any]:
     """``moebalance run`` as rank 0 of a one-rank torchrun environment (NCCL where CUDA is there), in a child."""
     from moebalance.core.cluster import Cluster
     from moebalance.core.plan import Placement, write_plan
     from moebalance.lm.moe_lm import bundled_checkpoint, checkpoint_config
+    from moebalance.runtime import free_port
 
     c = checkpoint_config(bundled_checkpoint())
     plan_path = tmp / "plan_1gpu.json"
@@ -733,7 +704,7 @@ def _run_cli_torchrun(ctx: Ctx, tmp: Path, extra: list[str], timeout: float) -> 
                                                              "MASTER_PORT")}
     src = str(ROOT / "src")
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()), MOEBALANCE_DIST_TIMEOUT="60",
+               MASTER_PORT=str(free_port()), MOEBALANCE_DIST_TIMEOUT="60",
                PYTHONPATH=src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
     if ctx.device.type != "cuda":
         env["OMP_NUM_THREADS"] = "1"  # small CPU products: no spinning thread pool fighting other processes
@@ -1036,6 +1007,8 @@ def run_section_child(name: str, out: Path, cuda: bool, budget: float, gpu_spec:
         log(f"section {name}: still running after {hard:.0f} s: stopping it")
         _stop_group(proc)
     reader.join(timeout=10)
+    for file in FILES:  # the temporary of a file the child was writing when it was stopped, or when it crashed
+        remove_stale_temporaries(out / file)
     record: dict[str, Any]
     if result_path.is_file():
         record = json.loads(result_path.read_text())

@@ -35,7 +35,6 @@ from moebalance.app.advise import (
     redundant_values,
 )
 from moebalance.app.advise_engines import launch_lines
-from moebalance.app.engine_command import engine_command, trtllm_options
 from moebalance.core.budget import Budget
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
@@ -46,6 +45,10 @@ from moebalance.cost.deployment import Deployment, Workload
 from moebalance.cost.hardware import get_gpu
 from moebalance.cost.memory import EngineMemory
 from moebalance.engines import read_any_load
+from moebalance.engines import sglang as sglang_engine
+from moebalance.engines import trtllm as trtllm_engine
+from moebalance.engines import vllm as vllm_engine
+from moebalance.engines.base import EplbChoice, Launch
 from moebalance.engines.detect import read_any_plan
 from moebalance.models import get_model
 from moebalance.online.rearrange import Replanning
@@ -278,6 +281,12 @@ def test_the_launch_command_is_whole_and_runs_in_a_shell(capsys: pytest.CaptureF
     assert "on node i > 0 the same with --headless --data-parallel-start-rank i" in text
 
 
+def engine_command(engine: str, d: Deployment, cluster: Cluster, phase: str) -> tuple[list[str], list[str]]:
+    """The engine module's command for ``d`` before its EPLB flags: ``(words, comments)``."""
+    module = {"sglang": sglang_engine, "trtllm": trtllm_engine, "vllm": vllm_engine}[engine]
+    return module.command(Launch(d, cluster, phase, None, None))
+
+
 def test_engine_commands_carry_what_was_priced() -> None:
     one_node = Cluster(num_nodes=1, gpus_per_node=8)
     # Qwen3's BF16 checkpoint priced in FP8: SGLang and vLLM quantize it online; TensorRT-LLM needs an FP8 checkpoint
@@ -312,12 +321,13 @@ def test_engine_commands_carry_what_was_priced() -> None:
         ["1", "8", "4", "1024"]
     trtllm = engine_command("trtllm", dp, two, "prefill")[0]
     assert trtllm[trtllm.index("--max_num_tokens") + 1] == "1024"
-    assert trtllm_options(dp, two, None) == {"enable_attention_dp": True}
+    assert trtllm_engine.api_options(Launch(dp, two, "prefill", None, None)) == {"enable_attention_dp": True}
     # attention tensor parallel over all 8 GPUs: one rank, data-parallel attention nowhere; vLLM's one rank spans
     # both nodes, which its per-node flags cannot say
     tp = Deployment(model=get_model("deepseek-v2-lite"), gpu=get_gpu("h100-80gb"), engine=EngineMemory(attention_tp=8))
     assert "--attn-dp-size" not in engine_command("sglang", tp, two, "decode")[0]
-    assert trtllm_options(tp, two, "lb.yaml") == {"moe_config": {"load_balancer": "lb.yaml"}}
+    with_plan = Launch(tp, two, "decode", EplbChoice(redundant_experts=8, router="uniform"), Path("out"))
+    assert trtllm_engine.api_options(with_plan) == {"moe_config": {"load_balancer": "out/trtllm-load-balancer.yaml"}}
     words, comments = engine_command("vllm", tp, two, "decode")
     assert "--data-parallel-size-local" not in words and any("do not split evenly over 2 nodes" in c for c in comments)
 
@@ -351,6 +361,46 @@ def test_the_assumptions_follow_the_command_line(capsys: pytest.CaptureFixture[s
     shown = dict(re.findall(r'<tr><th scope="row">(.*?)</th><td>(.*?)</td></tr>', html.unescape(panel)))
     assert rows.items() <= shown.items() and shown["requests per step"].startswith("4.00")
     assert page.index("<h2>Assumptions</h2>") < page.index("<h2>Ranking</h2>")
+
+
+def _hot(first: int, batches: int = 4) -> LoadMatrix:
+    """DeepSeek-V2-Lite's shape with experts ``first .. first + 7`` ten times as hot as the others."""
+    counts = np.full((batches, 26, 64), 100, dtype=np.int64)
+    counts[:, :, first:first + 8] = 1000
+    return LoadMatrix(counts, preset="deepseek-v2-lite")
+
+
+def test_price_load_plans_on_one_workload_and_prices_on_another(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    """A plan made for one workload's hot experts gains less on a workload whose hot experts are others than that
+    workload's own plan does, and the assumptions say which workload was planned on and which priced."""
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    write_load(a, _hot(0))
+    write_load(b, _hot(32))
+    argv = ["--load", a, "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h100-80gb", "--engine", "sglang", "--phase",
+            "prefill"]
+
+    def gains(doc: dict[str, Any]) -> dict[str, float]:
+        off = next(c["tokens_per_s"] for c in doc["candidates"] if c["label"].startswith("off "))
+        return {c["label"]: c["tokens_per_s"] / off - 1 for c in doc["candidates"] if c["policy"] == "eplb"}
+
+    other, _ = advise(capsys, *argv, "--price-load", b)
+    own, _ = advise(capsys, *[b if x == a else x for x in argv], "--price-load", b)
+    assert other["assumptions"]["held_out"] and other["assumptions"]["held_out_note"] == f"planned on {a}, priced on {b}"
+    # EPLB without replicas spreads the experts it was told are hot: planned on b's routing it spreads b's hot experts
+    # and gains; planned on a's, it leaves b's where contiguous blocks put them together (on GPU 4) far more often
+    label = "EPLB global, 0 redundant, static plan, static dispatch"
+    assert gains(own)[label] > gains(other)[label] + 0.05 > 0.05
+
+
+def test_price_load_refuses_what_does_not_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    a, other = tmp_path / "a.npz", tmp_path / "other.npz"
+    write_load(a, _hot(0))
+    write_load(other, LoadMatrix(np.full((2, 16, 64), 100, dtype=np.int64)))
+    argv = ["advise", "--load", a, "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h100-80gb", "--engine", "sglang"]
+    assert_user_error([*argv, "--price-load", a, "--train-frac", 0.5], capsys,
+                      "with --price-load every --load is planned on whole")
+    assert_user_error([*argv, "--price-load", other], capsys, f"--price-load {other} is [layers, experts] = [16, 64]")
 
 
 def test_mtp_layers_are_for_trtllm_only(capsys: pytest.CaptureFixture[str]) -> None:

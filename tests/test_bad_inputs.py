@@ -30,6 +30,7 @@ from moebalance.core.io import (
     atomic_path,
     atomic_write_text,
     check_out_dir,
+    dumps,
     read_json,
     remove_stale_temporaries,
 )
@@ -265,6 +266,19 @@ def test_read_json_names_missing_and_binary_files(tmp_path) -> None:
         read_json(tmp_path / "b.json", "load")
     (tmp_path / "ok.json").write_text('{"a": [1, 2]}')
     assert read_json(tmp_path / "ok.json", "load") == {"a": [1, 2]}
+
+
+def test_dumps_writes_numpy_scalars_and_arrays_as_their_values_and_refuses_other_objects() -> None:
+    """A count numpy summed (``np.int64``), a float32 time, a numpy bool and an array are written as the numbers,
+    bool and list they hold, in the same text as the Python values; an object JSON has no form for is refused."""
+    doc = {"moves": np.int64(7), "seconds": np.float32(0.5), "ok": np.bool_(True),
+           "loads": np.arange(3, dtype=np.int32), "grid": np.eye(2), "rate": np.float64(0.25)}
+    text = dumps(doc)
+    assert text == dumps({"moves": 7, "seconds": 0.5, "ok": True, "loads": [0, 1, 2],
+                          "grid": [[1.0, 0.0], [0.0, 1.0]], "rate": 0.25})
+    assert json.loads(text)["moves"] == 7 and text.endswith("}\n")
+    with pytest.raises(TypeError, match="Path is not JSON serializable"):
+        dumps({"where": Path("x")})
 
 
 def test_a_deeply_nested_plan_is_one_line_on_the_command_line(tmp_path, capsys) -> None:

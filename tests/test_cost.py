@@ -48,7 +48,7 @@ def test_tiny_parameter_counts_by_hand() -> None:
     assert TINY.non_expert_params() == {"attention": 96, "dense_mlp": 0, "shared_experts": 0, "router": 32,
                                         "embeddings": 80}  # router L*H*E = 2*4*4; embeddings + head 2*10*4
     assert TINY.routed_params() == 768 and TINY.total() == 976
-    assert TINY.kv_bytes_per_token() == 16  # 2 layers x (k + v) x 1 head x 2 numbers x 2 bytes
+    assert TINY.kv_bytes_per_request(1) == 16  # a token: 2 layers x (k + v) x 1 head x 2 numbers x 2 bytes
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -85,6 +85,63 @@ def test_gb200_mi300x_and_mi355x_peaks_from_their_datasheets() -> None:
     assert same_silicon("h800", "h100-80gb")
 
 
+AMD = ("mi300x", "mi355x")
+
+
+def test_deepeps_kernels_are_refused_on_an_amd_gpu() -> None:
+    """DeepEP runs on NVIDIA GPUs only (its README's requirements): a deployment on an MI300X or MI355X prices the
+    plain all-to-all alone, and naming DeepEP's kernels there, or moving a DeepEP deployment onto one (a ``metro``
+    router's ``gpu=``), is one line naming the GPU and the fix."""
+    import dataclasses
+
+    from moebalance.cost.a2a import DEEPEP_KERNELS, KERNELS, kernels_on
+
+    v3 = get_model("deepseek-v3")
+    assert {n for n, g in GPUS.items() if g.vendor == "amd"} == set(AMD)
+    for name in AMD:
+        gpu = get_gpu(name)
+        assert kernels_on(gpu) == ("per-gpu",)
+        assert Deployment(model=v3, gpu=gpu).a2a == "per-gpu"
+        for kernel in DEEPEP_KERNELS:
+            with pytest.raises(InputError, match=rf"^--a2a {kernel} prices DeepEP's kernels, which run on NVIDIA GPUs "
+                                                 rf"only, not on --gpu {name} \(AMD Instinct MI3\d\dX\); give --a2a "
+                                                 r"per-gpu$"):
+                Deployment(model=v3, gpu=gpu, a2a=kernel)
+    on_h100 = Deployment(model=v3, gpu=GPUS["h100-80gb"], a2a="auto")
+    with pytest.raises(InputError, match="not on --gpu mi300x"):
+        dataclasses.replace(on_h100, gpu=GPUS["mi300x"])
+    # NVIDIA GPUs keep every kernel, the default first
+    for name, gpu in GPUS.items():
+        if name not in AMD:
+            assert gpu.vendor == "nvidia" and kernels_on(gpu) == KERNELS, name
+            assert all(Deployment(model=v3, gpu=gpu, a2a=k).a2a == k for k in KERNELS)
+    with pytest.raises(InputError, match=r"GpuSpec\.vendor \('intel'\) must be 'nvidia' or 'amd'"):
+        dataclasses.replace(SMALL_GPU, vendor="intel")
+
+
+def test_the_cli_refuses_deepep_on_an_amd_gpu_and_defaults_to_a_copy_per_gpu(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--a2a normal|low-latency|auto`` with ``--gpu mi300x|mi355x`` exits 2 with one line naming the GPU and
+    ``--a2a per-gpu``; without ``--a2a`` the AMD deployment prices a copy per destination GPU; an NVIDIA GPU still
+    prices DeepEP's kernels."""
+    import argparse
+
+    from moebalance.app import deployment
+
+    base = ["compare", "--load", "bundled:olmoe-1b-7b-tokens", "--policies", "contiguous", "--nodes", 2,
+            "--gpus-per-node", 4, "--slots-per-gpu", 8, "--attention-tp", 1, "--calibration", "peaks"]
+    for gpu, kernel in (("mi300x", "normal"), ("mi355x", "low-latency"), ("mi300x", "auto")):
+        assert_user_error([*base, "--gpu", gpu, "--a2a", kernel], capsys, f"--a2a {kernel} prices DeepEP's kernels",
+                          f"not on --gpu {gpu}", "give --a2a per-gpu")
+    rc, _, err = run_cli([*base, "--gpu", "mi300x", "--a2a", "per-gpu", "--json"], capsys)
+    assert rc == 0, err
+    rc, _, err = run_cli([*base, "--gpu", "rtx4090", "--a2a", "auto", "--json"], capsys)
+    assert rc == 0, err
+    args = argparse.Namespace(gpu="mi355x", model="deepseek-v3", calibration="peaks", calibration_any_gpu=None)
+    assert deployment.build(args).a2a == "per-gpu"  # the automatic choice on AMD is never DeepEP's
+    assert deployment.build(argparse.Namespace(**{**vars(args), "gpu": "h200", "a2a": "auto"})).a2a == "auto"
+
+
 def test_a_2026_model_is_priced_on_a_2026_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     """MiniMax-M2's FP8 checkpoint on 8 MI355X over their Infinity Fabric: served in FP8, which the MI355X has,
     62 layers x 256 experts over 8 GPUs; an unknown GPU is one line naming it."""
@@ -98,10 +155,11 @@ def test_a_2026_model_is_priced_on_a_2026_gpu(capsys: pytest.CaptureFixture[str]
 
 
 def test_mla_kv_bytes_by_hand() -> None:
-    # DeepSeek-V3: 61 decoder layers x (kv_lora_rank 512 + rope 64) x 2 bytes
-    assert get_model("deepseek-v3").kv_bytes_per_token() == 61 * 576 * 2 == 70272
-    # Qwen3-235B (GQA): 94 layers x 2 x 4 KV heads x 128 x 2 bytes
-    assert get_model("qwen3-235b-a22b").kv_bytes_per_token() == 94 * 2 * 4 * 128 * 2
+    # DeepSeek-V3: 61 decoder layers x (kv_lora_rank 512 + rope 64) x 2 bytes a token
+    assert get_model("deepseek-v3").kv_bytes_per_request(1) == 61 * 576 * 2 == 70272
+    assert get_model("deepseek-v3").kv_bytes_per_request(4096) == 4096 * 70272
+    # Qwen3-235B (GQA): 94 layers x 2 x 4 KV heads x 128 x 2 bytes a token
+    assert get_model("qwen3-235b-a22b").kv_bytes_per_request(1) == 94 * 2 * 4 * 128 * 2
 
 
 def test_mtp_module_matches_its_published_size() -> None:
@@ -124,14 +182,14 @@ def test_the_cost_model_reads_the_one_model_description() -> None:
     assert all(isinstance(m, ModelSpec) for m in MODELS.values())
     # the spec a synthetic trace names is the one the cost model weighs
     spec = read_load("bundled:deepseek-v3-8x8").model
-    assert spec is not None and spec.kv_bytes_per_token() == 70272
+    assert spec is not None and spec.kv_bytes_per_request(1) == 70272
 
 
 def test_a_routing_shape_alone_is_refused_by_the_cost_model() -> None:
     shape = ModelSpec(name="shape", display_name="Shape", num_layers=2, num_dense_layers=0, num_experts=4, top_k=2,
                       hidden_size=4, moe_intermediate_size=8, num_shared_experts=0, num_groups=1, source="test")
     assert shape.expert_params() == 96 and not shape.has_architecture  # the routing shape is enough for this
-    for call in (shape.total, shape.kv_bytes_per_token, lambda: shape.kv_shards(2),
+    for call in (shape.total, lambda: shape.kv_bytes_per_request(1), lambda: shape.kv_shards(2),
                  lambda: memory_per_gpu(shape, SMALL_GPU, num_gpus=2, gpus_per_node=2)):
         with pytest.raises(InputError) as info:
             call()
@@ -527,9 +585,34 @@ def test_gqa_kv_is_split_over_its_heads_only() -> None:
     eight = memory_per_gpu(qwen, h100, num_gpus=8, gpus_per_node=8, engine=EngineMemory(attention_tp=8))
     # tp 8: one rank whose 8 pools hold 4 shards of each request (heads copied beyond 4), against 8 ranks of 1;
     # the pools differ only by the attention weights, which tp 8 splits
-    per_request = 4096 * qwen.kv_bytes_per_token() / (1 << 30)  # the default context of 4096 tokens
+    per_request = qwen.kv_bytes_per_request(4096) / (1 << 30)  # the default context of 4096 tokens
     assert eight.max_concurrency == math.floor(eight.kv_cache_gb_per_gpu * 4 / per_request)
     assert one.max_concurrency == 8 * math.floor(one.kv_cache_gb_per_gpu / per_request)
+
+
+def test_window_layers_raise_gpt_oss_concurrency_over_the_all_full_count() -> None:
+    """gpt-oss-120b on a node of 8 H100s (one data-parallel rank, its 8 KV heads one per GPU), 4096-token requests:
+    its 18 sliding-window layers keep 128 tokens each, so a request takes (18 x 4096 + 18 x 128) x 2048 = 155,713,536
+    bytes, not the 36 x 4096 x 2048 = 301,989,888 of every layer full: 1.94x the requests."""
+    gpt, h100 = get_model("gpt-oss-120b"), get_gpu("h100-80gb")
+    report = memory_per_gpu(gpt, h100, num_gpus=8, gpus_per_node=8, context_tokens=4096)
+    kv_bytes = report.kv_cache_gb_per_gpu * (1 << 30)  # the pool of each GPU, 1/8 of every request in it
+    assert report.max_concurrency == math.floor(kv_bytes / (155_713_536 / 8)) > 0
+    all_full = math.floor(kv_bytes / (301_989_888 / 8))
+    assert report.max_concurrency > all_full and report.max_concurrency / all_full == pytest.approx(1.94, abs=0.01)
+
+
+def test_a_decode_step_reads_a_window_layers_window_and_a_linear_layers_state() -> None:
+    """A decode token of a 100,000-token request reads, on one of 8 GPUs: gpt-oss-120b (8 KV heads, one a GPU) 18 full
+    layers' 100,000 tokens and 18 window layers' 128, 2048 bytes each; Qwen3-Next (2 KV heads over 2 GPUs) 12 full
+    layers' tokens and 36 linear layers' states of 2,146,304 bytes (over 8 GPUs); both bound by memory bandwidth."""
+    h100, engine = get_gpu("h100-80gb"), EngineMemory()
+    for name, kv in (("gpt-oss-120b", (18 * 100_000 + 18 * 128) * 2048 / 8),
+                     ("qwen3-next-80b-a3b", 12 * 100_000 * 2048 / 2 + 36 * 2_146_304 / 8)):
+        spec = get_model(name)
+        without = rest_seconds(1.0, spec, h100, engine, 8)
+        with_kv = rest_seconds(1.0, spec, h100, engine, 8, kv_tokens_per_rank=100_000)
+        assert with_kv - without == pytest.approx(kv / 3.35e12, rel=1e-9), name
 
 
 def test_step_model_skips_idle_batches_and_an_unknown_kernel_is_one_line() -> None:
@@ -798,7 +881,7 @@ def test_rest_of_a_step_by_hand_in_both_phases() -> None:
     assert d.rest_seconds(16384, 8, "prefill") == pytest.approx(no_attention + attention, rel=1e-9)
     decode = Deployment(model=v3, gpu=h100, engine=engine, precision="fp8",
                         workload=Workload(prompt_tokens=1000, output_tokens=2000))
-    kv = 162 * 2000 * v3.kv_bytes_per_token(2)
+    kv = 162 * v3.kv_bytes_per_request(2000, 2)
     weights_read = rest_seconds(1, v3, h100, decode.engine, 8, logits_per_rank=0.0, precision="fp8")  # bytes-bound
     assert decode.rest_seconds(162, 8, "decode") == pytest.approx(weights_read + kv / 3.35e12, rel=1e-3)
 

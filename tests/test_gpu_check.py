@@ -15,6 +15,7 @@ import csv
 import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -185,11 +186,25 @@ def test_the_report_says_whether_the_orders_agree(tmp_path: Path) -> None:
     assert "No grouped-GEMM measurements" in text and "No runtime results" in text  # missing parts are said
 
 
+_KILLED_WRITER = """
+import os, sys
+from moebalance.core.io import atomic_path
+with atomic_path(sys.argv[1]) as tmp:
+    tmp.write_text("half")
+    os._exit(9)
+"""
+
+
 def test_a_failing_or_overrunning_section_is_recorded_and_the_next_runs(tmp_path: Path) -> None:
     """Through the child processes a device run uses: gemm cannot write its CSV (a folder is in the way), straggler
-    is stopped after its budget, planner still runs; the command itself succeeds."""
+    is stopped after its budget, planner still runs; the command itself succeeds, and the temporary of a writer
+    killed mid-write is gone from the folder."""
     out = tmp_path / "out"
     (out / "gemm.csv").mkdir(parents=True)
+    # a writer of straggler.csv killed mid-write, as a stopped section's is, leaves its temporary in the folder
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(out / "straggler.csv")], timeout=60,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert killed.returncode == 9 and [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
     proc = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--out", str(out), "--quick", "--sections",
                            "gemm,straggler,planner", "--budgets", "straggler=0.05", "--grace", "0"],
                           capture_output=True, text=True, timeout=240)
@@ -201,6 +216,7 @@ def test_a_failing_or_overrunning_section_is_recorded_and_the_next_runs(tmp_path
     assert sections["straggler"]["status"] == "timeout" and "stopped after" in sections["straggler"]["error"]
     assert sections["planner"]["status"] == "ok"
     assert (out / "planner.json").is_file() and not (out / "straggler.csv").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary is left to come back
     assert "== gemm: error" in proc.stdout and "planner| " in proc.stdout  # children's output echoed
 
 

@@ -207,11 +207,12 @@ def test_watch_dashboard_in_browser(chromium: str, tmp_path: Path) -> None:
     the decision, and draws the balance heatmap and the two line charts."""
     import os
     import signal
-    import socket
     import subprocess
     import sys
     import time
     import urllib.request
+
+    from moebalance.runtime import free_port
 
     folder = tmp_path / "records"
     folder.mkdir()
@@ -222,9 +223,7 @@ def test_watch_dashboard_in_browser(chromium: str, tmp_path: Path) -> None:
         np.savez(folder / f"r{i}.npz", counts=rng.multinomial(40_000, p, size=(1, 16)).astype(np.int64),
                  preset=np.array("olmoe-1b-7b"))
         os.utime(folder / f"r{i}.npz", (1_000 + i, 1_000 + i))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     log = tmp_path / "watch.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "moebalance", "watch", str(folder), "--nodes", "2",
                              "--gpus-per-node", "4", "--slots-per-gpu", "10", "--model", "olmoe-1b-7b", "--gpu",

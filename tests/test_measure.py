@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import GPUS
 from moebalance.cost.time import Calibration
 from moebalance.models import get_model
-from moebalance.runtime import TIMEOUT_ENV, TORCHRUN_VARS, launch
+from moebalance.runtime import TIMEOUT_ENV, TORCHRUN_VARS, free_port, launch
 from moebalance.runtime.measure import fit_links, gemm_rows, link_rows
 
 
@@ -93,12 +92,6 @@ def test_measure_without_a_gpu_or_torchrun_is_one_line(tmp_path: Path, capsys: p
     assert not (tmp_path / "p.json").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_measure_under_torchrun_writes_a_links_profile(tmp_path: Path) -> None:
     """A real torchrun launch of 2 gloo ranks on this CPU: rank 0 writes a profile with the intra-node link and its
     latency measured and the grouped GEMM left at the peaks (no GPU), which every command reads."""
@@ -108,7 +101,7 @@ def test_measure_under_torchrun_writes_a_links_profile(tmp_path: Path) -> None:
                                                              TIMEOUT_ENV)}
     out = tmp_path / "profile.json"
     res = subprocess.run([*runner, "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-                          str(_free_port()), "-m", "moebalance", "calibrate", "--measure", "--max-message-kib", "4096",
+                          str(free_port()), "-m", "moebalance", "calibrate", "--measure", "--max-message-kib", "4096",
                           "--runs", "3", "--out", str(out)], capture_output=True, text=True, timeout=180, env=env,
                          cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]

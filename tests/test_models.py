@@ -11,7 +11,7 @@ from conftest import tiny_model_spec
 
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, read_load
-from moebalance.models import MODELS, Attention, ModelSpec, get_model
+from moebalance.models import MODELS, Attention, LinearAttention, ModelSpec, get_model
 from moebalance.models.fields import check_fields
 from moebalance.workloads.synth import PROFILES, synthesize
 
@@ -43,11 +43,14 @@ def test_spot_checks_against_config_json() -> None:
 
 def test_mtp_layers_from_num_nextn_predict_layers() -> None:
     # config.json num_nextn_predict_layers: DeepSeek-V3 and R1 ship 1 MTP module, numbered after the 61 decoder
-    # layers (its README_WEIGHTS.md: layer 61); GLM-4.5 1 (layer 92); the others have none
+    # layers (its README_WEIGHTS.md: layer 61); GLM-4.5 1 (layer 92); Qwen3-Next's one MTP layer (mtp.layers.0, no
+    # config key: presets.py) is layer 48; the others have none (MiniMax-M2's num_mtp_modules no engine runs)
     for name in ("deepseek-v3", "deepseek-r1"):
         assert get_model(name).num_mtp_layers == 1 and get_model(name).mtp_layer_ids == (61,)
     assert get_model("glm-4.5").mtp_layer_ids == (92,)
-    assert {name for name, spec in MODELS.items() if spec.num_mtp_layers} == {"deepseek-v3", "deepseek-r1", "glm-4.5"}
+    assert get_model("qwen3-next-80b-a3b").mtp_layer_ids == (48,)
+    assert {name for name, spec in MODELS.items() if spec.num_mtp_layers} == \
+        {"deepseek-v3", "deepseek-r1", "glm-4.5", "qwen3-next-80b-a3b"}
 
 
 def test_registry_is_consistent() -> None:
@@ -65,6 +68,10 @@ def test_unknown_model_is_one_line_naming_the_known_ones() -> None:
     message = str(info.value)
     assert "\n" not in message and "'gpt-oss'" in message and "known models:" in message
     assert all(name in message for name in MODELS)
+
+
+_ARCH: dict[str, object] = {"attention": Attention(kind="gqa", num_heads=4, num_kv_heads=2, head_dim=8),
+                             "vocab_size": 10}  # what tiny_model_spec needs to have attention kinds
 
 
 @pytest.mark.parametrize(("changes", "needle"), [
@@ -87,6 +94,22 @@ def test_unknown_model_is_one_line_naming_the_known_ones() -> None:
     ({"moe_layer_step": 0}, "ModelSpec.moe_layer_step (0) must be a positive integer"),
     # every 2nd layer MoE: 2 MoE layers need 2 dense ones between them
     ({"moe_layer_step": 2, "num_dense_layers": 1}, "num_dense_layers (1) must be num_layers x (moe_layer_step - 1) = 2"),
+    # the attention kind of each of the 2 decoder layers
+    ({"layer_kinds": ("window", "full"), "attention_window": 4}, "ModelSpec.layer_kinds is given without attention"),
+    ({**_ARCH, "layer_kinds": ("full",)},
+     "ModelSpec.layer_kinds names 1 layer, but the model has 2 decoder layers: give one kind per layer"),
+    ({**_ARCH, "layer_kinds": ("full", "sliding")},
+     "ModelSpec.layer_kinds[1] ('sliding') must be one of full, window, linear"),
+    ({**_ARCH, "layer_kinds": ["full", "full"]}, "ModelSpec.layer_kinds (['full', 'full']) must be a tuple"),
+    ({**_ARCH, "layer_kinds": ("window", "full")},
+     "ModelSpec.attention_window (0) must be positive exactly when layer_kinds has window layers"),
+    ({**_ARCH, "attention_window": 128},
+     "ModelSpec.attention_window (128) must be positive exactly when layer_kinds has window layers"),
+    ({**_ARCH, "layer_kinds": ("window", "full"), "attention_window": -1},
+     "ModelSpec.attention_window (-1) must be an integer >= 0"),
+    ({**_ARCH, "layer_kinds": ("linear", "full")},
+     "ModelSpec.linear_attention must be given exactly when layer_kinds has linear layers"),
+    ({**_ARCH, "linear_attention": "gdn"}, "ModelSpec.linear_attention ('gdn') must be a LinearAttention or None"),
 ])
 def test_spec_validation(changes: dict[str, object], needle: str) -> None:
     with pytest.raises(InputError) as info:
@@ -110,6 +133,15 @@ def test_attention_validation(fields: dict[str, object], needle: str) -> None:
     with pytest.raises(InputError) as info:
         Attention(**fields)  # type: ignore[arg-type]
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_linear_attention_validation() -> None:
+    with pytest.raises(InputError) as info:
+        LinearAttention(num_key_heads=0, num_value_heads=32, key_head_dim=128, value_head_dim=128, conv_kernel=4)
+    assert str(info.value) == "LinearAttention.num_key_heads (0) must be a positive integer"
+    spec = tiny_model_spec(**_ARCH)
+    with pytest.raises(InputError, match=r"^5 tokens of 0 requests: give tokens >= 0 held by requests > 0$"):
+        spec.kv_cache_bytes(5, 0)
 
 
 def test_numpy_integers_are_stored_as_python_ints() -> None:
@@ -251,9 +283,68 @@ def test_qwen3_next_and_minimax_m2_against_their_configs_and_model_cards() -> No
     mm = get_model("minimax-m2")
     assert (mm.num_layers, mm.num_dense_layers, mm.num_experts, mm.top_k, mm.num_shared_experts) == (62, 0, 256, 8, 0)
     assert mm.expert_params() == 3 * 3072 * 1536 == 14_155_776
-    assert mm.kv_bytes_per_token() == 62 * 2 * 8 * 128 * 2
+    assert mm.kv_bytes_per_request(1) == 62 * 2 * 8 * 128 * 2 and mm.layer_count("full") == 62  # attn_type_list 1
     assert mm.served_precision == "fp8" and mm.num_mtp_layers == 0
     assert mm.total() == pytest.approx(230e9, rel=0.015)
+
+
+def test_attention_kinds_of_each_layer_from_their_configs() -> None:
+    # gpt-oss layer_types: sliding_attention (sliding_window 128) in layers 0, 2, ..., full_attention in 1, 3, ...
+    big, small = get_model("gpt-oss-120b"), get_model("gpt-oss-20b")
+    assert big.layer_kinds == ("window", "full") * 18 and small.layer_kinds == ("window", "full") * 12
+    assert big.attention_window == small.attention_window == 128
+    # Llama 4 no_rope_layers [1, 1, 1, 0] x 12: layers 3, 7, ..., 47 global, the others chunks of 8192
+    for name in ("llama-4-scout", "llama-4-maverick"):
+        spec = get_model(name)
+        assert [i for i, k in enumerate(spec.layer_kinds) if k == "full"] == list(range(3, 48, 4))
+        assert spec.layer_count("window") == 36 and spec.attention_window == 8192
+    # Qwen3-Next full_attention_interval 4 and its Gated DeltaNet sizes; MiniMax-M2 attn_type_list all 1 (full)
+    nxt = get_model("qwen3-next-80b-a3b")
+    assert [i for i, k in enumerate(nxt.layer_kinds) if k == "full"] == list(range(3, 48, 4))
+    assert nxt.layer_count("linear") == 36 and nxt.attention_window == 0
+    assert nxt.linear_attention == LinearAttention(num_key_heads=16, num_value_heads=32, key_head_dim=128,
+                                                   value_head_dim=128, conv_kernel=4)
+    mm = get_model("minimax-m2")
+    assert mm.layer_kinds == () and mm.layer_count("full") == 62 and mm.layer_count("window") == 0
+
+
+def test_kv_bytes_of_a_request_by_kind_of_layer() -> None:
+    """By hand: a window layer caches min(context, W) tokens, a linear layer its state whatever the context."""
+    gpt = get_model("gpt-oss-120b")  # 18 full + 18 window layers of 8 KV heads x 64: 2 x 512 numbers, 2048 bytes
+    assert gpt.kv_bytes_per_request(100) == 36 * 100 * 2048 == 7_372_800  # below the window: as if all full
+    assert gpt.kv_bytes_per_request(4096) == (18 * 4096 + 18 * 128) * 2048 == 155_713_536
+    assert gpt.kv_bytes_per_request(4096, kv_bytes=1, attention_tp=8) == 155_713_536 / 2 / 8  # fp8, 8 KV heads
+    assert gpt.kv_cache_bytes(3 * 4096, 3) == 3 * 155_713_536  # three requests of 4096 tokens
+    # Llama 4 Scout: 12 global layers + 36 chunked layers of 8192 tokens, 8 KV heads x 128: 4096 bytes a token
+    scout = get_model("llama-4-scout")
+    assert scout.kv_bytes_per_request(5000) == 48 * 5000 * 4096  # within one chunk
+    assert scout.kv_bytes_per_request(100_000) == (12 * 100_000 + 36 * 8192) * 4096
+    # Qwen3-Next: 12 gated-attention layers (2 KV heads x 256: 2048 bytes a token) + 36 Gated DeltaNet layers, each
+    # (2 x 16 x 128 + 32 x 128) x (4 - 1) convolution inputs in bf16 and 32 x 128 x 128 recurrent numbers in float32
+    nxt = get_model("qwen3-next-80b-a3b")
+    state = 8192 * 3 * 2 + 524_288 * 4
+    assert nxt.linear_attention is not None and nxt.linear_attention.state_bytes() == state == 2_146_304
+    assert nxt.kv_bytes_per_request(1) == 12 * 2048 + 36 * state
+    assert nxt.kv_bytes_per_request(4096) == 12 * 4096 * 2048 + 36 * state
+    # attention split over 8 GPUs: the 2 KV heads over 2 of them, the state over 8 (its 16 key heads)
+    assert nxt.kv_bytes_per_request(4096, attention_tp=8) == 12 * 4096 * 2048 / 2 + 36 * state / 8
+    assert nxt.kv_bytes_per_request(4096, kv_bytes=1) == 12 * 4096 * 1024 + 36 * state  # fp8 KV: not the state
+
+
+def test_qwen3_next_mtp_layer_is_numbered_after_its_decoder_layers() -> None:
+    """A load in the engines' numbering with Qwen3-Next's MTP layer (49 rows of 512 experts) fits it, and the
+    layer of row 48 is its MTP layer (TensorRT-LLM's model.layers.48)."""
+    from moebalance.core.cluster import Cluster
+    from moebalance.core.plan import Placement
+    from moebalance.engines.layers import plan_layers
+
+    nxt = get_model("qwen3-next-80b-a3b")
+    assert nxt.misfit(49, 512) is None and nxt.misfit(48, 512) is None
+    assert nxt.shape_text() == "48 MoE layers and 1 MTP layer of 512 experts"
+    assert nxt.mtp_params() == nxt.attention_params() + 513 * 3 * 2048 * 512 + 2048 * 512 + 2 * 2048 * 2048
+    plan = Placement([[list(range(256)), list(range(256, 512))]] * 49, 512, Cluster(num_nodes=1, gpus_per_node=2))
+    layers = plan_layers(plan, model="qwen3-next-80b-a3b")
+    assert layers.layer_ids == tuple(range(49)) and layers.num_hidden_layers == 48 and layers.mtp_rows == (48,)
 
 
 def test_llama_4_maverick_layers_are_numbered_as_engines_number_them() -> None:
@@ -262,8 +353,7 @@ def test_llama_4_maverick_layers_are_numbered_as_engines_number_them() -> None:
     its experts in layers 24..47)."""
     from moebalance.core.cluster import Cluster
     from moebalance.core.plan import Placement
-    from moebalance.engines.detect import moe_layer_ids
-    from moebalance.engines.layers import choose_model, plan_layers
+    from moebalance.engines.layers import choose_model, moe_layer_ids, plan_layers
 
     mav = get_model("llama-4-maverick")
     odd = [i % 2 == 1 for i in range(48)]

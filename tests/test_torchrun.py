@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,20 +28,35 @@ from moebalance.app.cli import main
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.plan import Placement, write_plan
-from moebalance.runtime import TIMEOUT_ENV, TORCHRUN_VARS, GroupError, all_gather_v, launch, torchrun_env
+from moebalance.runtime import (
+    TIMEOUT_ENV,
+    TORCHRUN_VARS,
+    GroupError,
+    all_gather_v,
+    free_port,
+    launch,
+    torchrun_env,
+)
 
 NPROC, E, LAYERS = 4, 16, 4  # the bundled model: 4 MoE layers x 16 experts
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _torchrun() -> list[str]:
     exe = Path(sys.executable).with_name("torchrun")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def test_free_port_is_a_port_a_server_binds_next() -> None:
+    """``free_port`` binds port 0 and returns the port the OS chose (closed again): a server can listen on it."""
+    import socket
+
+    port = free_port()
+    assert isinstance(port, int) and 0 < port < 2**16
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass
 
 
 def _plan(path: Path, gpus: int = NPROC, experts: int = E) -> None:
@@ -63,7 +77,7 @@ def _two_nodes(tmp_path: Path, argvs: list[list[str]], env: dict[str, str], limi
                ) -> tuple[list[int], list[str], float]:
     """Two torchrun agents (``--nnodes 2``, one process each) on loopback, agent ``i`` running ``argvs[i]``:
     ``(exit codes, stderr texts, seconds until both ended)``; both are killed after ``limit`` seconds."""
-    port = str(_free_port())
+    port = str(free_port())
     procs, errs = [], []
     t0 = time.monotonic()
     for node, argv in enumerate(argvs):
@@ -103,7 +117,7 @@ def test_run_under_torchrun_equals_dense(tmp_path: Path) -> None:
     _plan(plan)
     env = _clean_env()
     cmd = [*_torchrun(), "--nproc-per-node", str(NPROC), "--master-addr", "127.0.0.1", "--master-port",
-           str(_free_port()), "-m", "moebalance", "run", "--plan", str(plan), "--domain", "code", "--tokens", "512",
+           str(free_port()), "-m", "moebalance", "run", "--plan", str(plan), "--domain", "code", "--tokens", "512",
            "--batch-tokens", "256", "--router", "rebalance", "--json"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -262,7 +276,7 @@ def _plain_env_ranks(tmp_path: Path, script: str, world_size: int, env: dict[str
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; no torchrun agent: rank 0 hosts the store):
     ``(exit codes, stderr texts)``; all are killed after ``limit`` seconds."""
     (tmp_path / "ranks.py").write_text(script)
-    port = str(_free_port())
+    port = str(free_port())
     procs, errs = [], []
     for rank in range(world_size):
         err = open(tmp_path / f"rank{rank}.err", "w+")
@@ -338,7 +352,7 @@ def test_rank_0_hosting_the_store_names_the_rank_that_never_connects(monkeypatch
     monkeypatch.setattr(sys.modules["moebalance.runtime.launch"], "_MEMBERSHIP", None)  # this process's connection is this test's alone
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", str(_free_port())), (TIMEOUT_ENV, "2")):
+                       ("MASTER_PORT", str(free_port())), (TIMEOUT_ENV, "2")):
         monkeypatch.setenv(var, value)
     t0 = time.monotonic()
     with pytest.raises(GroupError, match=r"^rank 1 did not arrive within 2 s to check the run's inputs \("), \

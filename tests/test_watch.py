@@ -32,6 +32,7 @@ from moebalance.online.replay import replay
 from moebalance.online.watch import WatchConfig, Watcher, drift
 from moebalance.policies import make_plan
 from moebalance.pricing.step import StepPricing
+from moebalance.runtime import free_port
 
 MODEL = get_model("olmoe-1b-7b")  # 16 MoE layers x 64 experts, top-8
 L, E = MODEL.num_layers, MODEL.num_experts
@@ -225,18 +226,12 @@ def test_a_replan_writes_the_engines_file_and_runs_the_hook(tmp_path: Path,
     assert log_lines(log)[0]["decision"] == "replan" and not plan.exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_sigterm_stops_cleanly_and_prometheus_scrapes(tmp_path: Path) -> None:
     """A real process following a folder: its metrics served on localhost, a SIGTERM while it polls ends it with
     exit 0 and a log of whole lines."""
     folder, log = tmp_path / "records", tmp_path / "watch.jsonl"
     records(folder, [0, 0])
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moebalance", "watch", str(folder), *map(str, BASE), "--log",
                              str(log), "--interval", "0.2", "--metrics-port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -277,7 +272,7 @@ def test_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str
                           "--gpu", "h100-80gb"], capsys)
     assert rc == 0 and "Traceback" not in err
     assert_user_error(["watch", folder, *BASE, "--once", "--horizon", 0], capsys, "--horizon")
-    port = _free_port()
+    port = free_port()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", port))
         busy.listen()

@@ -19,11 +19,11 @@ redundant experts (``E + r`` divisible by ``G``: a few values from the smallest,
 hierarchical (where ``num_nodes > 1`` divides the model's expert groups) and global; CRAFT's allocation padded to
 equal slots (:func:`moebalance.engines.slots.pad_plan`) where the engine loads a placement file; periodic
 re-planning with a few ``(step_interval, window)`` pairs in steps, moved as the engine moves experts; the engine's
-routers. :data:`ENGINE_RULES` says what each engine runs.
+routers. Each engine's rule (:class:`moebalance.engines.base.EngineRule`) says what it runs.
 
 **Recommendation** (:func:`recommend`): the most tokens per second, unless it beats EPLB off by no more than the
 margin (the model's stated uncertainty), in which case EPLB stays off. Where the experts do not divide over the GPUs
-and the engine then cannot run EPLB off (:data:`ENGINE_RULES`), EPLB off is priced as the reference only and the
+and the engine then cannot run EPLB off (its rule), EPLB off is priced as the reference only and the
 fastest configuration the engine runs is recommended, whatever the margin; a note names the GPU counts that divide
 the experts, and another says so where there are more GPUs than experts.
 """
@@ -43,6 +43,8 @@ from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, concatenate_loads
 from moebalance.core.plan import Placement
 from moebalance.cost.memory import MemoryReport, memory_per_gpu
+from moebalance.engines.registry import ENGINES as REGISTRY
+from moebalance.engines.registry import get_engine
 from moebalance.engines.slots import pad_plan
 from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import replay
@@ -53,11 +55,9 @@ from moebalance.pricing.step import StepPricing
 __all__ = [
     "DEFAULT_MARGIN",
     "ENGINES",
-    "ENGINE_RULES",
     "STATISTICS_STEPS",
     "Advice",
     "Candidate",
-    "EngineRule",
     "Priced",
     "Setup",
     "candidates",
@@ -74,44 +74,13 @@ __all__ = [
 #: (watch) to be chosen: the model's uncertainty where no calibration says more.
 DEFAULT_MARGIN = 0.05
 
-ENGINES = ("vllm", "sglang", "trtllm")
+#: The engines advised on (``--engine``).
+ENGINES = tuple(REGISTRY)
 #: Steps drawn from a load of one batch (statistics), so that one draw does not decide.
 STATISTICS_STEPS = 4
 #: Values of ``r`` tried at most, and the periodic ``(step_interval, window)`` pairs kept at most.
 MAX_REDUNDANT_VALUES = 4
 MAX_PERIODS = 2
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRule:
-    """What an engine runs: its routers (``{moebalance router: the engine's name}``), whether it loads a placement
-    file (any static plan: CRAFT padded, global EPLB where hierarchical applies, worst-of plans), how its periodic
-    re-planning moves experts, and its plug-in variant for migration-aware re-plans."""
-
-    routers: dict[str, str]
-    placement_file: bool
-    rearrange: str
-    #: ``None``: all layers at once; ``"spread"``: ``ceil(L / step_interval)`` layers per step.
-    layers_per_step: str | None = None
-    #: The moebalance plug-in variant that re-plans migration-aware (``aligned``), where the engine has one.
-    move_aware: str | None = None
-    #: Whether EPLB off runs when the experts do not divide over the EP ranks (some ranks then hold one more); with
-    #: EPLB every engine needs the experts plus the redundant ones to divide by the EP size.
-    uneven_off: bool = False
-
-
-#: vLLM 0.33: EPLB plans itself from its window (no placement file), rearranges asynchronously by default
-#: (``use_async``), routes each token to a random copy; the plug-in's ``move-aware`` re-plans as ``aligned`` does.
-#: SGLang 0.5: ``--init-expert-location`` loads any plan; rearrangement stops serving; static, dynamic and LP dispatch
-#: read as the ``uniform``, ``rebalance`` and ``minmax`` routers. TensorRT-LLM: a load-balancer YAML loads any plan;
-#: its online balancer moves ``layer_updates_per_iter`` layers per iteration beside serving. Without EPLB vLLM's expert
-#: map gives the first ``E mod G`` ranks one expert more (the ``contiguous`` policy's layout); SGLang refuses physical
-#: experts that do not divide by ``--ep-size``, and TensorRT-LLM slots that do not divide by its EP size.
-ENGINE_RULES: dict[str, EngineRule] = {
-    "vllm": EngineRule({"random": "random"}, False, "async", move_aware="move-aware", uneven_off=True),
-    "sglang": EngineRule({"uniform": "static", "rebalance": "dynamic", "minmax": "lp"}, True, "sync"),
-    "trtllm": EngineRule({"uniform": "uniform"}, True, "async", layers_per_step="spread"),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +128,8 @@ class Setup:
     workload_batches: tuple[int, ...]
     seed: int = 0
     notes: tuple[str, ...] = ()
+    #: Where the priced batches are another workload than the plans saw (``advise --price-load``): which is which.
+    cross: str | None = None
     _steps: dict[int, LoadMatrix] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -212,7 +183,7 @@ def redundant_values(num_experts: int, num_gpus: int) -> list[int]:
 
 def _router_suffix(engine: str, router: str) -> str:
     """``", LP dispatch"``: the engine's name of ``router`` where the engine has several."""
-    rule = ENGINE_RULES[engine]
+    rule = REGISTRY[engine].rule
     name = rule.routers[router]
     return f", {name.upper() if len(name) <= 2 else name} dispatch" if len(rule.routers) > 1 else ""
 
@@ -221,9 +192,7 @@ def candidates(setup: Setup, engine: str, *,
                periods: Sequence[tuple[int, int]] = ()) -> tuple[list[Candidate], list[str]]:
     """The configurations ``engine`` can run on ``setup`` (module docstring), and notes on what was left out.
     ``periods``: the ``(step_interval, window)`` pairs of periodic re-planning (none for statistics)."""
-    if engine not in ENGINE_RULES:
-        raise InputError(f"engine {engine!r} is unknown; choose one of: {', '.join(ENGINES)}")
-    rule = ENGINE_RULES[engine]
+    rule = get_engine(engine).rule
     spec, cluster = setup.phase.model, setup.cluster
     E, G, L = spec.num_experts, cluster.num_gpus, setup.num_moe_layers
     base = math.ceil(E / G)
@@ -305,7 +274,7 @@ def _craft(setup: Setup, engine: str, fitting: Sequence[int], notes: list[str]) 
     E, G, L = spec.num_experts, cluster.num_gpus, setup.num_moe_layers
     out: list[Candidate] = []
     seen: set[int] = set()
-    routers = list(ENGINE_RULES[engine].routers)
+    routers = list(REGISTRY[engine].rule.routers)
     for r in fitting:
         if r == 0:
             continue

@@ -1,145 +1,72 @@
 """What ``moebalance advise`` hands over: the engine's whole launch command for the configuration it recommends (the
-layout, all-to-all, precision and overlap it was priced with: :mod:`moebalance.app.engine_command`, then the EPLB
-flags below), the files it names (written atomically), the ranking table, and the HTML report with what the prices
-assumed (:mod:`moebalance.app.assumptions`; docs/design.md, "Advice").
-
-EPLB flags, checked against the engines' own argument lists:
-
-- vLLM 0.33: ``--enable-expert-parallel --enable-eplb --eplb-config '{"window_size": W, "step_interval": S,
-  "num_redundant_experts": R, "use_async": true}'``. vLLM loads no placement: its EPLB makes its first plan after
-  ``S / 4`` steps on the ``W`` steps before, then re-plans every ``S`` steps. A static plan is given as
-  ``W = 1000`` (vLLM's default window) and ``S = 4 W``: the first plan after ``W`` steps, the next after ``S`` more.
-  The migration-aware variant is the plug-in's (``MOEBALANCE_VLLM_EPLB=move-aware``, :mod:`moebalance.engines.vllm_plugin`).
-- SGLang 0.5: ``--ep-size G --ep-num-redundant-experts R --init-expert-location FILE --ep-dispatch-algorithm
-  static|dynamic|lp`` (no ``--enable-eplb`` for a static plan: it would re-plan every 1,000 iterations); periodic
-  re-planning adds ``--enable-eplb --eplb-algorithm deepseek|deepseek_hierarchical --eplb-rebalance-num-iterations S
-  --expert-distribution-recorder-buffer-size W``.
-- TensorRT-LLM: ``--extra_llm_api_options`` naming a YAML whose ``moe_config.load_balancer`` names the YAML of
-  ``num_slots``, ``initial_global_assignments`` and ``layer_updates_per_iter``.
+layout, all-to-all, precision and overlap it was priced with, and the EPLB flags: each engine's ``launch``,
+:class:`moebalance.engines.base.Engine`), the files it names (written atomically), the ranking table, and the HTML
+report with what the prices assumed (:mod:`moebalance.app.assumptions`; docs/design.md, "Advice").
 """
 
 from __future__ import annotations
 
-import json
-import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.table import Table
 
-from moebalance.app.advise import ENGINE_RULES, Advice, Priced, Setup
+from moebalance.app.advise import Advice, Candidate, Priced, Setup
 from moebalance.app.assumptions import assumption_rows
-from moebalance.app.engine_command import engine_command, trtllm_options
 from moebalance.app.html_report import Report, relative_loads
 from moebalance.core.io import atomic_write_text
 from moebalance.core.plan import write_plan
-from moebalance.engines.sglang import write_placement
-from moebalance.engines.trtllm import write_config
-from moebalance.engines.vllm_plugin import ENTRY_POINT, ENV
+from moebalance.engines.base import EplbChoice, Launch
+from moebalance.engines.registry import ENGINES
 
-__all__ = ["FILE_NAMES", "VLLM_STATIC_WINDOW", "advice_text", "advise_report", "advise_table", "launch_lines",
-           "trtllm_yaml", "write_engine_files"]
+__all__ = ["FLAGS_FILE", "PLAN_FILE", "advice_text", "advise_report", "advise_table", "choice_of", "launch_lines",
+           "write_engine_files"]
 
-#: vLLM's default ``window_size``: the steps a static plan is made on.
-VLLM_STATIC_WINDOW = 1000
-#: The files ``--out-dir`` receives (besides ``report.html`` and ``advise.json``).
-FILE_NAMES = {"flags": "launch.txt", "plan": "plan.json", "sglang": "sglang-init-expert-location.json",
-              "trtllm": "trtllm-load-balancer.yaml", "trtllm_options": "trtllm-extra-llm-api-options.yaml"}
+#: The files ``--out-dir`` receives besides the engine's own, ``report.html`` and ``advise.json``.
+FLAGS_FILE, PLAN_FILE = "launch.txt", "plan.json"
 
 
-def _placement_file(engine: str, out_dir: Path | None) -> str:
-    return str(out_dir / FILE_NAMES[engine]) if out_dir is not None else FILE_NAMES[engine]
+def choice_of(c: Candidate) -> EplbChoice | None:
+    """What a launch of candidate ``c`` runs (``None``: EPLB off)."""
+    if c.off:
+        return None
+    return EplbChoice(redundant_experts=c.redundant_experts, router=c.router, rebalance=c.rebalance,
+                      hierarchical=c.mode == "hierarchical", plugin=c.plugin, layers_per_step=c.layers_per_step or 0)
+
+
+def _launch(advice: Advice, setup: Setup, folder: Path | None) -> Launch:
+    return Launch(setup.phase.deployment, setup.cluster, setup.phase.phase, choice_of(advice.recommended.candidate),
+                  folder)
 
 
 def launch_lines(advice: Advice, setup: Setup, out_dir: Path | None = None) -> list[str]:
     """The engine's whole launch command for the recommended configuration (first line: the model, layout,
-    all-to-all, precision and overlap priced, :func:`~moebalance.app.engine_command.engine_command`, then the EPLB
-    flags), with its environment, and ``#`` comments after it; the files are named in ``out_dir`` (else placeholders
-    to fill once written), every path and JSON argument quoted for a POSIX shell."""
-    rec = advice.recommended.candidate
-    engine, q = advice.engine, shlex.quote
-    words, comments = engine_command(engine, setup.phase.deployment, setup.cluster, setup.phase.phase)
-    if engine == "vllm":
-        if rec.off:
-            return [" ".join(words), "# EPLB off: no --enable-eplb", *comments]
-        K, W = rec.rebalance if rec.rebalance is not None else (4 * VLLM_STATIC_WINDOW, VLLM_STATIC_WINDOW)
-        config = {"window_size": W, "step_interval": K, "num_redundant_experts": rec.redundant_experts,
-                  "use_async": True}
-        env = [] if rec.plugin is None else [f"{ENV}={q(rec.plugin)}"]
-        lines = [" ".join([*env, *words, "--enable-eplb", "--eplb-config", q(json.dumps(config))])]
-        if rec.rebalance is None:
-            lines.append(f"# vLLM loads no placement: it makes its first plan after step_interval / 4 = {W} steps, on "
-                         f"those steps, then re-plans every {K} steps (a step_interval beyond the run would keep "
-                         "vLLM's initial layout, experts 0..R-1 copied, not this plan)")
-        if rec.plugin is not None:
-            lines.append(f"# {ENV}: the moebalance plug-in (pip install moebalance[vllm]); if VLLM_PLUGINS is set it "
-                         f"must list {ENTRY_POINT}")
-        return lines + comments
-    if engine == "sglang":
-        if rec.off:
-            return [" ".join(words), "# EPLB off: the trivial expert location, no --enable-eplb", *comments]
-        dispatch = ENGINE_RULES["sglang"].routers[rec.router]  # SGLang's name of the router
-        words += ["--ep-num-redundant-experts", str(rec.redundant_experts), "--init-expert-location",
-                  q(_placement_file("sglang", out_dir)), "--ep-dispatch-algorithm", dispatch]
-        if rec.rebalance is not None:
-            algorithm = "deepseek_hierarchical" if rec.mode == "hierarchical" else "deepseek"
-            words += ["--enable-eplb", "--eplb-algorithm", algorithm, "--eplb-rebalance-num-iterations",
-                      str(rec.rebalance[0]), "--expert-distribution-recorder-buffer-size", str(rec.rebalance[1])]
-        return [" ".join(words), *_unwritten([FILE_NAMES["sglang"]], out_dir), *comments]
-    options = _placement_file("trtllm_options", out_dir)
-    lines = [" ".join([*words, "--extra_llm_api_options", q(options)]), f"# {options} holds:"]
-    lines += [f"#   {line}" for line in trtllm_yaml(advice, setup, out_dir).splitlines()]
-    if rec.off:
-        lines.append("# EPLB off: no moe_config.load_balancer")
-    names = [FILE_NAMES["trtllm_options"], *([] if rec.off else [FILE_NAMES["trtllm"]])]
-    return lines + _unwritten(names, out_dir) + comments
-
-
-def trtllm_yaml(advice: Advice, setup: Setup, out_dir: Path | None) -> str:
-    """TensorRT-LLM's ``--extra_llm_api_options`` file for the recommendation
-    (:func:`~moebalance.app.engine_command.trtllm_options`), naming the load-balancer file in ``out_dir``."""
-    balancer = None if advice.recommended.candidate.off else _placement_file("trtllm", out_dir)
-    doc: dict[str, Any] = trtllm_options(setup.phase.deployment, setup.cluster, balancer)
-    return yaml.safe_dump(doc, default_flow_style=False, sort_keys=False, width=10**6)
-
-
-def _unwritten(names: Sequence[str], out_dir: Path | None) -> list[str]:
-    return [f"# give --out-dir to write {' and '.join(names)}"] if out_dir is None else []
+    all-to-all, precision and overlap priced, then the EPLB flags), with its environment, and ``#`` comments after
+    it; the files are named in ``out_dir`` (else placeholders to fill once written), every path and JSON argument
+    quoted for a POSIX shell."""
+    return ENGINES[advice.engine].launch(_launch(advice, setup, out_dir))
 
 
 def write_engine_files(advice: Advice, setup: Setup, out_dir: Path, model: str, *, mtp_layers: int = 0,
                        named: Path | None = None) -> list[Path]:
-    """Write the recommendation's files into ``out_dir``: the launch command, unless EPLB stays off the plan
-    (moebalance's JSON) and the engine's placement file, and TensorRT-LLM's ``--extra_llm_api_options`` YAML;
-    returns their paths, the command last. ``mtp_layers``: the
-    TensorRT-LLM file's keys for multi-token-prediction layers (:func:`moebalance.engines.trtllm.write_config`).
-    ``named``: the folder the flags name the files in (default ``out_dir``), where they will be read from when
-    ``out_dir`` is a temporary folder put in its place afterwards (:func:`moebalance.core.io.atomic_dir`)."""
+    """Write the recommendation's files into ``out_dir``: the plan (moebalance's JSON) unless EPLB stays off, the
+    engine's files (its placement, TensorRT-LLM's ``--extra_llm_api_options`` YAML), and the launch command last;
+    returns their paths. ``mtp_layers``: the keys of multi-token-prediction layers where the engine's placement
+    carries them (:func:`moebalance.engines.trtllm.write_config`). ``named``: the folder the command names the files
+    in (default ``out_dir``), where they will be read from when ``out_dir`` is a temporary folder put in its place
+    afterwards (:func:`moebalance.core.io.atomic_dir`)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rec = advice.recommended
+    rec, engine = advice.recommended, ENGINES[advice.engine]
+    at = _launch(advice, setup, out_dir if named is None else named)
     written: list[Path] = []
     if not rec.candidate.off:
-        plan = rec.plan
-        dest = out_dir / FILE_NAMES["plan"]
-        write_plan(dest, plan)
-        written.append(dest)
-        if advice.engine == "sglang":
-            dest = out_dir / FILE_NAMES["sglang"]
-            write_placement(dest, plan, model=model)
-            written.append(dest)
-        elif advice.engine == "trtllm":
-            dest = out_dir / FILE_NAMES["trtllm"]
-            write_config(dest, plan, None, rec.candidate.layers_per_step or 0, model=model, mtp_layers=mtp_layers)
-            written.append(dest)
-    if advice.engine == "trtllm":  # the options name the load balancer where the files will be read
-        dest = out_dir / FILE_NAMES["trtllm_options"]
-        atomic_write_text(dest, trtllm_yaml(advice, setup, out_dir if named is None else named))
-        written.append(dest)
-    dest = out_dir / FILE_NAMES["flags"]
-    atomic_write_text(dest, "\n".join(launch_lines(advice, setup, out_dir if named is None else named)) + "\n")
-    return [*written, dest]
+        written.append(out_dir / PLAN_FILE)
+        write_plan(written[-1], rec.plan)
+    written += engine.write_files(out_dir, at, None if rec.candidate.off else rec.plan, model, mtp_layers)
+    written.append(out_dir / FLAGS_FILE)
+    atomic_write_text(written[-1], "\n".join(engine.launch(at)) + "\n")
+    return written
 
 
 def advice_text(advice: Advice) -> str:

@@ -33,7 +33,7 @@ def assumptions(d: Deployment, cluster: Cluster, *, fit_error: float | None, pha
     recorded mean absolute log error (``None``: none recorded); ``phase``: the steps priced (``decode``, ``prefill``
     or what else priced them, in words); ``tokens_per_step``: a step's tokens where one number holds, else
     ``step_note`` says what a step holds (or whose the number is); ``held_out_note``: why the priced batches are not
-    held out."""
+    held out, or where held out what they are."""
     tokens = None if tokens_per_step is None else int(tokens_per_step)
     requests: float | None = None
     if tokens is not None and phase == "decode":
@@ -71,8 +71,8 @@ def assumption_rows(doc: dict[str, Any], baseline: str = "EPLB off") -> list[tup
     if doc["margin"] is not None:
         rows.append(("margin", f"{100 * doc['margin']:.1f}% over {baseline}"))
     if doc["held_out"] is not None:
-        rows.append(("priced batches", "held out (not planned on)" if doc["held_out"] else
-                     "in sample" + (f": {doc['held_out_note']}" if doc["held_out_note"] else "")))
+        why = f": {doc['held_out_note']}" if doc["held_out_note"] else ""
+        rows.append(("priced batches", "held out (not planned on)" + why if doc["held_out"] else "in sample" + why))
     return rows
 
 

@@ -12,6 +12,7 @@ from moebalance.app.options import MAX_GPUS, count, fraction, non_negative_float
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.cost.a2a import kernels_on
 from moebalance.cost.calibrate import AUTO, profile_names, resolve_calibration
 from moebalance.cost.deployment import KERNELS, OVERLAPS, PHASES, PRECISIONS, Deployment, Workload
 from moebalance.cost.hardware import GPUS, get_gpu
@@ -96,7 +97,7 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
                    help="how the all-to-all moves tokens: per-gpu (the default: a copy straight to each destination "
                         "GPU, no fixed cost), normal (DeepEP's normal kernels: once per remote node, then NVLink), "
                         "low-latency (DeepEP's: a message per pick), auto (normal in prefill, low-latency in decode, "
-                        "as SGLang's --deepep-mode auto)")
+                        "as SGLang's --deepep-mode auto); DeepEP's on NVIDIA GPUs only")
 
 
 def add_phase(p: argparse.ArgumentParser) -> None:
@@ -148,11 +149,13 @@ def build(args: argparse.Namespace, load: LoadMatrix | None = None, *,
     kv_dtype = getattr(args, "kv_cache_dtype", None)
     engine["kv_bytes"] = None if kv_dtype is None else PRECISION_BYTES[kv_dtype]
     work = {dest: getattr(args, dest, None) for _, dest in REQUEST_FLAGS}
-    return Deployment(model=spec, gpu=get_gpu(args.gpu),
+    gpu = get_gpu(args.gpu)
+    return Deployment(model=spec, gpu=gpu,
                       calibration=calibration(args)[0] if calibrated is None else calibrated,
                       engine=EngineMemory(**{k: v for k, v in engine.items() if v is not None}),
                       workload=Workload(**{k: v for k, v in work.items() if v is not None}),
-                      a2a=getattr(args, "a2a", None) or "per-gpu",
+                      # the GPU's default kernel; Deployment refuses an --a2a the GPU cannot run (DeepEP's on AMD)
+                      a2a=getattr(args, "a2a", None) or kernels_on(gpu)[0],
                       precision=getattr(args, "precision", None) or "served",
                       overlap=getattr(args, "overlap", None) or "none")
 

@@ -38,6 +38,7 @@ from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_path
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.engines.registry import ENGINES
 from moebalance.engines.vllm_plugin import ENTRY_POINT, ENV, VARIANTS
 from moebalance.online.replay import OnlineResult
 from moebalance.routing import Router, get_router
@@ -290,9 +291,9 @@ def _export_lines(name: str, plan: Placement, folder: Path | None, load_args: Se
     pad = [] if int(padded.min()) == int(padded.max()) else ["--pad", *(load_args or ("--load", "LOAD"))]
     source = f"plan-{name}.json" if folder is None else str(folder / f"plan-{name}.json")
     stem = name.replace(" ", "_")
+    loaders = sorted(name for name, e in ENGINES.items() if e.rule.placement_file)  # engines that load a plan file
     return "\n".join(shlex.join(["moebalance", "export", "--plan", source, "--to", engine, *pad, "--out",
-                                 f"{stem}-{engine}{ext}"])
-                     for engine, ext in (("sglang", ".json"), ("trtllm", ".yaml")))
+                                 f"{stem}-{engine}{ENGINES[engine].export_suffix}"]) for engine in loaders)
 
 
 def _vllm_lines() -> str:

@@ -275,9 +275,21 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         tmp.write_text(text)
 
 
+def _numpy_plain(value: Any) -> Any:
+    """A numpy scalar or array as the Python number, bool or list it holds (``json.dumps``'s ``default``); anything
+    else is the usual ``TypeError``."""
+    import numpy as np
+
+    if isinstance(value, np.bool_ | np.number | np.ndarray):
+        return value.tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def dumps(obj: Any) -> str:
-    """``obj`` as indented JSON with a final newline (the format of every JSON report we write)."""
-    return json.dumps(obj, indent=2) + "\n"
+    """``obj`` as indented JSON with a final newline (the format of every JSON report we write). numpy scalars and
+    arrays are written as the Python values they hold (``np.int64(3)`` as ``3``, an array as a list), so a count or
+    a time summed by numpy needs no conversion first."""
+    return json.dumps(obj, indent=2, default=_numpy_plain) + "\n"
 
 
 def save_png(fig: Any, path: str | os.PathLike[str]) -> None:

@@ -437,18 +437,18 @@ def _why(exc: BaseException) -> str:
     return f"{text} (is the file truncated, or not written by numpy?)"
 
 
-def check_same_model(first_name: str, first: LoadMatrix, name: str, load: LoadMatrix) -> None:
-    """Two workloads (``--load`` files named ``first_name`` and ``name``) must be loads of one model: the same layers
-    and experts, layer ids and named model; else a one-line :class:`InputError`."""
+def check_same_model(first_name: str, first: LoadMatrix, name: str, load: LoadMatrix, flag: str = "--load") -> None:
+    """Two workloads (``--load`` files named ``first_name`` and ``name``, the second given by ``flag``) must be loads
+    of one model: the same layers and experts, layer ids and named model; else a one-line :class:`InputError`."""
     if (load.num_layers, load.num_experts) != (first.num_layers, first.num_experts):
-        raise InputError(f"--load {name} is [layers, experts] = [{load.num_layers}, {load.num_experts}] but --load "
+        raise InputError(f"{flag} {name} is [layers, experts] = [{load.num_layers}, {load.num_experts}] but --load "
                          f"{first_name} is [{first.num_layers}, {first.num_experts}]; give workloads of one model")
     ids = [None if x.layer_ids is None else x.layer_ids.tolist() for x in (first, load)]
     if ids[0] != ids[1]:
-        raise InputError(f"--load {name} holds the model's layers {ids[1]} but --load {first_name} holds {ids[0]}; "
+        raise InputError(f"{flag} {name} holds the model's layers {ids[1]} but --load {first_name} holds {ids[0]}; "
                          "give workloads recorded the same way")
     if None not in (first.preset, load.preset) and first.preset != load.preset:
-        raise InputError(f"--load {name} names model {load.preset} but --load {first_name} names {first.preset}; "
+        raise InputError(f"{flag} {name} names model {load.preset} but --load {first_name} names {first.preset}; "
                          "give workloads of one model (or --model M for both)")
 
 

@@ -11,7 +11,9 @@ results back (docs/design.md, "Cost model").
 - ``low-latency``: DeepEP's low-latency kernels (decode): one message per pick (per expert, not per GPU), over NVLink
   inside the node and RDMA across nodes.
 
-DeepEP's kernels cost a fixed :data:`LATENCY_US` per phase beside their bytes.
+DeepEP's kernels cost a fixed :data:`LATENCY_US` per phase beside their bytes. They run on NVIDIA GPUs only
+(:mod:`moebalance.cost.hardware`, from DeepEP's README): on another vendor's GPU a deployment prices ``per-gpu`` alone
+(:func:`kernels_on`, :func:`check_kernel_on`).
 
 **Time.** Per ``(b, l)`` a GPU's intra-node copies go over its NVLink/PCIe share (``Cluster.intra_node_bandwidth``)
 and its inter-node copies over its NIC (``inter_node_bandwidth``), in parallel; a phase lasts as long as the busiest
@@ -36,12 +38,16 @@ import numpy as np
 
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
+from moebalance.cost.hardware import VENDORS, GpuSpec
 
-__all__ = ["KERNELS", "LATENCY_US", "a2a_estimate", "a2a_per_pick", "a2a_seconds", "check_kernel", "kernel_for"]
+__all__ = ["DEEPEP_KERNELS", "KERNELS", "LATENCY_US", "a2a_estimate", "a2a_per_pick", "a2a_seconds", "check_kernel",
+           "check_kernel_on", "kernel_for", "kernels_on"]
 
 #: The all-to-all kernels a deployment names (module docstring); ``auto``: ``normal`` in prefill, ``low-latency`` in
 #: decode.
 KERNELS = ("per-gpu", "normal", "low-latency", "auto")
+#: The kernels that are DeepEP's, which run on NVIDIA GPUs only.
+DEEPEP_KERNELS = ("normal", "low-latency", "auto")
 #: Fixed microseconds one phase (dispatch or combine) of a kernel costs beside its bytes: launch, signalling and
 #: completion across the ranks. DeepEP's: its low-latency dispatch of 128 tokens on EP8 (H800) less those bytes over
 #: NVLink at 160 GB/s, the one row of DeepEP's tables the model takes (``bench/fidelity_report.py`` derives it and
@@ -53,6 +59,23 @@ def check_kernel(kernel: str) -> str:
     """``kernel`` if it is one of :data:`KERNELS`, else a one-line error."""
     if not isinstance(kernel, str) or kernel not in KERNELS:
         raise InputError(f"all-to-all kernel {kernel!r} is unknown; choose one of: {', '.join(KERNELS)}")
+    return kernel
+
+
+def kernels_on(gpu: GpuSpec) -> tuple[str, ...]:
+    """The kernels a deployment on ``gpu`` may price, the default (``per-gpu``) first: all of :data:`KERNELS` on an
+    NVIDIA GPU, none of DeepEP's (:data:`DEEPEP_KERNELS`) on another vendor's. What chooses or lists kernels for a
+    GPU takes them from here."""
+    return KERNELS if gpu.vendor == "nvidia" else tuple(k for k in KERNELS if k not in DEEPEP_KERNELS)
+
+
+def check_kernel_on(kernel: str, gpu: GpuSpec) -> str:
+    """``kernel`` if it is one of :data:`KERNELS` that runs on ``gpu`` (:func:`kernels_on`), else a one-line error
+    naming the GPU and the fix."""
+    if check_kernel(kernel) not in kernels_on(gpu):
+        raise InputError(f"--a2a {kernel} prices DeepEP's kernels, which run on NVIDIA GPUs only, not on --gpu "
+                         f"{gpu.name} ({VENDORS[gpu.vendor]} {gpu.display_name}); give --a2a "
+                         f"{' or '.join(kernels_on(gpu))}")
     return kernel
 
 

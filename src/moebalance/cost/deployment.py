@@ -22,7 +22,7 @@ import numpy as np
 from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
-from moebalance.cost.a2a import KERNELS, LATENCY_US, a2a_estimate, a2a_per_pick, check_kernel, kernel_for
+from moebalance.cost.a2a import KERNELS, LATENCY_US, a2a_estimate, a2a_per_pick, check_kernel_on, kernel_for
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import (
@@ -81,7 +81,8 @@ class Deployment:
     engine: EngineMemory = field(default_factory=EngineMemory)
     workload: Workload = field(default_factory=Workload)
     #: The all-to-all's kernel (:data:`moebalance.cost.a2a.KERNELS`): ``per-gpu``, DeepEP's ``normal`` or
-    #: ``low-latency``, or ``auto`` (normal in prefill, low-latency in decode).
+    #: ``low-latency``, or ``auto`` (normal in prefill, low-latency in decode); DeepEP's on an NVIDIA GPU only
+    #: (:func:`moebalance.cost.a2a.kernels_on`).
     a2a: str = "per-gpu"
     #: The weights' and the GEMMs' precision, ``bf16`` or ``fp8`` (:data:`PRECISIONS`); ``served``, the default: the
     #: model's own (:attr:`~moebalance.models.ModelSpec.served_precision`), bf16 on a GPU without FP8 tensor cores
@@ -95,7 +96,7 @@ class Deployment:
                            ("engine", EngineMemory), ("workload", Workload)):
             if not isinstance(getattr(self, name), kind):
                 raise InputError(f"Deployment.{name} ({getattr(self, name)!r}) must be a {kind.__name__}")
-        check_kernel(self.a2a)
+        check_kernel_on(self.a2a, self.gpu)  # DeepEP's kernels on an AMD GPU: one line
         if self.overlap not in OVERLAPS:
             raise InputError(f"overlap {self.overlap!r} is unknown; choose one of: {', '.join(OVERLAPS)}")
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:

@@ -10,6 +10,12 @@ A GPU's links are not part of its spec: the scale-up link inside a node is a pre
 :data:`moebalance.core.cluster.LINK_PRESETS` (``--intra-link``: ``nvlink5`` for the B200 and GB200, ``xgmi-mi300x``,
 ``xgmi-mi355x``) and the scale-up domain is ``--gpus-per-node`` (8 on an HGX or AMD Instinct platform, 72 in a
 GB200 NVL72 rack), as each entry's comment says.
+
+Each GPU records its ``vendor``: DeepEP's all-to-all kernels (``--a2a normal|low-latency|auto``) run on NVIDIA GPUs
+only (https://github.com/deepseek-ai/DeepEP, README, "Requirements": SM90 GPUs or architectures with SM90 PTX ISA
+support, CUDA 12.3 or later, NVLink with CUDA peer access between the node's GPUs, RDMA across nodes), so on an AMD
+GPU, which serves under ROCm with other kernels, a deployment prices ``--a2a per-gpu`` alone
+(:func:`moebalance.cost.a2a.kernels_on`). Which NVIDIA architectures a DeepEP release supports is not checked.
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from moebalance.core.cluster import LINK_PRESETS
 from moebalance.core.errors import InputError
 from moebalance.models.fields import check_fields
 
-__all__ = ["GPUS", "GpuSpec", "get_gpu"]
+__all__ = ["GPUS", "VENDORS", "GpuSpec", "get_gpu"]
+
+#: The vendors a GPU is made by (:attr:`GpuSpec.vendor`), each with its name in words.
+VENDORS = {"nvidia": "NVIDIA", "amd": "AMD"}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -42,10 +51,13 @@ class GpuSpec:
     #: The :data:`moebalance.core.cluster.LINK_PRESETS` name of its link inside the node it is sold in: the intra-node
     #: bandwidth a command prices with ``--gpu`` unless given ``--intra-link`` (or a calibration's measured link).
     intra_link: str = "nvlink4"
+    #: Who makes it, a key of :data:`VENDORS`: ``nvidia`` (CUDA; DeepEP's kernels run on it) or ``amd`` (ROCm; they
+    #: do not: module docstring).
+    vendor: str = "nvidia"
 
     def __post_init__(self) -> None:
         check_fields(self, text=("name", "display_name", "source"),
-                     positive_reals=("bf16_tflops", "memory_gib", "memory_bandwidth"))
+                     positive_reals=("bf16_tflops", "memory_gib", "memory_bandwidth"), choices={"vendor": tuple(VENDORS)})
         if self.intra_link not in LINK_PRESETS:
             raise InputError(f"GPU {self.name}: intra_link {self.intra_link!r} is not a link preset; choose one of: "
                              f"{', '.join(LINK_PRESETS)}")
@@ -100,12 +112,13 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     # sparsity), 192 GB HBM3, 5.3 TB/s. 7 AMD Infinity Fabric links of 128 GB/s peak each (both directions): 448
     # GB/s per direction in all, the link preset xgmi-mi300x; an 8-GPU platform, each GPU linked to the 7 others.
     GpuSpec(name="mi300x", intra_link="xgmi-mi300x", display_name="Instinct MI300X", bf16_tflops=1307.4, memory_gib=192.0,
-            memory_bandwidth=5300.0, fp8_tflops=2614.9, source="AMD Instinct MI300X accelerator datasheet"),
+            memory_bandwidth=5300.0, fp8_tflops=2614.9, source="AMD Instinct MI300X accelerator datasheet",
+            vendor="amd"),
     # AMD Instinct MI355X: peak BF16 2.5 PFLOPS dense (5 with sparsity), FP8 5 PFLOPS dense (10.1 with sparsity),
     # 288 GB HBM3E, 8 TB/s. 7 AMD Infinity Fabric links of 153.6 GB/s peak each (both directions): 537.6 GB/s per
     # direction in all, the link preset xgmi-mi355x; an 8-GPU platform, each GPU linked to the 7 others.
     GpuSpec(name="mi355x", intra_link="xgmi-mi355x", display_name="Instinct MI355X", bf16_tflops=2500.0, memory_gib=288.0,
-            memory_bandwidth=8000.0, fp8_tflops=5000.0, source="AMD Instinct MI355X GPU datasheet"),
+            memory_bandwidth=8000.0, fp8_tflops=5000.0, source="AMD Instinct MI355X GPU datasheet", vendor="amd"),
     # GeForce RTX 4090: BF16 tensor with FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity), FP8 with FP32
     # accumulate 330.3 dense (660.6 with sparsity), 24 GB GDDR6X, 1,008 GB/s.
     GpuSpec(name="rtx4090", intra_link="pcie4", display_name="GeForce RTX 4090", bf16_tflops=165.2, memory_gib=24.0,

@@ -13,7 +13,8 @@ A GPU's KV cache is set by the GPU hosting the most experts (engines size every 
 smallest one bounds the batch: CRAFT Section 4.2.2, Challenge 2). Replicas cost ``(max_g S_g - L * ceil(E / G))
 * expert_bytes``; the KV-cache reduction is that memory over the KV cache of the same deployment without
 replicas. Concurrency is how many requests of ``context`` tokens the KV cache holds: ``kv_cache /
-(context * kv_bytes_per_token)`` per attention data-parallel rank.
+kv_bytes_per_request(context)`` per GPU of an attention data-parallel rank (full layers cache every token, window
+layers at most ``W``, linear layers a state of fixed size: :meth:`moebalance.models.ModelSpec.kv_cache_bytes`).
 """
 
 from __future__ import annotations
@@ -147,9 +148,9 @@ def memory_per_gpu(model: ModelSpec, gpu: GpuSpec, *, num_gpus: int, gpus_per_no
                          "weights and KV cache; use more GPUs or a larger memory_fraction")
     replica_gib = max(0, hosted - base) * expert_gib
     kv = kv_without - replica_gib
-    per_request = context_tokens * model.kv_bytes_per_token(engine.kv_bytes) / GIB
-    # each data-parallel rank (attention_tp GPUs) holds its own requests, split over kv_shards of its GPUs' pools
-    per_rank = math.floor(max(0.0, kv) * model.kv_shards(attention_tp) / per_request)
+    # each data-parallel rank (attention_tp GPUs) holds its own requests, each split over its GPUs' pools
+    per_request = model.kv_bytes_per_request(context_tokens, engine.kv_bytes, attention_tp) / GIB
+    per_rank = math.floor(max(0.0, kv) / per_request)
     ranks = num_gpus // attention_tp
     if engine.max_running_requests is not None:  # each rank runs its share of the cap (SGLang divides it)
         if engine.max_running_requests < ranks:

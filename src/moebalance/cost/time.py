@@ -198,9 +198,11 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
                  absorbed: bool = False) -> float:
     """Seconds of everything but the routed experts in one step, on one GPU of a data-parallel rank that processes
     ``tokens_per_rank`` tokens, computes ``logits_per_rank`` next-token logits (default: every token, as in decode;
-    a prefill needs one per prompt), reads ``kv_tokens_per_rank`` tokens of KV cache (decode: requests x context;
-    split over the GPUs that hold a GQA cache's heads) and attends ``attended_per_rank`` (query, key) pairs in each
-    decoder layer (a prompt of ``P`` tokens: ``P (P + 1) / 2``, causal; a decode token: its context).
+    a prefill needs one per prompt), reads ``kv_tokens_per_rank`` tokens of KV cache (decode: requests x context, the
+    requests being the rank's tokens, one each; a window layer reads at most ``W`` tokens of a request, a linear layer
+    its state: :meth:`moebalance.models.ModelSpec.kv_cache_bytes`, split over the GPUs that hold a GQA cache's heads)
+    and attends ``attended_per_rank`` (query, key) pairs in each decoder layer (a prompt of ``P`` tokens: ``P (P + 1)
+    / 2``, causal; a decode token: its context; every layer counted as full).
 
     The input embedding is a lookup (its rows, not the table, are read); the LM head is a matrix product over the
     logits; every other non-expert weight multiplies every token and is read once per step, in ``precision``.
@@ -219,7 +221,8 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
     params = non_expert_gib_per_gpu(model, engine, gpus_per_node) * GIB / engine.weight_bytes
     flops = 2.0 * (params - head - table) * tokens_per_rank + 2.0 * head * logits
     attention_tp = engine.attention_group(gpus_per_node)
-    kv_bytes = kv_tokens_per_rank * model.kv_bytes_per_token(engine.kv_bytes) / model.kv_shards(attention_tp)
+    requests = tokens_per_rank if kv_tokens_per_rank else 0.0  # decode: a token per request
+    kv_bytes = model.kv_cache_bytes(kv_tokens_per_rank, requests, engine.kv_bytes, attention_tp)
     traffic = (params - table) * engine.weight_bytes + kv_bytes
     flops_rate, bytes_rate = peak_rates(gpu, cal, precision)
     compute = flops / flops_rate

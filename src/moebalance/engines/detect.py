@@ -24,19 +24,16 @@ from moebalance.core.limits import machine_memory_bytes
 from moebalance.core.load import BUNDLED_PREFIX, LoadMatrix, read_load, write_load
 from moebalance.core.plan import Placement, read_plan, with_dense_layers
 from moebalance.engines.layers import choose_model, fit_load
-from moebalance.engines.sglang import read_dumps, read_placement, read_stat
-from moebalance.engines.stream import import_dumps, import_routed_experts
-from moebalance.engines.trtllm import read_config, read_statistics
-from moebalance.engines.vllm import read_routed_experts
-from moebalance.models import MODELS, get_model
+from moebalance.engines.registry import DETECTION, ENGINES
+from moebalance.models import get_model
 
 __all__ = ["LOAD_FORMATS", "LOAD_KINDS", "PLAN_FORMATS", "Imported", "OpenedLoad", "detect_load", "import_load",
-           "moe_layer_ids", "open_load", "read_any_load", "read_any_plan"]
+           "open_load", "read_any_load", "read_any_plan"]
 
-#: ``--format`` values of a load.
-LOAD_FORMATS = ("moebalance", "sglang", "trtllm", "vllm")
-#: ``--format`` values of a plan.
-PLAN_FORMATS = ("moebalance", "sglang", "trtllm")
+#: ``--format`` values of a load: moebalance's and every engine's.
+LOAD_FORMATS = ("moebalance", *sorted(ENGINES))
+#: ``--format`` values of a plan: moebalance's and those of the engines whose placement files are read.
+PLAN_FORMATS = ("moebalance", *sorted(name for name, e in ENGINES.items() if e.read_plan is not None))
 
 
 #: Every kind of load ``--load`` reads, for the messages that refuse another.
@@ -56,25 +53,14 @@ def detect_load(path: str | os.PathLike[str]) -> str:
     if not p.exists():  # before any guess from its name: a typo is a missing file, not a format to choose
         raise InputError(f"load file {text!r} does not exist; check the path")
     if p.is_dir():
-        if (p / "meta_info.json").is_file():
-            return "trtllm"
-        if any(p.glob("*.pt")):
-            return "sglang"
-        if any(p.glob("*.json")):
-            return "vllm"
+        for engine in DETECTION:
+            if engine.claims(p):
+                return engine.name
         raise InputError(f"{text!r} is a folder without meta_info.json, .pt or .json files; give {LOAD_KINDS}")
     if p.suffix not in (".pt", ".json", ".npy", ".npz"):
         raise InputError(f"load file {text!r} is of no kind --load reads (it must end in .npy, .npz, .pt or .json, "
                          f"or be a folder): give {LOAD_KINDS}")
-    if p.suffix == ".pt":
-        return "sglang"
-    if p.suffix == ".json":
-        try:
-            head = p.read_text()[:4096]
-        except (OSError, UnicodeDecodeError):
-            return "sglang"
-        return "vllm" if '"routed_experts"' in head or '"choices"' in head else "sglang"
-    return "moebalance"
+    return next((engine.name for engine in DETECTION if engine.claims(p)), "moebalance")
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,22 +89,16 @@ def open_load(path: str | os.PathLike[str], fmt: str | None = None, *, model: st
     if kind == "moebalance":  # refuses a load of another shape or of layers the model lacks
         return OpenedLoad(fit_load(read_load(path), model), kind)
     _check_fits(Path(path), kind)
-    if kind == "sglang":
-        load = read_dumps(path, model=model) if Path(path).is_dir() else read_stat(path, model=model)
-    elif kind == "vllm":
-        load = read_routed_experts(path, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts, model=model)
-    else:
-        if not Path(path).is_dir():
-            raise InputError(f"{str(path)!r} is a file; TensorRT-LLM statistics are a folder (meta_info.json and "
-                             "rank*.safetensors)")
-        load = read_statistics(path, model=model)
+    load = ENGINES[kind].read_load(Path(path), model=model, gpus=gpus, batch_tokens=batch_tokens,
+                                   num_experts=num_experts)
     return OpenedLoad(load, kind, () if model is not None else _inferred(load))
 
 
 def _streamed(path: Path, kind: str) -> bool:
     """Whether ``import`` reads this dump a file at a time (:mod:`moebalance.engines.stream`): vLLM's routed experts
     and SGLang's folders of per-rank dumps."""
-    return kind == "vllm" or (kind == "sglang" and path.is_dir())
+    engine = ENGINES.get(kind)
+    return engine is not None and engine.import_load is not None and engine.streams(path)
 
 
 def _check_fits(path: Path, kind: str) -> None:
@@ -159,18 +139,17 @@ def import_load(path: str | os.PathLike[str], out: str | os.PathLike[str], fmt: 
         raise InputError(f"output {str(dest)!r} must end in .npz")
     kind = detect_load(path) if fmt is None else fmt
     p = Path(path)
-    if kind not in LOAD_FORMATS or str(path).startswith(BUNDLED_PREFIX) or not p.exists() or not _streamed(p, kind):
+    if str(path).startswith(BUNDLED_PREFIX) or not p.exists() or not _streamed(p, kind):
         opened = open_load(path, fmt, model=model, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts)
         write_load(dest, opened.load)
         trace = opened.load.trace
         return Imported(opened.load, opened.format, None if trace is None else trace.num_tokens, opened.notes)
     if model is not None:
         get_model(model)  # a misspelt name before the first pass, not after it
-    if kind == "vllm":
-        got = import_routed_experts(p, dest, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts,
-                                    model=model)
-    else:
-        got = import_dumps(p, dest, model=model)
+    stream = ENGINES[kind].import_load
+    if stream is None:  # _streamed said it has one
+        raise InputError(f"{kind} dumps are not imported a file at a time")
+    got = stream(p, dest, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts, model=model)
     return Imported(got.load, kind, got.num_tokens, () if model is not None else _inferred(got.load))
 
 
@@ -193,43 +172,25 @@ def read_any_load(path: str | os.PathLike[str], fmt: str | None = None, *, gpus:
     return open_load(path, fmt, model=model, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts).load
 
 
-def moe_layer_ids(load: LoadMatrix) -> np.ndarray | None:
-    """The decoder-layer ids of the MoE layers (``D .. H - 1``, or Llama 4 Maverick's every second:
-    :attr:`~moebalance.models.ModelSpec.moe_layer_ids`) of a load that is a model's MoE layers alone (``[B, L_moe, E]``,
-    no ids recorded: a plain ``.npy`` of a model with dense layers), the model being the load's preset or the one
-    its shape fits (:func:`moebalance.engines.layers.choose_model`); ``None`` for any other load."""
-    if load.layer_ids is not None:
-        return None
-    named = load.preset if load.preset in MODELS else None
-    try:
-        spec = choose_model(load.num_layers, load.num_experts, None, None, named).spec
-    except InputError:  # the load's recorded model does not fit its shape: no numbering to assume
-        return None
-    if spec is None or spec.num_dense_layers == 0 or load.num_layers != spec.num_layers:
-        return None
-    return np.asarray(spec.moe_layer_ids, dtype=np.int64)  # D .. H - 1, or Llama 4 Maverick's every second
-
-
 def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, fmt: str | None = None,
                   load: LoadMatrix | None = None) -> Placement:
     """The plan in ``path``: a moebalance plan, or an engine's placement file laid out on ``cluster`` (needed for
     engine files, which do not record the topology); ``load`` gives the layers and experts to align with. Engine
-    files number the model's decoder layers: on a load of the MoE layers alone (:func:`moe_layer_ids`) a TensorRT-LLM
+    files number the model's decoder layers: on a load of the MoE layers alone
+    (:func:`moebalance.engines.layers.moe_layer_ids`) a TensorRT-LLM
     YAML's keys, and an SGLang map with more rows than the load, give the load's layers from the model's ids."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"plan file {str(p)!r} does not exist")
     kind = fmt
     if kind is None:
-        if p.suffix in (".yaml", ".yml"):
-            kind = "trtllm"
-        elif p.suffix == ".pt":
-            kind = "sglang"
-        else:
-            head = read_json(p, "plan file", error=PlanError)  # not JSON: neither a moebalance nor an SGLang plan
-            if isinstance(head, dict) and "logical_count" in head:
-                raise InputError(f"{str(p)!r} is an SGLang load (logical_count), not a placement; give it as --load")
-            kind = "sglang" if isinstance(head, dict) and "physical_to_logical_map" in head else "moebalance"
+        kind = next((name for name, e in ENGINES.items() if p.suffix in e.plan_suffixes), None)
+    if kind is None:
+        head = read_json(p, "plan file", error=PlanError)  # not JSON: neither a moebalance nor an SGLang plan
+        if isinstance(head, dict) and "logical_count" in head:
+            raise InputError(f"{str(p)!r} is an SGLang load (logical_count), not a placement; give it as --load")
+        kind = next((name for name, e in ENGINES.items() if isinstance(head, dict) and e.plan_key in head),
+                    "moebalance")
     if kind not in PLAN_FORMATS:
         raise InputError(f"unknown plan format {kind!r}; choose one of: {', '.join(PLAN_FORMATS)}")
     if kind == "moebalance":
@@ -237,24 +198,10 @@ def read_any_plan(path: str | os.PathLike[str], cluster: Cluster | None = None, 
     if cluster is None:
         raise InputError(f"{str(p)!r} is a {kind} placement, which does not record the cluster; give --nodes and "
                          "--gpus-per-node")
-    E = None if load is None else load.num_experts
-    ids = None if load is None else load.layer_ids
-    moe_only = None if load is None or ids is not None else moe_layer_ids(load)
-    if kind == "sglang":
-        plan = read_placement(p, cluster, E)
-        if moe_only is not None and load is not None and plan.num_layers > load.num_layers:
-            ids = moe_only  # the engine's rows of every decoder layer, scored on the MoE layers alone
-    else:
-        ids = ids if moe_only is None else moe_only  # TensorRT-LLM's keys are decoder-layer ids
-        if load is None:
-            moe: list[int] = []
-        elif ids is not None:
-            moe = [int(i) for i in ids]
-        else:
-            moe = [int(x) for x in np.flatnonzero(load.counts.sum(axis=(0, 2)) > 0)]
-        model = MODELS.get(load.preset) if load is not None and load.preset is not None else None
-        mtp = () if model is None or load is None or load.num_layers != model.num_decoder_layers else model.mtp_layer_ids
-        plan = read_config(p, cluster, None if load is None or ids is not None else load.num_layers, E, moe, mtp)
+    reader = ENGINES[kind].read_plan
+    if reader is None:  # not in PLAN_FORMATS
+        raise InputError(f"{kind} placements are not read")
+    plan, ids = reader(p, cluster, load)
     if ids is None:  # the engine's rows of dense layers (no load) hold no experts there: no copies, whatever they list
         dense = [] if load is None or load.num_layers != plan.num_layers else \
             np.flatnonzero(load.counts.sum(axis=(0, 2)) == 0).tolist()

@@ -24,6 +24,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from moebalance.core.errors import InputError, PlanError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
@@ -31,7 +33,7 @@ from moebalance.models import MODELS, ModelSpec, get_model
 from moebalance.models.specs import layer_span
 
 __all__ = ["EngineLayers", "ModelChoice", "check_plan_layers", "choose_model", "decoder_layers", "family_label",
-           "fit_load", "mtp_layers", "plan_layers"]
+           "fit_load", "moe_layer_ids", "mtp_layers", "plan_layers"]
 
 _NAMING = ("name", "display_name", "source")  # what two names of one architecture may differ in
 
@@ -237,3 +239,20 @@ def plan_layers(plan: Placement, *, model: str | ModelSpec | None = None,
         raise PlanError(f"the plan has {N} layers but {spec.display_name} has {spec.shape_text()}; give the plan of this "
                         "model")
     return EngineLayers(tuple(range(N)), H, spec, None, tuple(notes))
+
+
+def moe_layer_ids(load: LoadMatrix) -> np.ndarray | None:
+    """The decoder-layer ids of the MoE layers (``D .. H - 1``, or Llama 4 Maverick's every second:
+    :attr:`~moebalance.models.ModelSpec.moe_layer_ids`) of a load that is a model's MoE layers alone (``[B, L_moe, E]``,
+    no ids recorded: a plain ``.npy`` of a model with dense layers), the model being the load's preset or the one
+    its shape fits (:func:`choose_model`); ``None`` for any other load."""
+    if load.layer_ids is not None:
+        return None
+    named = load.preset if load.preset in MODELS else None
+    try:
+        spec = choose_model(load.num_layers, load.num_experts, None, None, named).spec
+    except InputError:  # the load's recorded model does not fit its shape: no numbering to assume
+        return None
+    if spec is None or spec.num_dense_layers == 0 or load.num_layers != spec.num_layers:
+        return None
+    return np.asarray(spec.moe_layer_ids, dtype=np.int64)  # D .. H - 1, or Llama 4 Maverick's every second

@@ -33,6 +33,19 @@ batch per forward pass. When every record carries ``topk_ids_of_layer`` (per_tok
 token-level trace instead: one batch per forward pass, source GPU = rank, tokens rank-major, physical ids mapped to
 logical experts, the ``-1`` padding beyond ``k`` dropped, and dense layers (no pick at all) left out with the
 model's layer ids kept (``LoadMatrix.layer_ids``).
+
+**Launch** (:data:`ENGINE`; options read from SGLang 0.5.23's parser, ``sglang/srt/arg_groups/fields/``):
+``python -m sglang.launch_server --model-path M --tp-size G --ep-size G``; where ``D = G / A > 1`` data-parallel
+attention ranks of ``A`` GPUs, ``--attn-dp-size D`` (0.5.23's spelling of ``--dp-size D --enable-dp-attention``,
+which it deprecates) and, for a model with dense layers whose MLP is replicated (``--dense-tp 1``),
+``--moe-dense-tp-size 1``; ``--mem-fraction-static``; DeepEP as ``--moe-a2a-backend deepep --deepep-mode
+normal|low_latency|auto``; ``--enable-two-batch-overlap``; ``--quantization fp8`` (a BF16 checkpoint priced in FP8);
+``--kv-cache-dtype fp8_e4m3``; ``--max-running-requests`` (over all ranks, as the price's); in prefill
+``--chunked-prefill-size`` of every rank's chunk (SGLang divides it by the attention data-parallel size); on several
+nodes ``--nnodes N --node-rank $NODE_RANK --dist-init-addr $DIST_INIT_ADDR``. EPLB: ``--ep-num-redundant-experts R
+--init-expert-location FILE --ep-dispatch-algorithm static|dynamic|lp`` (no ``--enable-eplb`` for a static plan: it
+would re-plan every 1,000 iterations); periodic re-planning adds ``--enable-eplb --eplb-algorithm
+deepseek|deepseek_hierarchical --eplb-rebalance-num-iterations S --expert-distribution-recorder-buffer-size W``.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shlex
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,8 +68,10 @@ from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix, check_counts
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
+from moebalance.cost.time import PRECISION_BYTES
+from moebalance.engines.base import Engine, EngineRule, Launch, model_word, placed, unwritten
 from moebalance.engines.files import load_model
-from moebalance.engines.layers import plan_layers
+from moebalance.engines.layers import moe_layer_ids, plan_layers
 from moebalance.engines.slots import slot_table
 
 __all__ = ["plan_from_map", "read_dumps", "read_placement", "read_rank_dump", "read_stat", "read_torch",
@@ -334,3 +350,107 @@ def write_placement(path: str | os.PathLike[str], plan: Placement, layer_ids: li
                                              separators=(",", ":")) + "\n")
     return {"ep_size": plan.num_gpus, "ep_num_redundant_experts": table.num_slots - plan.num_experts,
             "num_slots": table.num_slots, "num_hidden_layers": H, "notes": notes}
+
+
+#: The placement file ``advise --out-dir`` writes.
+PLACEMENT_FILE = "sglang-init-expert-location.json"
+#: DeepEP's kernels as ``--deepep-mode`` names them, with its automatic choice by phase.
+_DEEPEP = {"normal": "normal", "low-latency": "low_latency", "auto": "auto"}
+
+
+def command(at: Launch) -> tuple[list[str], list[str]]:
+    """``(words, comments)``: ``sglang.launch_server`` for the priced deployment, before its EPLB flags (module
+    docstring)."""
+    d, cluster = at.deployment, at.cluster
+    model, comments = model_word(d, "SGLang", quantizes=True)
+    G, N = cluster.num_gpus, cluster.num_nodes
+    D = max(G // d.engine.attention_group(cluster.gpus_per_node), 1)
+    cap = d.engine.max_running_requests
+    words = ["python", "-m", "sglang.launch_server", "--model-path", model, "--tp-size", str(G), "--ep-size", str(G)]
+    if D > 1:
+        words += ["--attn-dp-size", str(D)]
+        if d.engine.dense_tp == 1 and d.model.num_dense_layers > 0:
+            words += ["--moe-dense-tp-size", "1"]
+    if N > 1:
+        words += ["--nnodes", str(N), "--node-rank", "$NODE_RANK", "--dist-init-addr", "$DIST_INIT_ADDR"]
+        comments.append(f"# on each of the {N} nodes: NODE_RANK its rank (0 to {N - 1}), DIST_INIT_ADDR node 0's "
+                        "HOST:PORT")
+    words += ["--mem-fraction-static", f"{d.engine.memory_fraction:g}"]
+    if d.a2a != "per-gpu":
+        words += ["--moe-a2a-backend", "deepep", "--deepep-mode", _DEEPEP[d.a2a]]
+    words += ["--enable-two-batch-overlap"] if d.overlap == "tbo" else []
+    if d.overlap == "tbo" and d.a2a == "per-gpu" and D == 1:  # sglang/srt/arg_groups/validation_hook.py
+        comments.append("# SGLang refuses two-batch overlap without DeepEP unless attention is data parallel: "
+                        "give --a2a or an --attention-tp below the GPUs")
+    words += ["--quantization", "fp8"] if d.precision == "fp8" and d.model.served_precision != "fp8" else []
+    words += ["--kv-cache-dtype", "fp8_e4m3"] if d.engine.kv_bytes == PRECISION_BYTES["fp8"] else []
+    words += [] if cap is None else ["--max-running-requests", str(cap)]
+    words += ["--chunked-prefill-size", str(d.workload.prefill_chunk * D)] if at.phase == "prefill" else []
+    return words, comments
+
+
+def launch(at: Launch) -> list[str]:
+    """The whole launch: :func:`command`, SGLang's EPLB flags for ``at.choice`` (module docstring), the comments."""
+    words, comments = command(at)
+    c = at.choice
+    if c is None:
+        return [" ".join(words), "# EPLB off: the trivial expert location, no --enable-eplb", *comments]
+    words += ["--ep-num-redundant-experts", str(c.redundant_experts), "--init-expert-location",
+              shlex.quote(placed(PLACEMENT_FILE, at.folder)), "--ep-dispatch-algorithm", ENGINE.rule.routers[c.router]]
+    if c.rebalance is not None:
+        words += ["--enable-eplb", "--eplb-algorithm", "deepseek_hierarchical" if c.hierarchical else "deepseek",
+                  "--eplb-rebalance-num-iterations", str(c.rebalance[0]), "--expert-distribution-recorder-buffer-size",
+                  str(c.rebalance[1])]
+    return [" ".join(words), *unwritten([PLACEMENT_FILE], at.folder), *comments]
+
+
+def _write_files(folder: Path, at: Launch, plan: Placement | None, model: str, mtp_layers: int) -> list[Path]:
+    if plan is None:
+        return []
+    write_placement(folder / PLACEMENT_FILE, plan, model=model)
+    return [folder / PLACEMENT_FILE]
+
+
+def _write_plan(path: Path, plan: Placement, model: str | None) -> None:
+    write_placement(path, plan, model=model)
+
+
+def _export(path: Path, plan: Placement, ids: list[int], rows: list[int],
+            options: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    info = write_placement(path, plan, ids, model=options.get("model"),
+                           num_hidden_layers=options.get("num_hidden_layers"))
+    return info, (f"sglang ... --init-expert-location {path} --ep-size {info['ep_size']} "
+                  f"--ep-num-redundant-experts {info['ep_num_redundant_experts']}")
+
+
+def _read(path: Path, *, model: str | None, **_: Any) -> LoadMatrix:
+    return read_dumps(path, model=model) if path.is_dir() else read_stat(path, model=model)
+
+
+def _import(path: Path, dest: Path, *, model: str | None, **_: Any) -> Any:
+    from moebalance.engines.stream import import_dumps  # stream reads with this module's functions
+
+    return import_dumps(path, dest, model=model)
+
+
+def _read_plan(path: Path, cluster: Cluster, load: LoadMatrix | None) -> tuple[Placement, np.ndarray | None]:
+    """The placement, and the load's layer ids it stands for: on a load of the MoE layers alone, an SGLang map with
+    more rows than the load gives the load's layers from the model's ids."""
+    plan = read_placement(path, cluster, None if load is None else load.num_experts)
+    if load is None or load.layer_ids is not None:
+        return plan, None if load is None else load.layer_ids
+    moe_only = moe_layer_ids(load)
+    return plan, moe_only if moe_only is not None and plan.num_layers > load.num_layers else None
+
+
+#: SGLang 0.5: ``--init-expert-location`` loads any plan; rearrangement stops serving; static, dynamic and LP
+#: dispatch read as the ``uniform``, ``rebalance`` and ``minmax`` routers; physical experts that do not divide by
+#: ``--ep-size`` are refused. Loads: a folder of per-rank ``.pt`` dumps, a ``.pt`` stat dump or its ``.json``.
+ENGINE = Engine(
+    name="sglang", title="SGLang", export_suffix=".json", files={"placement": PLACEMENT_FILE},
+    rule=EngineRule({"uniform": "static", "rebalance": "dynamic", "minmax": "lp"}, True, "sync"),
+    launch=launch, write_files=_write_files,
+    write_plan=_write_plan,
+    export=_export, claims=lambda p: any(p.glob("*.pt")) if p.is_dir() else p.suffix in (".pt", ".json"),
+    read_load=_read, streams=lambda path: path.is_dir(), import_load=_import, read_plan=_read_plan,
+    plan_suffixes=(".pt",), plan_key="physical_to_logical_map")

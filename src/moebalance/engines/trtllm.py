@@ -19,12 +19,20 @@ Sources read (NVIDIA/TensorRT-LLM; docs/formats.md has the field-by-field accoun
 
 Iterations become batches; layers keep their decoder-layer ids, so layers without keys below the last MoE
 layer (dense ones) are all-zero rows.
+
+**Launch** (:data:`ENGINE`; options from TensorRT-LLM's ``trtllm-serve`` documentation and Wide-EP example,
+``examples/wide_ep/README.md``): ``trtllm-serve M --tp_size G --ep_size G --extra_llm_api_options FILE``, FILE
+(:func:`api_options`) holding ``enable_attention_dp`` (TensorRT-LLM's attention is data-parallel on every GPU or
+tensor-parallel over all), ``kv_cache_config.dtype`` and ``moe_config.load_balancer`` naming the load-balancer YAML;
+``--max_batch_size`` per rank; in prefill ``--max_num_tokens`` a rank's chunk. Its online balancer moves
+``layer_updates_per_iter`` layers per iteration beside serving.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,10 +45,14 @@ from moebalance.core.io import atomic_write_text, read_json
 from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement
+from moebalance.cost.deployment import A2A_WORDS
+from moebalance.cost.time import PRECISION_BYTES
+from moebalance.engines.base import Engine, EngineRule, Launch, model_word, placed, unwritten
 from moebalance.engines.files import load_model
-from moebalance.engines.layers import plan_layers
+from moebalance.engines.layers import moe_layer_ids, plan_layers
 from moebalance.engines.sglang import plan_from_map
 from moebalance.engines.slots import slot_table
+from moebalance.models import MODELS
 
 __all__ = ["read_config", "read_statistics", "write_config"]
 
@@ -230,3 +242,126 @@ def write_config(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequ
     text = yaml.safe_dump(doc, default_flow_style=None, sort_keys=False, width=10**6)
     atomic_write_text(Path(path), text)
     return {"num_slots": table.num_slots, "ep_size": plan.num_gpus, "layers": list(assign), "notes": notes}
+
+
+#: The files ``advise --out-dir`` writes: the load balancer, and the options that name it.
+FILES = {"placement": "trtllm-load-balancer.yaml", "options": "trtllm-extra-llm-api-options.yaml"}
+
+
+def command(at: Launch) -> tuple[list[str], list[str]]:
+    """``(words, comments)``: ``trtllm-serve`` for the priced deployment, before ``--extra_llm_api_options``."""
+    d, cluster, phase = at.deployment, at.cluster, at.phase
+    model, comments = model_word(d, "TensorRT-LLM", quantizes=False)
+    G, N = cluster.num_gpus, cluster.num_nodes
+    A = d.engine.attention_group(cluster.gpus_per_node)
+    D = max(G // A, 1)
+    cap = d.engine.max_running_requests
+    words = ["trtllm-serve", model, "--tp_size", str(G), "--ep_size", str(G)]
+    ranks = G if A < G else 1  # TensorRT-LLM's attention: data-parallel on every GPU, or tensor-parallel over all
+    if 1 < A < G:
+        comments.append(f"# priced with attention tensor-parallel over {A} GPUs in {D} data-parallel ranks, which "
+                        "TensorRT-LLM does not run (its attention is data-parallel on every GPU or tensor-parallel "
+                        "over all): enable_attention_dp is given; --attention-tp 1 prices its layout")
+    words += [] if cap is None else ["--max_batch_size", str(max(cap // ranks, 1))]
+    words += ["--max_num_tokens", str(d.workload.prefill_chunk)] if phase == "prefill" else []
+    if d.a2a != "per-gpu":
+        comments.append(f"# priced with {A2A_WORDS[d.a2a]}; TensorRT-LLM chooses its all-to-all kernels itself")
+    if d.overlap == "tbo":
+        comments.append("# priced with two-batch overlap, which moebalance names no TensorRT-LLM option for")
+    if N > 1:
+        comments.append(f"# on {N} nodes: launch it on all of them in one MPI world (mpirun or srun)")
+    return words, comments
+
+
+def api_options(at: Launch) -> dict[str, Any]:
+    """TensorRT-LLM's ``--extra_llm_api_options`` YAML: data-parallel attention where the price had more than one
+    rank, an FP8 KV cache where it had one, and ``moe_config.load_balancer`` naming the load-balancer file in the
+    launch's folder (none for EPLB off)."""
+    d = at.deployment
+    doc: dict[str, Any] = {}
+    if d.engine.attention_group(at.cluster.gpus_per_node) < at.cluster.num_gpus:
+        doc["enable_attention_dp"] = True
+    if d.engine.kv_bytes == PRECISION_BYTES["fp8"]:
+        doc["kv_cache_config"] = {"dtype": "fp8"}
+    if at.choice is not None:
+        doc["moe_config"] = {"load_balancer": placed(FILES["placement"], at.folder)}
+    return doc
+
+
+def _options_text(at: Launch) -> str:
+    import yaml
+
+    return yaml.safe_dump(api_options(at), default_flow_style=False, sort_keys=False, width=10**6)
+
+
+def launch(at: Launch) -> list[str]:
+    """The whole launch: :func:`command` naming the options file, what that file holds, and the comments."""
+    words, comments = command(at)
+    options = placed(FILES["options"], at.folder)
+    lines = [" ".join([*words, "--extra_llm_api_options", shlex.quote(options)]), f"# {options} holds:"]
+    lines += [f"#   {line}" for line in _options_text(at).splitlines()]
+    if at.choice is None:
+        lines.append("# EPLB off: no moe_config.load_balancer")
+    names = [FILES["options"], *([] if at.choice is None else [FILES["placement"]])]
+    return lines + unwritten(names, at.folder) + comments
+
+
+def _write_files(folder: Path, at: Launch, plan: Placement | None, model: str, mtp_layers: int) -> list[Path]:
+    """The load balancer (for a plan) and the options naming it where the launch's folder says."""
+    written = []
+    if plan is not None:
+        written.append(folder / FILES["placement"])
+        layers = 0 if at.choice is None else at.choice.layers_per_step
+        write_config(written[-1], plan, None, layers, model=model, mtp_layers=mtp_layers)
+    written.append(folder / FILES["options"])
+    atomic_write_text(written[-1], _options_text(at))
+    return written
+
+
+def _export(path: Path, plan: Placement, ids: list[int], rows: list[int],
+            options: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    info = write_config(path, plan, [(r, ids[r]) for r in rows], options.get("layer_updates_per_iter", 0),
+                        mtp_layers=options.get("mtp_layers"), model=options.get("model"),
+                        num_hidden_layers=options.get("num_hidden_layers"))
+    return info, f"moe_config.load_balancer: {path} (num_slots {info['num_slots']}, ep_size {info['ep_size']})"
+
+
+def _read(path: Path, *, model: str | None, **_: Any) -> LoadMatrix:
+    if not path.is_dir():
+        raise InputError(f"{str(path)!r} is a file; TensorRT-LLM statistics are a folder (meta_info.json and "
+                         "rank*.safetensors)")
+    return read_statistics(path, model=model)
+
+
+def _read_plan(path: Path, cluster: Cluster, load: LoadMatrix | None) -> tuple[Placement, np.ndarray | None]:
+    """The load balancer's plan, and the load's layer ids it stands for. Its keys are decoder-layer ids: on a load of
+    the MoE layers alone they give the load's layers from the model's ids; a load of the model's decoder layers
+    leaves out its MTP keys."""
+    ids = None if load is None else load.layer_ids
+    moe_only = None if load is None or ids is not None else moe_layer_ids(load)
+    ids = ids if moe_only is None else moe_only
+    if load is None:
+        moe: list[int] = []
+    elif ids is not None:
+        moe = [int(i) for i in ids]
+    else:
+        moe = [int(x) for x in np.flatnonzero(load.counts.sum(axis=(0, 2)) > 0)]
+    model = MODELS.get(load.preset) if load is not None and load.preset is not None else None
+    mtp = () if model is None or load is None or load.num_layers != model.num_decoder_layers else model.mtp_layer_ids
+    E = None if load is None else load.num_experts
+    return read_config(path, cluster, None if load is None or ids is not None else load.num_layers, E, moe, mtp), ids
+
+
+def _write_plan(path: Path, plan: Placement, model: str | None) -> None:
+    write_config(path, plan, None, 0, model=model)
+
+
+#: TensorRT-LLM: a load-balancer YAML loads any plan, and its MTP layers need keys; its online balancer moves
+#: ``layer_updates_per_iter`` layers per iteration beside serving; slots that do not divide by its EP size are
+#: refused. Loads: a statistics folder (``meta_info.json`` and ``rank*.safetensors``).
+ENGINE = Engine(
+    name="trtllm", title="TensorRT-LLM", export_suffix=".yaml", files=FILES,
+    rule=EngineRule({"uniform": "uniform"}, True, "async", layers_per_step="spread"),
+    launch=launch, write_files=_write_files,
+    write_plan=_write_plan, export=_export, claims=lambda p: p.is_dir() and (p / "meta_info.json").is_file(),
+    read_load=_read, read_plan=_read_plan, plan_suffixes=(".yaml", ".yml"), mtp_keys=True)

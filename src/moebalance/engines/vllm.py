@@ -18,6 +18,21 @@ the ``.npy`` header says). ``L`` has been the model's ``num_hidden_layers``, wit
 leaves it out, recording the model's layer index of each kept layer (``LoadMatrix.layer_ids``). Requests become
 a token-level trace: in the order read, packed into batches of at least ``batch_tokens`` tokens, request ``j`` of
 a batch on rank ``j mod gpus`` (a data-parallel server spreads requests).
+
+**Launch** (:data:`ENGINE`; options read from vLLM 0.33's ``vllm/engine/arg_utils.py`` and
+``vllm/entrypoints/common/cli_args.py``): ``vllm serve M --tensor-parallel-size A --data-parallel-size D
+--enable-expert-parallel`` (the experts over ``A D = G`` GPUs, ``A`` GPUs per data-parallel attention rank);
+DeepEP as ``--all2all-backend deepep_high_throughput|deepep_low_latency`` (vLLM has no automatic mode: ``auto`` is
+given as the priced phase's kernel); ``--enable-dbo`` (two-batch overlap); ``--quantization fp8``;
+``--kv-cache-dtype fp8``; ``--max-num-seqs`` per rank (vLLM applies it per data-parallel rank,
+``vllm/config/scheduler.py``); in prefill ``--max-num-batched-tokens`` a rank's chunk; on several nodes node 0's
+``--data-parallel-size-local --data-parallel-address --data-parallel-rpc-port``, the other nodes' ``--headless
+--data-parallel-start-rank`` in a comment (vLLM's data-parallel deployment guide). EPLB: ``--enable-eplb
+--eplb-config '{"window_size": W, "step_interval": S, "num_redundant_experts": R, "use_async": true}'``. vLLM loads
+no placement: its EPLB makes its first plan after ``S / 4`` steps on the ``W`` steps before, then re-plans every
+``S`` steps. A static plan is given as ``W = 1000`` (vLLM's default window) and ``S = 4 W``: the first plan after
+``W`` steps, the next after ``S`` more. The migration-aware variant is the plug-in's
+(``MOEBALANCE_VLLM_EPLB=move-aware``, :mod:`moebalance.engines.vllm_plugin`).
 """
 
 from __future__ import annotations
@@ -26,6 +41,7 @@ import base64
 import binascii
 import json
 import os
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -36,11 +52,14 @@ from moebalance.core.errors import InputError, PlanError
 from moebalance.core.io import atomic_write_text, read_json
 from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix
-from moebalance.core.plan import Placement
+from moebalance.core.plan import Placement, write_plan
 from moebalance.core.trace import RoutingTrace
+from moebalance.cost.time import PRECISION_BYTES
+from moebalance.engines.base import Engine, EngineRule, Launch, model_word
 from moebalance.engines.files import load_model, read_npy_bytes
 from moebalance.engines.layers import plan_layers
 from moebalance.engines.slots import slot_table
+from moebalance.engines.vllm_plugin import ENTRY_POINT, ENV
 from moebalance.models import get_model
 
 __all__ = ["deal", "experts_of", "read_routed_experts", "request_files", "requests_in", "write_map"]
@@ -169,3 +188,105 @@ def write_map(path: str | os.PathLike[str], plan: Placement, moe_layers: Sequenc
     atomic_write_text(Path(path), json.dumps(data, separators=(",", ":")) + "\n")
     return {"num_slots": table.num_slots, "num_redundant_experts": table.num_slots - plan.num_experts,
             "ep_size": plan.num_gpus, "notes": notes}
+
+
+#: vLLM's default ``window_size``: the steps a static plan is made on.
+STATIC_WINDOW = 1000
+#: DeepEP's kernels as ``--all2all-backend`` names them.
+_A2A = {"normal": "deepep_high_throughput", "low-latency": "deepep_low_latency"}
+
+
+def command(at: Launch) -> tuple[list[str], list[str]]:
+    """``(words, comments)``: ``vllm serve`` for the priced deployment, before its EPLB flags (module docstring)."""
+    d, cluster, phase = at.deployment, at.cluster, at.phase
+    model, comments = model_word(d, "vLLM", quantizes=True)
+    G, N, gpn = cluster.num_gpus, cluster.num_nodes, cluster.gpus_per_node
+    A = d.engine.attention_group(gpn)
+    D = max(G // A, 1)
+    cap = d.engine.max_running_requests
+    words = ["vllm", "serve", model, "--tensor-parallel-size", str(A), "--data-parallel-size", str(D)]
+    if N > 1 and D % N == 0:
+        local = D // N
+        words += ["--data-parallel-size-local", str(local), "--data-parallel-address", "$HEAD_IP",
+                  "--data-parallel-rpc-port", "$DP_RPC_PORT"]
+        start = "i" if local == 1 else f"i * {local}"
+        comments.append(f"# on node 0 of {N} (HEAD_IP its address, DP_RPC_PORT a free port); on node i > 0 the "
+                        f"same with --headless --data-parallel-start-rank {start}")
+    elif N > 1:
+        comments.append(f"# {D} data-parallel ranks of {A} GPUs do not split evenly over {N} nodes of {gpn}: "
+                        "place the ranks by hand (vLLM's --data-parallel-size-local)")
+    words.append("--enable-expert-parallel")
+    if d.a2a != "per-gpu":
+        kernel = d.a2a_kernel(phase)
+        words += ["--all2all-backend", _A2A[kernel]]
+        if d.a2a == "auto":
+            comments.append(f"# vLLM picks no DeepEP kernel by phase: the {phase} steps' ({kernel}) is given")
+    words += ["--enable-dbo"] if d.overlap == "tbo" else []
+    words += ["--quantization", "fp8"] if d.precision == "fp8" and d.model.served_precision != "fp8" else []
+    words += ["--kv-cache-dtype", "fp8"] if d.engine.kv_bytes == PRECISION_BYTES["fp8"] else []
+    words += [] if cap is None else ["--max-num-seqs", str(max(cap // D, 1))]
+    words += ["--max-num-batched-tokens", str(d.workload.prefill_chunk)] if phase == "prefill" else []
+    return words, comments
+
+
+def launch(at: Launch) -> list[str]:
+    """The whole launch: :func:`command`, vLLM's EPLB flags for ``at.choice`` (module docstring) and the comments."""
+    words, comments = command(at)
+    c, q = at.choice, shlex.quote
+    if c is None:
+        return [" ".join(words), "# EPLB off: no --enable-eplb", *comments]
+    K, W = c.rebalance if c.rebalance is not None else (4 * STATIC_WINDOW, STATIC_WINDOW)
+    config = {"window_size": W, "step_interval": K, "num_redundant_experts": c.redundant_experts, "use_async": True}
+    env = [] if c.plugin is None else [f"{ENV}={q(c.plugin)}"]
+    lines = [" ".join([*env, *words, "--enable-eplb", "--eplb-config", q(json.dumps(config))])]
+    if c.rebalance is None:
+        lines.append(f"# vLLM loads no placement: it makes its first plan after step_interval / 4 = {W} steps, on "
+                     f"those steps, then re-plans every {K} steps (a step_interval beyond the run would keep "
+                     "vLLM's initial layout, experts 0..R-1 copied, not this plan)")
+    if c.plugin is not None:
+        lines.append(f"# {ENV}: the moebalance plug-in (pip install moebalance[vllm]); if VLLM_PLUGINS is set it "
+                     f"must list {ENTRY_POINT}")
+    return lines + comments
+
+
+def _export(path: Path, plan: Placement, ids: list[int], rows: list[int],
+            options: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    info = write_map(path, plan, rows, model=options.get("model"), num_hidden_layers=options.get("num_hidden_layers"))
+    how = (f"{len(rows)} MoE layers x {info['num_slots']} slots; vLLM's EPLB with num_redundant_experts "
+           f"{info['num_redundant_experts']} on {info['ep_size']} EP ranks (a released vLLM reads no placement file yet)")
+    return info, how
+
+
+def _claims(path: Path) -> bool:
+    """A folder of ``.json`` responses (and no SGLang ``.pt`` dumps), or a JSON response with routed experts."""
+    if path.is_dir():
+        return not any(path.glob("*.pt")) and any(path.glob("*.json"))
+    if path.suffix != ".json":
+        return False
+    try:
+        head = path.read_text()[:4096]
+    except (OSError, UnicodeDecodeError):
+        return False
+    return '"routed_experts"' in head or '"choices"' in head
+
+
+def _import(path: Path, dest: Path, **kw: Any) -> Any:
+    from moebalance.engines.stream import import_routed_experts  # stream reads with this module's functions
+
+    return import_routed_experts(path, dest, **kw)
+
+
+def _read(path: Path, *, model: str | None, gpus: int, batch_tokens: int, num_experts: int | None) -> LoadMatrix:
+    return read_routed_experts(path, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts, model=model)
+
+
+#: vLLM 0.33: EPLB plans itself from its window (no placement file), rearranges asynchronously by default
+#: (``use_async``), routes each token to a random copy; the plug-in's ``move-aware`` re-plans as ``aligned`` does.
+#: Without EPLB its expert map gives the first ``E mod G`` ranks one expert more (the ``contiguous`` policy's
+#: layout). ``watch --write-plan`` writes a moebalance plan, which the plug-in's variants take.
+ENGINE = Engine(
+    name="vllm", title="vLLM", export_suffix=".json", files={},
+    rule=EngineRule({"random": "random"}, False, "async", move_aware="move-aware", uneven_off=True),
+    launch=launch, write_files=lambda folder, at, plan, model, mtp: [],
+    write_plan=lambda path, plan, model: write_plan(path, plan), export=_export, claims=_claims, read_load=_read,
+    streams=lambda path: True, import_load=_import)

@@ -16,7 +16,12 @@ built from it:
 - a multi-token-prediction (MTP) module, as DeepSeek-V3 ships it, is one more MoE decoder layer and a ``2H x H``
   projection, sharing the embeddings and the LM head with the main model. DeepSeek-V3's weights
   (``model.layers.61``) and TensorRT-LLM's load balancer number it after the decoder layers:
-  ``num_decoder_layers + i``.
+  ``num_decoder_layers + i``;
+- a decoder layer's attention is full (it caches every token of a request), a window (gpt-oss's sliding window,
+  Llama 4's chunks: at most ``W`` tokens, ``attention_window``) or linear (Qwen3-Next's Gated DeltaNet: a state
+  of fixed size per request, :class:`LinearAttention`), one kind per layer in ``layer_kinds``. A request of ``c``
+  tokens caches ``c`` tokens in a full layer, ``min(c, W)`` in a window layer and the state in a linear one
+  (:meth:`ModelSpec.kv_cache_bytes`, the one formula); the attention's parameters are counted alike in every layer.
 
 A spec without :class:`Attention` gives the routing shape only (enough for a synthetic trace or a plan); the
 parameter counts beyond one expert's, and the KV cache, then refuse in one line. Every field is checked by
@@ -32,7 +37,7 @@ from typing import Literal
 from moebalance.core.errors import InputError
 from moebalance.models.fields import check_fields
 
-__all__ = ["Attention", "ModelSpec", "layer_span"]
+__all__ = ["LAYER_KINDS", "Attention", "LinearAttention", "ModelSpec", "layer_span"]
 
 
 def layer_span(ids: Sequence[int]) -> str:
@@ -44,7 +49,18 @@ def layer_span(ids: Sequence[int]) -> str:
 
 
 #: The architecture fields of :class:`ModelSpec` besides ``attention``: zero (not given) without it.
-_ARCH_FIELDS = ("vocab_size", "dense_intermediate_size", "total_params")
+_ARCH_FIELDS = ("vocab_size", "dense_intermediate_size", "total_params", "layer_kinds", "attention_window",
+                "linear_attention")
+
+#: A decoder layer's attention (:attr:`ModelSpec.layer_kinds`): ``full`` caches every token of a request, ``window``
+#: at most ``attention_window`` of them, ``linear`` a state of fixed size (:class:`LinearAttention`).
+LAYER_KINDS = ("full", "window", "linear")
+
+#: Bytes per number of a linear-attention layer's state, as SGLang keeps it: the convolution's inputs in bf16
+#: (``SGLANG_MAMBA_CONV_DTYPE`` default; vLLM's ``mamba_cache_dtype`` ``auto``, the model's bf16) and the recurrent
+#: state in float32 (``mamba2_state_dtype``'s default where the config names no ``mamba_ssm_dtype``; vLLM's ``auto``
+#: keeps it in bf16, half these bytes). The KV cache's dtype (``--kv-cache-dtype``) changes neither.
+CONV_STATE_BYTES, RECURRENT_STATE_BYTES = 2, 4
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -114,11 +130,39 @@ class Attention:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class LinearAttention:
+    """A linear-attention layer (Gated DeltaNet) and the state one request keeps in it, whatever its length.
+    Example: Qwen3-Next-80B-A3B's is ``LinearAttention(num_key_heads=16, num_value_heads=32, key_head_dim=128,
+    value_head_dim=128, conv_kernel=4)`` (``linear_num_key_heads``, ``linear_num_value_heads``,
+    ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim``)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    #: The causal convolution's width over the query, key and value channels.
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        check_fields(self, positive=("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
+                                     "conv_kernel"))
+
+    def state_bytes(self) -> int:
+        """Bytes one request's state takes in one layer, as vLLM and SGLang shape it: the convolution's last
+        ``conv_kernel - 1`` inputs of the query, key and value channels, ``(2 n_k d_k + n_v d_v) (conv_kernel - 1)``
+        numbers at :data:`CONV_STATE_BYTES`, and the recurrent state, ``n_v d_v d_k`` numbers at
+        :data:`RECURRENT_STATE_BYTES`. Qwen3-Next: ``8192 x 3 x 2 + 524288 x 4`` = 2,146,304."""
+        channels = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        recurrent = self.num_value_heads * self.value_head_dim * self.key_head_dim
+        return channels * (self.conv_kernel - 1) * CONV_STATE_BYTES + recurrent * RECURRENT_STATE_BYTES
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class ModelSpec:
     """One MoE model as its ``config.json`` describes it (module docstring).
 
     Example: ``MODELS["mixtral-8x7b"]`` has ``num_layers=32, num_experts=8, top_k=2``;
-    ``MODELS["deepseek-v3"].kv_bytes_per_token()`` is ``61 * (512 + 64) * 2`` bytes in bf16 (MLA).
+    ``MODELS["deepseek-v3"].kv_bytes_per_request(4096)`` is ``4096 * 61 * (512 + 64) * 2`` bytes in bf16 (MLA).
     """
 
     #: Registry key, e.g. ``"deepseek-v3"``; stored in traces as ``preset``.
@@ -164,6 +208,14 @@ class ModelSpec:
     #: Total parameters the model card publishes for the main model (DeepSeek-V3: its MTP module excluded), to
     #: check :meth:`total` against; 0: not published.
     total_params: float = 0.0
+    #: Each decoder layer's attention, in order (:data:`LAYER_KINDS`; gpt-oss's ``layer_types``); empty: every
+    #: layer ``full``.
+    layer_kinds: tuple[str, ...] = ()
+    #: ``W``: the tokens a ``window`` layer caches per request at most (gpt-oss's ``sliding_window``, Llama 4's
+    #: ``attention_chunk_size``); 0 without window layers.
+    attention_window: int = 0
+    #: The ``linear`` layers' sizes; ``None`` without linear layers.
+    linear_attention: LinearAttention | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, text=("name", "display_name", "source"),
@@ -192,6 +244,32 @@ class ModelSpec:
         if not isinstance(self.attention, Attention):
             raise InputError(f"ModelSpec.attention ({self.attention!r}) must be an Attention or None")
         check_fields(self, positive=("vocab_size", *(("dense_intermediate_size",) if self.num_dense_layers else ())))
+        self._check_layer_kinds()
+
+    def _check_layer_kinds(self) -> None:
+        """``layer_kinds`` names one kind per decoder layer, with ``attention_window`` exactly when a layer is a
+        window and ``linear_attention`` exactly when one is linear."""
+        kinds = self.layer_kinds
+        if not isinstance(kinds, tuple):
+            raise InputError(f"ModelSpec.layer_kinds ({kinds!r}) must be a tuple of {', '.join(LAYER_KINDS)}, one per "
+                             "decoder layer")
+        bad = next((i for i, k in enumerate(kinds) if k not in LAYER_KINDS), None)
+        if bad is not None:
+            raise InputError(f"ModelSpec.layer_kinds[{bad}] ({kinds[bad]!r}) must be one of {', '.join(LAYER_KINDS)}")
+        if kinds and len(kinds) != self.num_decoder_layers:
+            raise InputError(f"ModelSpec.layer_kinds names {len(kinds)} layer{'s' * (len(kinds) != 1)}, but the model "
+                             f"has {self.num_decoder_layers} decoder layers: give one kind per layer, or none (all full)")
+        check_fields(self, non_negative=("attention_window",))
+        if ("window" in kinds) != (self.attention_window > 0):
+            raise InputError(f"ModelSpec.attention_window ({self.attention_window}) must be positive exactly when "
+                             "layer_kinds has window layers: give the window (sliding_window, attention_chunk_size) "
+                             "with them, 0 without")
+        linear = self.linear_attention
+        if linear is not None and not isinstance(linear, LinearAttention):
+            raise InputError(f"ModelSpec.linear_attention ({linear!r}) must be a LinearAttention or None")
+        if ("linear" in kinds) != (linear is not None):
+            raise InputError("ModelSpec.linear_attention must be given exactly when layer_kinds has linear layers: "
+                             "give LinearAttention(...) with them, None without")
 
     @property
     def has_architecture(self) -> bool:
@@ -326,6 +404,34 @@ class ModelSpec:
         att = self.architecture()
         return 1 if att.kind == "mla" else max(1, min(attention_tp, att.num_kv_heads))
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """KV-cache bytes one token takes over all decoder layers."""
-        return self.num_decoder_layers * self.architecture().kv_numbers_per_layer() * dtype_bytes
+    def layer_count(self, kind: str) -> int:
+        """Decoder layers of attention ``kind`` (:data:`LAYER_KINDS`): gpt-oss-120b has 18 ``window`` layers."""
+        return self.layer_kinds.count(kind) if self.layer_kinds else self.num_decoder_layers * (kind == "full")
+
+    def kv_cache_bytes(self, tokens: float, requests: float = 1.0, kv_bytes: int = 2, attention_tp: int = 1) -> float:
+        """KV-cache bytes ``requests`` requests of ``tokens / requests`` tokens each take on one GPU of a
+        tensor-parallel attention group of ``attention_tp`` GPUs (1: all of it), over all decoder layers; the one
+        formula of the KV cache (module docstring).
+
+        A full layer caches every token, a window layer ``min(tokens / requests, W)`` of each request, both
+        ``kv_numbers_per_layer`` numbers of ``kv_bytes`` per token, split over :meth:`kv_shards` GPUs; a linear layer
+        holds :meth:`LinearAttention.state_bytes` per request, split over its key heads' GPUs (vLLM divides the key
+        heads by the group). Example: gpt-oss-120b, one request of 4096 tokens in bf16: ``(18 x 4096 + 18 x 128) x
+        1024 x 2`` bytes."""
+        if tokens < 0 or requests < 0 or (tokens > 0 and requests == 0):
+            raise InputError(f"{tokens} tokens of {requests} requests: give tokens >= 0 held by requests > 0")
+        att = self.architecture()
+        shards, per_token = self.kv_shards(attention_tp), att.kv_numbers_per_layer() * kv_bytes
+        total = tokens * (self.layer_count("full") * per_token) / shards  # full layers: every token
+        windows, lin = self.layer_count("window"), self.linear_attention
+        if windows and requests:
+            total += requests * (windows * min(tokens / requests, self.attention_window) * per_token) / shards
+        if lin is not None and requests:
+            total += requests * (self.layer_count("linear") * lin.state_bytes()) / max(1, min(attention_tp,
+                                                                                              lin.num_key_heads))
+        return total
+
+    def kv_bytes_per_request(self, context_tokens: float, kv_bytes: int = 2, attention_tp: int = 1) -> float:
+        """KV-cache bytes one request of ``context_tokens`` tokens takes on one GPU of an attention group of
+        ``attention_tp`` GPUs (:meth:`kv_cache_bytes`)."""
+        return self.kv_cache_bytes(context_tokens, 1.0, kv_bytes, attention_tp)

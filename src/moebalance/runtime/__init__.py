@@ -61,6 +61,7 @@ from moebalance.runtime.group import DEFAULT_TIMEOUT, TIMEOUT_ENV, dist_timeout
 from moebalance.runtime.launch import (
     TORCHRUN_VARS,
     agreed_inputs,
+    free_port,
     guarded,
     init_from_env,
     launch,
@@ -113,6 +114,7 @@ __all__ = [
     "exchange_counts",
     "expert_capacity",
     "expert_ffn",
+    "free_port",
     "guarded",
     "init_from_env",
     "keeps_local",

@@ -19,7 +19,8 @@ Beyond one machine, ranks are started by torchrun (or any launcher that sets ``R
 (each process on GPU ``LOCAL_RANK``), else gloo; nothing is spawned. Every wait there is bounded
 (:mod:`moebalance.runtime.group`: ``MOEBALANCE_DIST_TIMEOUT`` seconds, default 60): :func:`agreed_inputs`
 makes the ranks agree on their own checks before joining, so one rank's bad input is every rank's one-line
-error, and :func:`guarded` names a rank that left during a collective.
+error, and :func:`guarded` names a rank that left during a collective. :func:`free_port` names a port for a
+one-machine torchrun environment (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
 import tempfile
 import time
 import traceback
@@ -40,8 +42,8 @@ from moebalance.core.errors import InputError, MoebalanceError
 from moebalance.runtime.errors import GroupError, error_code, one_line, raise_coded
 from moebalance.runtime.group import TIMEOUT_ENV, Membership, dist_timeout, failure_reason, is_comm_failure
 
-__all__ = ["TORCHRUN_VARS", "agreed_inputs", "guarded", "init_from_env", "launch", "membership", "torchrun_env",
-           "torchrun_world"]
+__all__ = ["TORCHRUN_VARS", "agreed_inputs", "free_port", "guarded", "init_from_env", "launch", "membership",
+           "torchrun_env", "torchrun_world"]
 
 #: The variables torchrun sets that ``init_method="env://"`` reads.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -154,6 +156,19 @@ def torchrun_env() -> bool:
     """Whether this process was started by torchrun (or another ``env://`` launcher): all of
     :data:`TORCHRUN_VARS` are set."""
     return all(os.environ.get(v) for v in TORCHRUN_VARS)
+
+
+def free_port() -> int:
+    """A TCP port of ``127.0.0.1`` that was free a moment ago: binds port 0 and returns the port the OS chose, for a
+    ``MASTER_PORT`` (or a server's port) on one machine in tests and benchmarks.
+
+    Racy by nature: the socket is closed before the port is returned, so another process may take the port before
+    the caller binds it. :func:`launch` meets through a file store instead, so that concurrent launches never race
+    for a port; use this only where a port must be named (a torchrun environment, a local HTTP server).
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 _MEMBERSHIP: Membership | None = None

@@ -31,8 +31,9 @@ from moebalance.app.assumptions import assumption_text, assumptions
 from moebalance.app.console import err, note, out, progress
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_dir, atomic_write_text, check_out_dir, dumps
-from moebalance.core.load import LoadMatrix
+from moebalance.core.load import LoadMatrix, check_same_model
 from moebalance.engines.detect import detect_load
+from moebalance.engines.registry import ENGINES as REGISTRY
 from moebalance.pricing.phase import PHASES, PhaseModel
 from moebalance.pricing.step import StepPricing
 
@@ -54,9 +55,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--phase", choices=PHASES,
                    help="the steps priced: decode (the default: one token per running request, as many as the KV "
                         "cache holds) or prefill (--prefill-chunk tokens per data-parallel rank)")
-    p.add_argument("--train-frac", type=options.fraction, default=0.5,
+    p.add_argument("--train-frac", type=options.fraction,
                    help="share of each load's batches to plan on; the rest are priced (default 0.5; a load of one "
                         "batch plans and prices on it)")
+    p.add_argument("--price-load", action="append", metavar="LOAD",
+                   help="price on this load instead, another workload of the same model (repeatable): every --load "
+                        "is then planned on whole, and the gains say how the plans do on routing they never saw")
     p.add_argument("--margin", type=options.non_negative_float,
                    help=f"the modelled gain over EPLB off a configuration must clear to be recommended (default "
                         f"{DEFAULT_MARGIN}; with --calibration recording its fit error, the larger of the two)")
@@ -108,17 +112,19 @@ def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
         deployment.refuse(args, "by decode steps, not by --phase prefill", deployment.DECODE_FLAGS)
     cluster = options.cluster(args)
     pricing = StepPricing(deployment=dep, router_ms=args.router_ms, phase=phase)
+    if args.price_load:
+        return (*_cross_setup(args, workloads, dep, cluster, pricing, phase), fit_error)
     trains, tests, notes = [], [], []
     for path, part in zip(workloads.names, workloads.parts, strict=True):
-        train, test, held = _split(part, args.train_frac)
+        train, test, held = _split(part, 0.5 if args.train_frac is None else args.train_frac)
         trains.append(train)
         tests.append(test)
         if part.num_batches == 1:
             notes.append(f"{path} has one batch (statistics): plans are made and priced on it ({STATISTICS_STEPS} "
                          f"{phase} steps drawn from it), not on held-out batches, so its gains are in sample: on later "
-                         "routing of the same workload they moved by a few points in docs/results/advise_insample.md, "
-                         "and another workload's routing can differ far more (docs/results/robust.md); no periodic "
-                         "re-planning")
+                         "routing of the same workload they moved by a few points, on another workload's by up to "
+                         "17 (docs/results/advise_insample.md): --price-load prices on a load of the traffic served; "
+                         "no periodic re-planning")
         elif not held:
             notes.append(f"{path}: --train-frac 1 plans and prices on the same batches (in sample)")
     setup = Setup(cluster=cluster, pricing=pricing, train=concatenate(trains), test=concatenate(tests),
@@ -128,14 +134,33 @@ def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
     return setup, name, 0 if statistics else setup.test.num_batches, fit_error
 
 
+def _cross_setup(args: argparse.Namespace, workloads: options.Workloads, dep: Any, cluster: Any, pricing: StepPricing,
+                 phase: str) -> tuple[Setup, str, int]:
+    """``--price-load``: plan on every ``--load`` whole, price on the other workloads (one model, checked), each of
+    one batch drawn as several steps; ``(setup, model name, steps priced for periodic re-planning)``."""
+    if args.train_frac is not None:
+        raise InputError("--train-frac splits --load into batches planned on and batches priced; with --price-load "
+                         "every --load is planned on whole: give one of the two")
+    priced = options.read_workloads(argparse.Namespace(**{**vars(args), "load": args.price_load, "batches": None}))
+    check_same_model(workloads.names[0], workloads.load, priced.names[0], priced.load, "--price-load")
+    tests = [part if part.num_batches > 1 else concatenate([part] * STATISTICS_STEPS) for part in priced.parts]
+    setup = Setup(cluster=cluster, pricing=pricing, train=concatenate(list(workloads.parts)),
+                  test=concatenate(tests), phase=PhaseModel(phase, dep, seed=args.seed),
+                  workload_batches=tuple(t.num_batches for t in workloads.parts), seed=args.seed,
+                  cross=f"planned on {', '.join(workloads.names)}, priced on {', '.join(priced.names)}")
+    statistics = any(p.num_batches == 1 for p in priced.parts)
+    return setup, dep.model.name, 0 if statistics else setup.test.num_batches
+
+
 def run(args: argparse.Namespace) -> None:
     out_dir = None if args.out_dir is None else Path(args.out_dir)
     if out_dir is not None:
         check_out_dir(out_dir)  # a file, the current folder, a folder of other files: refused before the work
     engine = _engine(args)
-    if args.mtp_layers is not None and engine != "trtllm":
-        raise InputError(f"--mtp-layers is for --engine trtllm (TensorRT-LLM registers MTP layers with its load "
-                         f"balancer); {engine} needs no MTP key")
+    if args.mtp_layers is not None and not REGISTRY[engine].mtp_keys:
+        carry = [e.name for e in REGISTRY.values() if e.mtp_keys]
+        raise InputError(f"--mtp-layers is for --engine {'|'.join(carry)} (whose placement file registers MTP "
+                         f"layers); {engine} needs no MTP key")
     setup, name, served, fit_error = _setup(args)
     mtp = setup.phase.deployment.model.num_mtp_layers if args.mtp_layers is None else int(args.mtp_layers)
     margin = margin_of(args.margin, fit_error)
@@ -153,7 +178,7 @@ def run(args: argparse.Namespace) -> None:
     # setup.notes are the in-sample notes _setup made (a load of one batch, --train-frac 1)
     assumed = assumptions(setup.phase.deployment, cluster, fit_error=fit_error, phase=phase,
                           tokens_per_step=advice.recommended.step_tokens, margin=margin, held_out=not setup.notes,
-                          held_out_note=" ".join(setup.notes) or None,
+                          held_out_note=" ".join(setup.notes) or setup.cross,
                           step_note="the recommendation's (each candidate's: step tokens)" if phase == "decode" else None)
     title = (f"{', '.join(args.load)} on {engine}: {name}, {cluster.num_nodes} x {cluster.gpus_per_node} "
              f"{setup.phase.deployment.gpu.display_name}, {phase} steps"

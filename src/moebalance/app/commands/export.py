@@ -16,14 +16,12 @@ from moebalance.core.errors import InputError
 from moebalance.core.io import dumps
 from moebalance.core.plan import Placement, read_plan
 from moebalance.engines import pad_plan, plan_layers, read_any_load
-from moebalance.engines.sglang import write_placement
-from moebalance.engines.trtllm import write_config
-from moebalance.engines.vllm import write_map
+from moebalance.engines.registry import ENGINES
 
 __all__ = ["EXPORT_FORMATS", "add_parser", "engine_layers", "run"]
 
-#: ``export --to`` values and the file each writes.
-EXPORT_FORMATS = {"sglang": ".json", "trtllm": ".yaml", "vllm": ".json"}
+#: ``export --to`` values and the suffix of the file each writes.
+EXPORT_FORMATS = {name: ENGINES[name].export_suffix for name in sorted(ENGINES)}
 
 
 def add_parser(sub: Any) -> None:
@@ -79,8 +77,9 @@ def engine_layers(plan: Placement, given: str | None, model: str | None = None,
 
 
 def run(args: argparse.Namespace) -> None:
-    suffix = EXPORT_FORMATS[args.to]
-    dest = check_out(args.out, ".yml" if args.to == "trtllm" and args.out.endswith(".yml") else suffix)
+    engine = ENGINES[args.to]
+    suffix = engine.export_suffix
+    dest = check_out(args.out, ".yml" if suffix == ".yaml" and args.out.endswith(".yml") else suffix)
     plan = read_plan(args.plan)
     note = None
     if args.pad:
@@ -91,26 +90,15 @@ def run(args: argparse.Namespace) -> None:
         plan, note = padding.plan, padding.describe(plan)
     elif args.load is not None or args.load_format is not None:
         raise InputError("--load and --load-format are used only with --pad")
-    if args.mtp_layers is not None and args.to != "trtllm":
-        raise InputError(f"--mtp-layers is for --to trtllm (TensorRT-LLM registers MTP layers with its load balancer);"
-                         f" {args.to}'s file has the decoder layers only (docs/formats.md)")
+    if args.mtp_layers is not None and not engine.mtp_keys:
+        carry = [e.name for e in ENGINES.values() if e.mtp_keys]
+        raise InputError(f"--mtp-layers is for --to {'|'.join(carry)} (whose placement file registers MTP layers); "
+                         f"{args.to}'s file has the decoder layers only (docs/formats.md)")
     ids, rows = engine_layers(plan, args.dense_layers, args.model, args.num_hidden_layers)
-    layers = [ids[r] for r in rows]
-    named = {"model": args.model, "num_hidden_layers": args.num_hidden_layers}
-    if args.to == "sglang":
-        info = write_placement(dest, plan, ids, **named)
-        how = (f"sglang ... --init-expert-location {dest} --ep-size {info['ep_size']} "
-               f"--ep-num-redundant-experts {info['ep_num_redundant_experts']}")
-    elif args.to == "trtllm":
-        info = write_config(dest, plan, [(r, ids[r]) for r in rows], args.layer_updates_per_iter,
-                            mtp_layers=args.mtp_layers, **named)
-        layers = [int(x) for x in info.get("layers", layers)]
-        how = f"moe_config.load_balancer: {dest} (num_slots {info['num_slots']}, ep_size {info['ep_size']})"
-    else:
-        info = write_map(dest, plan, rows, **named)
-        how = (f"{len(layers)} MoE layers x {info['num_slots']} slots; vLLM's EPLB with num_redundant_experts "
-               f"{info['num_redundant_experts']} on {info['ep_size']} EP ranks (a released vLLM reads no placement "
-               "file yet)")
+    info, how = engine.export(dest, plan, ids, rows, {"model": args.model, "num_hidden_layers": args.num_hidden_layers,
+                                                      "mtp_layers": args.mtp_layers,
+                                                      "layer_updates_per_iter": args.layer_updates_per_iter})
+    layers = [int(x) for x in info.get("layers", [ids[r] for r in rows])]
     if args.json:
         sys.stdout.write(dumps({"format": args.to, "out": str(dest), "moe_layers": layers, "padding": note, **info}))
         return

@@ -24,10 +24,10 @@ from moebalance.app.console import err, out
 from moebalance.core.errors import InputError, MoebalanceError
 from moebalance.core.io import atomic_path
 from moebalance.core.load import LoadMatrix
-from moebalance.core.plan import Placement, write_plan
+from moebalance.core.plan import Placement
 from moebalance.engines import open_load
-from moebalance.engines.sglang import plan_from_map, read_dumps, write_placement
-from moebalance.engines.trtllm import write_config
+from moebalance.engines.registry import ENGINES
+from moebalance.engines.sglang import plan_from_map, read_dumps
 from moebalance.online.rearrange import DEFAULT_OVERHEAD_MS, REARRANGE_MODES, Replanning
 from moebalance.online.watch import Observation, WatchConfig, Watcher
 from moebalance.pricing.step import StepPricing
@@ -69,7 +69,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
                    help="the steps a record's routing is priced as (default decode)")
     p.add_argument("--write-plan", help="write the engine's file for each re-plan here (atomically)")
-    p.add_argument("--engine", choices=("sglang", "trtllm", "vllm"), default="sglang",
+    p.add_argument("--engine", choices=sorted(ENGINES), default="sglang",
                    help="the engine whose file --write-plan writes (default sglang)")
     p.add_argument("--on-replan", help="a command run after each re-plan is written (its path in $MOEBALANCE_PLAN)")
     p.add_argument("--dry-run", action="store_true", help="decide and log, write nothing")
@@ -308,12 +308,8 @@ def _write(args: argparse.Namespace, plan: Placement, record: str) -> Path | Non
     if args.write_plan is None or args.dry_run:
         return None
     dest = Path(args.write_plan)
-    if args.engine == "sglang":  # each writer writes atomically (a temporary file, then a rename)
-        write_placement(dest, plan, model=args.model)
-    elif args.engine == "trtllm":
-        write_config(dest, plan, None, 0, model=args.model)
-    else:  # vLLM reads no placement file: the plan, which the plug-in's variants take
-        write_plan(dest, plan)
+    # each writer writes atomically (a temporary file, then a rename); vLLM's is the plan, which the plug-in takes
+    ENGINES[args.engine].write_plan(dest, plan, args.model)
     if args.on_replan:
         env = {**os.environ, "MOEBALANCE_PLAN": str(dest), "MOEBALANCE_RECORD": record}
         done = subprocess.run(shlex.split(args.on_replan), env=env, check=False)

@@ -1,0 +1,28 @@
+"""The engines moebalance serves, each declared by its own module (:class:`moebalance.engines.base.Engine`): the
+commands loop over :data:`ENGINES` instead of naming engines one by one.
+
+Detection of a load asks the engines in :data:`DETECTION` order, the first that claims the path reading it:
+TensorRT-LLM's statistics folder has ``meta_info.json``; vLLM's routed experts are ``.json`` responses (a folder of
+them without ``.pt`` dumps); SGLang's dumps are ``.pt`` files, a folder of them, or their ``.json``.
+"""
+
+from __future__ import annotations
+
+from moebalance.core.errors import InputError
+from moebalance.engines import sglang, trtllm, vllm
+from moebalance.engines.base import Engine
+
+__all__ = ["DETECTION", "ENGINES", "get_engine"]
+
+#: Every engine by its name (``--engine``, ``export --to``, an engine load's ``--format``), in the order listed.
+ENGINES: dict[str, Engine] = {e.name: e for e in (vllm.ENGINE, sglang.ENGINE, trtllm.ENGINE)}
+#: The order in which engines are asked whether a load is theirs.
+DETECTION: tuple[Engine, ...] = (trtllm.ENGINE, vllm.ENGINE, sglang.ENGINE)
+
+
+def get_engine(name: str) -> Engine:
+    """The engine named ``name``; an unknown name is one line listing the engines."""
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise InputError(f"engine {name!r} is unknown; choose one of: {', '.join(ENGINES)}") from None
