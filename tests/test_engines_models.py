@@ -244,3 +244,61 @@ def test_vllm_routed_experts_of_a_named_model_have_its_experts(tmp_path: Path) -
     np.save(tmp_path / "bad.npy", routed)
     with pytest.raises(InputError, match="expert id 256 is not below"):
         read_any_load(tmp_path / "bad.npy", "vllm", model="deepseek-v3")
+
+
+# ----- the registry: one record per engine, and nothing else names them -----------------------------------------------
+
+def test_the_commands_offer_exactly_the_registered_engines() -> None:
+    """--engine, export --to, watch --engine and the formats a load or plan is read in are the registry's names."""
+    from moebalance.app.advise import ENGINES as ADVISED
+    from moebalance.app.commands.export import EXPORT_FORMATS
+    from moebalance.engines.detect import LOAD_FORMATS, PLAN_FORMATS
+    from moebalance.engines.registry import DETECTION, ENGINES
+
+    assert set(ENGINES) == {"sglang", "trtllm", "vllm"} == set(ADVISED) == set(EXPORT_FORMATS)
+    assert sorted(e.name for e in DETECTION) == sorted(ENGINES) and LOAD_FORMATS == ("moebalance", "sglang", "trtllm", "vllm")
+    assert PLAN_FORMATS == ("moebalance", *sorted(n for n, e in ENGINES.items() if e.read_plan is not None))
+    assert all(e.name == name for name, e in ENGINES.items())
+
+
+def test_no_command_branches_on_an_engine_name() -> None:
+    """Outside the engine modules, no code compares a value with an engine's name or keys a table by it: what differs
+    per engine is its Engine record's."""
+    import ast
+
+    names = {"sglang", "trtllm", "vllm"}
+    src = Path(__file__).resolve().parents[1] / "src" / "moebalance"
+    own = {src / "engines" / f"{n}.py" for n in names} | {src / "engines" / "vllm_plugin.py"}
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        if path in own:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            consts: list[ast.expr] = []
+            if isinstance(node, ast.Compare):
+                consts = [node.left, *node.comparators]
+                consts += [e for c in node.comparators if isinstance(c, (ast.Tuple, ast.List, ast.Set)) for e in c.elts]
+            elif isinstance(node, ast.Dict):
+                consts = [k for k in node.keys if k is not None]
+            found += [f"{path.relative_to(src)}:{node.lineno}" for c in consts
+                      if isinstance(c, ast.Constant) and c.value in names]
+    assert not found, f"engine names branched on outside the engine modules: {found}"
+
+
+@pytest.mark.parametrize("name", ["sglang", "trtllm", "vllm"])
+def test_every_engine_writes_a_plan_its_own_reader_takes_back(name: str, tmp_path: Path) -> None:
+    """Each engine's placement writer and reader agree (vLLM's is moebalance's plan, which its plug-in reads)."""
+    from moebalance.core.load import LoadMatrix
+    from moebalance.core.plan import Placement, read_plan
+    from moebalance.engines import read_any_plan
+    from moebalance.engines.registry import ENGINES
+
+    cluster = Cluster(num_nodes=1, gpus_per_node=4)
+    plan = Placement([[[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 2, 3]]] * 32, 8, cluster)  # Mixtral's shape, 4 copied
+    engine = ENGINES[name]
+    dest = tmp_path / f"plan{engine.export_suffix}"
+    engine.write_plan(dest, plan, None)
+    load = LoadMatrix(np.ones((1, 32, 8), dtype=np.int64))
+    back = read_plan(dest) if engine.read_plan is None else read_any_plan(dest, cluster, name, load)
+    assert [sorted(map(sorted, layer)) for layer in back.gpu_experts] == [sorted(map(sorted, layer))
+                                                                           for layer in plan.gpu_experts]
