@@ -104,7 +104,8 @@ def test_deepeps_kernels_are_refused_on_an_amd_gpu() -> None:
         assert Deployment(model=v3, gpu=gpu).a2a == "per-gpu"
         for kernel in DEEPEP_KERNELS:
             with pytest.raises(InputError, match=rf"^--a2a {kernel} prices DeepEP's kernels, which run on NVIDIA GPUs "
-                                                 rf"only, not on --gpu {name} \(AMD Instinct MI3\d\dX\); give --a2a "
+                                                 rf"only, not on --gpu {name} \(AMD Instinct MI3\d\dX\), where "
+                                                 r"engines run MORI EP, which moebalance has not measured; give --a2a "
                                                  r"per-gpu$"):
                 Deployment(model=v3, gpu=gpu, a2a=kernel)
     on_h100 = Deployment(model=v3, gpu=GPUS["h100-80gb"], a2a="auto")

@@ -11,8 +11,10 @@ results back (docs/design.md, "Cost model").
 - ``low-latency``: DeepEP's low-latency kernels (decode): one message per pick (per expert, not per GPU), over NVLink
   inside the node and RDMA across nodes.
 
-DeepEP's kernels cost a fixed :data:`LATENCY_US` per phase beside their bytes. They run on NVIDIA GPUs only
-(:mod:`moebalance.cost.hardware`, from DeepEP's README): on another vendor's GPU a deployment prices ``per-gpu`` alone
+DeepEP's kernels cost a fixed :data:`LATENCY_US` per phase beside their bytes, measured on NVIDIA GPUs. They run on
+NVIDIA GPUs (:mod:`moebalance.cost.hardware`, from DeepEP's README); on AMD GPUs the engines run AMD's MORI EP instead
+(SGLang 0.5.23 ``--moe-a2a-backend mori``, vLLM 0.33 ``--all2all-backend mori_high_throughput|mori_low_latency``),
+whose costs nothing here measured, so a deployment on another vendor's GPU prices ``per-gpu`` alone
 (:func:`kernels_on`, :func:`check_kernel_on`).
 
 **Time.** Per ``(b, l)`` a GPU's intra-node copies go over its NVLink/PCIe share (``Cluster.intra_node_bandwidth``)
@@ -74,8 +76,8 @@ def check_kernel_on(kernel: str, gpu: GpuSpec) -> str:
     naming the GPU and the fix."""
     if check_kernel(kernel) not in kernels_on(gpu):
         raise InputError(f"--a2a {kernel} prices DeepEP's kernels, which run on NVIDIA GPUs only, not on --gpu "
-                         f"{gpu.name} ({VENDORS[gpu.vendor]} {gpu.display_name}); give --a2a "
-                         f"{' or '.join(kernels_on(gpu))}")
+                         f"{gpu.name} ({VENDORS[gpu.vendor]} {gpu.display_name}), where engines run MORI EP, which "
+                         f"moebalance has not measured; give --a2a {' or '.join(kernels_on(gpu))}")
     return kernel
 
 
