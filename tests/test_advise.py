@@ -332,6 +332,33 @@ def test_engine_commands_carry_what_was_priced() -> None:
     assert "--data-parallel-size-local" not in words and any("do not split evenly over 2 nodes" in c for c in comments)
 
 
+def test_gpt_oss_is_priced_with_its_mxfp4_experts_and_its_commands_need_no_quantization_flag(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """gpt-oss's checkpoint carries quant_method mxfp4, which every engine reads itself: its served (MXFP4) price needs
+    no --quantization and no comment; its bf16 price needs a BF16 copy of the checkpoint, as an FP8 one's does."""
+    one_node, gpt, h100 = Cluster(num_nodes=1, gpus_per_node=8), get_model("gpt-oss-120b"), get_gpu("h100-80gb")
+    served, bf16 = Deployment(model=gpt, gpu=h100), Deployment(model=gpt, gpu=h100, precision="bf16")
+    for engine in ("sglang", "vllm", "trtllm"):
+        words, comments = engine_command(engine, served, one_node, "decode")
+        assert "openai/gpt-oss-120b" in words and "--quantization" not in words
+        assert not any("checkpoint" in c for c in comments), comments
+        words, comments = engine_command(engine, bf16, one_node, "decode")
+        assert "--quantization" not in words
+        assert any("priced with BF16 weights, but gpt-oss-120b's checkpoint is MXFP4: serve a BF16 copy" in c
+                   for c in comments), comments
+    # advise on a gpt-oss load: mxfp4 in its JSON and in its title's assumptions
+    path = tmp_path / "gpt-oss.npz"
+    write_load(path, LoadMatrix(np.full((4, 36, 128), 600, dtype=np.int64), preset="gpt-oss-120b"))
+    rc, text, err = run_cli(["advise", "--load", path, "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h100-80gb",
+                             "--engine", "sglang", "--precision", "served", "--calibration", "peaks"], capsys)
+    assert rc == 0, err
+    assert "precision mxfp4 experts (4.25 bits a weight), bf16 other weights and GEMMs, bf16 KV cache" in \
+        text.splitlines()[0]
+    doc, _ = advise(capsys, "--load", path, "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h100-80gb", "--engine",
+                    "sglang", "--calibration", "peaks")
+    assert doc["assumptions"]["precision"] == "mxfp4" and "mxfp4 experts" in doc["priced_with"]
+
+
 def test_the_assumptions_follow_the_command_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """advise.json, the table's title and the report's Assumptions panel say what the command line priced with."""
     path = tmp_path / "uniform.npz"

@@ -1637,6 +1637,54 @@ def test_long_steps_show_progress_on_a_terminal_only(tmp_path: Path, monkeypatch
         assert _without(a) == _without(b)
 
 
+def test_libra_build_and_report_files_show_on_a_terminal_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """online's libra draws its path table's build layer by layer (the batches' bar sat at 0 meanwhile), and
+    online and compare with --out-dir draw each file they write (``writing report.html``) on a terminal's stderr;
+    --json's stdout is what it is without the bars, and off a terminal stderr stays empty."""
+    import re
+
+    from moebalance.app import console
+
+    trace = tmp_path / "t.npz"
+    rc, _, err = run_cli(["synth", "--preset", "olmoe-1b-7b", "--batches", 6, "--tokens-per-batch", 32, "--gpus", 2,
+                          "--token-level", "--out", trace], capsys)
+    assert rc == 0, err
+    cluster = ["--nodes", 1, "--gpus-per-node", 2, "--replicas-per-gpu", 2]
+
+    def commands(folder: str) -> list[list[Any]]:
+        return [["online", "--load", trace, "--policy", "eplb,libra", "--set", "libra.predictor=path", *cluster,
+                 "--warmup", "0:2", "--out-dir", tmp_path / f"online-{folder}", "--json"],
+                ["compare", "--load", trace, "--policies", "contiguous,eplb", *cluster,
+                 "--out-dir", tmp_path / f"compare-{folder}", "--json"]]
+
+    monkeypatch.setenv("TTY_COMPATIBLE", "0")
+    plain = []
+    for argv in commands("plain"):
+        rc, out, err = run_cli(argv, capsys)
+        assert rc == 0 and err == "", err
+        plain.append(json.loads(out))
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    monkeypatch.setattr(console.err, "is_interactive", True)
+    files = (["online.json", "online.md", "online.png", "report.html"],
+             ["comparison.md", "comparison.json", "per_layer_balancedness.png", "plan-contiguous.json",
+              "plan-eplb.json", "report.html"])
+    for argv, before, written in zip(commands("shown"), plain, files, strict=True):
+        rc, out, err = run_cli(argv, capsys)
+        assert rc == 0, err
+        for name in written:
+            assert f"writing {name}" in err, (name, err[-400:])
+            assert (Path(argv[argv.index("--out-dir") + 1]) / name).is_file()
+        assert _without(json.loads(out)) == _without(before)
+        if argv[0] == "online":  # OLMoE's 16 layers: tables for layers 1..15, each drawn as it is built
+            for k in range(16):
+                assert re.search(rf"online libra: build the path predictor[^\n]*\s{k}/15\b", err), (k, err[-400:])
+    rc, out, err = run_cli(["predict", "--load", trace, "--predictor", "path", "--build", trace, "--json"], capsys)
+    assert rc == 0 and json.loads(out), err
+    for k in range(16):  # predict builds the same table before its first batch
+        assert re.search(rf"predict \(path\): build the predictor[^\n]*\s{k}/15\b", err), (k, err[-400:])
+
+
 def _without(doc: Any) -> Any:
     """``doc`` without the times the run measured (keys ending in ``_seconds``), at any depth."""
     if isinstance(doc, dict):

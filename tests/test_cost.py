@@ -24,7 +24,7 @@ from moebalance.core.plan import Placement, write_plan
 from moebalance.cost.a2a import a2a_estimate
 from moebalance.cost.deployment import Deployment, Workload
 from moebalance.cost.hardware import GPUS, GpuSpec, get_gpu
-from moebalance.cost.memory import EngineMemory, memory_per_gpu
+from moebalance.cost.memory import EngineMemory, memory_per_gpu, non_expert_gib_per_gpu
 from moebalance.cost.time import Calibration, expert_seconds, gemm_seconds, rest_seconds
 from moebalance.models import MODELS, Attention, ModelSpec, get_model
 from moebalance.policies import make_plan
@@ -776,6 +776,74 @@ def test_fp8_leaves_more_kv_cache_and_is_refused_where_the_gpu_has_none(
     assert_user_error(["compare", "--load", "bundled:deepseek-v3-8x8", "--policies", "eplb", "--nodes", 8,
                        "--gpus-per-node", 8, "--slots-per-gpu", 5, "--precision", "fp8"], capsys,
                       "--precision is used with --gpu")
+
+
+def test_gpt_oss_mxfp4_experts_take_4_25_bits_in_memory_and_in_the_decode_weight_read() -> None:
+    """gpt-oss-120b served (MXFP4 experts) on a node of 8 H100s, by hand from its config: an expert is 3 x 2880 x 2880 =
+    24,883,200 weights; at 4.25 bits (4-bit values, an 8-bit scale per block of 32) that is 24,883,200 x 17 / 32 =
+    13,219,200 bytes. Each GPU hosts 36 layers x 128 / 8 = 576 experts: 576 x 13,219,200 = 7,614,259,200 bytes =
+    7.0913 GiB, against 576 x 24,883,200 x 2 bytes = 26.6953 GiB in bf16 (16 / 4.25 = 3.76x); the non-expert weights
+    stay bf16 in both. One decode pick on one expert reads its 13,219,200 bytes and moves 2 x 2880 x 2 bytes of bf16
+    activations at 3.35 TB/s: 3.9495 us; a FLOP-bound prefill runs at the bf16 peak (989 TFLOP/s), not FP8's."""
+    gpt, h100 = get_model("gpt-oss-120b"), GPUS["h100-80gb"]
+    mxfp4, bf16 = Deployment(model=gpt, gpu=h100), Deployment(model=gpt, gpu=h100, precision="bf16")
+    assert (mxfp4.precision, bf16.precision) == ("mxfp4", "bf16")
+    assert (mxfp4.engine.weight_bytes, mxfp4.engine.expert_weight_bytes) == (2, 4.25 / 8)
+    assert mxfp4.bytes_per_expert == 13_219_200 and bf16.bytes_per_expert == 2 * 24_883_200  # what a copy moves
+    node = {"num_gpus": 8, "gpus_per_node": 8}
+    fixed = non_expert_gib_per_gpu(gpt, EngineMemory(), 8)  # attention, router, embeddings: bf16 (2 bytes)
+    assert non_expert_gib_per_gpu(gpt, mxfp4.engine, 8) == fixed
+    small = memory_per_gpu(gpt, h100, engine=mxfp4.engine, **node)
+    big = memory_per_gpu(gpt, h100, engine=bf16.engine, **node)
+    assert small.experts_per_gpu == big.experts_per_gpu == 576
+    assert small.weights_gb_per_gpu - fixed == pytest.approx(7_614_259_200 / 2**30, rel=1e-12)  # 7.0913 GiB
+    assert big.weights_gb_per_gpu - fixed == pytest.approx(576 * 24_883_200 * 2 / 2**30, rel=1e-12)
+    assert small.kv_cache_gb_per_gpu > big.kv_cache_gb_per_gpu and small.max_concurrency > big.max_concurrency
+    # decode: the weight read at 4.25 bits, bf16 activations (a = 2: dispatch and GEMM input stay bf16)
+    assert (mxfp4.activation_bytes, mxfp4.dispatch_bytes) == (2.0, 2 * 2880)
+    assert float(mxfp4.gemm_seconds(1.0, 1.0)) == pytest.approx((13_219_200 + 2 * 2880 * 2) / 3.35e12, rel=1e-12)
+    assert float(mxfp4.gemm_seconds(1.0, 1.0)) * 1e6 == pytest.approx(3.9495, abs=1e-4)
+    assert mxfp4.cost_vector(Cluster(num_nodes=1, gpus_per_node=8))[1] == pytest.approx(13_219_200 / 3.35e12)
+    # prefill: 4096 picks of one expert, bound by FLOPs at the bf16 peak, on an H100 and on a B200 (FP8 4,500)
+    for gpu, peak in ((h100, 989e12), (GPUS["b200"], 2250e12)):
+        d = Deployment(model=gpt, gpu=gpu)
+        assert float(d.gemm_seconds(4096.0, 1.0)) == pytest.approx(6 * 2880 * 2880 * 4096 / peak, rel=1e-12)
+    # everything but the experts is priced as in bf16: the same weights, the same peak
+    assert mxfp4.rest_seconds(64, 8, "decode") == bf16.rest_seconds(64, 8, "decode")
+    assert mxfp4.rest_seconds(4096, 8, "prefill") == bf16.rest_seconds(4096, 8, "prefill")
+    # served on a GPU without FP8 tensor cores is MXFP4 still (weight-only: bf16 tensor cores)
+    assert Deployment(model=get_model("gpt-oss-20b"), gpu=GPUS["a100-80gb"]).precision == "mxfp4"
+    assert mxfp4.describe() == "published peaks, mxfp4 experts, no overlap, a copy per destination GPU"
+
+
+def test_mxfp4_is_served_for_gpt_oss_and_refused_where_no_engine_serves_it(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["cost", "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h100-80gb", "--json"]
+    rc, out, err = run_cli([*base, "--model", "gpt-oss-120b"], capsys)  # served: its MXFP4 checkpoint
+    assert rc == 0, err
+    served = json.loads(out)
+    rc, out, err = run_cli([*base, "--model", "gpt-oss-120b", "--precision", "mxfp4"], capsys)
+    assert rc == 0, err
+    assert json.loads(out) == served and served["precision"] == "mxfp4"
+    rc, out, err = run_cli([*base, "--model", "gpt-oss-120b", "--precision", "bf16"], capsys)
+    assert rc == 0, err
+    bf16 = json.loads(out)
+    # 576 experts per GPU at 13,219,200 bytes against 49,766,400 (the test above)
+    assert bf16["weights_gb_per_gpu"] - served["weights_gb_per_gpu"] == \
+        pytest.approx(576 * (49_766_400 - 13_219_200) / 2**30, abs=1e-3)
+    assert served["max_concurrency"] > bf16["max_concurrency"]
+    assert_user_error([*base, "--model", "qwen3-30b-a3b", "--precision", "mxfp4"], capsys,
+                      "--precision mxfp4 prices an MXFP4 checkpoint's experts, but Qwen3-30B-A3B's checkpoint is BF16",
+                      "engines do not quantize to MXFP4 on load; give --precision served, bf16 or fp8")
+    assert_user_error([*base, "--model", "deepseek-v3", "--precision", "mxfp4"], capsys,
+                      "DeepSeek-V3's checkpoint is FP8")
+    assert_user_error([*base, "--model", "gpt-oss-20b", "--precision", "fp8"], capsys,
+                      "--precision fp8 prices FP8 weights, but gpt-oss-20b's checkpoint is MXFP4",
+                      "give --precision served (mxfp4) or bf16 (a BF16 copy)")
+    with pytest.raises(InputError, match=r"engine's expert weights of 0\.5 bytes disagree with precision 'bf16'"):
+        Deployment(model=get_model("gpt-oss-120b"), gpu=GPUS["h100-80gb"], precision="bf16",
+                   engine=EngineMemory(expert_weight_bytes=0.5))
+    with pytest.raises(InputError, match="expert_weight_bytes"):
+        EngineMemory(expert_weight_bytes=0.0)
 
 
 def test_the_request_cap_is_sglangs_split_over_ranks_and_fp8_kv_halves_a_requests_bytes() -> None:

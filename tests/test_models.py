@@ -246,7 +246,9 @@ def test_gpt_oss_against_its_config_and_model_card() -> None:
     assert small.total() == pytest.approx(20.91e9, rel=0.015)
     assert _active(big) - 201088 * 2880 == pytest.approx(5.13e9, rel=0.015)
     assert _active(small) - 201088 * 2880 == pytest.approx(3.61e9, rel=0.015)
-    assert big.served_precision == "bf16"  # its MXFP4 experts are not modelled (presets.py says so)
+    # quantization_config quant_method mxfp4: the routed experts MXFP4, the rest bf16; no other model's checkpoint
+    assert big.served_precision == small.served_precision == "mxfp4"
+    assert {m.name for m in MODELS.values() if m.served_precision == "mxfp4"} == {"gpt-oss-120b", "gpt-oss-20b"}
 
 
 def test_llama_4_against_its_config_and_model_card() -> None:

@@ -225,6 +225,24 @@ def test_path_build_split_of_several_traces() -> None:
     np.testing.assert_array_equal(whole.topk_ids, split.topk_ids)
 
 
+def test_path_build_reports_each_layer_before_the_first_batch(olmoe: LoadMatrix) -> None:
+    """The path table says how far its build has come, ``(layers built, layers to build)``, from ``(0, L - 1)`` on
+    (a progress bar's position), and builds the same table told or not; a libra replay passes its inputs' listener
+    to the build, which ends before the first batch is served."""
+    build, test = _path_case()
+    told: list[tuple[int, int]] = []
+    heard = PathPredictor([build], progress=lambda done, total: told.append((done, total)))
+    assert told == [(0, 2), (1, 2), (2, 2)]
+    quiet = PathPredictor([build])
+    np.testing.assert_array_equal(heard.predict(test, 0, 2).topk_ids, quiet.predict(test, 0, 2).topk_ids)
+    events: list[Any] = []
+    replay(olmoe, OLMOE_CLUSTER, Budget(slots_per_gpu=8), "libra", {"predictor": "path", "n": 2}, warmup=(0, 4),
+           batches=(4, 6), inputs=PredictorInputs(progress=lambda done, total: events.append((done, total))),
+           progress=events.append)
+    L = olmoe.num_layers
+    assert events == [*((k, L - 1) for k in range(L)), 1, 1]
+
+
 @pytest.mark.parametrize("depth", [0, 5, True, 1.5, "2"])
 def test_path_depth_validation(depth: Any) -> None:
     build, _ = _path_case()

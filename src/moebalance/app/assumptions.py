@@ -22,6 +22,8 @@ __all__ = ["KEYS", "assumption_rows", "assumption_text", "assumptions", "compare
 KEYS = ("calibration", "calibration_fit_error", "precision", "kv_cache_dtype", "attention_tp", "data_parallel_ranks",
         "a2a", "overlap", "phase", "tokens_per_step", "step_note", "requests_per_step", "margin", "held_out",
         "held_out_note")
+#: A precision in words where "<precision> weights and GEMMs" would not say it (:func:`assumption_rows`).
+_PRECISIONS = {"mxfp4": "mxfp4 experts (4.25 bits a weight), bf16 other weights and GEMMs"}
 _PHASES = {"decode": "decode steps: one token per running request",
            "prefill": "prefill steps: a chunk of prompt tokens per data-parallel rank"}
 
@@ -56,7 +58,8 @@ def assumption_rows(doc: dict[str, Any], baseline: str = "EPLB off") -> list[tup
     error = doc["calibration_fit_error"]
     rows = [("calibration", doc["calibration"] + ("; no fit error recorded" if error is None else
                                                   f"; fit error {error:.3f} (mean absolute log error)")),
-            ("precision", f"{doc['precision']} weights and GEMMs, {doc['kv_cache_dtype']} KV cache"),
+            ("precision", f"{_PRECISIONS.get(doc['precision'], doc['precision'] + ' weights and GEMMs')}, "
+                          f"{doc['kv_cache_dtype']} KV cache"),
             ("attention", f"tensor-parallel over {doc['attention_tp']} GPUs in each of {doc['data_parallel_ranks']} "
                           f"data-parallel rank{'' if doc['data_parallel_ranks'] == 1 else 's'}"),
             ("all-to-all", f"{doc['a2a']}: {A2A_WORDS[doc['a2a']]}"),

@@ -12,10 +12,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from moebalance.app.console import err, out, progress
+from moebalance.app.console import err, out, progress, write_files
 from moebalance.app.options import bytes_per_copy
 from moebalance.app.report import ComparisonRow, comparison_markdown, comparison_table, plot_per_layer
 from moebalance.core.budget import Budget
@@ -192,11 +193,13 @@ def phase_lines(rows: Sequence[ComparisonRow]) -> list[str]:
 
 
 def emit_comparison(rows: list[ComparisonRow], plans: dict[str, Placement], title: str, out_dir: str | None,
-                    as_json: bool, notes: Sequence[str] = ()) -> None:
+                    as_json: bool, notes: Sequence[str] = (),
+                    more: Sequence[tuple[str, Callable[[], object]]] = ()) -> None:
     """Print the comparison (table or JSON), its warnings and budget notes; with ``out_dir`` write the Markdown,
-    JSON, per-layer plot and plans there (the caller says what it wrote once its folder is in place:
-    :func:`moebalance.core.io.atomic_dir`). Rows timed on a phase's steps (:class:`PhaseRow`) add a table of their
-    modelled MoE layer time."""
+    JSON, per-layer plot and plans there, then the ``more`` files (``(name, write)`` pairs: the report), each a step
+    on the terminal's bar (:func:`~moebalance.app.console.write_files`), before anything is printed (the caller says
+    what it wrote once its folder is in place: :func:`moebalance.core.io.atomic_dir`). Rows timed on a phase's steps
+    (:class:`PhaseRow`) add a table of their modelled MoE layer time."""
     doc = {"title": title, "rows": [r.as_dict() for r in rows]}
     notes = [*phase_lines(rows), *notes]
     warned: set[str] = set()
@@ -207,12 +210,15 @@ def emit_comparison(rows: list[ComparisonRow], plans: dict[str, Placement], titl
                 err.print(f"warning: {r.policy}: {w}")
     if out_dir:
         d = Path(out_dir)
-        atomic_write_text(d / "comparison.md", comparison_markdown(
-            rows, title, [*notes, "", "![per-layer balancedness](per_layer_balancedness.png)"]))
-        atomic_write_text(d / "comparison.json", dumps(doc))
-        plot_per_layer(rows, d / "per_layer_balancedness.png", title)
-        for name, plan in plans.items():
-            write_plan(d / f"plan-{name}.json", plan)
+        markdown = [*notes, "", "![per-layer balancedness](per_layer_balancedness.png)"]
+        write_files([
+            ("comparison.md", lambda: atomic_write_text(d / "comparison.md",
+                                                         comparison_markdown(rows, title, markdown))),
+            ("comparison.json", lambda: atomic_write_text(d / "comparison.json", dumps(doc))),
+            ("per_layer_balancedness.png", lambda: plot_per_layer(rows, d / "per_layer_balancedness.png", title)),
+            *[(f"plan-{name}.json", partial(write_plan, d / f"plan-{name}.json", plan))
+              for name, plan in plans.items()],
+            *more])
     if as_json:
         sys.stdout.write(dumps(doc))
         return

@@ -4,7 +4,7 @@ modules."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from moebalance.core.errors import InputError
 
 __all__ = ["COMPILING", "announce_compiles", "check_out", "drop_notes", "err", "flush_notes", "note", "out", "progress",
-           "step"]
+           "step", "write_files"]
 
 # Wide enough for the comparison table when stdout is a file or a pipe (rich would assume 80 columns).
 out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -56,6 +56,19 @@ def step(description: str) -> Iterator[None]:
     with progress() as bar:
         bar.add_task(description, total=None)
         yield
+
+
+def write_files(files: Sequence[tuple[str, Callable[[], object]]]) -> None:
+    """Write ``files``, ``(name, write)`` pairs, one after another on :func:`progress`'s bar: ``writing NAME`` while
+    ``write()`` makes the file ``name``, and how many are written (a report's charts and its page each take a
+    while). Nothing may be printed on stdout meanwhile: the bar is drawn over the terminal until the last is
+    written."""
+    with progress() as bar:
+        task = bar.add_task("writing", total=len(files))
+        for name, write in files:
+            bar.update(task, description=f"writing {name}", refresh=True)
+            write()
+            bar.advance(task)
 
 
 #: What :func:`announce_compiles` says, once, before numba compiles the first of moebalance's kernels.

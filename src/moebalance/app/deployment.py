@@ -88,8 +88,10 @@ def add(p: argparse.ArgumentParser, *, gpu_required: bool) -> None:
                         "of the peaks need not hold there); the output names the calibration's GPU")
     p.add_argument("--precision", choices=PRECISIONS,
                    help="the weights' and GEMMs' precision: served (the default: the model's own checkpoint's, fp8 for "
-                        "DeepSeek-V3/R1 and Kimi-K2 where the GPU has FP8 tensor cores, else bf16), bf16, or fp8 (half "
-                        "the weight bytes, the GPU's FP8 peak, FP8 dispatch with per-128 scales; combine stays bf16)")
+                        "DeepSeek-V3/R1, Kimi-K2 and MiniMax-M2 where the GPU has FP8 tensor cores, mxfp4 for "
+                        "gpt-oss, else bf16), bf16, fp8 (half the weight bytes, the GPU's FP8 peak, FP8 dispatch with "
+                        "per-128 scales; combine stays bf16), or mxfp4 (an MXFP4 checkpoint's experts at 4.25 bits a "
+                        "weight, the other weights, the GEMMs and the dispatch bf16)")
     p.add_argument("--overlap", choices=OVERLAPS,
                    help="a layer's experts and all-to-all one after the other (none, the default) or in two "
                         "micro-batches that hide each other (tbo, SGLang's --enable-two-batch-overlap)")

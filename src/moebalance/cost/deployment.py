@@ -15,6 +15,7 @@ It also owns the two formulas a layer's price is made of, so that a change of ei
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,8 +27,10 @@ from moebalance.cost.a2a import KERNELS, LATENCY_US, a2a_estimate, a2a_per_pick,
 from moebalance.cost.hardware import GpuSpec
 from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import (
+    EXPERT_WEIGHT_BYTES,
     PRECISION_BYTES,
     Calibration,
+    gemm_precision,
     gemm_seconds,
     rest_seconds,
     roofline_terms,
@@ -37,8 +40,9 @@ from moebalance.models.fields import check_fields
 
 __all__ = ["A2A_WORDS", "KERNELS", "OVERLAPS", "PHASES", "PRECISIONS", "Deployment", "Workload"]
 
-#: The precisions a deployment names: the weights' and GEMMs' (``served``: the model's own).
-PRECISIONS = ("bf16", "fp8", "served")
+#: The precisions a deployment names: the weights' and GEMMs' (``mxfp4``: an MXFP4 checkpoint's experts, the rest and
+#: the GEMMs bf16; ``served``: the model's own).
+PRECISIONS = ("bf16", "fp8", "mxfp4", "served")
 #: How a layer's experts and all-to-all share time: one after the other, or two-batch overlap (SGLang's
 #: ``--enable-two-batch-overlap``).
 OVERLAPS = ("none", "tbo")
@@ -84,9 +88,13 @@ class Deployment:
     #: ``low-latency``, or ``auto`` (normal in prefill, low-latency in decode); DeepEP's on an NVIDIA GPU only
     #: (:func:`moebalance.cost.a2a.kernels_on`).
     a2a: str = "per-gpu"
-    #: The weights' and the GEMMs' precision, ``bf16`` or ``fp8`` (:data:`PRECISIONS`); ``served``, the default: the
-    #: model's own (:attr:`~moebalance.models.ModelSpec.served_precision`), bf16 on a GPU without FP8 tensor cores
-    #: (weight-only FP8 kernels are not modelled). It sets ``engine.weight_bytes``.
+    #: The weights' and the GEMMs' precision, ``bf16`` or ``fp8``, or ``mxfp4`` (:data:`PRECISIONS`): the routed
+    #: experts' weights in MXFP4 as an MXFP4 checkpoint has them, the other weights and the GEMMs bf16
+    #: (:func:`moebalance.cost.time.gemm_precision`). ``served``, the default: the model's own
+    #: (:attr:`~moebalance.models.ModelSpec.served_precision`), bf16 for an FP8 checkpoint on a GPU without FP8 tensor
+    #: cores (weight-only FP8 kernels are not modelled). It sets ``engine.weight_bytes`` and
+    #: ``engine.expert_weight_bytes``. Refused in one line (:meth:`_checked_precision`): ``mxfp4`` for a checkpoint
+    #: that is not MXFP4, ``fp8`` for one that is.
     precision: str = "served"
     #: ``none`` or ``tbo``, two-batch overlap (:data:`OVERLAPS`; :meth:`layer_seconds`).
     overlap: str = "none"
@@ -101,16 +109,38 @@ class Deployment:
             raise InputError(f"overlap {self.overlap!r} is unknown; choose one of: {', '.join(OVERLAPS)}")
         if not isinstance(self.precision, str) or self.precision not in PRECISIONS:
             raise InputError(f"precision {self.precision!r} is unknown; choose one of: {', '.join(PRECISIONS)}")
-        if self.precision == "served":
-            fp8 = self.model.served_precision == "fp8" and self.gpu.fp8_tflops is not None
-            object.__setattr__(self, "precision", "fp8" if fp8 else "bf16")
-        self.gpu.peak_tflops(self.precision)  # FP8 on a GPU without FP8 tensor cores: one line
-        weight_bytes = PRECISION_BYTES[self.precision]
+        object.__setattr__(self, "precision", self._checked_precision())
+        self.gpu.peak_tflops(gemm_precision(self.precision))  # FP8 on a GPU without FP8 tensor cores: one line
+        weight_bytes = PRECISION_BYTES[gemm_precision(self.precision)]  # the non-expert weights'
+        experts = EXPERT_WEIGHT_BYTES[self.precision]
+        expert_bytes = None if experts == weight_bytes else experts  # None: the experts' are weight_bytes too
         if self.engine.weight_bytes not in (weight_bytes, EngineMemory().weight_bytes):
             raise InputError(f"the engine's weights of {self.engine.weight_bytes} bytes disagree with precision "
                              f"{self.precision!r} ({weight_bytes} bytes); give the precision alone, it sets them")
-        if self.engine.weight_bytes != weight_bytes:
-            object.__setattr__(self, "engine", dataclasses.replace(self.engine, weight_bytes=weight_bytes))
+        if self.engine.expert_weight_bytes not in (None, expert_bytes):
+            raise InputError(f"the engine's expert weights of {self.engine.expert_weight_bytes:g} bytes disagree with "
+                             f"precision {self.precision!r} ({experts:g} bytes); give the precision alone, it sets them")
+        if (self.engine.weight_bytes, self.engine.expert_weight_bytes) != (weight_bytes, expert_bytes):
+            object.__setattr__(self, "engine", dataclasses.replace(self.engine, weight_bytes=weight_bytes,
+                                                                   expert_weight_bytes=expert_bytes))
+
+    def _checked_precision(self) -> str:
+        """The precision priced: ``served`` resolved to the model's own (an FP8 checkpoint's in bf16 on a GPU without
+        FP8 tensor cores), after refusing what no engine serves from the model's checkpoint: MXFP4 experts of a
+        checkpoint that is not MXFP4 (engines read MXFP4 from the checkpoint; SGLang's on-load MXFP4 quantization,
+        ``--quantization mxfp4`` or ``quark_mxfp4``, runs on ROCm gfx95 GPUs through AITER only and is not modelled),
+        and FP8 weights of an MXFP4 checkpoint (engines serve its MXFP4 as it is)."""
+        served, name = self.model.served_precision, self.model.display_name
+        if self.precision == "served":
+            return "bf16" if served == "fp8" and self.gpu.fp8_tflops is None else served
+        if self.precision == "mxfp4" and served != "mxfp4":
+            raise InputError(f"--precision mxfp4 prices an MXFP4 checkpoint's experts, but {name}'s checkpoint is "
+                             f"{served.upper()} and engines do not quantize to MXFP4 on load; give --precision "
+                             "served, bf16 or fp8")
+        if self.precision == "fp8" and served == "mxfp4":
+            raise InputError(f"--precision fp8 prices FP8 weights, but {name}'s checkpoint is MXFP4, which engines "
+                             "serve as it is; give --precision served (mxfp4) or bf16 (a BF16 copy)")
+        return self.precision
 
     def a2a_kernel(self, phase: str | None = None) -> str:
         """The kernel that moves ``phase``'s tokens (:func:`moebalance.cost.a2a.kernel_for`: ``auto`` is ``normal``
@@ -126,16 +156,17 @@ class Deployment:
 
     @property
     def activation_bytes(self) -> float:
-        """``a``, bytes per activation the grouped GEMM moves: the mean of its input (in the GEMM's precision) and its
-        output (bf16)."""
-        return (PRECISION_BYTES[self.precision] + PRECISION_BYTES["bf16"]) / 2
+        """``a``, bytes per activation the grouped GEMM moves: the mean of its input (in the GEMM's precision, bf16
+        for ``mxfp4``) and its output (bf16)."""
+        return (PRECISION_BYTES[gemm_precision(self.precision)] + PRECISION_BYTES["bf16"]) / 2
 
     @property
     def dispatch_bytes(self) -> int:
-        """One token's dispatch copy: ``H`` values in the precision; FP8 adds a float32 scale per 128 values (the
-        per-token, per-128-channel scaling of DeepSeek's FP8 recipe, which DeepEP's FP8 dispatch sends)."""
+        """One token's dispatch copy: ``H`` values in the GEMM's precision (bf16 for ``mxfp4``); FP8 adds a float32
+        scale per 128 values (the per-token, per-128-channel scaling of DeepSeek's FP8 recipe, which DeepEP's FP8
+        dispatch sends)."""
         H = self.model.hidden_size
-        return H * 2 if self.precision == "bf16" else H + 4 * -(-H // 128)
+        return H * 2 if gemm_precision(self.precision) == "bf16" else H + 4 * -(-H // 128)
 
     @property
     def bytes_per_copy(self) -> int:
@@ -145,8 +176,9 @@ class Deployment:
 
     @property
     def bytes_per_expert(self) -> int:
-        """One routed expert's weights: ``3 H F w``."""
-        return self.model.expert_params() * self.engine.weight_bytes
+        """One routed expert's weights: ``3 H F w`` bytes, ``w`` the experts' bytes per weight (an MXFP4 expert's
+        4.25 / 8 a whole number of bytes, its blocks of 32 weights taking 17), what a copy of it moves."""
+        return math.ceil(self.model.expert_params() * self.engine.expert_bytes_per_weight)
 
     def describe(self) -> str:
         """What the prices assume, in words: ``"published peaks, bf16, no overlap, a copy per destination GPU"``."""
@@ -155,7 +187,8 @@ class Deployment:
         kv_names = {b: name for name, b in PRECISION_BYTES.items()}
         kv = "" if self.engine.kv_bytes == PRECISION_BYTES["bf16"] else \
             f", {kv_names.get(self.engine.kv_bytes, f'{self.engine.kv_bytes}-byte')} KV cache"
-        return f"{self.calibration.source}, {self.precision}{kv}, {overlap}, {dispatch}"
+        precision = "mxfp4 experts" if self.precision == "mxfp4" else self.precision
+        return f"{self.calibration.source}, {precision}{kv}, {overlap}, {dispatch}"
 
     def ranks(self, cluster: Cluster, lost: int = 0) -> int:
         """Data-parallel ranks on ``cluster`` with ``lost`` GPUs gone (at least 1)."""
@@ -170,7 +203,7 @@ class Deployment:
     def gemm_seconds(self, picks: np.ndarray | float, touched: np.ndarray | float) -> np.ndarray:
         """A GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast)."""
         return gemm_seconds(picks, touched, self.model, self.gpu, self.calibration,
-                            weight_bytes=self.engine.weight_bytes, activation_bytes=self.activation_bytes,
+                            weight_bytes=self.engine.expert_bytes_per_weight, activation_bytes=self.activation_bytes,
                             precision=self.precision)
 
     def layer_seconds(self, expert_gpu: np.ndarray, a2a: np.ndarray | float) -> np.ndarray:
@@ -198,7 +231,8 @@ class Deployment:
         """``float64 [5]``: ``[alpha, beta, gamma, launch, kappa]`` seconds on ``cluster``, the roofline's terms
         (:func:`moebalance.cost.time.roofline_terms`) and the all-to-all per pick
         (:func:`moebalance.cost.a2a.a2a_per_pick`), as the ``metro`` router's compiled kernel takes them."""
-        terms = roofline_terms(self.model, self.gpu, self.calibration, weight_bytes=self.engine.weight_bytes,
+        terms = roofline_terms(self.model, self.gpu, self.calibration,
+                               weight_bytes=self.engine.expert_bytes_per_weight,
                                activation_bytes=self.activation_bytes, precision=self.precision)
         return np.array([*terms, a2a_per_pick(cluster, self.bytes_per_copy)])
 

@@ -9,6 +9,9 @@ gives the KV cache what the weights leave (SGLang: ``mem_fraction_static``; vLLM
     kv_cache[g] = f * memory - weights[g] - reserve
     weights[g]  = S_g * expert_bytes + non_expert_bytes / shards
 
+(``expert_bytes``: ``3 H F`` weights of ``EngineMemory.expert_bytes_per_weight`` each, 4.25 / 8 bytes for an MXFP4
+checkpoint's experts, whose other weights are bf16.)
+
 A GPU's KV cache is set by the GPU hosting the most experts (engines size every rank's pool alike, and the
 smallest one bounds the batch: CRAFT Section 4.2.2, Challenge 2). Replicas cost ``(max_g S_g - L * ceil(E / G))
 * expert_bytes``; the KV-cache reduction is that memory over the KV cache of the same deployment without
@@ -57,6 +60,9 @@ class EngineMemory:
     #: Bytes per weight (bf16: 2) and per KV-cache number.
     weight_bytes: int = 2
     kv_bytes: int = 2
+    #: Bytes per routed-expert weight where the experts are stored unlike the other weights (an MXFP4 checkpoint's
+    #: 4.25 / 8: :data:`moebalance.cost.time.EXPERT_WEIGHT_BYTES`, which a deployment sets); ``None``: ``weight_bytes``.
+    expert_weight_bytes: float | None = None
     #: The requests the deployment runs at once at most, over all its data-parallel ranks (SGLang's
     #: ``--max-running-requests``, which each rank takes divided by the data-parallel size); ``None``: as many as the
     #: KV cache holds.
@@ -65,6 +71,8 @@ class EngineMemory:
     def __post_init__(self) -> None:
         check_fields(self, positive_reals=("memory_fraction",), non_negative_reals=("reserve_gib",),
                      positive=("dense_tp", "weight_bytes", "kv_bytes"), label="")
+        if self.expert_weight_bytes is not None:
+            check_fields(self, positive_reals=("expert_weight_bytes",), label="")
         cap = self.max_running_requests
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise InputError(f"max_running_requests ({cap!r}) must be a positive integer or None (the KV cache's)")
@@ -73,6 +81,11 @@ class EngineMemory:
         tp = self.attention_tp
         if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
             raise InputError(f"attention_tp ({tp!r}) must be a positive integer or None (a node)")
+
+    @property
+    def expert_bytes_per_weight(self) -> float:
+        """Bytes per routed-expert weight: ``expert_weight_bytes``, else ``weight_bytes``."""
+        return self.weight_bytes if self.expert_weight_bytes is None else self.expert_weight_bytes
 
     def attention_group(self, gpus_per_node: int) -> int:
         """GPUs of one data-parallel rank: ``attention_tp``, or a node when it is ``None``."""
@@ -138,7 +151,7 @@ def memory_per_gpu(model: ModelSpec, gpu: GpuSpec, *, num_gpus: int, gpus_per_no
         hosted = base + int(replicas_per_gpu)
     else:
         hosted = int(np.max(experts_per_gpu))
-    expert_gib = model.expert_params() * engine.weight_bytes / GIB
+    expert_gib = model.expert_params() * engine.expert_bytes_per_weight / GIB
     fixed = non_expert_gib_per_gpu(model, engine, gpus_per_node)
     budget = engine.memory_fraction * gpu.memory_gib - engine.reserve_gib
     kv_without = budget - fixed - base * expert_gib

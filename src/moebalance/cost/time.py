@@ -9,7 +9,8 @@ reads the weights of every expert it touches once, and its picks' inputs and out
     flops_g = 6 H F n_g                      bytes_g = u_g * 3 H F w + 2 n_g H a
     t_g = launch + max(flops_g / (peak_flops * flops_eff), bytes_g / (bandwidth * bandwidth_eff))
 
-(``w`` bytes per weight, ``a`` per activation.) Few tokens per expert (decode) leave it bound by the experts
+(``w`` bytes per expert weight, :data:`EXPERT_WEIGHT_BYTES`: 2 in bf16, 1 in FP8, 4.25 / 8 in MXFP4; ``a`` per
+activation.) Few tokens per expert (decode) leave it bound by the experts
 touched; many (prefill) by FLOPs. The layer waits for its slowest GPU (the straggler model), then for the
 all-to-all (:func:`moebalance.cost.a2a.a2a_seconds`: busiest link, dispatch and combine)::
 
@@ -36,12 +37,32 @@ from moebalance.cost.memory import GIB, EngineMemory, non_expert_gib_per_gpu
 from moebalance.models import ModelSpec
 from moebalance.models.fields import check_fields
 
-#: Bytes per weight of each precision the cost model prices (an FP8 checkpoint's block scales are left out: 1 in
-#: 16,384 weights).
+#: Bytes per number of each precision a GEMM runs in and a KV cache holds (an FP8 checkpoint's block scales are left
+#: out: 1 in 16,384 weights).
 PRECISION_BYTES = {"bf16": 2, "fp8": 1}
+#: Bits of an MXFP4 weight (OCP Microscaling Formats (MX) v1.0): a 4-bit E2M1 value and its share of the one 8-bit
+#: E8M0 scale of its block of 32, ``4 + 8 / 32`` (gpt-oss's ``*_blocks`` and ``*_scales``: models/presets.py).
+MXFP4_BITS = 4 + 8 / 32
+#: Bytes per routed-expert weight of each precision a deployment prices: :data:`PRECISION_BYTES`, and ``mxfp4``,
+#: an MXFP4 checkpoint's experts at ``4.25 / 8`` bytes (the weights read by the grouped GEMM, held in memory and
+#: moved with a copy), its other weights bf16 (:func:`gemm_precision`).
+EXPERT_WEIGHT_BYTES: dict[str, float] = {**PRECISION_BYTES, "mxfp4": MXFP4_BITS / 8}
 
-__all__ = ["PRECISION_BYTES", "Calibration", "expert_seconds", "gemm_seconds", "gemm_work", "padded_rows", "peak_rates",
-           "prefetch_seconds", "rest_seconds", "roofline_terms"]
+__all__ = ["EXPERT_WEIGHT_BYTES", "MXFP4_BITS", "PRECISION_BYTES", "Calibration", "expert_seconds", "gemm_precision",
+           "gemm_seconds", "gemm_work", "padded_rows", "peak_rates", "prefetch_seconds", "rest_seconds",
+           "roofline_terms"]
+
+
+def gemm_precision(precision: str) -> str:
+    """The precision a deployment in ``precision`` (:data:`EXPERT_WEIGHT_BYTES`) multiplies in, whose tensor-core
+    peak its FLOPs divide by and whose bytes its non-expert weights and its activations take: ``precision`` itself,
+    but ``bf16`` for ``mxfp4``. MXFP4 is weight-only there: the engines' MXFP4 MoE kernels take bf16 activations and
+    dequantize the weights to bf16 for the tensor cores on Ampere, Hopper and AMD GPUs (vLLM 0.33's Marlin, Triton
+    and AITER MXFP4 x BF16 backends; SGLang's triton_kernels), and vLLM's first choice on Blackwell,
+    FLASHINFER_TRTLLM_MXFP4_BF16, does so too. SGLang's default there multiplies by MXFP8 activations, at the FP8
+    rate; the bf16 peak is the lower of the two (conservative), and :class:`~moebalance.cost.hardware.GpuSpec`
+    records no FP4 peak. Decode, bound by the weights read, does not depend on it."""
+    return "bf16" if precision == "mxfp4" else precision
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -88,14 +109,15 @@ class Calibration:
 
 def peak_rates(gpu: GpuSpec, calibration: Calibration | None = None, precision: str = "bf16") -> tuple[float, float]:
     """``(FLOP/s, bytes/s)`` the roofline divides by: the GPU's tensor-core peak in ``precision`` (``bf16`` or
-    ``fp8``) and its memory bandwidth, each times the calibration's share."""
+    ``fp8``; ``mxfp4``: bf16's, :func:`gemm_precision`) and its memory bandwidth, each times the calibration's
+    share."""
     cal = Calibration() if calibration is None else calibration
-    return (gpu.peak_tflops(precision) * 1e12 * cal.flops_efficiency,
+    return (gpu.peak_tflops(gemm_precision(precision)) * 1e12 * cal.flops_efficiency,
             gpu.memory_bandwidth * 1e9 * cal.bandwidth_efficiency)
 
 
 def gemm_work(picks: np.ndarray | float, touched: np.ndarray | float, hidden_size: np.ndarray | float,
-              ffn_size: np.ndarray | float, *, weight_bytes: int = 2, activation_bytes: float = 2,
+              ffn_size: np.ndarray | float, *, weight_bytes: float = 2, activation_bytes: float = 2,
               padded: np.ndarray | float | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(FLOPs, bytes)`` of a grouped GEMM over ``picks`` picks touching ``touched`` experts of ``H x F``: each pick
     runs ``6 H F`` FLOPs, each expert touched is read once (``3 H F w`` bytes) and each pick's input and output move
@@ -120,7 +142,7 @@ def padded_rows(picks: np.ndarray, tile_rows: int) -> np.ndarray:
 
 
 def roofline_terms(model: ModelSpec, gpu: GpuSpec, calibration: Calibration | None = None, *,
-                   weight_bytes: int = 2, activation_bytes: float = 2,
+                   weight_bytes: float = 2, activation_bytes: float = 2,
                    precision: str = "bf16") -> tuple[float, float, float, float]:
     """``(alpha, beta, gamma, launch)`` seconds: the grouped GEMM of ``n`` picks touching ``u`` experts takes
     ``launch + max(alpha n, beta u + gamma n)``, the roofline of :func:`gemm_seconds` as compiled kernels that
@@ -136,7 +158,7 @@ def roofline_terms(model: ModelSpec, gpu: GpuSpec, calibration: Calibration | No
 
 
 def gemm_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: ModelSpec, gpu: GpuSpec,
-                 calibration: Calibration | None = None, *, weight_bytes: int = 2, activation_bytes: float = 2,
+                 calibration: Calibration | None = None, *, weight_bytes: float = 2, activation_bytes: float = 2,
                  precision: str = "bf16", padded: np.ndarray | float | None = None) -> np.ndarray:
     """Seconds of one GPU's grouped GEMM over ``picks`` picks touching ``touched`` experts (arrays broadcast;
     ``touched`` may be an expectation, as the step model's is): the roofline of the module docstring. Callers with
@@ -162,7 +184,7 @@ def gemm_seconds(picks: np.ndarray | float, touched: np.ndarray | float, model: 
 
 
 def expert_seconds(picks: np.ndarray, model: ModelSpec, gpu: GpuSpec, calibration: Calibration | None = None, *,
-                   weight_bytes: int = 2, activation_bytes: float = 2, precision: str = "bf16") -> np.ndarray:
+                   weight_bytes: float = 2, activation_bytes: float = 2, precision: str = "bf16") -> np.ndarray:
     """``float64 [..., G]``: each GPU's grouped-GEMM seconds in one MoE layer, from ``picks [..., G, E]``, the
     tokens GPU ``g`` serves for expert ``e`` (whole numbers >= 0; leading axes broadcast). A GPU's picks are
     ``n_g = sum_e picks[g, e]``, the experts they touch ``u_g = #{e : picks[g, e] > 0}``, and its time the
@@ -205,7 +227,8 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
     / 2``, causal; a decode token: its context; every layer counted as full).
 
     The input embedding is a lookup (its rows, not the table, are read); the LM head is a matrix product over the
-    logits; every other non-expert weight multiplies every token and is read once per step, in ``precision``.
+    logits; every other non-expert weight multiplies every token and is read once per step, in ``precision`` (its
+    bytes ``engine.weight_bytes``; ``mxfp4`` leaves them bf16, as gpt-oss's checkpoint has them).
     Attention multiplies each pair's score and value widths (:meth:`moebalance.models.Attention.widths`; MLA
     ``absorbed`` in decode) by every head, ``2 n_h (score + value)`` FLOPs per pair and layer, split over the rank's
     GPUs by head, in bf16.
@@ -235,9 +258,9 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
 
 
 def prefetch_seconds(copies: np.ndarray | float, model: ModelSpec, bandwidth: float, *,
-                     weight_bytes: int = 2) -> np.ndarray:
+                     weight_bytes: float = 2) -> np.ndarray:
     """Seconds to load ``copies`` expert copies over a link of ``bandwidth`` GB/s: Libra's prefetch of the experts
-    a batch's plan adds (``3 H F w`` bytes each). Libra overlaps it with the layers before; whether it stays hidden
+    a batch's plan adds (``3 H F w`` bytes each, ``w`` bytes per expert weight: :data:`EXPERT_WEIGHT_BYTES`). Libra overlaps it with the layers before; whether it stays hidden
     is a comparison with their compute time.
 
     Example (by hand): one DeepSeek-V3 expert (88.1 MB in bf16) over NVLink 4 (450 GB/s) takes 0.196 ms.

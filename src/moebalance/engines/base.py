@@ -121,15 +121,16 @@ def model_id(spec: ModelSpec) -> str | None:
 def model_word(d: Deployment, title: str, *, quantizes: bool) -> tuple[str, list[str]]:
     """The model word of a command and the comments every engine shares: the model placeholder, weights of another
     precision than the checkpoint's (``quantizes``: whether the engine, ``title``, makes FP8 weights of a BF16
-    checkpoint itself), and an all-to-all no engine option selects."""
+    checkpoint itself; an FP8 or MXFP4 checkpoint priced in bf16 needs a BF16 copy; an MXFP4 one priced in mxfp4 needs
+    no flag, engines read its ``quantization_config``), and an all-to-all no engine option selects."""
     spec, comments = d.model, []
     name = model_id(spec)
     if name is None:
         comments.append(f"# {MODEL_PLACEHOLDER}: {spec.display_name}'s weights (a folder or a Hugging Face id); its "
                         "model spec records no Hugging Face id")
-    if d.precision == "bf16" and spec.served_precision == "fp8":
-        comments.append(f"# priced with BF16 weights, but {spec.display_name}'s checkpoint is FP8: serve a BF16 copy "
-                        "of it in the model's place")
+    if d.precision == "bf16" and spec.served_precision != "bf16":
+        comments.append(f"# priced with BF16 weights, but {spec.display_name}'s checkpoint is "
+                        f"{spec.served_precision.upper()}: serve a BF16 copy of it in the model's place")
     if d.precision == "fp8" and spec.served_precision != "fp8" and not quantizes:
         comments.append(f"# priced with FP8 weights: give {title} an FP8-quantized checkpoint of "
                         f"{spec.display_name} in the model's place")

@@ -17,8 +17,9 @@ no such field, but for Qwen3-Next, whose entry says why); the attention's ``num_
 ``vocab_size``, ``intermediate_size`` (a dense layer's MLP; Llama 4's ``intermediate_size_mlp``) and
 ``tie_word_embeddings``. ``served_precision`` is ``fp8`` where
 ``config.json`` has a ``quantization_config`` of ``quant_method`` ``fp8`` (DeepSeek-V3/R1, Kimi-K2 and MiniMax-M2:
-``e4m3`` weights in 128 x 128 blocks), else ``bf16`` (``torch_dtype`` ``bfloat16``; FP8 variants published as
-separate repositories are not the default; gpt-oss's ``mxfp4`` is not modelled, see its entry). ``layer_kinds``
+``e4m3`` weights in 128 x 128 blocks), ``mxfp4`` where its ``quant_method`` is ``mxfp4`` (gpt-oss: the routed
+experts' weights in MXFP4, every other weight bf16, see its entry), else ``bf16`` (``torch_dtype`` ``bfloat16``; FP8
+variants published as separate repositories are not the default). ``layer_kinds``
 names each decoder layer's attention where not every layer is full: gpt-oss's ``layer_types`` with its
 ``sliding_window`` (``attention_window``), Llama 4's chunked layers (``no_rope_layers``, ``attention_chunk_size``)
 and Qwen3-Next's linear-attention layers (``full_attention_interval``, the ``linear_*`` sizes:
@@ -108,19 +109,21 @@ _PRESETS = (
     # every layer MoE; head_dim 64. layer_types alternates sliding_attention (layers 0, 2, ...: a window of
     # sliding_window 128 tokens; vLLM's gpt_oss.py windows the even layers, SGLang's reads layer_types) and
     # full_attention (1, 3, ...). The attention sinks (a learned logit per head, no cached token) and the biases of the
-    # projections and experts are left out (as every model's). Its quantization_config is quant_method mxfp4 (the
-    # experts' weights in MXFP4, 4.25 bits each, attention, router and embeddings bf16), which served_precision cannot
-    # say: bf16 by the rule above, so the experts' bytes are counted at 16 bits, not 4.25. Totals: the gpt-oss model
-    # card (arXiv:2508.10925), Table 1: 116.83B (5.13B active, the unembedding counted but not the embeddings).
+    # projections and experts are left out (as every model's). Its quantization_config is quant_method mxfp4, with
+    # modules_to_not_convert naming the attention, the router, the embeddings and the LM head: the routed experts'
+    # weights are MXFP4 (transformers' Mxfp4GptOssExperts: 32 4-bit E2M1 values in 16 bytes, *_blocks, and one 8-bit
+    # E8M0 scale, *_scales, per block of 32: 4.25 bits a weight), the rest bf16; served_precision mxfp4 (the cost
+    # model's pricing of it: moebalance.cost.time, EXPERT_WEIGHT_BYTES). Totals: the gpt-oss model card
+    # (arXiv:2508.10925), Table 1: 116.83B (5.13B active, the unembedding counted but not the embeddings).
     ModelSpec(name="gpt-oss-120b", display_name="gpt-oss-120b", num_layers=36, num_dense_layers=0, num_experts=128,
               top_k=4, hidden_size=2880, moe_intermediate_size=2880, num_shared_experts=0, num_groups=1,
-              attention=_gqa(64, 8, 64), vocab_size=201088, total_params=116.83e9,
+              attention=_gqa(64, 8, 64), vocab_size=201088, total_params=116.83e9, served_precision="mxfp4",
               layer_kinds=_every(36, 2, "window"), attention_window=128, source=_config("openai/gpt-oss-120b")),
-    # As gpt-oss-120b with num_hidden_layers 24 (layer_types alternating alike) and num_local_experts 32; model card
-    # Table 1: 20.91B (3.61B active).
+    # As gpt-oss-120b with num_hidden_layers 24 (layer_types alternating alike) and num_local_experts 32, its
+    # quantization_config the same (MXFP4 experts); model card Table 1: 20.91B (3.61B active).
     ModelSpec(name="gpt-oss-20b", display_name="gpt-oss-20b", num_layers=24, num_dense_layers=0, num_experts=32,
               top_k=4, hidden_size=2880, moe_intermediate_size=2880, num_shared_experts=0, num_groups=1,
-              attention=_gqa(64, 8, 64), vocab_size=201088, total_params=20.91e9,
+              attention=_gqa(64, 8, 64), vocab_size=201088, total_params=20.91e9, served_precision="mxfp4",
               layer_kinds=_every(24, 2, "window"), attention_window=128, source=_config("openai/gpt-oss-20b")),
     # Llama 4 (text_config; num_local_experts, intermediate_size an expert's FFN, intermediate_size_mlp a dense
     # layer's): num_hidden_layers 48, interleave_moe_layer_step 1, every layer MoE; each MoE layer also has one shared

@@ -202,9 +202,10 @@ class ModelSpec:
     #: FFN size of a dense layer's MLP (``intermediate_size``); unused for a model without dense layers.
     dense_intermediate_size: int = 0
     tie_word_embeddings: bool = False
-    #: The precision its released weights are served in: ``fp8`` where the checkpoint is FP8 (``config.json``'s
-    #: ``quantization_config``), else ``bf16``.
-    served_precision: Literal["bf16", "fp8"] = "bf16"
+    #: The precision its released weights are served in (``config.json``'s ``quantization_config``): ``fp8`` where the
+    #: checkpoint is FP8; ``mxfp4`` where its routed experts are MXFP4 and every other weight bf16 (gpt-oss); else
+    #: ``bf16``.
+    served_precision: Literal["bf16", "fp8", "mxfp4"] = "bf16"
     #: Total parameters the model card publishes for the main model (DeepSeek-V3: its MTP module excluded), to
     #: check :meth:`total` against; 0: not published.
     total_params: float = 0.0
@@ -224,8 +225,9 @@ class ModelSpec:
                      non_negative=("num_dense_layers", "num_shared_experts", "num_mtp_layers", "vocab_size",
                                    "dense_intermediate_size"),
                      flags=("tie_word_embeddings",), non_negative_reals=("total_params",))
-        if self.served_precision not in ("bf16", "fp8"):
-            raise InputError(f"ModelSpec.served_precision ({self.served_precision!r}) must be 'bf16' or 'fp8'")
+        if self.served_precision not in ("bf16", "fp8", "mxfp4"):
+            raise InputError(f"ModelSpec.served_precision ({self.served_precision!r}) must be 'bf16', 'fp8' or "
+                             "'mxfp4'")
         if self.top_k > self.num_experts:
             raise InputError(f"ModelSpec.top_k ({self.top_k}) must be at most num_experts ({self.num_experts})")
         if self.num_experts % self.num_groups:

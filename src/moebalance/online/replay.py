@@ -388,8 +388,8 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
         build = inputs.build.trace if inputs.build is not None else None
         if build is None and config.predictor == "path":
             raise InputError("the path predictor needs a token-level build split")
-        predictor = make_predictor(config.predictor, build=[build] if build is not None else [],
-                                   hidden=inputs.hidden, model=inputs.model, depth=config.depth, window=config.window)
+        predictor = make_predictor(config.predictor, build=[build] if build is not None else [], hidden=inputs.hidden,
+                                   model=inputs.model, depth=config.depth, window=config.window, progress=inputs.progress)
     fallback = HistoryPredictor(1)
     imb = np.full((d - c, L), np.nan)
     bal = np.full((d - c, L), np.nan)
@@ -436,7 +436,7 @@ def _replay_dynamic(load: LoadMatrix, warm: LoadMatrix, cluster: Cluster, budget
             dep = clock.pricing.deployment
             copy = exposed_prefetch((extras >= 0).sum(axis=2), st.expert, last, dep.model,
                                     cluster.intra_node_bandwidth, oracle=config.exact,
-                                    weight_bytes=dep.engine.weight_bytes)
+                                    weight_bytes=dep.engine.expert_bytes_per_weight)
             clock.exposed[i] = clock.router[i] + copy
             clock.exposed[i] += stall
             clock.step[i] = st.seconds + clock.exposed[i]

@@ -36,7 +36,7 @@ over tokens, per layer and over the layers that have a prediction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,11 +60,13 @@ PREDICTORS = ("lookahead", "path", "history", "oracle", "exact")
 class PredictorInputs:
     """What a replay's predictor may need besides the trace: the ``lookahead`` predictor's gate inputs
     ``hidden [N, L, D]`` and the ``model`` whose gates made them; the ``path`` predictor's ``build`` split (``None``:
-    the warm-up batches)."""
+    the warm-up batches); ``progress(done, total)``, called as the predictor is built (the ``path`` table, layer by
+    layer: :class:`PathPredictor`), before the first batch is served."""
 
     hidden: np.ndarray | None = None
     model: Any = None
     build: LoadMatrix | None = None
+    progress: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,11 +247,16 @@ class LookaheadPredictor(Predictor):
 
 
 class PathPredictor(Predictor):
-    """Lina's expert-selection-path table, built on ``build`` traces (see the module docstring)."""
+    """Lina's expert-selection-path table, built on ``build`` traces (see the module docstring).
+
+    The table is built layer by layer (ranking every path's experts, a while on a large build split);
+    ``progress(done, total)``, if given, is called with ``(0, L - 1)`` before the first layer's table and
+    with the layers built so far after each of layers ``1 .. L - 1`` (a progress bar's position)."""
 
     name = "path"
 
-    def __init__(self, build: Sequence[RoutingTrace], depth: int = 2) -> None:
+    def __init__(self, build: Sequence[RoutingTrace], depth: int = 2,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= 4:
             raise InputError(f"depth ({depth!r}) must be an integer from 1 to 4 (previous layers in a path)")
         if not build:
@@ -259,9 +266,11 @@ class PathPredictor(Predictor):
             raise InputError(f"the build traces disagree on [layers, experts, top-k]: {sorted(shapes)}")
         self.depth = depth
         (self.num_layers, self.num_experts, self.top_k), = shapes
+        L, E = self.num_layers, self.num_experts
+        if progress is not None:
+            progress(0, max(L - 1, 0))
         top1 = np.concatenate([t.topk_ids[:, :, 0] for t in build])  # [N, L]
         ids = np.concatenate([t.topk_ids for t in build])  # [N, L, K]
-        L, E = self.num_layers, self.num_experts
         self.build_tokens = int(top1.shape[0])
         #: ``float64 [L, E]``: picks per expert in the build split (the last fallback and the tie-break).
         self.marginal = np.stack([np.bincount(ids[:, layer].ravel(), minlength=E) for layer in range(L)]).astype(float)
@@ -275,6 +284,8 @@ class PathPredictor(Predictor):
                 counts = np.bincount((inverse[:, None] * E + ids[:, layer]).ravel(),
                                      minlength=uniq.size * E).reshape(uniq.size, E)
                 self.tables[layer].append((uniq, _ranked_topk(counts + tie, self.top_k)))
+            if progress is not None:
+                progress(layer, L - 1)
 
     def _keys(self, top1_NL: np.ndarray, layer: int, d: int) -> np.ndarray:
         key = np.zeros(top1_NL.shape[0], dtype=np.int64)
@@ -359,14 +370,16 @@ class HistoryPredictor(Predictor):
 
 
 def make_predictor(name: str, *, build: Sequence[RoutingTrace] = (), hidden: np.ndarray | None = None,
-                   model: Any = None, depth: int = 2, window: int = 1) -> Predictor:
-    """The predictor ``name`` (one of :data:`PREDICTORS`) with what it needs."""
+                   model: Any = None, depth: int = 2, window: int = 1,
+                   progress: Callable[[int, int], None] | None = None) -> Predictor:
+    """The predictor ``name`` (one of :data:`PREDICTORS`) with what it needs; ``progress`` follows the ``path``
+    table's build (:class:`PathPredictor`), the one predictor whose build takes a while."""
     if name in EXACT:
         return ExactPredictor(name)
     if name == "history":
         return HistoryPredictor(window)
     if name == "path":
-        return PathPredictor(build, depth)
+        return PathPredictor(build, depth, progress)
     if name == "lookahead":
         if hidden is None:
             raise InputError("the lookahead predictor needs hidden states: capture with --hidden-states "

@@ -174,7 +174,7 @@ class RouterTimer:
 
 
 def exposed_prefetch(copies: np.ndarray, expert: np.ndarray, previous_last: float, model: ModelSpec,
-                     bandwidth: float, *, oracle: bool, weight_bytes: int = 2) -> float:
+                     bandwidth: float, *, oracle: bool, weight_bytes: float = 2) -> float:
     """Seconds a step's prefetch exposes: ``copies [L, G]`` experts each GPU loads per layer over ``bandwidth`` GB/s,
     hidden under the expert phase ``expert [L]`` of the last layer with load before it (``previous_last``, the
     previous step's last, before the first) where it fits; all of it with ``oracle`` (module docstring)."""

@@ -28,7 +28,7 @@ from moebalance.app.advise_engines import (
     write_engine_files,
 )
 from moebalance.app.assumptions import assumption_text, assumptions
-from moebalance.app.console import err, note, out, progress
+from moebalance.app.console import err, note, out, progress, write_files
 from moebalance.core.errors import InputError
 from moebalance.core.io import atomic_dir, atomic_write_text, check_out_dir, dumps
 from moebalance.core.load import LoadMatrix, check_same_model
@@ -194,7 +194,9 @@ def run(args: argparse.Namespace) -> None:
                                                           "margin": margin, "assumptions": assumed}))
             shown = {f.name: f.read_text() for f in written if f.suffix != ".json" or f.stat().st_size < 20_000}
             shown["files written"] = "\n".join(str(f) for f in files)
-            advise_report(advice, setup, title, shown, notes, assumptions=assumed).write(tmp / "report.html")
+            # the engine's files and advise.json are quick; the report replays the plans on the held-out batches
+            write_files([("report.html", lambda: advise_report(advice, setup, title, shown, notes,
+                                                               assumptions=assumed).write(tmp / "report.html"))])
     for text in notes:
         note(text)
     if args.json:  # what it priced with: the profile, precision, KV cache, overlap and all-to-all, and all it assumed

@@ -128,15 +128,15 @@ def run(args: argparse.Namespace) -> None:
         emit_comparison(list(rows.values()), plans, title, None, args.json)
         return
     load_args = ["--load", args.load, *([] if args.format is None else ["--load-format", args.format])]
+    fit_error = None if dep is None else deployment.calibration(args)[1]
+    margin = None if dep is None else margin_of(None, fit_error)
+    assumed = () if dep is None else assumption_rows(compare_assumptions(
+        dep, cluster, fit_error=fit_error, phase=args.phase, train_frac=args.train_frac, margin=margin),
+        baseline="the row without replicas")
     with atomic_dir(args.out_dir) as tmp:  # all of the folder or none of it (docs/design.md, "Errors")
-        emit_comparison(list(rows.values()), plans, title, str(tmp), args.json)
-        fit_error = None if dep is None else deployment.calibration(args)[1]
-        margin = None if dep is None else margin_of(None, fit_error)
-        assumed = () if dep is None else assumption_rows(compare_assumptions(
-            dep, cluster, fit_error=fit_error, phase=args.phase, train_frac=args.train_frac, margin=margin),
-            baseline="the row without replicas")
-        compare_report(rows, plans, scenarios, load.split(args.train_frac)[1], title, seed=args.seed,
-                       folder=args.out_dir, load_args=load_args, assumptions=assumed,
-                       margin=margin).write(tmp / "report.html")
+        emit_comparison(list(rows.values()), plans, title, str(tmp), args.json, more=[(
+            "report.html", lambda: compare_report(rows, plans, scenarios, load.split(args.train_frac)[1], title,
+                                                  seed=args.seed, folder=args.out_dir, load_args=load_args,
+                                                  assumptions=assumed, margin=margin).write(tmp / "report.html"))])
     if not args.json:
         out.print(f"wrote {args.out_dir}: {COMPARISON_FILES}", markup=False)

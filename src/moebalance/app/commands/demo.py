@@ -45,11 +45,10 @@ def _part(heading: str, comparison: Comparison, dest: Path | None, final: Path |
     routers = {get_router(sc.router).label for sc in comparison.scenarios if sc.shown}
     title = comparison_title(load, comparison.load, comparison.cluster, comparison.scenarios[0].budget,
                              comparison.train_frac, routers.pop() if len(routers) == 1 else "per row")
-    emit_comparison(shown, plans, title, None if dest is None else str(dest), False, comparison.notes(rows))
-    if dest is not None:
-        compare_report(rows, plans, comparison.scenarios, load.split(comparison.train_frac)[1], title,
-                       seed=comparison.seed, folder=final, load_args=["--load", comparison.load],
-                       heading="moebalance demo").write(dest / "report.html")
+    report = [] if dest is None else [("report.html", lambda: compare_report(
+        rows, plans, comparison.scenarios, load.split(comparison.train_frac)[1], title, seed=comparison.seed,
+        folder=final, load_args=["--load", comparison.load], heading="moebalance demo").write(dest / "report.html"))]
+    emit_comparison(shown, plans, title, None if dest is None else str(dest), False, comparison.notes(rows), report)
 
 
 def run(args: argparse.Namespace) -> None:

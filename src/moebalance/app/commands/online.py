@@ -4,6 +4,7 @@ docs/design.md, "Online replay and prediction")."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from moebalance.algorithms.migration import MIGRATIONS
 from moebalance.app import deployment, options
 from moebalance.app.assumptions import assumption_rows, online_assumptions
 from moebalance.app.capture_inputs import build_traces, capture_model, concatenated, hidden_states
-from moebalance.app.console import err, note, out, progress, step
+from moebalance.app.console import err, note, out, progress, step, write_files
 from moebalance.app.html_report import online_report
 from moebalance.app.online_report import (
     failure_notes,
@@ -129,9 +130,9 @@ def default_predictor(args: argparse.Namespace, load: LoadMatrix, hidden: np.nda
 
 
 def prefetch(result: OnlineResult, model_name: str, load: LoadMatrix, cluster: Cluster, intra: float,
-             weight_bytes: int = 2) -> dict[str, float]:
-    """The modelled cost of the copies each served batch loads, in weights of ``weight_bytes`` (the deployment's
-    precision; bf16 without ``--gpu``): GiB per batch (all GPUs), and ms per layer for a GPU loading the mean share
+             weight_bytes: float = 2) -> dict[str, float]:
+    """The modelled cost of the copies each served batch loads, in expert weights of ``weight_bytes`` (the
+    deployment's precision's; bf16 without ``--gpu``): GiB per batch (all GPUs), and ms per layer for a GPU loading the mean share
     over the intra-node link of ``intra`` GB/s."""
     spec = get_model(model_name)
     per_gpu_layer = result.experts_moved / (load.num_layers * cluster.num_gpus)
@@ -278,15 +279,22 @@ def run(args: argparse.Namespace) -> None:
     results: list[OnlineResult] = []
     with progress() as bar:
         for p in policies:
+            # a dynamic policy's predictor is built before its first batch (the path table: layer by layer)
+            table = bar.add_task(f"online {p}: build the {params[p]['predictor']} predictor", total=None,
+                                 visible=False) if p in DYNAMIC_POLICIES else None
             task = bar.add_task(f"online {p}", total=served[1] - served[0])
 
             def advance(n: int, task: Any = task) -> None:
                 bar.advance(task, n)
 
+            def built(done: int, total: int, table: Any = table) -> None:
+                bar.update(table, completed=done, total=total, visible=True, refresh=True)
+
             # with several policies the re-plan knobs go to the static ones (a dynamic policy replans every batch)
             periodic = len(policies) == 1 or p not in DYNAMIC_POLICIES
             results.append(replay(load, cluster, budget, p, params[p], warmup=warm, batches=served, router=router,
-                                  seed=args.seed, replanning=replanning(args, periodic), inputs=inputs,
+                                  seed=args.seed, replanning=replanning(args, periodic),
+                                  inputs=inputs if table is None else dataclasses.replace(inputs, progress=built),
                                   failures=failures, pricing=pricing, progress=advance))
     title = (f"{args.load}: batches {served[0]}:{served[1]} served one at a time after warm-up {warm[0]}:{warm[1]}, "
              f"{cluster.num_nodes}x{cluster.gpus_per_node} GPUs, budget {budget.describe()}"
@@ -303,21 +311,23 @@ def run(args: argparse.Namespace) -> None:
     costs: list[dict[str, float] | None] = [None] * len(results)
     if args.model is not None:  # the cost of the copies each batch loads (Libra's prefetch, a replan's moves)
         intra = cluster.intra_node_bandwidth  # --intra-link, else the default link
-        weight_bytes = 2 if pricing is None else pricing.deployment.engine.weight_bytes
+        weight_bytes = 2 if pricing is None else pricing.deployment.engine.expert_bytes_per_weight
         costs = [prefetch(r, args.model, load, cluster, intra, weight_bytes) for r in results]
         for d, c in zip(docs, costs, strict=True):
             d["modelled_prefetch"] = c
     if out_dir is not None:
+        assumed = () if pricing is None else assumption_rows(online_assumptions(
+            pricing.deployment, cluster, fit_error=deployment.calibration(args)[1], phase=args.phase,
+            step_tokens=step_tokens))
         with atomic_dir(out_dir) as tmp:  # all of the folder or none of it (docs/design.md, "Errors")
-            atomic_write_text(tmp / "online.json", dumps({"title": title, "results": docs}))
-            atomic_write_text(tmp / "online.md", online_markdown(results, title, costs))
-            plot_online(results, tmp / "online.png", title)
-            if pricing is not None:
-                plot_online_time(results, tmp / "online_time.png", title)
-            assumed = () if pricing is None else assumption_rows(online_assumptions(
-                pricing.deployment, cluster, fit_error=deployment.calibration(args)[1], phase=args.phase,
-                step_tokens=step_tokens))
-            online_report(results, title, costs, assumed).write(tmp / "report.html")
+            write_files([
+                ("online.json", lambda: atomic_write_text(tmp / "online.json",
+                                                          dumps({"title": title, "results": docs}))),
+                ("online.md", lambda: atomic_write_text(tmp / "online.md", online_markdown(results, title, costs))),
+                ("online.png", lambda: plot_online(results, tmp / "online.png", title)),
+                *([] if pricing is None else [
+                    ("online_time.png", lambda: plot_online_time(results, tmp / "online_time.png", title))]),
+                ("report.html", lambda: online_report(results, title, costs, assumed).write(tmp / "report.html"))])
     if args.json:
         sys.stdout.write(dumps(docs[0] if len(docs) == 1 else {"results": docs}))
         return

@@ -63,8 +63,14 @@ def run(args: argparse.Namespace) -> None:
         raise InputError(f"{args.load!r} has no hidden states; the lookahead predictor needs a capture made with "
                          "moebalance capture ... --hidden-states")
     model = capture_model(args.checkpoint, load) if name == "lookahead" else None
-    predictor = make_predictor(name, build=[b.trace for b in builds if b.trace is not None], hidden=hidden,
-                               model=model, **params)
+    with progress() as bar:  # the path table is built layer by layer before the first prediction
+        building = bar.add_task(f"predict ({name}): build the predictor", total=None, visible=False)
+
+        def built(done: int, total: int) -> None:
+            bar.update(building, completed=done, total=total, visible=True, refresh=True)
+
+        predictor = make_predictor(name, build=[b.trace for b in builds if b.trace is not None], hidden=hidden,
+                                   model=model, progress=built, **params)
     G = int(trace.src_gpu.max()) + 1 if trace.num_tokens else 1
     tally = AccuracyTally(load.num_layers)
     with progress() as bar:
