@@ -414,6 +414,8 @@ def test_price_load_plans_on_one_workload_and_prices_on_another(capsys: pytest.C
     other, _ = advise(capsys, *argv, "--price-load", b)
     own, _ = advise(capsys, *[b if x == a else x for x in argv], "--price-load", b)
     assert other["assumptions"]["held_out"] and other["assumptions"]["held_out_note"] == f"planned on {a}, priced on {b}"
+    assert not own["assumptions"]["held_out"] and "is both a --load and a --price-load" in \
+        own["assumptions"]["held_out_note"]
     # EPLB without replicas spreads the experts it was told are hot: planned on b's routing it spreads b's hot experts
     # and gains; planned on a's, it leaves b's where contiguous blocks put them together (on GPU 4) far more often
     label = "EPLB global, 0 redundant, static plan, static dispatch"

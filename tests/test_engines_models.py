@@ -262,8 +262,9 @@ def test_the_commands_offer_exactly_the_registered_engines() -> None:
 
 
 def test_no_command_branches_on_an_engine_name() -> None:
-    """Outside the engine modules, no code compares a value with an engine's name or keys a table by it: what differs
-    per engine is its Engine record's."""
+    """Outside the engine modules, no code compares a value with an engine's name, keys a table by it, indexes with it
+    or passes it to a call (a keyword's default, ``watch --engine``'s, is a choice, not a branch): what differs per
+    engine is its Engine record's."""
     import ast
 
     names = {"sglang", "trtllm", "vllm"}
@@ -280,6 +281,10 @@ def test_no_command_branches_on_an_engine_name() -> None:
                 consts += [e for c in node.comparators if isinstance(c, (ast.Tuple, ast.List, ast.Set)) for e in c.elts]
             elif isinstance(node, ast.Dict):
                 consts = [k for k in node.keys if k is not None]
+            elif isinstance(node, ast.Subscript):  # ENGINES["sglang"]
+                consts = [node.slice]
+            elif isinstance(node, ast.Call):  # ENGINES.get("vllm"), get_engine("trtllm")
+                consts = list(node.args)
             found += [f"{path.relative_to(src)}:{node.lineno}" for c in consts
                       if isinstance(c, ast.Constant) and c.value in names]
     assert not found, f"engine names branched on outside the engine modules: {found}"

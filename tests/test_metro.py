@@ -481,3 +481,22 @@ def test_compare_says_why_a_faster_moe_layer_can_have_less_goodput(capsys: pytes
     assert "| eplb + metro | 1,056 | 87.7 us | 12.9 us | 100.7 us |" in out
     assert "eplb + metro has the shortest MoE layer on these decode steps but eplb + uniform the most modelled " \
            "goodput" in " ".join(out.split())
+
+
+def test_a_router_model_of_another_checkpoint_prices_its_own_precision() -> None:
+    """``--router-set model=`` on a deployment whose precision was resolved for another checkpoint: the base's
+    precision where the other model runs it, else the other model's own (no refusal of a precision never given)."""
+    from moebalance.cost.deployment import Deployment
+    from moebalance.cost.hardware import get_gpu
+    from moebalance.models import get_model
+    from moebalance.routing.metro import MetroConfig
+
+    h100 = get_gpu("h100-80gb")
+    gpt_oss = Deployment(model=get_model("gpt-oss-120b"), gpu=h100)  # mxfp4, served
+    v3 = MetroConfig(model="deepseek-v3").deployment(gpt_oss)
+    assert (v3.model.name, v3.precision, v3.engine.weight_bytes, v3.engine.expert_weight_bytes) == \
+        ("deepseek-v3", "fp8", 1, None)
+    back = MetroConfig(model="gpt-oss-120b").deployment(Deployment(model=get_model("deepseek-v3"), gpu=h100))
+    assert (back.precision, back.engine.weight_bytes, back.engine.expert_weight_bytes) == ("mxfp4", 2, 0.53125)
+    bf16 = Deployment(model=get_model("deepseek-v3"), gpu=h100, precision="bf16")
+    assert MetroConfig(model="qwen3-30b-a3b").deployment(bf16).precision == "bf16"

@@ -6,7 +6,9 @@ Legend: ``E`` experts per layer, ``G`` GPUs (the EP size), ``L`` MoE layers, ``S
 
 **Held out.** A load of several batches is split: the first ``train_frac`` plan, the rest are priced. A load of one
 batch (engine statistics) plans and prices on that batch (its steps are drawn from it several times). Several loads:
-their planning batches and their priced batches are each concatenated in order; plans use their sum.
+their planning batches and their priced batches are each concatenated in order; plans use their sum. Other
+workloads given to price on (``advise --price-load``): every load is planned on whole and those are priced
+(:attr:`Setup.cross` says which is which).
 
 **Steps.** Every priced batch is drawn again as one step of the phase (:mod:`moebalance.pricing.phase`; decode by
 default): in decode ``N`` is the concurrency the KV cache left by the candidate's experts per GPU allows, so a

@@ -285,13 +285,13 @@ def _cost_bars(rows: Sequence[ComparisonRow]) -> tuple[dict[str, dict[str, float
 
 def _export_lines(name: str, plan: Placement, folder: Path | None, load_args: Sequence[str]) -> str:
     """The ``moebalance export`` commands that write plan file ``plan-<name>.json`` (in ``folder``, else named alone)
-    in the form SGLang and TensorRT-LLM load, each quoted for a POSIX shell. A plan of uneven slot counts is padded
-    on the load ``load_args`` name (``--load FILE``; else a placeholder)."""
+    in the form each engine that loads a placement file (SGLang, TensorRT-LLM) loads, each quoted for a POSIX shell.
+    A plan of uneven slot counts is padded on the load ``load_args`` name (``--load FILE``; else a placeholder)."""
     padded = plan.slots()
     pad = [] if int(padded.min()) == int(padded.max()) else ["--pad", *(load_args or ("--load", "LOAD"))]
     source = f"plan-{name}.json" if folder is None else str(folder / f"plan-{name}.json")
     stem = name.replace(" ", "_")
-    loaders = sorted(name for name, e in ENGINES.items() if e.rule.placement_file)  # engines that load a plan file
+    loaders = sorted(key for key, e in ENGINES.items() if e.rule.placement_file)  # engines that load a plan file
     return "\n".join(shlex.join(["moebalance", "export", "--plan", source, "--to", engine, *pad, "--out",
                                  f"{stem}-{engine}{ENGINES[engine].export_suffix}"]) for engine in loaders)
 

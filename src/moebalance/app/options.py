@@ -341,13 +341,14 @@ class Workloads:
     dense: list[int]
 
 
-def read_workloads(args: argparse.Namespace) -> Workloads:
-    """Every ``--load`` (one model: same layers and experts), ``--model`` applied, ``--batches`` taken from each."""
+def read_workloads(args: argparse.Namespace, flag: str = "--load") -> Workloads:
+    """Every ``--load`` (one model: same layers and experts; ``flag`` names the option in messages), ``--model``
+    applied, ``--batches`` taken from each."""
     names = list(args.load)
     full = [load_model(read_load(argparse.Namespace(**{**vars(args), "load": path}), model=False),
                                args.model) for path in names]
     for path, other in zip(names[1:], full[1:], strict=True):
-        check_same_model(names[0], full[0], path, other)
+        check_same_model(names[0], full[0], path, other, flag)
     # dense layers: no load in any whole file, not merely in the planning window (engine exports leave them out)
     has_load = np.logical_or.reduce([f.counts.sum(axis=(0, 2)) > 0 for f in full])
     parts, ranges = [], []

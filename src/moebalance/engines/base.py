@@ -81,9 +81,8 @@ class Launch:
 class Engine:
     """One serving engine as the commands see it; each engine module defines its own (``ENGINE``).
 
-    ``files``: the names of the files its launch reads besides a moebalance plan, ``{key: file name}``, which
-    ``write_files`` writes into a folder (``(folder, launch, plan or None for EPLB off, model, mtp_layers) -> paths``;
-    the launch's folder is where they will be read). ``launch``: the whole command and its ``#`` comments.
+    ``write_files`` writes the files its launch reads besides a moebalance plan into a folder (``(folder, launch,
+    plan or None for EPLB off, model, mtp_layers) -> paths``; the launch's folder is where they will be read). ``launch``: the whole command and its ``#`` comments.
     ``write_plan``: a plan as the engine loads it at a path (``watch --write-plan``), ``(path, plan, model)``.
     ``export``: ``moebalance export``'s file, ``(path, plan, engine layer ids, plan rows listed, options) -> (what
     was written, a line on how the engine takes it)``. ``claims``: whether a load file or folder is this engine's;
@@ -96,7 +95,6 @@ class Engine:
     title: str
     rule: EngineRule
     export_suffix: str
-    files: dict[str, str]
     launch: Callable[[Launch], list[str]]
     write_files: Callable[[Path, Launch, Placement | None, str, int], list[Path]]
     write_plan: Callable[[Path, Placement, str | None], None]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -94,23 +96,23 @@ def open_load(path: str | os.PathLike[str], fmt: str | None = None, *, model: st
     return OpenedLoad(load, kind, () if model is not None else _inferred(load))
 
 
-def _streamed(path: Path, kind: str) -> bool:
-    """Whether ``import`` reads this dump a file at a time (:mod:`moebalance.engines.stream`): vLLM's routed experts
-    and SGLang's folders of per-rank dumps."""
+def _stream_reader(path: Path, kind: str) -> Callable[..., Any] | None:
+    """The import that reads this dump a file at a time (:mod:`moebalance.engines.stream`: vLLM's routed experts and
+    SGLang's folders of per-rank dumps), or ``None``."""
     engine = ENGINES.get(kind)
-    return engine is not None and engine.import_load is not None and engine.streams(path)
+    return engine.import_load if engine is not None and engine.streams(path) else None
 
 
 def _check_fits(path: Path, kind: str) -> None:
     """Refuse, in one line and before reading, an engine dump larger than this machine's memory: the commands read
-    engines' files whole (``import`` reads the dumps :func:`_streamed` names a file at a time instead, and a
+    engines' files whole (``import`` reads the dumps :func:`_stream_reader` has a reader for a file at a time instead, and a
     moebalance trace is mapped and walked in chunks)."""
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     size = sum(p.stat().st_size for p in files)
     limit = machine_memory_bytes()
     if size > limit:
         fix = (f"run moebalance import --load {shlex.quote(str(path))} --out X.npz first (it reads one file at a "
-               "time), then give --load X.npz") if _streamed(path, kind) else \
+               "time), then give --load X.npz") if _stream_reader(path, kind) is not None else \
             "import the dumps in parts (a folder of some of the files at a time)"
         raise InputError(f"{str(path)!r} holds {size / 2**30:.1f} GiB of {kind} dumps, and reading them takes at least "
                          f"that much memory; this machine has {limit / 2**30:.1f} GiB: {fix}")
@@ -139,16 +141,14 @@ def import_load(path: str | os.PathLike[str], out: str | os.PathLike[str], fmt: 
         raise InputError(f"output {str(dest)!r} must end in .npz")
     kind = detect_load(path) if fmt is None else fmt
     p = Path(path)
-    if str(path).startswith(BUNDLED_PREFIX) or not p.exists() or not _streamed(p, kind):
+    stream = None if str(path).startswith(BUNDLED_PREFIX) or not p.exists() else _stream_reader(p, kind)
+    if stream is None:
         opened = open_load(path, fmt, model=model, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts)
         write_load(dest, opened.load)
         trace = opened.load.trace
         return Imported(opened.load, opened.format, None if trace is None else trace.num_tokens, opened.notes)
     if model is not None:
         get_model(model)  # a misspelt name before the first pass, not after it
-    stream = ENGINES[kind].import_load
-    if stream is None:  # _streamed said it has one
-        raise InputError(f"{kind} dumps are not imported a file at a time")
     got = stream(p, dest, gpus=gpus, batch_tokens=batch_tokens, num_experts=num_experts, model=model)
     return Imported(got.load, kind, got.num_tokens, () if model is not None else _inferred(got.load))
 

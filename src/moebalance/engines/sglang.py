@@ -68,6 +68,7 @@ from moebalance.core.limits import check_alloc
 from moebalance.core.load import LoadMatrix, check_counts
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
+from moebalance.cost.a2a import kernels_on
 from moebalance.cost.time import PRECISION_BYTES
 from moebalance.engines.base import Engine, EngineRule, Launch, model_word, placed, unwritten
 from moebalance.engines.files import load_model
@@ -362,7 +363,7 @@ def command(at: Launch) -> tuple[list[str], list[str]]:
     """``(words, comments)``: ``sglang.launch_server`` for the priced deployment, before its EPLB flags (module
     docstring)."""
     d, cluster = at.deployment, at.cluster
-    model, comments = model_word(d, "SGLang", quantizes=True)
+    model, comments = model_word(d, ENGINE.title, quantizes=True)
     G, N = cluster.num_gpus, cluster.num_nodes
     D = max(G // d.engine.attention_group(cluster.gpus_per_node), 1)
     cap = d.engine.max_running_requests
@@ -380,8 +381,9 @@ def command(at: Launch) -> tuple[list[str], list[str]]:
         words += ["--moe-a2a-backend", "deepep", "--deepep-mode", _DEEPEP[d.a2a]]
     words += ["--enable-two-batch-overlap"] if d.overlap == "tbo" else []
     if d.overlap == "tbo" and d.a2a == "per-gpu" and D == 1:  # sglang/srt/arg_groups/validation_hook.py
-        comments.append("# SGLang refuses two-batch overlap without DeepEP unless attention is data parallel: "
-                        "give --a2a or an --attention-tp below the GPUs")
+        fix = "give --a2a or an --attention-tp below the GPUs" if "auto" in kernels_on(d.gpu) else \
+            "give an --attention-tp below the GPUs"
+        comments.append(f"# SGLang refuses two-batch overlap without DeepEP unless attention is data parallel: {fix}")
     words += ["--quantization", "fp8"] if d.precision == "fp8" and d.model.served_precision != "fp8" else []
     words += ["--kv-cache-dtype", "fp8_e4m3"] if d.engine.kv_bytes == PRECISION_BYTES["fp8"] else []
     words += [] if cap is None else ["--max-running-requests", str(cap)]
@@ -447,7 +449,7 @@ def _read_plan(path: Path, cluster: Cluster, load: LoadMatrix | None) -> tuple[P
 #: dispatch read as the ``uniform``, ``rebalance`` and ``minmax`` routers; physical experts that do not divide by
 #: ``--ep-size`` are refused. Loads: a folder of per-rank ``.pt`` dumps, a ``.pt`` stat dump or its ``.json``.
 ENGINE = Engine(
-    name="sglang", title="SGLang", export_suffix=".json", files={"placement": PLACEMENT_FILE},
+    name="sglang", title="SGLang", export_suffix=".json",
     rule=EngineRule({"uniform": "static", "rebalance": "dynamic", "minmax": "lp"}, True, "sync"),
     launch=launch, write_files=_write_files,
     write_plan=_write_plan,

@@ -25,7 +25,10 @@ layer (dense ones) are all-zero rows.
 (:func:`api_options`) holding ``enable_attention_dp`` (TensorRT-LLM's attention is data-parallel on every GPU or
 tensor-parallel over all), ``kv_cache_config.dtype`` and ``moe_config.load_balancer`` naming the load-balancer YAML;
 ``--max_batch_size`` per rank; in prefill ``--max_num_tokens`` a rank's chunk. Its online balancer moves
-``layer_updates_per_iter`` layers per iteration beside serving.
+``layer_updates_per_iter`` layers per iteration beside serving. A model's window layers (gpt-oss, Llama 4) are priced
+as holding ``W`` tokens of a request (:meth:`moebalance.models.ModelSpec.kv_cache_bytes`); TensorRT-LLM sizes its
+pools per window from ``kv_cache_config.max_attention_window``, which the launch does not set, and how it splits
+them has not been checked against that price.
 """
 
 from __future__ import annotations
@@ -251,7 +254,7 @@ FILES = {"placement": "trtllm-load-balancer.yaml", "options": "trtllm-extra-llm-
 def command(at: Launch) -> tuple[list[str], list[str]]:
     """``(words, comments)``: ``trtllm-serve`` for the priced deployment, before ``--extra_llm_api_options``."""
     d, cluster, phase = at.deployment, at.cluster, at.phase
-    model, comments = model_word(d, "TensorRT-LLM", quantizes=False)
+    model, comments = model_word(d, ENGINE.title, quantizes=False)
     G, N = cluster.num_gpus, cluster.num_nodes
     A = d.engine.attention_group(cluster.gpus_per_node)
     D = max(G // A, 1)
@@ -360,7 +363,7 @@ def _write_plan(path: Path, plan: Placement, model: str | None) -> None:
 #: ``layer_updates_per_iter`` layers per iteration beside serving; slots that do not divide by its EP size are
 #: refused. Loads: a statistics folder (``meta_info.json`` and ``rank*.safetensors``).
 ENGINE = Engine(
-    name="trtllm", title="TensorRT-LLM", export_suffix=".yaml", files=FILES,
+    name="trtllm", title="TensorRT-LLM", export_suffix=".yaml",
     rule=EngineRule({"uniform": "uniform"}, True, "async", layers_per_step="spread"),
     launch=launch, write_files=_write_files,
     write_plan=_write_plan, export=_export, claims=lambda p: p.is_dir() and (p / "meta_info.json").is_file(),

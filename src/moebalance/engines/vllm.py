@@ -199,7 +199,7 @@ _A2A = {"normal": "deepep_high_throughput", "low-latency": "deepep_low_latency"}
 def command(at: Launch) -> tuple[list[str], list[str]]:
     """``(words, comments)``: ``vllm serve`` for the priced deployment, before its EPLB flags (module docstring)."""
     d, cluster, phase = at.deployment, at.cluster, at.phase
-    model, comments = model_word(d, "vLLM", quantizes=True)
+    model, comments = model_word(d, ENGINE.title, quantizes=True)
     G, N, gpn = cluster.num_gpus, cluster.num_nodes, cluster.gpus_per_node
     A = d.engine.attention_group(gpn)
     D = max(G // A, 1)
@@ -285,7 +285,7 @@ def _read(path: Path, *, model: str | None, gpus: int, batch_tokens: int, num_ex
 #: Without EPLB its expert map gives the first ``E mod G`` ranks one expert more (the ``contiguous`` policy's
 #: layout). ``watch --write-plan`` writes a moebalance plan, which the plug-in's variants take.
 ENGINE = Engine(
-    name="vllm", title="vLLM", export_suffix=".json", files={},
+    name="vllm", title="vLLM", export_suffix=".json",
     rule=EngineRule({"random": "random"}, False, "async", move_aware="move-aware", uneven_off=True),
     launch=launch, write_files=lambda folder, at, plan, model, mtp: [],
     write_plan=lambda path, plan, model: write_plan(path, plan), export=_export, claims=_claims, read_load=_read,

@@ -34,6 +34,7 @@ from moebalance.algorithms import metro as kernel
 from moebalance.core.errors import InputError
 from moebalance.cost.deployment import Deployment
 from moebalance.cost.hardware import get_gpu
+from moebalance.cost.memory import EngineMemory
 from moebalance.cost.time import Calibration
 from moebalance.models import get_model
 from moebalance.routing.base import Router, RouterConfig
@@ -115,7 +116,16 @@ class MetroConfig(RouterConfig):
                               calibration=self.calibration(Calibration()))
         model = base.model if self.model in (None, base.model.name) else get_model(str(self.model))
         gpu = base.gpu if self.gpu in (None, base.gpu.name) else get_gpu(str(self.gpu))
-        return dataclasses.replace(base, model=model, gpu=gpu, calibration=self.calibration(base.calibration))
+        if model is base.model and gpu is base.gpu:
+            return dataclasses.replace(base, calibration=self.calibration(base.calibration))
+        # the base's precision where the other model's checkpoint and GPU run it, else what they serve (an FP8 or
+        # MXFP4 precision resolved for the base's checkpoint may not apply)
+        engine = dataclasses.replace(base.engine, weight_bytes=EngineMemory().weight_bytes, expert_weight_bytes=None)
+        moved = dataclasses.replace(base, calibration=self.calibration(base.calibration))
+        try:
+            return dataclasses.replace(moved, model=model, gpu=gpu, engine=engine)
+        except InputError:
+            return dataclasses.replace(moved, model=model, gpu=gpu, engine=engine, precision="served")
 
 
 def _fastest(d: Deployment, options: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:

@@ -4,6 +4,7 @@ held-out batches (docs/design.md, "Advice"; :mod:`moebalance.app.advise`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -141,13 +142,18 @@ def _cross_setup(args: argparse.Namespace, workloads: options.Workloads, dep: An
     if args.train_frac is not None:
         raise InputError("--train-frac splits --load into batches planned on and batches priced; with --price-load "
                          "every --load is planned on whole: give one of the two")
-    priced = options.read_workloads(argparse.Namespace(**{**vars(args), "load": args.price_load, "batches": None}))
+    priced = options.read_workloads(argparse.Namespace(**{**vars(args), "load": args.price_load, "batches": None}),
+                                    "--price-load")
     check_same_model(workloads.names[0], workloads.load, priced.names[0], priced.load, "--price-load")
     tests = [part if part.num_batches > 1 else concatenate([part] * STATISTICS_STEPS) for part in priced.parts]
     setup = Setup(cluster=cluster, pricing=pricing, train=concatenate(list(workloads.parts)),
                   test=concatenate(tests), phase=PhaseModel(phase, dep, seed=args.seed),
                   workload_batches=tuple(t.num_batches for t in workloads.parts), seed=args.seed,
                   cross=f"planned on {', '.join(workloads.names)}, priced on {', '.join(priced.names)}")
+    same = [name for name in priced.names if name in workloads.names]
+    if same:  # the plans' own batches priced: in sample, said as a one-batch load is
+        setup = dataclasses.replace(setup, notes=(f"{', '.join(same)} is both a --load and a --price-load: plans are "
+                                                  "priced on the batches they were made on (in sample)",))
     statistics = any(p.num_batches == 1 for p in priced.parts)
     return setup, dep.model.name, 0 if statistics else setup.test.num_batches
 
