@@ -422,6 +422,15 @@ def test_price_load_plans_on_one_workload_and_prices_on_another(capsys: pytest.C
     assert gains(own)[label] > gains(other)[label] + 0.05 > 0.05
 
 
+def test_trtllm_is_not_advised_on_an_amd_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["advise", "--load", "bundled:esft-law", "--nodes", 1, "--gpus-per-node", 8, "--gpu", "mi300x"]
+    assert_user_error([*argv, "--engine", "trtllm"], capsys,
+                      "trtllm runs on NVIDIA GPUs only, not on --gpu mi300x (AMD Instinct MI300X); give --engine "
+                      "vllm|sglang")
+    rc, _, err = run_cli([*argv, "--engine", "sglang", "--json"], capsys)
+    assert rc == 0, err
+
+
 def test_price_load_refuses_what_does_not_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     a, other = tmp_path / "a.npz", tmp_path / "other.npz"
     write_load(a, _hot(0))

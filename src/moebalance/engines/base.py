@@ -48,6 +48,8 @@ class EngineRule:
     #: Whether EPLB off runs when the experts do not divide over the EP ranks (some ranks then hold one more); with
     #: EPLB every engine needs the experts plus the redundant ones to divide by the EP size.
     uneven_off: bool = False
+    #: The GPU vendors it runs on (:attr:`moebalance.cost.hardware.GpuSpec.vendor`).
+    vendors: tuple[str, ...] = ("nvidia", "amd")
 
 
 @dataclass(frozen=True, slots=True)

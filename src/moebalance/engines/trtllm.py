@@ -359,12 +359,12 @@ def _write_plan(path: Path, plan: Placement, model: str | None) -> None:
     write_config(path, plan, None, 0, model=model)
 
 
-#: TensorRT-LLM: a load-balancer YAML loads any plan, and its MTP layers need keys; its online balancer moves
+#: TensorRT-LLM (NVIDIA GPUs only): a load-balancer YAML loads any plan, and its MTP layers need keys; its online balancer moves
 #: ``layer_updates_per_iter`` layers per iteration beside serving; slots that do not divide by its EP size are
 #: refused. Loads: a statistics folder (``meta_info.json`` and ``rank*.safetensors``).
 ENGINE = Engine(
     name="trtllm", title="TensorRT-LLM", export_suffix=".yaml",
-    rule=EngineRule({"uniform": "uniform"}, True, "async", layers_per_step="spread"),
+    rule=EngineRule({"uniform": "uniform"}, True, "async", layers_per_step="spread", vendors=("nvidia",)),
     launch=launch, write_files=_write_files,
     write_plan=_write_plan, export=_export, claims=lambda p: p.is_dir() and (p / "meta_info.json").is_file(),
     read_load=_read, read_plan=_read_plan, plan_suffixes=(".yaml", ".yml"), mtp_keys=True)
