@@ -6,6 +6,7 @@ experts touched (hypothesis); CRAFT's four published KV-cache reductions are che
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -880,10 +881,31 @@ def test_cap_and_kv_dtype_flags_reach_the_deployment(capsys: pytest.CaptureFixtu
     assert_user_error([*base, "--max-running-requests", 0], capsys, "--max-running-requests", "0 must be >= 1")
 
 
+def test_attended_pairs_follow_each_layers_attention() -> None:
+    """A token's (query, key) pairs over the decoder layers, by hand: every layer full (DeepSeek-V3, 61 layers),
+    gpt-oss-120b's 18 full and 18 sliding-window layers of 128, Qwen3-Next's 12 full and 36 linear (none)."""
+    v3, oss, nxt = get_model("deepseek-v3"), get_model("gpt-oss-120b"), get_model("qwen3-next-80b-a3b")
+    assert v3.attended_pairs(4096, prompt=True) == 61 * 4097 / 2 and v3.attended_pairs(3000, prompt=False) == 61 * 3000
+    # a prompt of 4,096: token i attends min(i, 128) in a window layer: 128 x 129 / 2 for the first 128, then 128 each
+    window = (128 * 129 / 2 + (4096 - 128) * 128) / 4096
+    assert oss.attended_pairs(4096, prompt=True) == pytest.approx(18 * 4097 / 2 + 18 * window, rel=1e-12)
+    assert oss.attended_pairs(100, prompt=True) == pytest.approx(36 * 101 / 2, rel=1e-12)  # shorter than the window
+    assert oss.attended_pairs(3000, prompt=False) == 18 * 3000 + 18 * 128
+    assert nxt.attended_pairs(4096, prompt=True) == 12 * 4097 / 2 and nxt.attended_pairs(0, prompt=True) == 0
+    with pytest.raises(InputError, match="context"):
+        oss.attended_pairs(-1, prompt=False)
+    # a long prefill of gpt-oss costs less with its window layers than were every layer full
+    h100 = GPUS["h100-80gb"]
+    d = Deployment(model=oss, gpu=h100, workload=Workload(prompt_tokens=32768))
+    full = Deployment(model=dataclasses.replace(oss, layer_kinds=(), attention_window=0), gpu=h100,
+                      workload=Workload(prompt_tokens=32768))
+    assert d.rest_seconds(32768, 8, "prefill") < 0.8 * full.rest_seconds(32768, 8, "prefill")
+
+
 def test_attention_flops_by_hand() -> None:
-    """Each (query, key) pair costs 2 n_h (score + value) FLOPs per decoder layer, split over the rank's GPUs by
+    """Each (query, key) pair a layer attends costs 2 n_h (score + value) FLOPs, split over the rank's GPUs by
     head: GQA's head_dim twice; MLA's 192 + 128 as prefill runs it, its 576 + 512 latent widths absorbed in decode.
-    Checked on a rank whose FLOPs bind (no KV cache read, tiny weights against the pairs)."""
+    Checked on a rank whose FLOPs bind (no KV cache read, tiny weights against the pairs, summed over the layers)."""
     from moebalance.cost.time import rest_seconds
 
     qwen, v3, h100 = get_model("qwen3-30b-a3b"), get_model("deepseek-v3"), GPUS["h100-80gb"]
@@ -896,14 +918,14 @@ def test_attention_flops_by_hand() -> None:
         score, value = att.widths(absorbed)
         without = rest_seconds(1.0, spec, h100, engine, 8)
         with_pairs = rest_seconds(1.0, spec, h100, engine, 8, attended_per_rank=pairs, absorbed=absorbed)
-        want = 2 * att.num_heads * (score + value) * pairs * spec.num_decoder_layers / 989e12
+        want = 2 * att.num_heads * (score + value) * pairs / 989e12
         assert with_pairs == pytest.approx(want, rel=2e-2)  # the weights' FLOPs for one token are far below
         assert with_pairs > without
     # split by head over a rank of 8 GPUs
     split = rest_seconds(1.0, v3, h100, EngineMemory(attention_tp=8), 8, attended_per_rank=pairs, absorbed=True)
     whole = rest_seconds(1.0, v3, h100, engine, 8, attended_per_rank=pairs, absorbed=True)
     assert split == pytest.approx(whole / 8, rel=2e-2)
-    # a prefill step's pairs: a prompt of P tokens attends P (P + 1) / 2 pairs, so longer prompts cost more
+    # a prefill step's pairs: a prompt of P tokens attends P (P + 1) / 2 pairs a layer, so longer prompts cost more
     d_short = Deployment(model=v3, gpu=h100, workload=Workload(prompt_tokens=1000))
     d_long = Deployment(model=v3, gpu=h100, workload=Workload(prompt_tokens=4000))
     assert d_long.rest_seconds(16384, 8, "prefill") > d_short.rest_seconds(16384, 8, "prefill")

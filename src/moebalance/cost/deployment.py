@@ -251,11 +251,13 @@ class Deployment:
             raise InputError(f"phase {phase!r} is unknown; choose one of: {', '.join(PHASES)}")
         w = self.workload
         if phase == "decode":  # each token attends to its request's context, the KV cache it reads
-            context = tokens_per_rank * (w.prompt_tokens + w.output_tokens / 2)
+            context = w.prompt_tokens + w.output_tokens / 2
             return rest_seconds(tokens_per_rank, self.model, self.gpu, self.engine, gpus_per_node,
-                                kv_tokens_per_rank=context, calibration=self.calibration, precision=self.precision,
-                                attended_per_rank=context, absorbed=True)
-        # a prompt's token i attends to the i + 1 tokens up to it: (P + 1) / 2 each on average
+                                kv_tokens_per_rank=tokens_per_rank * context, calibration=self.calibration,
+                                precision=self.precision, absorbed=True,
+                                attended_per_rank=tokens_per_rank * self.model.attended_pairs(context, prompt=False))
+        # a prompt's token i attends to the i tokens up to it: (P + 1) / 2 each on average in a full layer
         return rest_seconds(tokens_per_rank, self.model, self.gpu, self.engine, gpus_per_node,
                             logits_per_rank=tokens_per_rank / w.prompt_tokens, calibration=self.calibration,
-                            precision=self.precision, attended_per_rank=tokens_per_rank * (w.prompt_tokens + 1) / 2)
+                            precision=self.precision,
+                            attended_per_rank=tokens_per_rank * self.model.attended_pairs(w.prompt_tokens, prompt=True))

@@ -223,8 +223,9 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
     a prefill needs one per prompt), reads ``kv_tokens_per_rank`` tokens of KV cache (decode: requests x context, the
     requests being the rank's tokens, one each; a window layer reads at most ``W`` tokens of a request, a linear layer
     its state: :meth:`moebalance.models.ModelSpec.kv_cache_bytes`, split over the GPUs that hold a GQA cache's heads)
-    and attends ``attended_per_rank`` (query, key) pairs in each decoder layer (a prompt of ``P`` tokens: ``P (P + 1)
-    / 2``, causal; a decode token: its context; every layer counted as full).
+    and attends ``attended_per_rank`` (query, key) pairs summed over the decoder layers (per token
+    :meth:`moebalance.models.ModelSpec.attended_pairs`: a full layer's causal prompt or decode context, a window
+    layer's at most ``W``, a linear layer's none).
 
     The input embedding is a lookup (its rows, not the table, are read); the LM head is a matrix product over the
     logits; every other non-expert weight multiplies every token and is read once per step, in ``precision`` (its
@@ -252,7 +253,7 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
     if attended_per_rank > 0:
         att = model.architecture()
         score, value = att.widths(absorbed)
-        attention = 2.0 * att.num_heads * (score + value) * attended_per_rank * model.num_decoder_layers / attention_tp
+        attention = 2.0 * att.num_heads * (score + value) * attended_per_rank / attention_tp
         compute += attention / peak_rates(gpu, cal, "bf16")[0]
     return max(compute, traffic / bytes_rate)
 

@@ -410,6 +410,24 @@ class ModelSpec:
         """Decoder layers of attention ``kind`` (:data:`LAYER_KINDS`): gpt-oss-120b has 18 ``window`` layers."""
         return self.layer_kinds.count(kind) if self.layer_kinds else self.num_decoder_layers * (kind == "full")
 
+    def attended_pairs(self, context: float, *, prompt: bool) -> float:
+        """The (query, key) pairs one token attends to, summed over the decoder layers: a decode token with
+        ``context`` tokens before it (``prompt=False``), or a token of a prompt of ``context`` tokens, on average over
+        the prompt (causal: token ``i`` attends to ``i`` tokens, ``1 <= i <= P``). A full layer attends to all of
+        them, a window layer to at most ``W`` (the prompt's mean of ``min(i, W)``), a linear layer to none (its
+        recurrence's work per token is fixed, like a projection's, and is not counted). Example: a 4,096-token prompt
+        of gpt-oss-120b, ``18 x 4097 / 2 + 18 x (128 x 129 / 2 + 3968 x 128) / 4096``."""
+        if context < 0:
+            raise InputError(f"context ({context}) must be >= 0 tokens")
+        W = self.attention_window
+        if prompt:  # an empty prompt attends nothing
+            m = min(context, W)
+            full = (context + 1) / 2 if context > 0 else 0.0
+            window = (m * (m + 1) / 2 + max(context - W, 0) * W) / context if context > 0 else 0.0
+        else:
+            full, window = context, min(context, W)
+        return self.layer_count("full") * full + self.layer_count("window") * window
+
     def kv_cache_bytes(self, tokens: float, requests: float = 1.0, kv_bytes: int = 2, attention_tp: int = 1) -> float:
         """KV-cache bytes ``requests`` requests of ``tokens / requests`` tokens each take on one GPU of a
         tensor-parallel attention group of ``attention_tp`` GPUs (1: all of it), over all decoder layers; the one
