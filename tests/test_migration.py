@@ -343,7 +343,7 @@ def test_plan_previous_aligned_bounded_fresh(tmp_path: Path, capsys: pytest.Capt
         s = schedule_transfers(prev, plan, 17301504, plan.cluster)  # DeepSeek-V2-Lite: 17,301,504 bytes per expert
         line = next(x for x in text.splitlines() if x.startswith("migration:"))
         assert f"{s.moved_experts} experts moved" in line and f"{s.rounds} transfer rounds" in line
-        assert f"{s.moved_bytes / 2**30:.2f} GiB" in line
+        assert f"{s.moved_bytes / 2**30:.2f} GiB of DeepSeek-V2-Lite (bf16, as served)" in line
         moved[mode] = (s.moved_experts, ((plan.copies > 0) & (prev.copies == 0)).sum(axis=(0, 1)).max())
     assert moved["aligned"][0] <= moved["fresh"][0]
     assert moved["bounded"][1] <= 3  # per GPU, over the 26 layers
@@ -387,3 +387,22 @@ def test_plan_previous_takes_migration_as_set_items(tmp_path: Path, capsys: pyte
     assert_user_error(_plan_cli(new, out, "--previous", tmp_path / "prev.json", "--migration", "aligned", "--set",
                                 "migration=bounded"), capsys, "disagree")
     assert not out.exists()
+
+
+def test_moves_are_reported_in_the_checkpoints_own_bytes() -> None:
+    """plan --previous prices what a copy moves as the model's checkpoint holds its experts: DeepSeek-V3's in FP8
+    (1 byte a weight), not bf16."""
+    from moebalance.app.commands.plan import report_moves
+    from moebalance.core.load import LoadMatrix
+    from moebalance.models import get_model
+
+    v3 = get_model("deepseek-v3")
+    cluster = Cluster(num_nodes=1, gpus_per_node=8)
+    blocks = [[list(range(32 * g, 32 * g + 32)) for g in range(8)]] * 58
+    swapped = [[[*range(32 * g, 32 * g + 31), (32 * g + 63) % 256] for g in range(8)]] * 58
+    prev, plan = Placement(blocks, 256, cluster), Placement(swapped, 256, cluster)
+    load = LoadMatrix(np.ones((1, 58, 256), dtype=np.int64), preset="deepseek-v3")
+    line = report_moves(prev, plan, load, cluster)
+    s = schedule_transfers(prev, plan, v3.expert_params(), cluster)  # 1 byte a weight
+    assert f"{s.moved_experts} experts moved, {s.moved_bytes / 2**30:.2f} GiB of DeepSeek-V3 (fp8, as served)" in line
+    assert s.moved_experts == 8 * 58

@@ -16,6 +16,7 @@ from moebalance.core.errors import InputError, PlanError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.plan import Placement, read_plan, write_plan
 from moebalance.cost.memory import GIB
+from moebalance.cost.time import EXPERT_WEIGHT_BYTES
 from moebalance.cost.transfer import schedule_transfers
 from moebalance.policies import POLICIES, get_policy, make_plan
 from moebalance.pricing.auto import craft_by_goodput
@@ -106,14 +107,16 @@ def migrate(plan: Placement, previous: Placement, args: argparse.Namespace, load
 
 
 def report_moves(previous: Placement, plan: Placement, load: LoadMatrix, cluster: Cluster) -> str:
-    """One line: experts moved, GiB and the transfer schedule (rounds, seconds) when the model is known."""
+    """One line: experts moved, GiB and the transfer schedule (rounds, seconds) when the model is known, its experts
+    as its checkpoint holds them (DeepSeek-V3's in FP8, gpt-oss's in MXFP4)."""
     model = load.model
     if model is None:
         moved = schedule_transfers(previous, plan, 0, cluster).moved_experts
         return f"migration: {moved} experts moved; give --model for their GiB and the transfer time"
-    s = schedule_transfers(previous, plan, model.expert_params() * 2, cluster)  # bf16 weights
+    precision = model.served_precision
+    s = schedule_transfers(previous, plan, int(model.expert_params() * EXPERT_WEIGHT_BYTES[precision]), cluster)
     return (f"migration: {s.moved_experts} experts moved, {s.moved_bytes / GIB:.2f} GiB of {model.display_name} "
-            f"(bf16), {s.rounds} transfer rounds, {1000 * s.seconds:.1f} ms on the cluster's links")
+            f"({precision}, as served), {s.rounds} transfer rounds, {1000 * s.seconds:.1f} ms on the cluster's links")
 
 
 def take_migration_items(args: argparse.Namespace) -> None:
