@@ -276,10 +276,16 @@ def test_qwen3_next_and_minimax_m2_against_their_configs_and_model_cards() -> No
     # expert, 16 query and 2 KV heads of head_dim 256; model card: 80B total, 3B activated (a rounded figure)
     nxt = get_model("qwen3-next-80b-a3b")
     assert (nxt.num_layers, nxt.num_experts, nxt.top_k, nxt.num_shared_experts) == (48, 512, 10, 1)
-    assert nxt.attention == Attention(kind="gqa", num_heads=16, num_kv_heads=2, head_dim=256)
+    assert nxt.attention == Attention(kind="gqa", num_heads=16, num_kv_heads=2, head_dim=256, output_gate=True)
     assert nxt.expert_params() == 3 * 2048 * 512
-    assert nxt.total() == pytest.approx(80e9, rel=0.015)
-    assert 2.5e9 <= _active(nxt) < 3.5e9
+    # its 12 full layers: the query and its gate (attn_output_gate), keys, values and the output; its 36 Gated
+    # DeltaNet layers: qkvz 2048 x (2 x 16 x 128 + 2 x 32 x 128), ba 2048 x 64, conv (2 x 2048 + 4096) x 4, out 4096 x 2048
+    full = 2048 * 16 * 256 * 2 + 2 * 2048 * 2 * 256 + 16 * 256 * 2048
+    linear = 2048 * 12288 + 2048 * 64 + 8192 * 4 + 4096 * 2048
+    assert nxt.non_expert_params()["attention"] == 12 * full + 36 * linear
+    assert nxt.total() == pytest.approx(80e9, rel=0.005)
+    # "3B activated" rounds the weights a token uses besides the embeddings and LM head (3.25B here; 3.87B with them)
+    assert 2.5e9 <= _active(nxt) - nxt.non_expert_params()["embeddings"] < 3.5e9
     # MiniMax-M2: 62 layers, num_local_experts 256, top-8, intermediate_size 1536, hidden_size 3072, 48 query and
     # 8 KV heads of 128, vocab_size 200064, FP8 checkpoint; model card: 230B total
     mm = get_model("minimax-m2")

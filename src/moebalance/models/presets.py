@@ -150,15 +150,16 @@ _PRESETS = (
     # shared_expert_intermediate_size 512 (= moe_intermediate_size). full_attention_interval 4: layers 3, 7, ..., 47
     # are gated attention (16 query heads, 2 KV heads of head_dim 256), the others Gated DeltaNet linear attention
     # (linear_num_key_heads 16, linear_num_value_heads 32, linear_key_head_dim and linear_value_head_dim 128,
-    # linear_conv_kernel_dim 4), each keeping a fixed state per request. Approximated: every layer's parameters (and
-    # its attention FLOPs) are the gated-attention layer's without its output gate. MTP: config.json names none of
+    # linear_conv_kernel_dim 4), each keeping a fixed state per request; attn_output_gate true (output_gate: the
+    # query projection's second half). Each kind's parameters are its own (LinearAttention.params, from vLLM's Gated
+    # DeltaNet layer); a linear layer's recurrence FLOPs are not counted (ModelSpec.attended_pairs). MTP: config.json names none of
     # its layers (no num_nextn_predict_layers), but the checkpoint ships one MTP layer (mtp.layers.0: a full-attention
     # MoE decoder layer of the 512 experts), which vLLM's qwen3_next_mtp.py builds (num_nextn_predict_layers, default
     # 1), SGLang's builds as its one layer and TensorRT-LLM numbers model.layers.48 (H + i, as DeepSeek-V3's). Model
     # card: 80B total, 3B activated.
     ModelSpec(name="qwen3-next-80b-a3b", display_name="Qwen3-Next-80B-A3B", num_layers=48, num_dense_layers=0,
               num_experts=512, top_k=10, hidden_size=2048, moe_intermediate_size=512, num_shared_experts=1,
-              num_groups=1, num_mtp_layers=1, attention=_gqa(16, 2, 256), vocab_size=151936,
+              num_groups=1, num_mtp_layers=1, attention=dataclasses.replace(_gqa(16, 2, 256), output_gate=True), vocab_size=151936,
               dense_intermediate_size=5120, total_params=80e9, layer_kinds=_every(48, 4, "linear"),
               linear_attention=LinearAttention(num_key_heads=16, num_value_heads=32, key_head_dim=128,
                                                value_head_dim=128, conv_kernel=4),

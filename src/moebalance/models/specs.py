@@ -21,7 +21,8 @@ built from it:
   Llama 4's chunks: at most ``W`` tokens, ``attention_window``) or linear (Qwen3-Next's Gated DeltaNet: a state
   of fixed size per request, :class:`LinearAttention`), one kind per layer in ``layer_kinds``. A request of ``c``
   tokens caches ``c`` tokens in a full layer, ``min(c, W)`` in a window layer and the state in a linear one
-  (:meth:`ModelSpec.kv_cache_bytes`, the one formula); the attention's parameters are counted alike in every layer.
+  (:meth:`ModelSpec.kv_cache_bytes`, the one formula); a linear layer's parameters are its own
+  (:meth:`LinearAttention.params`), the others' the attention's.
 
 A spec without :class:`Attention` gives the routing shape only (enough for a synthetic trace or a plan); the
 parameter counts beyond one expert's, and the KV cache, then refuse in one line. Every field is checked by
@@ -82,9 +83,15 @@ class Attention:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    #: GQA: whether the query projection also makes a gate for the output (Qwen3-Next's ``attn_output_gate``), a
+    #: second query-sized output.
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, choices={"kind": ("mla", "gqa")})
+        if not isinstance(self.output_gate, bool) or (self.output_gate and self.kind != "gqa"):
+            raise InputError(f"Attention.output_gate ({self.output_gate!r}) must be True or False, and True only for "
+                             "GQA attention")
         needs = ("num_kv_heads", "head_dim") if self.kind == "gqa" else \
             ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         check_fields(self, positive=("num_heads", *needs),
@@ -112,10 +119,11 @@ class Attention:
         return self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
 
     def params(self, hidden_size: int) -> int:
-        """One decoder layer's attention projections (query, key/value, output)."""
+        """One decoder layer's attention projections (query and its output gate, key/value, output)."""
         H, n = hidden_size, self.num_heads
         if self.kind == "gqa":
-            return H * n * self.head_dim + 2 * H * self.num_kv_heads * self.head_dim + n * self.head_dim * H
+            q = H * n * self.head_dim * (2 if self.output_gate else 1)
+            return q + 2 * H * self.num_kv_heads * self.head_dim + n * self.head_dim * H
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         q = H * n * qk if self.q_lora_rank == 0 else H * self.q_lora_rank + self.q_lora_rank * n * qk
         kv = H * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * n * (self.qk_nope_head_dim
@@ -146,6 +154,14 @@ class LinearAttention:
     def __post_init__(self) -> None:
         check_fields(self, positive=("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim",
                                      "conv_kernel"))
+
+    def params(self, hidden_size: int) -> int:
+        """One linear-attention layer's projections, as vLLM's Gated DeltaNet layer holds them: the query, key,
+        value and gate projection ``H (2 n_k d_k + 2 n_v d_v)``, the decay and beta projection ``H 2 n_v``, the
+        convolution ``(2 n_k d_k + n_v d_v) conv_kernel`` and the output projection ``n_v d_v H`` (norms and the
+        per-head decay constants left out, as for every layer)."""
+        H, key, value = hidden_size, self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
+        return H * (2 * key + 2 * value) + H * 2 * self.num_value_heads + (2 * key + value) * self.conv_kernel + value * H
 
     def state_bytes(self) -> int:
         """Bytes one request's state takes in one layer, as vLLM and SGLang shape it: the convolution's last
@@ -378,7 +394,9 @@ class ModelSpec:
         """Every parameter that is not a routed expert, by part: ``attention``, ``dense_mlp``, ``shared_experts``,
         ``router``, ``embeddings`` (with the LM head). MTP modules excluded."""
         return {
-            "attention": self.num_decoder_layers * self.attention_params(),
+            "attention": (self.num_decoder_layers - self.layer_count("linear")) * self.attention_params()
+            + (0 if self.linear_attention is None else
+               self.layer_count("linear") * self.linear_attention.params(self.hidden_size)),
             "dense_mlp": self.num_dense_layers * 3 * self.hidden_size * self.dense_intermediate_size,
             "shared_experts": self.num_layers * self.num_shared_experts * self.expert_params(),
             "router": self.num_layers * self.hidden_size * self.num_experts,
