@@ -431,6 +431,24 @@ def test_trtllm_is_not_advised_on_an_amd_gpu(capsys: pytest.CaptureFixture[str])
     assert rc == 0, err
 
 
+def test_each_engine_prices_the_linear_attention_state_it_keeps(capsys: pytest.CaptureFixture[str],
+                                                                 tmp_path: Path) -> None:
+    """Qwen3-Next's Gated DeltaNet state: SGLang keeps its recurrent numbers in float32, vLLM in bf16, so the same KV
+    cache holds more of vLLM's requests, and EPLB off's decode step is larger on vLLM."""
+    from moebalance.engines.registry import ENGINES
+
+    assert {n: e.rule.recurrent_state_bytes for n, e in ENGINES.items()} == {"vllm": 2, "sglang": 4, "trtllm": 4}
+    path = tmp_path / "qwen3-next.npz"
+    write_load(path, LoadMatrix(np.full((2, 48, 512), 100, dtype=np.int64), preset="qwen3-next-80b-a3b"))
+    steps = {}
+    for engine in ("sglang", "vllm"):
+        doc, _ = advise(capsys, "--load", path, "--nodes", 1, "--gpus-per-node", 8, "--gpu", "h100-80gb",
+                        "--engine", engine)
+        off = next(c for c in doc["candidates"] if c["label"].startswith("off "))
+        steps[engine] = (off["step_tokens"], off["kv_cache_gib"])
+    assert steps["vllm"][1] == steps["sglang"][1] and steps["vllm"][0] > 1.1 * steps["sglang"][0]
+
+
 def test_price_load_refuses_what_does_not_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     a, other = tmp_path / "a.npz", tmp_path / "other.npz"
     write_load(a, _hot(0))

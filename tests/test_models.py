@@ -337,6 +337,10 @@ def test_kv_bytes_of_a_request_by_kind_of_layer() -> None:
     # attention split over 8 GPUs: the 2 KV heads over 2 of them, the state over 8 (its 16 key heads)
     assert nxt.kv_bytes_per_request(4096, attention_tp=8) == 12 * 4096 * 2048 / 2 + 36 * state / 8
     assert nxt.kv_bytes_per_request(4096, kv_bytes=1) == 12 * 4096 * 1024 + 36 * state  # fp8 KV: not the state
+    # vLLM keeps the recurrent numbers in bf16: 524,288 x 2 bytes
+    bf16_state = 8192 * 3 * 2 + 524_288 * 2
+    assert nxt.linear_attention.state_bytes(2) == bf16_state == 1_097_728
+    assert nxt.kv_bytes_per_request(4096, state_bytes=2) == 12 * 4096 * 2048 + 36 * bf16_state
 
 
 def test_qwen3_next_mtp_layer_is_numbered_after_its_decoder_layers() -> None:

@@ -60,6 +60,9 @@ class EngineMemory:
     #: Bytes per weight (bf16: 2) and per KV-cache number.
     weight_bytes: int = 2
     kv_bytes: int = 2
+    #: Bytes per number of a linear-attention layer's recurrent state (SGLang's float32: 4; vLLM's bf16: 2; an
+    #: engine's :attr:`moebalance.engines.base.EngineRule.recurrent_state_bytes`).
+    recurrent_state_bytes: int = 4
     #: Bytes per routed-expert weight where the experts are stored unlike the other weights (an MXFP4 checkpoint's
     #: 4.25 / 8: :data:`moebalance.cost.time.EXPERT_WEIGHT_BYTES`, which a deployment sets); ``None``: ``weight_bytes``.
     expert_weight_bytes: float | None = None
@@ -70,7 +73,7 @@ class EngineMemory:
 
     def __post_init__(self) -> None:
         check_fields(self, positive_reals=("memory_fraction",), non_negative_reals=("reserve_gib",),
-                     positive=("dense_tp", "weight_bytes", "kv_bytes"), label="")
+                     positive=("dense_tp", "weight_bytes", "kv_bytes", "recurrent_state_bytes"), label="")
         if self.expert_weight_bytes is not None:
             check_fields(self, positive_reals=("expert_weight_bytes",), label="")
         cap = self.max_running_requests
@@ -162,7 +165,8 @@ def memory_per_gpu(model: ModelSpec, gpu: GpuSpec, *, num_gpus: int, gpus_per_no
     replica_gib = max(0, hosted - base) * expert_gib
     kv = kv_without - replica_gib
     # each data-parallel rank (attention_tp GPUs) holds its own requests, each split over its GPUs' pools
-    per_request = model.kv_bytes_per_request(context_tokens, engine.kv_bytes, attention_tp) / GIB
+    per_request = model.kv_bytes_per_request(context_tokens, engine.kv_bytes, attention_tp,
+                                             engine.recurrent_state_bytes) / GIB
     per_rank = math.floor(max(0.0, kv) / per_request)
     ranks = num_gpus // attention_tp
     if engine.max_running_requests is not None:  # each rank runs its share of the cap (SGLang divides it)

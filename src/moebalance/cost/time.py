@@ -246,7 +246,8 @@ def rest_seconds(tokens_per_rank: float, model: ModelSpec, gpu: GpuSpec, engine:
     flops = 2.0 * (params - head - table) * tokens_per_rank + 2.0 * head * logits
     attention_tp = engine.attention_group(gpus_per_node)
     requests = tokens_per_rank if kv_tokens_per_rank else 0.0  # decode: a token per request
-    kv_bytes = model.kv_cache_bytes(kv_tokens_per_rank, requests, engine.kv_bytes, attention_tp)
+    kv_bytes = model.kv_cache_bytes(kv_tokens_per_rank, requests, engine.kv_bytes, attention_tp,
+                                    engine.recurrent_state_bytes)
     traffic = (params - table) * engine.weight_bytes + kv_bytes
     flops_rate, bytes_rate = peak_rates(gpu, cal, precision)
     compute = flops / flops_rate

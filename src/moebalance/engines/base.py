@@ -50,6 +50,10 @@ class EngineRule:
     uneven_off: bool = False
     #: The GPU vendors it runs on (:attr:`moebalance.cost.hardware.GpuSpec.vendor`).
     vendors: tuple[str, ...] = ("nvidia", "amd")
+    #: Bytes per number of a linear-attention layer's recurrent state by default (SGLang 0.5.23: float32; vLLM 0.33:
+    #: the model's bf16, ``mamba_ssm_cache_dtype`` ``auto``; TensorRT-LLM: not checked, float32 assumed), which a
+    #: price for the engine takes (:attr:`moebalance.cost.memory.EngineMemory.recurrent_state_bytes`).
+    recurrent_state_bytes: int = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +88,8 @@ class Engine:
     """One serving engine as the commands see it; each engine module defines its own (``ENGINE``).
 
     ``write_files`` writes the files its launch reads besides a moebalance plan into a folder (``(folder, launch,
-    plan or None for EPLB off, model, mtp_layers) -> paths``; the launch's folder is where they will be read). ``launch``: the whole command and its ``#`` comments.
+    plan or None for EPLB off, model, mtp_layers) -> paths``; the launch's folder is where they will be read).
+    ``launch``: the whole command and its ``#`` comments.
     ``write_plan``: a plan as the engine loads it at a path (``watch --write-plan``), ``(path, plan, model)``.
     ``export``: ``moebalance export``'s file, ``(path, plan, engine layer ids, plan rows listed, options) -> (what
     was written, a line on how the engine takes it)``. ``claims``: whether a load file or folder is this engine's;

@@ -283,10 +283,13 @@ def _read(path: Path, *, model: str | None, gpus: int, batch_tokens: int, num_ex
 #: vLLM 0.33: EPLB plans itself from its window (no placement file), rearranges asynchronously by default
 #: (``use_async``), routes each token to a random copy; the plug-in's ``move-aware`` re-plans as ``aligned`` does.
 #: Without EPLB its expert map gives the first ``E mod G`` ranks one expert more (the ``contiguous`` policy's
-#: layout). ``watch --write-plan`` writes a moebalance plan, which the plug-in's variants take.
+#: layout). ``watch --write-plan`` writes a moebalance plan, which the plug-in's variants take. A linear-attention
+#: layer's recurrent state is kept in the model's dtype (``mamba_ssm_cache_dtype`` ``auto``,
+#: ``vllm/model_executor/layers/mamba/mamba_utils.py``): 2 bytes a number in bf16.
 ENGINE = Engine(
     name="vllm", title="vLLM", export_suffix=".json",
-    rule=EngineRule({"random": "random"}, False, "async", move_aware="move-aware", uneven_off=True),
+    rule=EngineRule({"random": "random"}, False, "async", move_aware="move-aware", uneven_off=True,
+                    recurrent_state_bytes=2),
     launch=launch, write_files=lambda folder, at, plan, model, mtp: [],
     write_plan=lambda path, plan, model: write_plan(path, plan), export=_export, claims=_claims, read_load=_read,
     streams=lambda path: True, import_load=_import)

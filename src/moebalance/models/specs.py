@@ -57,10 +57,12 @@ _ARCH_FIELDS = ("vocab_size", "dense_intermediate_size", "total_params", "layer_
 #: at most ``attention_window`` of them, ``linear`` a state of fixed size (:class:`LinearAttention`).
 LAYER_KINDS = ("full", "window", "linear")
 
-#: Bytes per number of a linear-attention layer's state, as SGLang keeps it: the convolution's inputs in bf16
-#: (``SGLANG_MAMBA_CONV_DTYPE`` default; vLLM's ``mamba_cache_dtype`` ``auto``, the model's bf16) and the recurrent
-#: state in float32 (``mamba2_state_dtype``'s default where the config names no ``mamba_ssm_dtype``; vLLM's ``auto``
-#: keeps it in bf16, half these bytes). The KV cache's dtype (``--kv-cache-dtype``) changes neither.
+#: Bytes per number of a linear-attention layer's state, by default as SGLang keeps it: the convolution's inputs in
+#: bf16 (``SGLANG_MAMBA_CONV_DTYPE`` default; vLLM's ``mamba_cache_dtype`` ``auto``, the model's bf16) and the
+#: recurrent state in float32 (``mamba2_state_dtype``'s default where the config names no ``mamba_ssm_dtype``);
+#: vLLM's ``mamba_ssm_cache_dtype`` ``auto`` keeps the recurrent state in the model's bf16 (2 bytes: an engine's
+#: :attr:`moebalance.engines.base.EngineRule.recurrent_state_bytes`). The KV cache's dtype (``--kv-cache-dtype``)
+#: changes neither.
 CONV_STATE_BYTES, RECURRENT_STATE_BYTES = 2, 4
 
 
@@ -163,14 +165,14 @@ class LinearAttention:
         H, key, value = hidden_size, self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
         return H * (2 * key + 2 * value) + H * 2 * self.num_value_heads + (2 * key + value) * self.conv_kernel + value * H
 
-    def state_bytes(self) -> int:
+    def state_bytes(self, recurrent_bytes: int = RECURRENT_STATE_BYTES) -> int:
         """Bytes one request's state takes in one layer, as vLLM and SGLang shape it: the convolution's last
         ``conv_kernel - 1`` inputs of the query, key and value channels, ``(2 n_k d_k + n_v d_v) (conv_kernel - 1)``
-        numbers at :data:`CONV_STATE_BYTES`, and the recurrent state, ``n_v d_v d_k`` numbers at
-        :data:`RECURRENT_STATE_BYTES`. Qwen3-Next: ``8192 x 3 x 2 + 524288 x 4`` = 2,146,304."""
+        numbers at :data:`CONV_STATE_BYTES`, and the recurrent state, ``n_v d_v d_k`` numbers at ``recurrent_bytes``
+        (default :data:`RECURRENT_STATE_BYTES`). Qwen3-Next: ``8192 x 3 x 2 + 524288 x 4`` = 2,146,304."""
         channels = 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
         recurrent = self.num_value_heads * self.value_head_dim * self.key_head_dim
-        return channels * (self.conv_kernel - 1) * CONV_STATE_BYTES + recurrent * RECURRENT_STATE_BYTES
+        return channels * (self.conv_kernel - 1) * CONV_STATE_BYTES + recurrent * recurrent_bytes
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -446,15 +448,16 @@ class ModelSpec:
             full, window = context, min(context, W)
         return self.layer_count("full") * full + self.layer_count("window") * window
 
-    def kv_cache_bytes(self, tokens: float, requests: float = 1.0, kv_bytes: int = 2, attention_tp: int = 1) -> float:
+    def kv_cache_bytes(self, tokens: float, requests: float = 1.0, kv_bytes: int = 2, attention_tp: int = 1,
+                       state_bytes: int = RECURRENT_STATE_BYTES) -> float:
         """KV-cache bytes ``requests`` requests of ``tokens / requests`` tokens each take on one GPU of a
         tensor-parallel attention group of ``attention_tp`` GPUs (1: all of it), over all decoder layers; the one
         formula of the KV cache (module docstring).
 
         A full layer caches every token, a window layer ``min(tokens / requests, W)`` of each request, both
         ``kv_numbers_per_layer`` numbers of ``kv_bytes`` per token, split over :meth:`kv_shards` GPUs; a linear layer
-        holds :meth:`LinearAttention.state_bytes` per request, split over its key heads' GPUs (vLLM divides the key
-        heads by the group). Example: gpt-oss-120b, one request of 4096 tokens in bf16: ``(18 x 4096 + 18 x 128) x
+        holds :meth:`LinearAttention.state_bytes` per request (its recurrent state at ``state_bytes`` a number),
+        split over its key heads' GPUs (vLLM divides the key heads by the group). Example: gpt-oss-120b, one request of 4096 tokens in bf16: ``(18 x 4096 + 18 x 128) x
         1024 x 2`` bytes."""
         if tokens < 0 or requests < 0 or (tokens > 0 and requests == 0):
             raise InputError(f"{tokens} tokens of {requests} requests: give tokens >= 0 held by requests > 0")
@@ -465,11 +468,12 @@ class ModelSpec:
         if windows and requests:
             total += requests * (windows * min(tokens / requests, self.attention_window) * per_token) / shards
         if lin is not None and requests:
-            total += requests * (self.layer_count("linear") * lin.state_bytes()) / max(1, min(attention_tp,
-                                                                                              lin.num_key_heads))
+            total += requests * (self.layer_count("linear") * lin.state_bytes(state_bytes)) / max(
+                1, min(attention_tp, lin.num_key_heads))
         return total
 
-    def kv_bytes_per_request(self, context_tokens: float, kv_bytes: int = 2, attention_tp: int = 1) -> float:
+    def kv_bytes_per_request(self, context_tokens: float, kv_bytes: int = 2, attention_tp: int = 1,
+                             state_bytes: int = RECURRENT_STATE_BYTES) -> float:
         """KV-cache bytes one request of ``context_tokens`` tokens takes on one GPU of an attention group of
         ``attention_tp`` GPUs (:meth:`kv_cache_bytes`)."""
-        return self.kv_cache_bytes(context_tokens, 1.0, kv_bytes, attention_tp)
+        return self.kv_cache_bytes(context_tokens, 1.0, kv_bytes, attention_tp, state_bytes)

@@ -99,7 +99,7 @@ def _split(load: LoadMatrix, train_frac: float) -> tuple[LoadMatrix, LoadMatrix,
     return train, test, train_frac < 1.0
 
 
-def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
+def _setup(args: argparse.Namespace, engine: str) -> tuple[Setup, str, int, float | None]:
     """The deployment and batches of the command line: ``(setup, model name, steps priced for periodic re-planning
     (0 for statistics), the calibration's fit error)``."""
     workloads = options.read_workloads(argparse.Namespace(**{**vars(args), "batches": None}))
@@ -107,6 +107,9 @@ def _setup(args: argparse.Namespace) -> tuple[Setup, str, int, float | None]:
         raise InputError("the load names no model; give --model (e.g. --model deepseek-v3)")
     calibrated, fit_error = deployment.calibration(args)
     dep = deployment.build(args, workloads.load, calibrated=calibrated)
+    # what the engine keeps that no flag sets: a linear-attention layer's recurrent state
+    dep = dataclasses.replace(dep, engine=dataclasses.replace(
+        dep.engine, recurrent_state_bytes=REGISTRY[engine].rule.recurrent_state_bytes))
     name = dep.model.name
     phase = args.phase or "decode"
     if phase == "prefill":
@@ -167,7 +170,7 @@ def run(args: argparse.Namespace) -> None:
         carry = [e.name for e in REGISTRY.values() if e.mtp_keys]
         raise InputError(f"--mtp-layers is for --engine {'|'.join(carry)} (whose placement file registers MTP "
                          f"layers); {engine} needs no MTP key")
-    setup, name, served, fit_error = _setup(args)
+    setup, name, served, fit_error = _setup(args, engine)
     mtp = setup.phase.deployment.model.num_mtp_layers if args.mtp_layers is None else int(args.mtp_layers)
     margin = margin_of(args.margin, fit_error)
     periods = [(k, k) for k in _INTERVALS if k < served][-2:]
