@@ -449,6 +449,22 @@ def test_each_engine_prices_the_linear_attention_state_it_keeps(capsys: pytest.C
     assert steps["vllm"][1] == steps["sglang"][1] and steps["vllm"][0] > 1.1 * steps["sglang"][0]
 
 
+def test_sglang_serves_mxfp4_on_amd_gfx95_only(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """gpt-oss's MXFP4 experts: SGLang 0.5.23 refuses MXFP4 on an AMD GPU but a gfx95 one, so advise refuses it on
+    the MI300X (gfx942) and prices it on the MI355X (gfx950) and with vLLM."""
+    path = tmp_path / "gpt-oss.npz"
+    write_load(path, LoadMatrix(np.full((2, 36, 128), 100, dtype=np.int64), preset="gpt-oss-120b"))
+    argv = ["advise", "--load", path, "--nodes", 1, "--gpus-per-node", 8, "--phase", "prefill"]
+    assert_user_error([*argv, "--gpu", "mi300x", "--engine", "sglang"], capsys,
+                      "SGLang serves MXFP4 experts on AMD's gfx95 GPUs only (the MI355X), not on --gpu mi300x "
+                      "(gfx942); give --engine vllm")
+    for gpu, engine in (("mi355x", "sglang"), ("mi300x", "vllm")):
+        rc, _, err = run_cli([*argv, "--gpu", gpu, "--engine", engine, "--json"], capsys)
+        assert rc == 0, err
+    rc, _, err = run_cli([*argv, "--gpu", "mi300x", "--engine", "sglang", "--precision", "bf16", "--json"], capsys)
+    assert rc == 0, err
+
+
 def test_price_load_refuses_what_does_not_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     a, other = tmp_path / "a.npz", tmp_path / "other.npz"
     write_load(a, _hot(0))

@@ -196,6 +196,9 @@ def candidates(setup: Setup, engine: str, *,
     """The configurations ``engine`` can run on ``setup`` (module docstring), and notes on what was left out.
     ``periods``: the ``(step_interval, window)`` pairs of periodic re-planning (none for statistics)."""
     rule = get_engine(engine).rule
+    why = get_engine(engine).refuses(setup.phase.deployment)
+    if why is not None:
+        raise InputError(why)
     gpu = setup.phase.deployment.gpu
     if gpu.vendor not in rule.vendors:
         runs = [e for e, r in REGISTRY.items() if gpu.vendor in r.rule.vendors]

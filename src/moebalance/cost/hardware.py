@@ -54,6 +54,8 @@ class GpuSpec:
     #: Who makes it, a key of :data:`VENDORS`: ``nvidia`` (CUDA; DeepEP's kernels run on it) or ``amd`` (ROCm; they
     #: do not: module docstring).
     vendor: str = "nvidia"
+    #: Its compute architecture as engines' checks name it (CUDA ``sm80``, ROCm ``gfx942``); empty: not recorded.
+    arch: str = ""
 
     def __post_init__(self) -> None:
         check_fields(self, text=("name", "display_name", "source"),
@@ -79,20 +81,20 @@ class GpuSpec:
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     # A100 SXM 80GB: BF16 tensor 312 TFLOPS dense (624 with sparsity), HBM2e 80 GB, 2,039 GB/s; no FP8.
     GpuSpec(name="a100-80gb", intra_link="nvlink3", display_name="A100-SXM4-80GB", bf16_tflops=312.0, memory_gib=80.0,
-            memory_bandwidth=2039.0, source="NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB column)"),
+            memory_bandwidth=2039.0, source="NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB column)", arch="sm80"),
     # H100 SXM 80GB: BF16 tensor 1,979 TFLOPS with sparsity -> 989 dense, FP8 3,958 -> 1,979 dense, HBM3 80 GB,
     # 3.35 TB/s.
-    GpuSpec(name="h100-80gb", display_name="H100-SXM5-80GB", bf16_tflops=989.0, memory_gib=80.0,
+    GpuSpec(name="h100-80gb", arch="sm90", display_name="H100-SXM5-80GB", bf16_tflops=989.0, memory_gib=80.0,
             memory_bandwidth=3350.0, fp8_tflops=1979.0,
             source="NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column)"),
     # H800 SXM 80GB (the H100's export variant: the same tensor cores and HBM3, a narrower NVLink): BF16 989 dense,
     # FP8 1,979 dense, 80 GB, 3.35 TB/s. Its NVLink is the link preset nvlink-h800.
     GpuSpec(name="h800", intra_link="nvlink-h800", display_name="H800-SXM5-80GB", bf16_tflops=989.0, memory_gib=80.0,
             memory_bandwidth=3350.0, fp8_tflops=1979.0,
-            source="NVIDIA H800 Tensor Core GPU datasheet (H800 SXM column)"),
+            source="NVIDIA H800 Tensor Core GPU datasheet (H800 SXM column)", arch="sm90"),
     # H200 SXM: BF16 tensor 1,979 TFLOPS with sparsity -> 989 dense, FP8 3,958 -> 1,979 dense, HBM3e 141 GB,
     # 4.8 TB/s.
-    GpuSpec(name="h200", display_name="H200-SXM-141GB", bf16_tflops=989.0, memory_gib=141.0,
+    GpuSpec(name="h200", arch="sm90", display_name="H200-SXM-141GB", bf16_tflops=989.0, memory_gib=141.0,
             memory_bandwidth=4800.0, fp8_tflops=1979.0,
             source="NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column)"),
     # B200 (HGX B200, 8 GPUs): BF16 tensor 36 PFLOPS with sparsity in all -> 2.25 PFLOPS dense per GPU, FP8 72
@@ -100,30 +102,32 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     # NVLink 14.4 TB/s in all -> 1.8 TB/s per GPU, both directions: the link preset nvlink5.
     GpuSpec(name="b200", intra_link="nvlink5", display_name="B200-180GB", bf16_tflops=2250.0, memory_gib=180.0,
             memory_bandwidth=8000.0, fp8_tflops=4500.0,
-            source="NVIDIA HGX B200 specifications (8-GPU totals divided by 8)"),
+            source="NVIDIA HGX B200 specifications (8-GPU totals divided by 8)", arch="sm100"),
     # GB200 (one of the two Blackwell GPUs of a GB200 Grace Blackwell Superchip): the superchip's FP16/BF16 tensor 10
     # PFLOPS with sparsity -> 2.5 PFLOPS dense per GPU, FP8 20 PFLOPS with sparsity -> 5 dense per GPU, up to 372 GB
     # HBM3e -> 186 GB per GPU, 16 TB/s -> 8 TB/s per GPU. NVLink 3.6 TB/s per superchip -> 1.8 TB/s per GPU, both
     # directions: the link preset nvlink5; a GB200 NVL72 rack is one NVLink domain of 72 GPUs (--gpus-per-node 72).
     GpuSpec(name="gb200", intra_link="nvlink5", display_name="GB200 (per GPU)", bf16_tflops=2500.0, memory_gib=186.0,
             memory_bandwidth=8000.0, fp8_tflops=5000.0,
-            source="NVIDIA GB200 NVL72 specifications (GB200 Grace Blackwell Superchip column, divided by its 2 GPUs)"),
+            source="NVIDIA GB200 NVL72 specifications (GB200 Grace Blackwell Superchip column, divided by its 2 GPUs)",
+            arch="sm100"),
     # AMD Instinct MI300X: peak BF16 1,307.4 TFLOPS dense (2,614.9 with sparsity), FP8 2,614.9 dense (5,229.8 with
     # sparsity), 192 GB HBM3, 5.3 TB/s. 7 AMD Infinity Fabric links of 128 GB/s peak each (both directions): 448
     # GB/s per direction in all, the link preset xgmi-mi300x; an 8-GPU platform, each GPU linked to the 7 others.
     GpuSpec(name="mi300x", intra_link="xgmi-mi300x", display_name="Instinct MI300X", bf16_tflops=1307.4, memory_gib=192.0,
             memory_bandwidth=5300.0, fp8_tflops=2614.9, source="AMD Instinct MI300X accelerator datasheet",
-            vendor="amd"),
+            vendor="amd", arch="gfx942"),
     # AMD Instinct MI355X: peak BF16 2.5 PFLOPS dense (5 with sparsity), FP8 5 PFLOPS dense (10.1 with sparsity),
     # 288 GB HBM3E, 8 TB/s. 7 AMD Infinity Fabric links of 153.6 GB/s peak each (both directions): 537.6 GB/s per
     # direction in all, the link preset xgmi-mi355x; an 8-GPU platform, each GPU linked to the 7 others.
     GpuSpec(name="mi355x", intra_link="xgmi-mi355x", display_name="Instinct MI355X", bf16_tflops=2500.0, memory_gib=288.0,
-            memory_bandwidth=8000.0, fp8_tflops=5000.0, source="AMD Instinct MI355X GPU datasheet", vendor="amd"),
+            memory_bandwidth=8000.0, fp8_tflops=5000.0, source="AMD Instinct MI355X GPU datasheet", vendor="amd",
+            arch="gfx950"),
     # GeForce RTX 4090: BF16 tensor with FP32 accumulate 165.2 TFLOPS dense (330.4 with sparsity), FP8 with FP32
     # accumulate 330.3 dense (660.6 with sparsity), 24 GB GDDR6X, 1,008 GB/s.
     GpuSpec(name="rtx4090", intra_link="pcie4", display_name="GeForce RTX 4090", bf16_tflops=165.2, memory_gib=24.0,
             memory_bandwidth=1008.0, fp8_tflops=330.3,
-            source="NVIDIA Ada Lovelace GPU architecture whitepaper, Appendix A (RTX 4090)"),
+            source="NVIDIA Ada Lovelace GPU architecture whitepaper, Appendix A (RTX 4090)", arch="sm89"),
 )}
 
 

@@ -115,6 +115,8 @@ class Engine:
     plan_key: str | None = None
     #: Whether its placement file carries multi-token-prediction layers (``--mtp-layers``).
     mtp_keys: bool = False
+    #: Why it cannot serve a priced deployment (one line naming the fix), or ``None``.
+    refuses: Callable[[Deployment], str | None] = lambda d: None
 
 
 def model_id(spec: ModelSpec) -> str | None:

@@ -69,6 +69,7 @@ from moebalance.core.load import LoadMatrix, check_counts
 from moebalance.core.plan import Placement
 from moebalance.core.trace import RoutingTrace
 from moebalance.cost.a2a import kernels_on
+from moebalance.cost.deployment import Deployment
 from moebalance.cost.time import PRECISION_BYTES
 from moebalance.engines.base import Engine, EngineRule, Launch, model_word, placed, unwritten
 from moebalance.engines.files import load_model
@@ -445,6 +446,16 @@ def _read_plan(path: Path, cluster: Cluster, load: LoadMatrix | None) -> tuple[P
     return plan, moe_only if moe_only is not None and plan.num_layers > load.num_layers else None
 
 
+def _refuses(d: Deployment) -> str | None:
+    """What SGLang 0.5.23 does not serve: MXFP4 experts on an AMD GPU but its gfx95 ones (``Mxfp4Config.from_config``
+    raises on another ROCm architecture, ``srt/layers/quantization/mxfp4.py``)."""
+    if d.precision == "mxfp4" and d.gpu.vendor == "amd" and not d.gpu.arch.startswith("gfx95"):
+        return (f"SGLang serves MXFP4 experts on AMD's gfx95 GPUs only (the MI355X), not on --gpu {d.gpu.name} "
+                f"({d.gpu.arch or 'its architecture not recorded'}); give --engine vllm, or --precision bf16 to price "
+                "a BF16 copy")
+    return None
+
+
 #: SGLang 0.5: ``--init-expert-location`` loads any plan; rearrangement stops serving; static, dynamic and LP
 #: dispatch read as the ``uniform``, ``rebalance`` and ``minmax`` routers; physical experts that do not divide by
 #: ``--ep-size`` are refused. Loads: a folder of per-rank ``.pt`` dumps, a ``.pt`` stat dump or its ``.json``.
@@ -455,4 +466,4 @@ ENGINE = Engine(
     write_plan=_write_plan,
     export=_export, claims=lambda p: any(p.glob("*.pt")) if p.is_dir() else p.suffix in (".pt", ".json"),
     read_load=_read, streams=lambda path: path.is_dir(), import_load=_import, read_plan=_read_plan,
-    plan_suffixes=(".pt",), plan_key="physical_to_logical_map")
+    plan_suffixes=(".pt",), plan_key="physical_to_logical_map", refuses=_refuses)
