@@ -396,3 +396,22 @@ def test_every_layer_dense_and_loads_with_layer_ids() -> None:
     partly, _ = make_plan("grace", LoadMatrix(_with_dense(L=5, dense=(0, 3)).counts), cluster,
                           Budget(slots_per_gpu=6), grouping="uniform")
     assert partly.params["planned_layers"] == [1, 2, 4] and partly.params["dense_layers"] == [0, 3]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 12), k=st.integers(1, 14), seed=st.integers(0, 2**31 - 1),
+       levels=st.integers(1, 4))
+def test_top_k_is_the_stable_sorts_first_k(rows: int, cols: int, k: int, seed: int, levels: int) -> None:
+    """``tally.top_k`` equals a stable descending sort's first ``k`` columns, ties (few distinct levels) to the lower
+    column, and ``k`` beyond the columns gives them all."""
+    scores = np.random.default_rng(seed).integers(0, levels, (rows, cols)).astype(np.float64) / 3
+    want = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(tally.top_k(scores, k), want)
+
+
+def test_top_k_by_hand_and_its_refusals() -> None:
+    scores = np.array([[1.0, 3.0, 3.0, 0.5, 3.0], [0.0, 0.0, 0.0, 0.0, 2.0]])
+    np.testing.assert_array_equal(tally.top_k(scores, 3), [[1, 2, 4], [4, 0, 1]])
+    for bad, k in ((np.ones(3), 1), (np.ones((2, 2)), 0), (np.array([[np.nan, 1.0]]), 1)):
+        with pytest.raises(InputError, match="top_k"):
+            tally.top_k(bad, k)

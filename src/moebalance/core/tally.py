@@ -30,7 +30,7 @@ from numba import njit
 from moebalance.core.errors import InputError
 
 __all__ = ["as_ids", "check_picks", "count_picks", "demand_counts", "distinct_served", "id_dtype", "pair_counts",
-           "release", "token_chunks", "transition_counts"]
+           "release", "token_chunks", "top_k", "transition_counts"]
 
 #: Picks per chunk when a count walks a trace (64 MB of ``int16`` ids).
 CHUNK_PICKS = 1 << 25
@@ -219,3 +219,38 @@ def transition_counts(ids_TLK: np.ndarray, num_experts: int) -> np.ndarray:
 def demand_counts(ids_TLK: np.ndarray, src_T: np.ndarray, num_gpus: int, num_experts: int) -> np.ndarray:
     """``int64 [L, G, E]``: picks of expert ``e`` in layer ``l`` by the tokens living on GPU ``g``."""
     return np.ascontiguousarray(count_picks(ids_TLK, src_T, num_gpus, num_experts).transpose(1, 0, 2))
+
+
+def top_k(scores_XE: np.ndarray, k: int) -> np.ndarray:
+    """``int64 [X, min(k, E)]``: each row's ``k`` highest scores' columns, highest first, ties to the lower column:
+    ``np.argsort(-scores, axis=1, kind="stable")[:, :k]``, in one pass over each row (a path table's rows are
+    tens of thousands of experts' counts, and a full sort of each took most of its build)."""
+    scores = np.ascontiguousarray(scores_XE, dtype=np.float64)
+    if scores.ndim != 2 or isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise InputError(f"top_k needs a 2-D array of scores and k >= 1 (got shape {scores.shape}, k {k!r})")
+    if np.isnan(scores).any():
+        raise InputError("top_k: the scores hold NaN, which no order ranks")
+    return _top_k(scores, min(int(k), scores.shape[1]))
+
+
+@njit(cache=True, nogil=True)
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:  # pragma: no cover - numba
+    X, E = scores.shape
+    out = np.empty((X, k), dtype=np.int64)
+    vals = np.empty(k)
+    for x in range(X):
+        n = 0
+        for e in range(E):
+            v = scores[x, e]
+            if n == k and v <= vals[k - 1]:  # no better than the k-th: an equal score keeps the lower column
+                continue
+            j = n if n < k else k - 1
+            while j > 0 and vals[j - 1] < v:  # after every equal or higher score seen before (stable)
+                vals[j] = vals[j - 1]
+                out[x, j] = out[x, j - 1]
+                j -= 1
+            vals[j] = v
+            out[x, j] = e
+            if n < k:
+                n += 1
+    return out

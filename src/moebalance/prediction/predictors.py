@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from moebalance.core import tally
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix
 from moebalance.core.trace import RoutingTrace
@@ -141,7 +142,7 @@ class AccuracyTally:
 
 def _ranked_topk(scores_XE: np.ndarray, k: int) -> np.ndarray:
     """``int64 [X, k]``: the ``k`` highest-scoring experts of each row, ties to the lower id."""
-    return np.argsort(-scores_XE, axis=1, kind="stable")[:, :k]
+    return tally.top_k(scores_XE, k)
 
 
 class Predictor:
