@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,3 +69,32 @@ def assert_user_error(argv: Sequence[Any], capsys: pytest.CaptureFixture[str], *
     for fragment in fragments:
         assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
     return lines[0]
+
+
+_COMPILE = """
+import sys
+import triton
+from importlib import import_module
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, signature, variants, options = eval(sys.argv[1])
+fn = import_module(module).kernel(False)
+for arch in (80, 90):
+    for constexprs in variants:
+        k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                           target=GPUTarget("cuda", arch, 32), options=options)
+        assert k.asm["cubin"], (arch, constexprs)
+print("compiled")
+"""
+
+
+def assert_compiles_for_gpus(module: str, signature: dict[str, str], variants: Sequence[dict[str, Any]],
+                             options: dict[str, Any] | None = None, *, timeout: float = 600,
+                             env: dict[str, str] | None = None) -> None:
+    """``module``'s Triton kernel (its ``kernel(False)``) compiles down to a cubin for the A100 (sm_80) and the H100
+    (sm_90) with each of ``variants``' constexprs, in a fresh process with Triton's interpreter off: no GPU needed,
+    and a construct the interpreter accepts but the compiler rejects fails here."""
+    spec = repr((module, signature, list(variants), options or {}))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, spec], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "TRITON_INTERPRET": "0", **(env or {})})
+    assert proc.returncode == 0 and proc.stdout.strip() == "compiled", proc.stderr[-2000:]

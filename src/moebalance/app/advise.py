@@ -44,10 +44,9 @@ from moebalance.core.cluster import Cluster
 from moebalance.core.errors import InputError
 from moebalance.core.load import LoadMatrix, concatenate_loads
 from moebalance.core.plan import Placement
-from moebalance.cost.hardware import VENDORS
 from moebalance.cost.memory import MemoryReport, memory_per_gpu
 from moebalance.engines.registry import ENGINES as REGISTRY
-from moebalance.engines.registry import get_engine
+from moebalance.engines.registry import get_engine, refusal
 from moebalance.engines.slots import pad_plan
 from moebalance.online.rearrange import Replanning
 from moebalance.online.replay import replay
@@ -196,14 +195,9 @@ def candidates(setup: Setup, engine: str, *,
     """The configurations ``engine`` can run on ``setup`` (module docstring), and notes on what was left out.
     ``periods``: the ``(step_interval, window)`` pairs of periodic re-planning (none for statistics)."""
     rule = get_engine(engine).rule
-    why = get_engine(engine).refuses(setup.phase.deployment)
+    why = refusal(engine, setup.phase.deployment)
     if why is not None:
         raise InputError(why)
-    gpu = setup.phase.deployment.gpu
-    if gpu.vendor not in rule.vendors:
-        runs = [e for e, r in REGISTRY.items() if gpu.vendor in r.rule.vendors]
-        raise InputError(f"{engine} runs on {' and '.join(VENDORS[v] for v in rule.vendors)} GPUs only, not on --gpu "
-                         f"{gpu.name} ({VENDORS[gpu.vendor]} {gpu.display_name}); give --engine {'|'.join(runs)}")
     spec, cluster = setup.phase.model, setup.cluster
     E, G, L = spec.num_experts, cluster.num_gpus, setup.num_moe_layers
     base = math.ceil(E / G)

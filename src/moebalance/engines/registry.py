@@ -9,10 +9,12 @@ them without ``.pt`` dumps); SGLang's dumps are ``.pt`` files, a folder of them,
 from __future__ import annotations
 
 from moebalance.core.errors import InputError
+from moebalance.cost.deployment import Deployment
+from moebalance.cost.hardware import VENDORS
 from moebalance.engines import sglang, trtllm, vllm
 from moebalance.engines.base import Engine
 
-__all__ = ["DETECTION", "ENGINES", "get_engine"]
+__all__ = ["DETECTION", "ENGINES", "get_engine", "refusal"]
 
 #: Every engine by its name (``--engine``, ``export --to``, an engine load's ``--format``), in the order listed.
 ENGINES: dict[str, Engine] = {e.name: e for e in (vllm.ENGINE, sglang.ENGINE, trtllm.ENGINE)}
@@ -26,3 +28,15 @@ def get_engine(name: str) -> Engine:
         return ENGINES[name]
     except KeyError:
         raise InputError(f"engine {name!r} is unknown; choose one of: {', '.join(ENGINES)}") from None
+
+
+def refusal(name: str, d: Deployment) -> str | None:
+    """Why engine ``name`` cannot serve the priced deployment ``d``, in one line naming the fix, or ``None``: a GPU
+    of a vendor it does not run on (naming the engines that do), else what the engine itself refuses
+    (:attr:`~moebalance.engines.base.Engine.refuses`)."""
+    engine, gpu = get_engine(name), d.gpu
+    if gpu.vendor not in engine.rule.vendors:
+        runs = [e.name for e in ENGINES.values() if gpu.vendor in e.rule.vendors]
+        return (f"{name} runs on {' and '.join(VENDORS[v] for v in engine.rule.vendors)} GPUs only, not on --gpu "
+                f"{gpu.name} ({VENDORS[gpu.vendor]} {gpu.display_name}); give --engine {'|'.join(runs)}")
+    return engine.refuses(d)
